@@ -1,0 +1,563 @@
+"""The one `Communicator` interface every backend implements, and its naming grid.
+
+Every collective exists in two forms on one grid:
+
+=====================  ==========================================================
+``all_reduce(t, op)``  blocking; returns the result tensor
+``all_reduce_async``   returns a `Work` handle; ``handle.wait()`` returns the result
+=====================  ==========================================================
+
+and each is *in place* or *out of place* by the ``out=`` keyword, following NCCL's definition:
+
+- ``all_reduce`` / ``broadcast`` / ``reduce``: ``out=None`` writes into ``t``; ``out=o`` leaves
+  ``t`` untouched and writes into ``o``.
+- ``all_gather_flat(t, out=None)``: the result is a new ``world * numel`` tensor; passing
+  ``t = out.chunk(world)[rank]`` (the rank's slice of ``out``) is the in-place form.
+- ``reduce_scatter(t, out=None)``: ``t`` holds ``world`` equal chunks; the reduced chunk of this
+  rank goes to a new tensor, or to ``out``; ``out = t.chunk(world)[rank]`` is the in-place form.
+- ``all_gather(t)`` returns a list of ``world`` tensors (or fills ``out=list``).
+
+Backends implement only the ``_*_start`` primitives on *contiguous* tensors of dtypes they
+support; this base class does the argument checks, dtype conversion (a backend without, say,
+bfloat16 reductions gets float32 on the wire and the result is cast back), AVG as SUM then
+divide, aliasing for the in-place forms, and the statistics, once for all backends.
+
+Example:
+    >>> comm = SingleCommunicator()
+    >>> comm.all_reduce(torch.ones(3), op="sum")
+    tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import dataclasses
+import weakref
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "ReduceOp",
+    "Work",
+    "CompletedWork",
+    "Communicator",
+    "CommStats",
+    "SUPPORTED_DTYPES",
+    "CommError",
+]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+
+
+class CommError(RuntimeError):
+    """A collective could not be carried out (peer missing, backend failure, bad setup)."""
+
+
+class ReduceOp(str, enum.Enum):
+    """Reduction of a collective. Accepts the enum or its lower-case name."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, value: ReduceOp | str) -> ReduceOp:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"op={value!r} is not a reduction; choose one of {choices}")
+
+
+@runtime_checkable
+class Work(Protocol):
+    """Handle of an asynchronous collective. ``wait()`` blocks and returns the result.
+
+    A protocol rather than a base class, so a backend's own handle (torch's ``Work``, an MPI
+    request wrapper) serves directly without another layer per call."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class CompletedWork(Work):
+    """A handle whose result is already there (world of one, empty tensors)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _ChainedWork(Work):
+    """Backend handle + a finishing step (cast back, divide for AVG, copy to ``out``).
+
+    The finishing step runs exactly once, on the first ``wait()``.
+    """
+
+    __slots__ = ("_inner", "_finish", "_result", "_done")
+
+    def __init__(self, inner: Work, finish: Callable[[], Any]) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._inner.wait()
+            self._result = self._finish()
+            self._done = True
+            self._finish = _noop  # drop references to the buffers
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+
+def _noop() -> None:
+    return None
+
+
+@dataclasses.dataclass
+class CommStats:
+    """What a communicator has moved: collective calls and payload bytes, by op name.
+
+    ``bytes`` counts the payload of each call as seen by this rank (the tensor's size in the
+    wire dtype), not what the algorithm puts on the links; `wire_bytes` estimates that from
+    the ring algorithm's factors so flat and hierarchical schemes can be compared.
+    """
+
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    wire_bytes: int = 0
+
+    def record(self, op: str, nbytes: int, wire: int) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0) + nbytes
+        self.wire_bytes += wire
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        self.wire_bytes = 0
+
+
+def _ring_send_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends with the ring algorithm (nccl-tests' bus factors times payload)."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    if op in ("broadcast", "reduce"):
+        return nbytes
+    return 0
+
+
+class Communicator(abc.ABC):
+    """A group of ranks that run collectives together. See the module docstring for the grid.
+
+    Attributes:
+        backend: "gloo", "mpi", "nccl" or "single".
+        rank / size: this process's position in, and the size of, the group.
+        ranks: the world ranks of the members, in group-rank order.
+        name: a label shown in programs and errors ("world", "intra[node 0]", "ring 1", ...).
+    """
+
+    backend: str = "abstract"
+    #: dtypes the backend reduces natively; others travel as float32 (or float64 for int64).
+    native_reduce_dtypes: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
+    #: whether the backend has a native AVG reduction.
+    native_avg: bool = False
+
+    def __init__(self, rank: int, size: int, ranks: Sequence[int], name: str) -> None:
+        self.rank = rank
+        self.size = size
+        self.ranks = tuple(ranks)
+        self.name = name
+        self.stats = CommStats()
+        self._closed = False
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
+
+    # ----------------------------------------------------------------- backend primitives
+    # Each starts the operation on contiguous tensors and returns a Work. Buffers given are
+    # already of a dtype the backend handles for that op.
+
+    @abc.abstractmethod
+    def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _reduce_start(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+        """Gather ``chunk`` from every rank into the flat ``out`` (``size * chunk.numel()``).
+
+        ``chunk`` may alias ``out``'s own slice (the in-place form)."""
+
+    @abc.abstractmethod
+    def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
+        """Reduce the flat ``buf`` over ranks and leave chunk ``rank`` in ``out``."""
+
+    @abc.abstractmethod
+    def _barrier_start(self) -> Work: ...
+
+    @abc.abstractmethod
+    def _split(self, color: int | None, key: int) -> Communicator | None:
+        """Collective over this group; members with equal color form a new communicator."""
+
+    def _close(self) -> None:
+        """Release backend resources (override when there are any)."""
+
+    # ----------------------------------------------------------------- checks and helpers
+
+    def _check(self, name: str, tensor: torch.Tensor, what: str = "tensor") -> None:
+        if self._closed:
+            raise CommError(f"{name} on communicator {self.name!r}, which was closed")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            valid = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{name}: {what} has dtype {tensor.dtype}; supported dtypes: {valid}")
+        self._check_device(name, tensor, what)
+
+    def _check_device(self, name: str, tensor: torch.Tensor, what: str) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"{name}: {what} is on {tensor.device}, but the {self.backend!r} backend moves CPU "
+                "tensors; move it with .cpu() or use the 'nccl' backend for CUDA tensors"
+            )
+
+    def _check_root(self, name: str, root: int) -> None:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
+            raise ValueError(f"{name}: root={root!r} is not a rank of this group (0..{self.size - 1})")
+
+    def _wire_dtype(self, dtype: torch.dtype, op: ReduceOp | None) -> torch.dtype:
+        if op is None or dtype in self.native_reduce_dtypes:
+            return dtype
+        return torch.float64 if dtype in (torch.int64, torch.float64) else torch.float32
+
+    def _record(self, op: str, nbytes: int) -> None:
+        self.stats.record(op, nbytes, _ring_send_bytes(op, nbytes, self.size))
+
+    # ----------------------------------------------------------------- public grid
+
+    def all_reduce_async(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+    ) -> Work:
+        """Start an allreduce; the result lands in ``out`` (or ``tensor`` when ``out`` is None)."""
+        red = ReduceOp.parse(op)
+        self._check("all_reduce", tensor)
+        target = tensor if out is None else out
+        if out is not None:
+            self._check_same("all_reduce", tensor, out)
+        wire = self._wire_dtype(tensor.dtype, red)
+        avg_here = red is ReduceOp.AVG and not self.native_avg
+        backend_op = ReduceOp.SUM if avg_here else red
+        if wire != tensor.dtype:
+            buf = tensor.to(wire).contiguous()
+        elif out is None:
+            buf = tensor.contiguous()  # the tensor itself when contiguous, else a copy
+        elif out.is_contiguous():
+            buf = out.copy_(tensor)
+        else:
+            buf = tensor.clone(memory_format=torch.contiguous_format)
+        self._record("all_reduce", buf.numel() * buf.element_size())
+        if self.size == 1 and buf is target:
+            return CompletedWork(target)
+        inner = self._all_reduce_start(buf, backend_op) if self.size > 1 else CompletedWork(buf)
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if avg_here:
+                _divide_(buf, size)
+            if buf is not target:
+                target.copy_(buf)
+            return target
+
+        if not avg_here and buf is target:
+            return _ChainedWork(inner, lambda: target)
+        return _ChainedWork(inner, finish)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks; every rank gets the result. See `all_reduce_async`."""
+        return self.all_reduce_async(tensor, op, out=out).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> Work:
+        """Start copying ``root``'s tensor to every rank (into ``out`` when given)."""
+        self._check("broadcast", tensor)
+        self._check_root("broadcast", root)
+        target = tensor if out is None else out
+        if out is not None:
+            self._check_same("broadcast", tensor, out)
+        if target.is_contiguous():
+            buf = target
+            if out is not None and self.rank == root:
+                out.copy_(tensor)
+        else:
+            buf = target.contiguous() if out is None else tensor.contiguous().clone()
+        self._record("broadcast", buf.numel() * buf.element_size())
+        inner = self._broadcast_start(buf, root) if self.size > 1 else CompletedWork(buf)
+        if buf is target:
+            return _ChainedWork(inner, lambda: target)
+        return _ChainedWork(inner, lambda: target.copy_(buf))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.broadcast_async(tensor, root, out=out).wait()
+
+    def reduce_async(
+        self,
+        tensor: torch.Tensor,
+        root: int = 0,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> Work:
+        """Start a reduction to ``root``. Non-root ranks' ``tensor`` and ``out`` are unchanged."""
+        red = ReduceOp.parse(op)
+        self._check("reduce", tensor)
+        self._check_root("reduce", root)
+        if out is not None:
+            self._check_same("reduce", tensor, out)
+        target = tensor if out is None else out
+        wire = self._wire_dtype(tensor.dtype, red)
+        avg_here = red is ReduceOp.AVG and not self.native_avg
+        # Work on a private buffer: backends may scribble on non-root inputs.
+        buf = tensor.to(wire, memory_format=torch.contiguous_format, copy=True)
+        self._record("reduce", buf.numel() * buf.element_size())
+        inner = (
+            self._reduce_start(buf, root, ReduceOp.SUM if avg_here else red)
+            if self.size > 1
+            else CompletedWork(buf)
+        )
+        is_root = self.rank == root
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if is_root:
+                if avg_here:
+                    _divide_(buf, size)
+                target.copy_(buf)
+            return target
+
+        return _ChainedWork(inner, finish)
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int = 0,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.reduce_async(tensor, root, op, out=out).wait()
+
+    def all_gather_flat_async(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> Work:
+        """Start gathering every rank's ``tensor`` into one flat tensor of ``size * numel``.
+
+        The in-place form passes ``tensor = out.chunk(size)[rank]``: no copy is made."""
+        self._check("all_gather", tensor)
+        n = tensor.numel()
+        if out is None:
+            out = torch.empty(self.size * n, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check("all_gather", out, "out")
+            if out.numel() != self.size * n or out.dtype != tensor.dtype:
+                raise ValueError(
+                    f"all_gather: out has {out.numel()} elements of {out.dtype}; it needs "
+                    f"{self.size} x {n} = {self.size * n} elements of {tensor.dtype}"
+                )
+        flat_out = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        chunk = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._record("all_gather", flat_out.numel() * flat_out.element_size())
+        if self.size == 1:
+            if chunk.data_ptr() != flat_out.data_ptr():
+                flat_out.view(-1).copy_(chunk.view(-1))
+            inner: Work = CompletedWork(None)
+        else:
+            inner = self._all_gather_start(flat_out.view(-1), chunk.view(-1))
+        if flat_out is out:
+            return _ChainedWork(inner, lambda: out)
+        return _ChainedWork(inner, lambda: out.copy_(flat_out))
+
+    def all_gather_flat(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.all_gather_flat_async(tensor, out=out).wait()
+
+    def all_gather_async(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> Work:
+        """Start gathering every rank's ``tensor``; the result is a list of ``size`` tensors."""
+        self._check("all_gather", tensor)
+        if out is not None:
+            if len(out) != self.size:
+                raise ValueError(f"all_gather: out has {len(out)} tensors; it needs {self.size}")
+            for i, o in enumerate(out):
+                self._check_same("all_gather", tensor, o, what=f"out[{i}]")
+        flat_work = self.all_gather_flat_async(tensor)
+        shape = tensor.shape
+        size = self.size
+
+        def finish() -> list[torch.Tensor]:
+            flat = flat_work.wait()
+            parts = [p.view(shape) for p in flat.chunk(size)] if flat.numel() else [
+                flat.new_empty(shape) for _ in range(size)
+            ]
+            if out is None:
+                return parts
+            for o, p in zip(out, parts):
+                o.copy_(p)
+            return out
+
+        return _ChainedWork(CompletedWork(None), finish)
+
+    def all_gather(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return self.all_gather_async(tensor, out=out).wait()
+
+    def reduce_scatter_async(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+    ) -> Work:
+        """Start reducing the flat ``tensor`` (``size`` equal chunks) and keep chunk ``rank``.
+
+        The in-place form passes ``out = tensor.chunk(size)[rank]``."""
+        red = ReduceOp.parse(op)
+        self._check("reduce_scatter", tensor)
+        if tensor.numel() % self.size:
+            raise ValueError(
+                f"reduce_scatter: tensor has {tensor.numel()} elements, not divisible by the "
+                f"group size {self.size}; pad it to a multiple of {self.size}"
+            )
+        n = tensor.numel() // self.size
+        if out is None:
+            out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        else:
+            self._check("reduce_scatter", out, "out")
+            if out.numel() != n or out.dtype != tensor.dtype:
+                raise ValueError(
+                    f"reduce_scatter: out has {out.numel()} elements of {out.dtype}; it needs "
+                    f"{n} elements of {tensor.dtype}"
+                )
+        wire = self._wire_dtype(tensor.dtype, red)
+        avg_here = red is ReduceOp.AVG and not self.native_avg
+        # The input is consumed by the backend (and aliases ``out`` in place): hand it a copy
+        # when the dtype changes, otherwise the tensor itself.
+        buf = tensor.reshape(-1) if wire == tensor.dtype and tensor.is_contiguous() else tensor.reshape(-1).to(wire)
+        res = out if wire == out.dtype and out.is_contiguous() else torch.empty(n, dtype=wire, device=out.device)
+        self._record("reduce_scatter", buf.numel() * buf.element_size())
+        if self.size == 1:
+            if res.data_ptr() != buf.data_ptr():
+                res.view(-1).copy_(buf)
+            inner: Work = CompletedWork(None)
+        else:
+            inner = self._reduce_scatter_start(
+                res.view(-1), buf, ReduceOp.SUM if avg_here else red
+            )
+        size = self.size
+
+        def finish() -> torch.Tensor:
+            if avg_here:
+                _divide_(res, size)
+            if res is not out:
+                out.copy_(res.view(out.shape))
+            return out
+
+        return _ChainedWork(inner, finish)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.reduce_scatter_async(tensor, op, out=out).wait()
+
+    def barrier_async(self) -> Work:
+        if self._closed:
+            raise CommError(f"barrier on communicator {self.name!r}, which was closed")
+        return self._barrier_start() if self.size > 1 else CompletedWork(None)
+
+    def barrier(self) -> None:
+        """All members meet: returns once every rank of the group has called it."""
+        self.barrier_async().wait()
+
+    def split(self, color: int | None, key: int | None = None, *, name: str | None = None) -> Communicator | None:
+        """Collective: ranks passing the same ``color`` form a new communicator.
+
+        ``color=None`` takes no part (returns None), as MPI_UNDEFINED. Ranks are ordered by
+        ``key`` (default: the current rank), then by current rank."""
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"split: color={color!r} must be a non-negative int or None")
+        sub = self._split(color, self.rank if key is None else key)
+        if sub is not None and name is not None:
+            sub.name = name
+        return sub
+
+    def close(self) -> None:
+        """Release the group's resources; later calls raise CommError. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def _check_same(self, name: str, tensor: torch.Tensor, out: torch.Tensor, what: str = "out") -> None:
+        self._check(name, out, what)
+        if out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise ValueError(
+                f"{name}: {what} is {tuple(out.shape)} {out.dtype} but the input is "
+                f"{tuple(tensor.shape)} {tensor.dtype}; they must match"
+            )
+
+
+#: Every open communicator, closed at interpreter exit: a gloo group torn down by the
+#: interpreter after its peers' store is gone aborts the process with a non-zero status.
+_LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for comm in sorted(_LIVE, key=lambda c: -len(c.name)):  # sub-groups before their parents
+        comm.close()
+
+
+def _divide_(buf: torch.Tensor, n: int) -> None:
+    """In-place mean from a sum: true division for floats, floor division for integers."""
+    if buf.is_floating_point():
+        buf.div_(n)
+    else:
+        buf.floor_divide_(n)

@@ -1,0 +1,140 @@
+"""The `gloo` backend: torch's ProcessGroupGloo on CPU tensors, without torch's global state.
+
+Each communicator owns its own ``ProcessGroupGloo`` built on a prefixed store, so fleetlike
+never calls ``torch.distributed.init_process_group``: a user's own torch.distributed code (a DDP
+comparison, say) keeps working beside it. Sockets bind to the rank's own IP, which is what makes
+two "nodes" on 127.0.0.1 and 127.0.0.2 real, and keeps the job off other interfaces.
+
+Every communicator is its own process group with its own worker threads, so buckets spread over
+several communicators (``nccl_comm_num``) really run concurrently on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ProcessGroupGloo,
+    ReduceOptions,
+    ReduceScatterOptions,
+)
+
+from fleetlike.comm.base import Communicator, ReduceOp, Work
+
+__all__ = ["GlooCommunicator"]
+
+_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+}
+
+
+class GlooCommunicator(Communicator):
+    """A gloo process group over ``store``.
+
+    Args:
+        store: a store private to this group (a prefix of the job's store).
+        rank, size: position in and size of the group.
+        ranks: world ranks of the members (for messages and sub-groups).
+        name: label for programs and errors.
+        host: the IP this rank's sockets bind to.
+        timeout: seconds after which a collective that cannot complete raises.
+    """
+
+    backend = "gloo"
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        ranks: Sequence[int],
+        name: str,
+        host: str,
+        timeout: float,
+    ) -> None:
+        super().__init__(rank, size, ranks, name)
+        self._store = store
+        self._host = host
+        self._timeout = timeout
+        self._splits = 0
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout)
+        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        self._pg = ProcessGroupGloo(store, rank, size, opts)
+
+    @property
+    def process_group(self) -> ProcessGroupGloo:
+        """The underlying torch process group (for raw comparisons in benchmarks)."""
+        return self._pg
+
+    def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work:
+        opts = AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        return self._pg.allreduce([buf], opts)
+
+    def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work:
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        return self._pg.broadcast([buf], opts)
+
+    def _reduce_start(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        opts = ReduceOptions()
+        opts.reduceOp = _OPS[op]
+        opts.rootRank = root
+        opts.rootTensor = 0
+        return self._pg.reduce([buf], opts)
+
+    def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+        return self._pg._allgather_base(out, chunk)
+
+    def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
+        opts = ReduceScatterOptions()
+        opts.reduceOp = _OPS[op]
+        return self._pg._reduce_scatter_base(out, buf, opts)
+
+    def _barrier_start(self) -> Work:
+        return self._pg.barrier(BarrierOptions())
+
+    def _split(self, color: int | None, key: int) -> Communicator | None:
+        seq = self._splits
+        self._splits += 1
+        self._store.set(f"split{seq}/{self.rank}", f"{-1 if color is None else color}:{key}")
+        keys = [f"split{seq}/{r}" for r in range(self.size)]
+        self._store.wait(keys, datetime.timedelta(seconds=self._timeout))
+        entries = [tuple(int(x) for x in self._store.get(k).decode().split(":")) for k in keys]
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
+        order = [r for _, r in members]
+        sub_store = dist.PrefixStore(f"split{seq}/c{color}/", self._store)
+        return GlooCommunicator(
+            sub_store,
+            order.index(self.rank),
+            len(order),
+            [self.ranks[r] for r in order],
+            f"{self.name}/split{seq}:{color}",
+            self._host,
+            self._timeout,
+        )
+
+    def _close(self) -> None:
+        # Shut the group down and drop it while the interpreter is alive: torch's destructor
+        # joins gloo's worker threads with the GIL released. Left to interpreter teardown, a
+        # worker thread releasing its last tensor races finalization and aborts the process
+        # ("terminate called without an active exception"), turning a clean exit into SIGABRT.
+        pg, self._pg = self._pg, None  # type: ignore[assignment]
+        try:
+            pg.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+        del pg

@@ -1,0 +1,130 @@
+"""The `mpi` backend: mpi4py non-blocking collectives on zero-copy numpy views of CPU tensors.
+
+For jobs started by ``mpirun`` / ``mpiexec`` (the ``mpich`` wheel provides one without a system
+MPI). Tensors are handed to MPI as numpy views of their own memory, so nothing is copied on the
+way in or out. MPI has no 16-bit float reductions: float16 and bfloat16 are reduced in float32
+by the base class, and moved (broadcast, gather) as raw 16-bit words.
+
+Note: MPICH progresses a non-blocking collective mostly inside MPI calls, so "async" here
+overlaps less than gloo's worker threads do; ``wait()`` is always correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fleetlike.comm.base import Communicator, ReduceOp, Work
+
+__all__ = ["MPICommunicator", "mpi_available"]
+
+
+def mpi_available() -> bool:
+    """True when mpi4py imports (it needs an MPI library: the ``mpich`` wheel or a system one)."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError or a missing shared library
+        return False
+    return True
+
+
+class _Request:
+    """Adapts an MPI request to the `Work` protocol."""
+
+    __slots__ = ("_req", "_keep")
+
+    def __init__(self, req: Any, *keep: Any) -> None:
+        self._req = req
+        self._keep = keep  # buffers MPI writes into must outlive the request
+
+    def wait(self) -> None:
+        self._req.Wait()
+        self._keep = ()
+
+    def is_completed(self) -> bool:
+        return bool(self._req.Test())
+
+
+def _np(buf: torch.Tensor) -> np.ndarray:
+    """A numpy view sharing ``buf``'s memory (16-bit floats as raw int16 words)."""
+    if buf.dtype in (torch.float16, torch.bfloat16):
+        return buf.view(torch.int16).numpy()
+    return buf.numpy()
+
+
+class MPICommunicator(Communicator):
+    """Collectives over an mpi4py communicator (``MPI.COMM_WORLD`` or a split of it)."""
+
+    backend = "mpi"
+    native_reduce_dtypes = frozenset(
+        {torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
+    )
+
+    def __init__(self, comm: Any | None = None, ranks: Sequence[int] | None = None, name: str = "world") -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        rank, size = self._comm.Get_rank(), self._comm.Get_size()
+        super().__init__(rank, size, list(range(size)) if ranks is None else ranks, name)
+        self._ops = {
+            ReduceOp.SUM: MPI.SUM,
+            ReduceOp.MAX: MPI.MAX,
+            ReduceOp.MIN: MPI.MIN,
+            ReduceOp.PROD: MPI.PROD,
+        }
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The underlying mpi4py communicator (for raw comparisons in benchmarks)."""
+        return self._comm
+
+    def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work:
+        return _Request(self._comm.Iallreduce(self._MPI.IN_PLACE, _np(buf), self._ops[op]), buf)
+
+    def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work:
+        return _Request(self._comm.Ibcast(_np(buf), root), buf)
+
+    def _reduce_start(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        if self.rank == root:
+            req = self._comm.Ireduce(self._MPI.IN_PLACE, _np(buf), self._ops[op], root)
+        else:
+            req = self._comm.Ireduce(_np(buf), None, self._ops[op], root)
+        return _Request(req, buf)
+
+    def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+        n = chunk.numel()
+        own = out[self.rank * n : (self.rank + 1) * n]
+        if n and chunk.data_ptr() == own.data_ptr():
+            return _Request(self._comm.Iallgather(self._MPI.IN_PLACE, _np(out)), out)
+        return _Request(self._comm.Iallgather(_np(chunk), _np(out)), out, chunk)
+
+    def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
+        src = buf
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        if out.numel() and lo <= out.data_ptr() < hi:
+            src = buf.clone()  # MPI forbids overlapping send and receive buffers
+        req = self._comm.Ireduce_scatter_block(_np(src), _np(out), self._ops[op])
+        return _Request(req, out, src)
+
+    def _barrier_start(self) -> Work:
+        return _Request(self._comm.Ibarrier())
+
+    def _split(self, color: int | None, key: int) -> Communicator | None:
+        MPI = self._MPI
+        sub = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
+        members = self._comm.allgather((color, key, self.rank))
+        if color is None or sub == MPI.COMM_NULL:
+            return None
+        order = [r for _, r in sorted((k, r) for c, k, r in members if c == color)]
+        return MPICommunicator(sub, [self.ranks[r] for r in order], f"{self.name}/split:{color}")
+
+    def _close(self) -> None:
+        if self._comm is not self._MPI.COMM_WORLD:
+            try:
+                self._comm.Free()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass

@@ -1,0 +1,38 @@
+"""The module launcher: ``python -m fleetlike.launch [flags] train.py [script args]``.
+
+Starts one worker per selected GPU (or ``--nproc_per_node`` on CPU) on this node, gives each the
+environment of `worker_env`, logs worker i to ``log_dir/workerlog.i`` (local rank 0 also to the
+console), and stops the whole job when one worker fails. See ``docs/launching.md``.
+
+Example (in-process, returns the exit code)::
+
+    from fleetlike.launch import main
+    code = main(["--nproc_per_node=2", "train.py", "--lr", "0.1"])
+"""
+
+from fleetlike.launch.config import (
+    DEFAULT_STARTED_PORT,
+    LaunchConfig,
+    LaunchInputError,
+    build_parser,
+    default_job_id,
+    format_config,
+    parse_config,
+)
+from fleetlike.launch.env import PROXY_VARIABLES, worker_env
+from fleetlike.launch.main import launch, main, worker_command
+
+__all__ = [
+    "DEFAULT_STARTED_PORT",
+    "LaunchConfig",
+    "LaunchInputError",
+    "PROXY_VARIABLES",
+    "build_parser",
+    "default_job_id",
+    "format_config",
+    "launch",
+    "main",
+    "parse_config",
+    "worker_command",
+    "worker_env",
+]

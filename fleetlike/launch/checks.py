@@ -1,0 +1,93 @@
+"""Checks against this machine, run before any worker starts.
+
+A job that dies seconds in because port 6171 was taken, or because GPU 3 does not exist, wastes
+every other node's start-up too; these checks turn such problems into one clear message and exit
+code 2 instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from fleetlike.launch.config import LaunchConfig, LaunchInputError
+
+__all__ = ["cuda_device_count", "check_machine", "check_ports"]
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can see (0 when torch has no CUDA).
+
+    torch takes seconds to import, so a machine with no GPU driver device node at all (NVIDIA
+    ``/dev/nvidiactl``, ROCm ``/dev/kfd``, WSL ``/dev/dxg``) answers 0 without importing it.
+    """
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # a broken driver counts as no GPU; the worker will say more
+        return 0
+
+
+def check_ports(node_ip: str, ports: range) -> None:
+    """Bind each port on ``node_ip`` once, to prove it is free and that node_ip is local."""
+    for local, port in enumerate(ports):
+        try:
+            infos = socket.getaddrinfo(node_ip, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise LaunchInputError(f"--node_ip={node_ip} cannot be resolved ({exc})") from None
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # servers set SO_REUSEADDR, so a port lingering in TIME_WAIT is usable: ignore it too
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise LaunchInputError(
+                        f"port {port} on {node_ip} (for local rank {local}) is already in use; "
+                        "free it or choose another --started_port"
+                    ) from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise LaunchInputError(
+                        f"--node_ip={node_ip} is not an address of this machine (cannot bind "
+                        f"{node_ip}:{port}); run each node's launcher with its own IP"
+                    ) from None
+                raise LaunchInputError(
+                    f"cannot bind {node_ip}:{port} (for local rank {local}): {exc.strerror}; "
+                    "choose another --started_port"
+                ) from None
+
+
+def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> None:
+    """Script present, GPUs visible, ports free on node_ip, log directory writable."""
+    if not config.module and not os.path.isfile(config.training_script):
+        where = os.path.abspath(config.training_script)
+        raise LaunchInputError(
+            f"training script {config.training_script!r} does not exist (looked for {where}); "
+            "use -m to run a module"
+        )
+    if config.selected_gpus:
+        count = cuda_device_count() if visible_gpus is None else visible_gpus
+        missing = [g for g in config.selected_gpus if g >= count]
+        if missing:
+            gpus = ",".join(map(str, config.selected_gpus))
+            raise LaunchInputError(
+                f"--selected_gpus={gpus} but torch.cuda sees {count} CUDA device(s), so GPU "
+                f"{missing[0]} does not exist; choose ids below {count}, or drop "
+                "--selected_gpus and use --nproc_per_node to run on CPU"
+            )
+    check_ports(config.node_ip, range(config.started_port, config.started_port + config.nproc_per_node))
+    try:
+        os.makedirs(config.log_dir, exist_ok=True)
+    except OSError as exc:
+        raise LaunchInputError(
+            f"--log_dir={config.log_dir} cannot be created ({exc.strerror}); choose a writable directory"
+        ) from None
+    if not os.access(config.log_dir, os.W_OK):
+        raise LaunchInputError(f"--log_dir={config.log_dir} is not writable; choose another directory")

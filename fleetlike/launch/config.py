@@ -1,0 +1,308 @@
+"""Command line -> frozen `LaunchConfig`: every flag parsed, defaulted and checked for consistency.
+
+Only the checks that need nothing but the flags live here (node_ip in the list, port ranges,
+process counts); the ones that look at the machine (free ports, the script, visible GPUs) are in
+`fleetlike.launch.checks`. Both raise `LaunchInputError`, which the launcher turns into exit
+code 2 before starting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import uuid
+from collections.abc import Callable, Sequence
+
+from fleetlike.roles._env import parse_gpu_list
+from fleetlike.roles.role import _is_host
+
+__all__ = [
+    "DEFAULT_STARTED_PORT",
+    "LaunchConfig",
+    "LaunchInputError",
+    "build_parser",
+    "parse_config",
+    "default_job_id",
+    "format_config",
+]
+
+DEFAULT_STARTED_PORT = 6170
+
+_EXAMPLES = """\
+examples:
+  one machine, CPU, 2 processes:
+    python -m fleetlike.launch --nproc_per_node=2 train.py --lr 0.1
+
+  one machine, 4 GPUs (one process per GPU):
+    python -m fleetlike.launch --selected_gpus=0,1,2,3 train.py
+
+  two machines, 4 GPUs each; run on 192.168.1.2:
+    python -m fleetlike.launch \\
+        --cluster_node_ips=192.168.1.2,192.168.1.3 \\
+        --node_ip=192.168.1.2 \\
+        --started_port=6170 \\
+        --selected_gpus=0,1,2,3 \\
+        train_with_fleet.py --model=ResNet50 --data_dir=./ImageNet
+  and the same with --node_ip=192.168.1.3 on 192.168.1.3.
+
+Ranks are numbered node by node in --cluster_node_ips order; local process i listens at
+node_ip:(started_port + i). Worker i logs to LOG_DIR/workerlog.i; local rank 0 is also echoed here.
+"""
+
+
+class LaunchInputError(ValueError):
+    """A bad flag or machine state found before any worker starts (exit code 2)."""
+
+
+class _HelpExit(Exception):
+    """argparse asked to exit (``--help``); carries the status instead of calling sys.exit."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of exiting, so `main` can be called in-process."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "required: training_script" in message:
+            message = (
+                "no training script given; usage: python -m fleetlike.launch [flags] train.py "
+                "[script args] (see --help)"
+            )
+        raise LaunchInputError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message:
+            self._print_message(message)
+        raise _HelpExit(status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's flags, with Paddle 2.x spellings as aliases."""
+    p = _Parser(
+        prog="python -m fleetlike.launch",
+        description="Start one fleetlike worker process per GPU (or --nproc_per_node on CPU) on "
+        "this node, watch them, and stop the whole job when one fails.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--cluster_node_ips", "--ips", default="127.0.0.1",
+                   help="comma-separated IPs of all nodes, in rank order (default: 127.0.0.1)")
+    p.add_argument("--node_ip", default=None,
+                   help="this node's IP, one of --cluster_node_ips (default: the only one, "
+                   "else 127.0.0.1)")
+    p.add_argument("--started_port", "--start_port", default=str(DEFAULT_STARTED_PORT),
+                   help="port of local process 0; process i uses started_port+i (default: 6170)")
+    p.add_argument("--selected_gpus", "--gpus", default=None,
+                   help="comma-separated GPU ids, one process each (default: all visible GPUs; "
+                   "with --nproc_per_node=N, GPUs 0..N-1 if at least N are visible, else CPU)")
+    p.add_argument("--nproc_per_node", default=None,
+                   help="processes on this node (default: one per selected GPU, else 1)")
+    p.add_argument("--log_dir", default="log", help="directory of workerlog.N files (default: log)")
+    p.add_argument("--job_id", default=None,
+                   help="job identifier given to workers as FLEETLIKE_JOB_ID (default: random on "
+                   "one node; on several nodes a digest of the node IPs, port and process count, "
+                   "so every node's launcher derives the same value)")
+    p.add_argument("--kill_grace", default="3",
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default: 3)")
+    p.add_argument("--print_config", action="store_true",
+                   help="print the resolved configuration before starting")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run training_script as a module (python -m) instead of a file")
+    p.add_argument("training_script", help="the training script (or module with -m)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="arguments passed to the training script")
+    return p
+
+
+def default_job_id(cluster_node_ips: Sequence[str], started_port: int, nproc_per_node: int) -> str:
+    """Random for one node; for several, a digest that every node's launcher computes alike.
+
+    Launchers on different machines cannot agree on a random value without talking to each
+    other, so a multi-node job is named by what the launchers already share: their flags.
+    """
+    if len(cluster_node_ips) <= 1:
+        return uuid.uuid4().hex[:12]
+    text = f"{','.join(cluster_node_ips)}|{started_port}|{nproc_per_node}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the launcher needs, resolved. Endpoints and ranks are derived, not stored."""
+
+    training_script: str
+    training_script_args: tuple[str, ...] = ()
+    cluster_node_ips: tuple[str, ...] = ("127.0.0.1",)
+    node_ip: str = "127.0.0.1"
+    started_port: int = DEFAULT_STARTED_PORT
+    nproc_per_node: int = 1
+    selected_gpus: tuple[int, ...] = ()
+    log_dir: str = "log"
+    job_id: str = "default"
+    module: bool = False
+    kill_grace: float = 3.0
+    print_config: bool = False
+
+    def __post_init__(self) -> None:
+        ips = ",".join(self.cluster_node_ips)
+        if not self.cluster_node_ips:
+            raise LaunchInputError("--cluster_node_ips is empty; give at least this node's IP")
+        for ip in self.cluster_node_ips:
+            if not _is_host(ip):
+                raise LaunchInputError(
+                    f"--cluster_node_ips={ips}: {ip!r} is neither an IP address nor a host name"
+                )
+        for i, ip in enumerate(self.cluster_node_ips):
+            if ip in self.cluster_node_ips[:i]:
+                raise LaunchInputError(
+                    f"--cluster_node_ips={ips} lists {ip} twice; each node must appear once"
+                )
+        if self.node_ip not in self.cluster_node_ips:
+            raise LaunchInputError(
+                f"--node_ip={self.node_ip} is not in --cluster_node_ips={ips}; give this "
+                "machine's address from that list"
+            )
+        if self.nproc_per_node < 1:
+            raise LaunchInputError(f"--nproc_per_node={self.nproc_per_node} must be >= 1")
+        if self.selected_gpus and len(self.selected_gpus) != self.nproc_per_node:
+            gpus = ",".join(map(str, self.selected_gpus))
+            raise LaunchInputError(
+                f"--nproc_per_node={self.nproc_per_node} does not match --selected_gpus={gpus} "
+                f"({len(self.selected_gpus)} GPUs, one process each); drop --nproc_per_node or "
+                "make them agree"
+            )
+        if not 1 <= self.started_port <= 65535:
+            raise LaunchInputError(f"--started_port={self.started_port} is outside 1..65535")
+        last = self.started_port + self.nproc_per_node - 1
+        if last > 65535:
+            raise LaunchInputError(
+                f"--started_port={self.started_port} with {self.nproc_per_node} processes per "
+                f"node needs ports up to {last}, above 65535; choose a lower --started_port"
+            )
+        if self.kill_grace < 0:
+            raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
+        if not self.job_id:
+            raise LaunchInputError("--job_id is empty; give a non-empty name or leave it out")
+
+    @property
+    def node_index(self) -> int:
+        return self.cluster_node_ips.index(self.node_ip)
+
+    @property
+    def node_num(self) -> int:
+        return len(self.cluster_node_ips)
+
+    @property
+    def world_size(self) -> int:
+        return self.node_num * self.nproc_per_node
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Every rank's ``ip:port``, node by node in ``cluster_node_ips`` order."""
+        return tuple(
+            f"{ip}:{self.started_port + i}"
+            for ip in self.cluster_node_ips
+            for i in range(self.nproc_per_node)
+        )
+
+    @property
+    def master_endpoint(self) -> str:
+        """Rank 0's endpoint, where the fleetlike rendezvous store is hosted."""
+        return self.endpoints[0]
+
+    def rank(self, local_rank: int) -> int:
+        return self.node_index * self.nproc_per_node + local_rank
+
+    def log_path(self, local_rank: int) -> str:
+        return f"{self.log_dir.rstrip('/') or '/'}/workerlog.{local_rank}"
+
+
+def _int_flag(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchInputError(f"{name}={text!r} is not an integer") from None
+
+
+def parse_config(
+    argv: Sequence[str], *, device_count: Callable[[], int] | None = None
+) -> LaunchConfig:
+    """Parse the command line into a `LaunchConfig` (raises `LaunchInputError`).
+
+    ``device_count`` reports visible CUDA devices; it is asked only without ``--selected_gpus``.
+    Then all visible GPUs are used, or with ``--nproc_per_node=N`` GPUs 0..N-1 when at least N
+    are visible, else CPU.
+    """
+    args = build_parser().parse_args(list(argv))
+    ips = tuple(ip.strip() for ip in args.cluster_node_ips.split(",") if ip.strip())
+    node_ip = args.node_ip.strip() if args.node_ip else (ips[0] if len(ips) == 1 else "127.0.0.1")
+    port = _int_flag("--started_port", args.started_port)
+    nproc = None if args.nproc_per_node is None else _int_flag("--nproc_per_node", args.nproc_per_node)
+    if args.selected_gpus is not None:
+        try:
+            gpus = parse_gpu_list(args.selected_gpus, name="--selected_gpus")
+        except ValueError as exc:
+            raise LaunchInputError(str(exc)) from None
+        if not gpus:
+            raise LaunchInputError(
+                f"--selected_gpus={args.selected_gpus!r} names no GPU; drop it to run on CPU"
+            )
+    elif device_count is not None:
+        visible = device_count()
+        # all GPUs by default; with --nproc_per_node, GPUs only when there are enough
+        if nproc is None:
+            gpus = tuple(range(visible))
+        else:
+            gpus = tuple(range(nproc)) if 0 < nproc <= visible else ()
+    else:
+        gpus = ()
+    if nproc is None:
+        nproc = len(gpus) or 1
+    try:
+        grace = float(args.kill_grace)
+    except ValueError:
+        raise LaunchInputError(f"--kill_grace={args.kill_grace!r} is not a number") from None
+    job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc)
+    return LaunchConfig(
+        training_script=args.training_script,
+        training_script_args=tuple(args.training_script_args),
+        cluster_node_ips=ips,
+        node_ip=node_ip,
+        started_port=port,
+        nproc_per_node=nproc,
+        selected_gpus=gpus,
+        log_dir=args.log_dir,
+        job_id=job_id,
+        module=args.module,
+        kill_grace=grace,
+        print_config=args.print_config,
+    )
+
+
+def format_config(config: LaunchConfig) -> str:
+    """The resolved configuration as a two-column table (``--print_config``)."""
+    script = ("-m " if config.module else "") + config.training_script
+    rows = [
+        ("training_script", " ".join([script, *config.training_script_args])),
+        ("cluster_node_ips", ",".join(config.cluster_node_ips)),
+        ("node_ip", config.node_ip),
+        ("node_index", f"{config.node_index} of {config.node_num}"),
+        ("started_port", str(config.started_port)),
+        ("nproc_per_node", str(config.nproc_per_node)),
+        ("device", "gpu " + ",".join(map(str, config.selected_gpus)) if config.selected_gpus else "cpu"),
+        ("world_size", str(config.world_size)),
+        ("ranks on this node", f"{config.rank(0)}..{config.rank(config.nproc_per_node - 1)}"),
+        ("master_endpoint", config.master_endpoint),
+        ("log_dir", config.log_dir),
+        ("job_id", config.job_id),
+        ("kill_grace", f"{config.kill_grace:g} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["fleetlike.launch configuration", "-" * (width + 24)]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)

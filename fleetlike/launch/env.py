@@ -1,0 +1,85 @@
+"""The environment each worker starts with: the one place the launcher's contract is written.
+
+Workers get both the Paddle names (read by `PaddleCloudRoleMaker`) and torchrun's (so plain
+``torch.distributed.init_process_group("gloo", init_method="env://")`` code also works); both
+describe the same job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from fleetlike.launch.config import LaunchConfig
+from fleetlike.roles.role import parse_endpoint
+
+__all__ = ["PROXY_VARIABLES", "worker_env"]
+
+#: Removed from workers: a proxy would swallow the workers' connections to each other.
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def worker_env(
+    config: LaunchConfig, local_rank: int, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of local worker ``local_rank``: ``base`` (default ``os.environ``) plus:
+
+    ====================  =============================================================
+    PADDLE_TRAINER_ID     global rank (node_index * nproc_per_node + local_rank)
+    PADDLE_TRAINERS_NUM   world size (nodes * nproc_per_node)
+    PADDLE_TRAINER_ENDPOINTS  every rank's ip:port, comma separated, in rank order
+    PADDLE_CURRENT_ENDPOINT   this worker's node_ip:(started_port + local_rank)
+    PADDLE_NODE_NUM       number of nodes
+    FLAGS_selected_gpus   this worker's GPU id ("" on CPU)
+    RANK                  = PADDLE_TRAINER_ID (torchrun name)
+    WORLD_SIZE            = PADDLE_TRAINERS_NUM
+    LOCAL_RANK            position on this node
+    LOCAL_WORLD_SIZE      nproc_per_node
+    GROUP_RANK            node index (torchrun name)
+    MASTER_ADDR           rank 0's IP: the fleetlike rendezvous store is hosted there
+    MASTER_PORT           rank 0's port (started_port)
+    FLEETLIKE_JOB_ID      the job id (--job_id, see `default_job_id`)
+    FLEETLIKE_NODE_IP     this node's IP (--node_ip)
+    CUDA_VISIBLE_DEVICES  GPU runs only: the launcher's own visible devices, unchanged in
+                          order, so FLAGS_selected_gpus indexes the same devices it validated
+    ====================  =============================================================
+
+    and without ``http_proxy``/``https_proxy``/``all_proxy`` in either case (`PROXY_VARIABLES`).
+    """
+    if not 0 <= local_rank < config.nproc_per_node:
+        raise ValueError(
+            f"local_rank={local_rank} is out of range 0..{config.nproc_per_node - 1} "
+            f"(nproc_per_node={config.nproc_per_node})"
+        )
+    env = dict(os.environ if base is None else base)
+    for name in PROXY_VARIABLES:
+        env.pop(name, None)
+    rank = config.rank(local_rank)
+    endpoints = config.endpoints
+    master_host, master_port = parse_endpoint(config.master_endpoint, name="master endpoint")
+    gpu = str(config.selected_gpus[local_rank]) if config.selected_gpus else ""
+    env.update(
+        {
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": str(config.world_size),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+            "PADDLE_NODE_NUM": str(config.node_num),
+            "FLAGS_selected_gpus": gpu,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(config.world_size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+            "GROUP_RANK": str(config.node_index),
+            "MASTER_ADDR": master_host,
+            "MASTER_PORT": str(master_port),
+            "FLEETLIKE_JOB_ID": config.job_id,
+            "FLEETLIKE_NODE_IP": config.node_ip,
+        }
+    )
+    if config.selected_gpus:
+        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if not visible:
+            visible = ",".join(str(i) for i in range(max(config.selected_gpus) + 1))
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return env

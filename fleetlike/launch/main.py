@@ -1,0 +1,163 @@
+"""``python -m fleetlike.launch``: parse, check, start, watch, stop.
+
+Shaped like torchrun's agent, reduced to one node's worth of work: each node runs its own
+launcher, which owns only its local workers. The first local worker to fail (non-zero exit or a
+signal) ends the local job: the others are stopped with their children, one summary line names
+the rank, how it ended and its log, and the launcher returns non-zero. Workers on other nodes
+then lose their peers and fail, which ends their launchers the same way.
+
+Exit codes: 0 all workers succeeded; 2 bad input (nothing was started); the failed worker's exit
+code, or 128 + signal number when it was killed; 128 + signal number when the launcher itself
+was stopped by SIGINT/SIGTERM; 1 when a worker could not be started.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+from fleetlike.launch.checks import check_machine, cuda_device_count
+from fleetlike.launch.config import (
+    LaunchConfig,
+    LaunchInputError,
+    _HelpExit,
+    format_config,
+    parse_config,
+)
+from fleetlike.launch.env import worker_env
+from fleetlike.launch.workers import Worker, close_logs, describe_exit, start_worker, stop_workers
+
+__all__ = ["main", "launch", "worker_command"]
+
+_POLL_SECONDS = 0.1
+_PREFIX = "fleetlike.launch:"
+
+
+def worker_command(config: LaunchConfig) -> list[str]:
+    """``python -u script args...`` (or ``python -u -m module args...``) with this interpreter."""
+    head = [sys.executable, "-u"] + (["-m"] if config.module else [])
+    return head + [config.training_script, *config.training_script_args]
+
+
+class _StopRequest:
+    """Records SIGINT/SIGTERM sent to the launcher so the watch loop can end the job."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.event = threading.Event()
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.event.set()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+def _first_failure(workers: Sequence[Worker]) -> tuple[Worker | None, bool]:
+    """(the first worker found failed, whether every worker has exited)."""
+    all_done = True
+    for worker in workers:
+        code = worker.process.poll()
+        if code is None:
+            all_done = False
+        elif code != 0:
+            return worker, False
+    return None, all_done
+
+
+def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
+    """Run the job described by ``config`` on this node and return the launcher's exit code."""
+    check_machine(config, visible_gpus=visible_gpus)
+    if config.print_config:
+        print(format_config(config), flush=True)
+    stop = _StopRequest()
+    stop.install()
+    workers: list[Worker] = []
+    try:
+        command = worker_command(config)
+        for local in range(config.nproc_per_node):
+            try:
+                workers.append(
+                    start_worker(
+                        command,
+                        worker_env(config, local),
+                        local_rank=local,
+                        rank=config.rank(local),
+                        log_path=config.log_path(local),
+                        echo=local == 0,
+                    )
+                )
+            except OSError as exc:
+                print(f"{_PREFIX} cannot start rank {config.rank(local)}: {exc}", file=sys.stderr)
+                stop_workers(workers, grace=config.kill_grace)
+                return 1
+        while True:
+            if stop.signum is not None:
+                return _stopped_by_signal(workers, config, stop.signum)
+            failed, all_done = _first_failure(workers)
+            if failed is not None:
+                stop_workers(workers, grace=config.kill_grace)
+                code = failed.process.returncode
+                print(
+                    f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
+                    f"{describe_exit(code)}; log: {failed.log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return code if code > 0 else 128 - code
+            if all_done:
+                # children the workers left behind do not outlive the job
+                stop_workers(workers, grace=config.kill_grace)
+                return 0
+            stop.event.wait(_POLL_SECONDS)
+    finally:
+        # still under our handlers, so a second Ctrl-C cannot interrupt the clean-up
+        if any(w.process.poll() is None for w in workers):
+            stop_workers(workers, grace=config.kill_grace)
+        close_logs(workers)
+        stop.restore()
+
+
+def _stopped_by_signal(workers: list[Worker], config: LaunchConfig, signum: int) -> int:
+    name = signal.Signals(signum).name
+    stop_workers(workers, grace=config.kill_grace, first_signal=signum)
+    print(
+        f"{_PREFIX} received {name}; stopped all {len(workers)} local workers",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + signum
+
+
+def main(
+    argv: Sequence[str] | None = None, *, device_count: Callable[[], int] | None = None
+) -> int:
+    """Entry point of ``python -m fleetlike.launch``; returns the exit code (never exits).
+
+    ``device_count`` (default: torch.cuda.device_count) is injectable for tests.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    count = device_count or cuda_device_count
+    try:
+        config = parse_config(args, device_count=count)
+        return launch(config, visible_gpus=count() if config.selected_gpus else None)
+    except _HelpExit as done:
+        return done.status
+    except LaunchInputError as exc:
+        print(f"{_PREFIX} error: {exc}", file=sys.stderr, flush=True)
+        return 2

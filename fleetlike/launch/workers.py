@@ -1,0 +1,159 @@
+"""Starting and stopping worker processes, each in its own process group.
+
+A training script often has children of its own (DataLoader workers, a tokenizer pool). Starting
+each worker as the leader of a new session lets the launcher signal the whole group at once, so
+stopping a job leaves nothing behind: SIGTERM first, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, TextIO
+
+__all__ = ["Worker", "start_worker", "stop_workers", "describe_exit"]
+
+
+@dataclasses.dataclass
+class Worker:
+    """One running worker: its process, log file and (for the echoed worker) its tee thread."""
+
+    local_rank: int
+    rank: int
+    log_path: str
+    process: subprocess.Popen[bytes]
+    log_file: IO[bytes]
+    tee: threading.Thread | None = None
+
+    def group_alive(self) -> bool:
+        """True while any process of this worker's group exists (zombies count as gone)."""
+        try:
+            os.killpg(self.process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return self.process.poll() is None or _group_has_live_member(self.process.pid)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """Scan /proc for a non-zombie process in group ``pgid`` (Linux; elsewhere assume yes)."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[0] != "Z" and fields[2] == str(pgid):
+            return True
+    return False
+
+
+def _tee(source: IO[bytes], log_file: IO[bytes], console: TextIO, prefix: str) -> None:
+    """Copy the worker's output to its log file and, prefixed, to the launcher's console."""
+    for line in iter(source.readline, b""):
+        log_file.write(line)
+        log_file.flush()
+        try:
+            console.write(prefix + line.decode(errors="replace"))
+            console.flush()
+        except (OSError, ValueError):  # console closed: keep logging to the file
+            pass
+    source.close()
+
+
+def start_worker(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    local_rank: int,
+    rank: int,
+    log_path: str,
+    echo: bool,
+) -> Worker:
+    """Start one worker in a new session; ``echo`` also copies its output to ``sys.stdout``."""
+    log_file = open(log_path, "wb")
+    try:
+        process = subprocess.Popen(
+            list(command),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if echo else log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except BaseException:
+        log_file.close()
+        raise
+    worker = Worker(local_rank, rank, log_path, process, log_file)
+    if echo and process.stdout is not None:
+        worker.tee = threading.Thread(
+            target=_tee,
+            args=(process.stdout, log_file, sys.stdout, f"[rank {rank}] "),
+            name=f"fleetlike-tee-{rank}",
+            daemon=True,
+        )
+        worker.tee.start()
+    return worker
+
+
+def _signal_group(worker: Worker, sig: int) -> None:
+    try:
+        os.killpg(worker.process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int = signal.SIGTERM) -> None:
+    """Stop every worker's whole process group: ``first_signal``, then SIGKILL after ``grace``.
+
+    Groups of workers that already exited are signalled too, because their children may live on.
+    Returns once every leader is reaped and every group is gone (or after SIGKILL had its say).
+    """
+    for worker in workers:
+        _signal_group(worker, first_signal)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(w.group_alive() for w in workers):
+        time.sleep(0.05)
+    for worker in workers:
+        if worker.group_alive():
+            _signal_group(worker, signal.SIGKILL)
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): report, do not hang
+            print(
+                f"fleetlike.launch: rank {worker.rank} (pid {worker.process.pid}) did not exit "
+                "after SIGKILL",
+                file=sys.stderr,
+            )
+    close_logs(workers)
+
+
+def close_logs(workers: Sequence[Worker]) -> None:
+    """Finish the tee threads and close the log files (idempotent)."""
+    for worker in workers:
+        if worker.tee is not None:
+            worker.tee.join(timeout=2)
+        if not worker.log_file.closed and (worker.tee is None or not worker.tee.is_alive()):
+            worker.log_file.close()
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by signal SIGKILL``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"

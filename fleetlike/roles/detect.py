@@ -1,0 +1,222 @@
+"""Auto-detection: which launcher started this process, and the `Role` it implies.
+
+Order (the first match wins, because a launcher nested inside another overrides it):
+
+1. fleetlike / Paddle: any ``PADDLE_TRAINER_*`` / ``PADDLE_CURRENT_ENDPOINT`` variable;
+2. torchrun: ``RANK`` and ``WORLD_SIZE``;
+3. Open MPI: ``OMPI_COMM_WORLD_RANK`` and ``OMPI_COMM_WORLD_SIZE``;
+4. MPICH / Hydra (also Intel MPI): ``PMI_RANK`` and ``PMI_SIZE``;
+5. Slurm ``srun``: ``SLURM_PROCID`` and ``SLURM_NTASKS``;
+6. otherwise a single process, rank 0 of 1.
+
+torchrun, Open MPI and MPICH do not tell a process the addresses of the other nodes, so their
+endpoints are synthesized on a block layout (``node_index = rank // local_size``, the default of
+all three): the port of local rank i is ``base + i`` where base is ``FLEETLIKE_MASTER_PORT``, else
+``MASTER_PORT`` (plus 1 under torchrun, whose own store already listens on ``MASTER_PORT``), else
+6170. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
+127.0.0.1); several nodes without it get stand-in names ``node0``, ``node1``, ... that only tell
+the nodes apart, and the rendezvous then runs at ``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR``,
+which must be set. `MPIRoleMaker` gathers the real host names over MPI instead.
+
+Example:
+    >>> detect_role({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    ...              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).endpoints
+    ('127.0.0.1:29501', '127.0.0.1:29502')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fleetlike.roles import _env
+from fleetlike.roles.base import RoleMaker
+from fleetlike.roles.paddle import is_paddle, paddle_role, single_role
+from fleetlike.roles.role import Role
+from fleetlike.roles.slurm import is_slurm, slurm_role
+
+__all__ = [
+    "EnvRoleMaker",
+    "detect_role",
+    "detect_source",
+    "torchrun_role",
+    "openmpi_role",
+    "mpich_role",
+    "uniform_role",
+    "is_torchrun",
+    "is_openmpi",
+    "is_mpich",
+]
+
+
+def uniform_role(
+    environ: _env.Environ,
+    *,
+    rank: int,
+    world: int,
+    local_rank: int,
+    local_size: int,
+    source: str,
+    names: tuple[str, str, str, str],
+    node_index: int | None = None,
+    port_offset: int = 0,
+) -> Role:
+    """A role on a block layout with ``local_size`` ranks on every node.
+
+    ``names`` are the variables that held (rank, world, local_rank, local_size), for messages.
+    """
+    rank_var, world_var, local_var, size_var = names
+    if not 0 <= rank < world:
+        raise ValueError(f"{rank_var}={rank} is out of range 0..{world - 1} ({world_var}={world})")
+    if not 1 <= local_size <= world:
+        raise ValueError(f"{size_var}={local_size} must be in 1..{world_var}={world}")
+    if not 0 <= local_rank < local_size:
+        raise ValueError(
+            f"{local_var}={local_rank} is out of range 0..{local_size - 1} ({size_var}={local_size})"
+        )
+    if world % local_size:
+        raise ValueError(
+            f"{world_var}={world} is not a multiple of {size_var}={local_size}: nodes with "
+            "different process counts cannot be laid out from the environment alone "
+            "(use the same count on every node, or MPIRoleMaker with mpi4py)"
+        )
+    node_num = world // local_size
+    expected_node, expected_local = divmod(rank, local_size)
+    if node_index is not None and node_index != expected_node:
+        raise ValueError(
+            f"node rank {node_index} does not hold {rank_var}={rank} in a block layout of "
+            f"{local_size} per node (expected node {expected_node})"
+        )
+    if local_rank != expected_local:
+        raise ValueError(
+            f"{local_var}={local_rank} but {rank_var}={rank} with {local_size} per node is local "
+            f"rank {expected_local}; ranks must be laid out node by node"
+        )
+    hosts, real = _env.node_hosts(environ, node_num, source=source)
+    addr = _env.master_addr(environ)
+    if not real and addr is None:
+        raise ValueError(
+            f"the {source} job spans {node_num} nodes but no rendezvous address is known: set "
+            "FLEETLIKE_MASTER_ADDR (or MASTER_ADDR) to the first node's IP, or FLEETLIKE_NODE_IPS "
+            "to every node's IP in node order"
+        )
+    port = _env.base_port(environ, offset=port_offset)
+    endpoints = _env.block_endpoints(hosts, [local_size] * node_num, port)
+    return Role.from_endpoints(
+        rank,
+        endpoints,
+        selected_gpus=_env.selected_gpus(environ),
+        job_id=_env.job_id(environ),
+        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
+        source=source,
+    )
+
+
+def torchrun_role(environ: _env.Environ) -> Role:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` from torchrun."""
+    world = _env.require_int(environ, "WORLD_SIZE", minimum=1)
+    rank = _env.require_int(environ, "RANK", minimum=0)
+    local_rank = _env.get_int(environ, "LOCAL_RANK", minimum=0)
+    local_size = _env.get_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
+    if local_size is None:
+        local_size = world
+    if local_rank is None:
+        local_rank = rank % local_size
+    return uniform_role(
+        environ,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        local_size=local_size,
+        node_index=_env.get_int(environ, "GROUP_RANK", minimum=0),
+        source="torchrun",
+        names=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        port_offset=1,
+    )
+
+
+def openmpi_role(environ: _env.Environ) -> Role:
+    """``OMPI_COMM_WORLD_*`` from Open MPI's ``mpirun``."""
+    world = _env.require_int(environ, "OMPI_COMM_WORLD_SIZE", minimum=1)
+    rank = _env.require_int(environ, "OMPI_COMM_WORLD_RANK", minimum=0)
+    local_size = _env.get_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1) or world
+    local_rank = _env.get_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", minimum=0)
+    return uniform_role(
+        environ,
+        rank=rank,
+        world=world,
+        local_rank=rank % local_size if local_rank is None else local_rank,
+        local_size=local_size,
+        source="openmpi",
+        names=(
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+    )
+
+
+def mpich_role(environ: _env.Environ) -> Role:
+    """``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``/``MPI_LOCALNRANKS`` from MPICH's Hydra."""
+    world = _env.require_int(environ, "PMI_SIZE", minimum=1)
+    rank = _env.require_int(environ, "PMI_RANK", minimum=0)
+    local_size = _env.get_int(environ, "MPI_LOCALNRANKS", minimum=1) or world
+    local_rank = _env.get_int(environ, "MPI_LOCALRANKID", minimum=0)
+    return uniform_role(
+        environ,
+        rank=rank,
+        world=world,
+        local_rank=rank % local_size if local_rank is None else local_rank,
+        local_size=local_size,
+        source="mpich",
+        names=("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    )
+
+
+def is_torchrun(environ: _env.Environ) -> bool:
+    return _env.get(environ, "RANK") is not None and _env.get(environ, "WORLD_SIZE") is not None
+
+
+def is_openmpi(environ: _env.Environ) -> bool:
+    return _env.get(environ, "OMPI_COMM_WORLD_SIZE") is not None
+
+
+def is_mpich(environ: _env.Environ) -> bool:
+    return _env.get(environ, "PMI_SIZE") is not None and _env.get(environ, "PMI_RANK") is not None
+
+
+_DETECTORS: tuple[tuple[str, Callable[[_env.Environ], bool], Callable[[_env.Environ], Role]], ...] = (
+    ("paddle", is_paddle, paddle_role),
+    ("torchrun", is_torchrun, torchrun_role),
+    ("openmpi", is_openmpi, openmpi_role),
+    ("mpich", is_mpich, mpich_role),
+    ("slurm", is_slurm, slurm_role),
+)
+
+
+def detect_source(environ: _env.Environ | None = None) -> str:
+    """Name of the launcher whose variables are present (``"single"`` when none is)."""
+    env = _env.environ_or_default(environ)
+    for name, present, _ in _DETECTORS:
+        if present(env):
+            return name
+    return "single"
+
+
+def detect_role(environ: _env.Environ | None = None) -> Role:
+    """The `Role` of this process, from whichever launcher started it (see the module doc)."""
+    env = _env.environ_or_default(environ)
+    for _, present, build in _DETECTORS:
+        if present(env):
+            return build(env)
+    return single_role(env)
+
+
+class EnvRoleMaker(RoleMaker):
+    """Auto-detecting role maker: fleetlike/Paddle, torchrun, Open MPI, MPICH, Slurm or single.
+
+    ``fleet.init(role_maker=None)`` uses this. ``environ`` defaults to ``os.environ``.
+    """
+
+    def __init__(self, environ: _env.Environ | None = None) -> None:
+        super().__init__(detect_role(environ))

@@ -1,0 +1,276 @@
+"""Every `DistributedStrategy` option, declared once: Paddle 2.x name, type, default, tuning note.
+
+This table is the single source of truth: validation, ``to_dict``/``from_dict``, the printed
+table, ``describe`` and the generated documentation all read it. Adding an option means adding
+one `Field` (or a key to a `Section`) here, nothing else; a test checks that every registered
+option round-trips.
+
+Order matters only for display: each feature switch is followed by its settings, in the order of
+API.md section 3. It is *not* the order in which passes are applied; the pass layer owns that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Any
+
+from fleetlike.strategies.fields import (
+    Alias,
+    Bool,
+    Checkpoints,
+    Choice,
+    Field,
+    Float,
+    Int,
+    Section,
+    StrList,
+    StrategyValueError,
+)
+
+__all__ = [
+    "ALIASES",
+    "ENTRIES",
+    "CollectiveMode",
+    "Fp16AllreduceMode",
+    "HalfDtype",
+    "HierarchicalAlgorithm",
+    "Mode",
+    "SyncBatchNormScope",
+]
+
+
+class _StrEnum(str, Enum):
+    """A closed set of strings; ``str()`` gives the bare value on every Python version."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class HalfDtype(_StrEnum):
+    """16-bit float formats, for ``amp_configs.dtype`` and ``fp16_allreduce_configs.dtype``."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class HierarchicalAlgorithm(_StrEnum):
+    """How a hierarchical allreduce splits into intra-node and inter-node phases."""
+
+    REDUCE_SCATTER = "reduce_scatter"
+    REDUCE_BROADCAST = "reduce_broadcast"
+
+
+class Fp16AllreduceMode(_StrEnum):
+    """Which hops of the allreduce carry compressed gradients."""
+
+    ALL = "all"
+    MIXED = "mixed"
+
+
+class SyncBatchNormScope(_StrEnum):
+    """Which ranks a synchronised BatchNorm averages its statistics over."""
+
+    GLOBAL = "global"
+    LOCAL = "local"
+
+
+class Mode(_StrEnum):
+    """Fleet 1.x execution mode (ParallelExecutor vs Executor); recorded only in PyTorch."""
+
+    NCCL2 = "nccl2"
+    COLLECTIVE = "collective"
+
+
+class CollectiveMode(_StrEnum):
+    """Fleet 1.x ``collective_mode``: a view of whether local SGD replaces gradient allreduce."""
+
+    GRAD_ALLREDUCE = "grad_allreduce"
+    LOCAL_SGD = "local_sgd"
+
+
+def _amp_lists_disjoint(section: str, merged: Mapping[str, Any]) -> None:
+    """An op cannot be forced to low precision and kept in float32 at the same time."""
+    both = sorted(set(merged["custom_white_list"]) & set(merged["custom_black_list"]))
+    if both:
+        field = f"{section}.custom_white_list and {section}.custom_black_list"
+        raise StrategyValueError(
+            field, both, "disjoint lists",
+            "remove each op from one of the lists (update both keys in one assignment to move it)",
+            f"{field} must be disjoint, got {both!r} in both. Fix: remove each op from one of the "
+            "lists (update both keys in one assignment to move an op from one list to the other).",
+        )
+
+
+_MS = "the step (counted from 1) from which it starts; before it every step is synchronous"
+
+ENTRIES: tuple[Field | Section, ...] = (
+    Field("localsgd", Bool(), False, feature=True, note=(
+        "average parameters every k_steps instead of allreducing gradients every step; pays off "
+        "when slow ranks or a slow network dominate")),
+    Section("localsgd_configs", requires="localsgd", note="local SGD schedule", fields=(
+        Field("k_steps", Int(min=1), 1, note=(
+            "local steps between parameter averages: larger = less communication and lower "
+            "accuracy; Fleet's experience is 2 or 4")),
+        Field("begin_step", Int(min=1), 1, note=(
+            f"{_MS}; warm up until parameters settle, e.g. the first learning-rate decay")),
+    )),
+    Field("adaptive_localsgd", Bool(), False, feature=True, note=(
+        "local SGD whose k grows as loss and learning rate fall; needs an optimizer with one "
+        "global learning rate (SGD, Momentum; not Adam)")),
+    Section("adaptive_localsgd_configs", requires="adaptive_localsgd",
+            note="adaptive local SGD schedule", fields=(
+        Field("init_k_steps", Int(min=1), 1, note="initial k; 1 (fully synchronous) is safe"),
+        Field("begin_step", Int(min=1), 1, note=_MS),
+    )),
+    Field("amp", Bool(), False, feature=True, note=(
+        "automatic mixed precision with loss scaling; large speedups on tensor-core GPUs, "
+        "prefer bfloat16 on CPU and on A100/H100")),
+    Section("amp_configs", requires="amp", check=_amp_lists_disjoint,
+            note="mixed precision and loss scaling", fields=(
+        Field("init_loss_scaling", Float(gt=0), 32768.0, note=(
+            "initial loss scale (2**15, Paddle's default); lower it if the first steps are all "
+            "skipped for overflow")),
+        Field("incr_every_n_steps", Int(min=1), 1000, note=(
+            "grow the scale after this many consecutive finite steps")),
+        Field("decr_every_n_nan_or_inf", Int(min=1), 2, note=(
+            "shrink the scale after this many steps with inf/NaN gradients")),
+        Field("incr_ratio", Float(gt=1), 2.0, note="factor by which the scale grows"),
+        Field("decr_ratio", Float(gt=0, lt=1), 0.8, note="factor by which the scale shrinks"),
+        Field("use_dynamic_loss_scaling", Bool(), True, note=(
+            "False keeps init_loss_scaling fixed (a static scale); bfloat16 rarely needs any")),
+        Field("custom_white_list", StrList("op names"), (), note=(
+            "ops forced to run in low precision")),
+        Field("custom_black_list", StrList("op names"), (), note=(
+            "ops kept in float32; an op may not be in both lists")),
+        Field("dtype", Choice(HalfDtype), HalfDtype.FLOAT16, note=(
+            "float16 on V100/T4-class GPUs; bfloat16 on A100/H100 and CPU (float32 range, no "
+            "overflow)")),
+    )),
+    Field("recompute", Bool(), False, feature=True, note=(
+        "trade compute for memory: checkpointed submodules re-run their forward during backward; "
+        "gradients are unchanged")),
+    Section("recompute_configs", requires="recompute", note="what to recompute", fields=(
+        Field("checkpoints", Checkpoints(), (), note=(
+            "submodule names as model.named_modules() gives them (e.g. one per transformer "
+            "block), or 'auto' for the model's top-level children")),
+    )),
+    Field("gradient_merge", Bool(), False, feature=True, note=(
+        "accumulate gradients over k_steps batches, then communicate and update once: a k times "
+        "larger batch with 1/k of the communication")),
+    Section("gradient_merge_configs", requires="gradient_merge", note="gradient accumulation",
+            fields=(
+        Field("k_steps", Int(min=1), 1, note=(
+            "batches per update; adapt the learning rate to the k times larger batch")),
+        Field("avg", Bool(), True, note=(
+            "True averages the k gradients (one batch's scale), False sums them")),
+    )),
+    Field("use_hierarchical_allreduce", Bool(), False, feature=True, note=(
+        "two-level allreduce (inside nodes, across nodes, inside again); pays off with several "
+        "GPUs per node and a slower network between nodes; no effect on one node")),
+    Field("hierarchical_allreduce_inter_nranks", Int(min=0), 0,
+          requires="use_hierarchical_allreduce", note=(
+              "ranks per inner group; 0 = the ranks of one node, the usual choice")),
+    Section("hierarchical_allreduce_configs", requires="use_hierarchical_allreduce",
+            note="hierarchical allreduce algorithm", fields=(
+        Field("algorithm", Choice(HierarchicalAlgorithm), HierarchicalAlgorithm.REDUCE_SCATTER,
+              note=(
+                  "reduce_scatter keeps every intra-node link busy and is usually faster; "
+                  "reduce_broadcast funnels each node through one rank")),
+    )),
+    Field("nccl_comm_num", Int(min=1, max=16), 1, note=(
+        "parallel communicators (rings) over which gradient buckets are spread: 1 on one node, "
+        "2 across nodes, as Fleet suggests; more only with spare bandwidth and GPU memory")),
+    Field("fuse_all_reduce_ops", Bool(), True, feature=True, note=(
+        "pack gradients into buckets so one collective moves many tensors; keep it on")),
+    Field("fuse_grad_size_in_MB", Float(gt=0, keep_int=True), 32, requires="fuse_all_reduce_ops",
+          note=(
+              "bucket size in MB: 32 suits most models; smaller buckets start communicating "
+              "earlier in backward, larger ones amortise latency on slow links")),
+    Field("fp16_allreduce", Bool(), False, feature=True, note=(
+        "gradients travel as 16-bit floats, halving traffic (pre-divided by the world size, then "
+        "scaled by grad_scale, before the cast); mostly useless when amp already makes "
+        "half-precision gradients")),
+    Section("fp16_allreduce_configs", requires="fp16_allreduce", note="gradient compression",
+            fields=(
+        Field("dtype", Choice(HalfDtype), HalfDtype.FLOAT16, note=(
+            "bfloat16 cannot overflow in transit but keeps fewer mantissa bits")),
+        Field("mode", Choice(Fp16AllreduceMode), Fp16AllreduceMode.ALL, note=(
+            "'all' compresses every hop; 'mixed' keeps full precision inside a node and "
+            "compresses only across nodes: use it when 'all' costs accuracy")),
+        Field("grad_scale", Float(gt=0), 1.0, note=(
+            "extra factor applied before the cast and undone after; lower it if gradients "
+            "overflow in transit, raise it if small ones underflow to zero")),
+    )),
+    Field("sync_batch_norm", Bool(), False, feature=True, note=(
+        "BatchNorm statistics over the global batch; helps small per-GPU batches (detection) "
+        "at the cost of one allreduce per layer")),
+    Section("sync_batch_norm_configs", requires="sync_batch_norm", note="BatchNorm sync scope",
+            fields=(
+        Field("scope", Choice(SyncBatchNormScope), SyncBatchNormScope.GLOBAL, note=(
+            "'global' over all ranks; 'local' within each node, cheaper on slow networks")),
+    )),
+    Field("find_unused_parameters", Bool(), False, feature=True, note=(
+        "True only if some parameters get no gradient in a step (conditional branches); costs "
+        "a graph traversal per step")),
+    Field("check_nan_inf", Bool(), False, feature=True, note=(
+        "check gradients for NaN/Inf before communication and raise naming the parameter; "
+        "a debugging aid costing one reduction per bucket")),
+    Field("slow_rank_check", Bool(), False, feature=True, note=(
+        "time every rank's step and report ranks that are persistently slower")),
+    Section("slow_rank_check_configs", requires="slow_rank_check", note="slow-rank detection",
+            fields=(
+        Field("every_n_steps", Int(min=1), 100, note="steps between two checks"),
+        Field("factor", Float(gt=1), 1.5, note=(
+            "a rank is slow when its step time exceeds the median by this factor")),
+    )),
+    Field("mode", Choice(Mode), Mode.COLLECTIVE, inert=(
+        "Fleet 1.x chose between ParallelExecutor (nccl2) and Executor (collective); fleetlike "
+        "has one executor, so the value is only recorded"), note=(
+        "Fleet 1.x execution mode; recorded for compatibility, no effect")),
+    Section("execution_strategy", from_object=True, inert=(
+        "executor threads and scope dropping are Paddle executor internals with no PyTorch "
+        "counterpart; the values are only recorded"), note=(
+        "Paddle's ExecutionStrategy (an object with these attributes, or a dict); recorded "
+        "only"), fields=(
+        Field("num_threads", Int(min=0), 1, note="Paddle executor threads (0 = automatic)"),
+        Field("num_iteration_per_drop_scope", Int(min=1), 10, note=(
+            "Paddle: iterations between scope cleanups")),
+    )),
+)
+
+
+def _read_collective_mode(get: Callable[[str], Any]) -> CollectiveMode:
+    if get("localsgd") or get("adaptive_localsgd"):
+        return CollectiveMode.LOCAL_SGD
+    return CollectiveMode.GRAD_ALLREDUCE
+
+
+def _write_collective_mode(value: Any) -> dict[str, Any]:
+    if value is CollectiveMode.LOCAL_SGD:
+        return {"localsgd": True}
+    return {"localsgd": False, "adaptive_localsgd": False}
+
+
+ALIASES: tuple[Alias, ...] = (
+    Alias("use_local_sgd", "localsgd", "Fleet 1.x name of localsgd"),
+    Alias("local_sgd_steps", "localsgd_configs.k_steps", "Fleet 1.x name of k_steps"),
+    Alias("local_sgd_is_warm_steps", "localsgd_configs.begin_step",
+          "Fleet 1.x name of begin_step (the warm-up before local SGD starts)"),
+    Alias("forward_recompute", "recompute", "Fleet 1.x name of recompute"),
+    Alias("recompute_checkpoints", "recompute_configs.checkpoints",
+          "Fleet 1.x name of the recompute checkpoints"),
+    Alias("use_amp", "amp", "Fleet 1.x name of amp"),
+    Alias("amp_loss_scaling", "amp_configs.init_loss_scaling",
+          "Fleet 1.x name of the initial loss scale"),
+    Alias("exec_strategy", "execution_strategy", "Fleet 1.x name of execution_strategy"),
+    Alias(
+        "collective_mode", None,
+        "Fleet 1.x switch, derived from localsgd: reads 'local_sgd' when localsgd or "
+        "adaptive_localsgd is on, else 'grad_allreduce'; setting 'local_sgd' turns localsgd on; "
+        "setting 'grad_allreduce' turns localsgd and adaptive_localsgd off (plain data parallel "
+        "by gradient allreduce)",
+        spec=Choice(CollectiveMode), read=_read_collective_mode, write=_write_collective_mode,
+        touches=("localsgd", "adaptive_localsgd"),
+    ),
+)

@@ -1,0 +1,239 @@
+"""The launcher's contract without starting workers: flags, defaults, input errors (exit code 2
+with exact messages, nothing started), the worker environment and the printed configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+import fleetlike.launch as launch
+from fleetlike.launch import (
+    LaunchConfig,
+    LaunchInputError,
+    default_job_id,
+    format_config,
+    main,
+    parse_config,
+    worker_env,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture()
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    return "train.py"
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str], gpus: int = 0) -> tuple[int, str, str]:
+    code = main(argv, device_count=lambda: gpus)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_shows_the_two_node_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_main(["--help"], capsys)
+    assert code == 0
+    for text in ("--cluster_node_ips=192.168.1.2,192.168.1.3", "--node_ip=192.168.1.2",
+                 "--started_port=6170", "--selected_gpus=0,1,2,3", "train_with_fleet.py",
+                 "--ips", "--gpus", "--start_port", "--nproc_per_node", "--log_dir", "--job_id"):
+        assert text in out
+
+
+def test_defaults_on_cpu(script: str) -> None:
+    c = parse_config([script, "--lr", "0.1"], device_count=lambda: 0)
+    assert (c.cluster_node_ips, c.node_ip, c.started_port, c.nproc_per_node, c.selected_gpus) == (
+        ("127.0.0.1",), "127.0.0.1", 6170, 1, ())
+    assert c.training_script_args == ("--lr", "0.1") and c.log_dir == "log"
+    assert re.fullmatch(r"[0-9a-f]{12}", c.job_id)
+    assert parse_config([script], device_count=lambda: 0).job_id != c.job_id  # random per job
+    assert c.endpoints == ("127.0.0.1:6170",) and c.log_path(0) == "log/workerlog.0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.node_ip = "x"  # type: ignore[misc]
+
+
+def test_aliases_and_multi_node_layout(script: str) -> None:
+    long = parse_config(["--cluster_node_ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.2",
+                         "--started_port=7000", "--selected_gpus=0,1", script], device_count=lambda: 2)
+    short = parse_config(["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.2", "--start_port=7000",
+                          "--gpus=0,1", script], device_count=lambda: 2)
+    assert long == short
+    assert long.endpoints == ("10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.2:7000", "10.0.0.2:7001")
+    assert [long.rank(i) for i in range(2)] == [2, 3] and long.node_index == 1
+    # every node's launcher derives the same job id from the shared flags
+    other = parse_config(["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.1", "--start_port=7000",
+                          "--gpus=0,1", script], device_count=lambda: 2)
+    assert long.job_id == other.job_id == default_job_id(("10.0.0.1", "10.0.0.2"), 7000, 2)
+    assert parse_config(["--job_id=abc", script], device_count=lambda: 0).job_id == "abc"
+
+
+@pytest.mark.parametrize(
+    "argv, visible, gpus, nproc",
+    [
+        ([], 4, (0, 1, 2, 3), 4),                   # all GPUs by default
+        (["--nproc_per_node=2"], 4, (0, 1), 2),     # the first N GPUs
+        (["--nproc_per_node=8"], 4, (), 8),         # more processes than GPUs: CPU
+        (["--nproc_per_node=3"], 0, (), 3),
+        (["--gpus=2,3"], 4, (2, 3), 2),
+    ],
+)
+def test_device_defaults(script: str, argv, visible, gpus, nproc) -> None:
+    c = parse_config([*argv, script], device_count=lambda: visible)
+    assert (c.selected_gpus, c.nproc_per_node) == (gpus, nproc)
+
+
+def _listening(host: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen()
+    return s
+
+
+SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", "--started_port=6170",
+               "--selected_gpus=0,1,2,3", "train.py", "--model=ResNet50", "--data_dir=./ImageNet"]
+
+
+@pytest.mark.parametrize(
+    "argv, visible, text",
+    [
+        (["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.3", "train.py"], 0,
+         "--node_ip=127.0.0.3 is not in --cluster_node_ips=127.0.0.1,127.0.0.2; give this machine's "
+         "address from that list"),
+        (["--ips=127.0.0.1,127.0.0.1", "train.py"], 0,
+         "--cluster_node_ips=127.0.0.1,127.0.0.1 lists 127.0.0.1 twice; each node must appear once"),
+        (["--ips=127.0.0.1,bad ip", "train.py"], 0,
+         "--cluster_node_ips=127.0.0.1,bad ip: 'bad ip' is neither an IP address nor a host name"),
+        (["--started_port=0", "train.py"], 0, "--started_port=0 is outside 1..65535"),
+        (["--start_port=70000", "train.py"], 0, "--started_port=70000 is outside 1..65535"),
+        (["--started_port=abc", "train.py"], 0, "--started_port='abc' is not an integer"),
+        (["--started_port=65535", "--nproc_per_node=2", "train.py"], 0,
+         "--started_port=65535 with 2 processes per node needs ports up to 65536, above 65535; "
+         "choose a lower --started_port"),
+        (["--nproc_per_node=0", "train.py"], 0, "--nproc_per_node=0 must be >= 1"),
+        (["--nproc_per_node=-2", "train.py"], 0, "--nproc_per_node=-2 must be >= 1"),
+        (["--nproc_per_node=3", "--gpus=0,1", "train.py"], 2,
+         "--nproc_per_node=3 does not match --selected_gpus=0,1 (2 GPUs, one process each); drop "
+         "--nproc_per_node or make them agree"),
+        (["--gpus=0,a", "train.py"], 2, "--selected_gpus='0,a': 'a' is not a GPU id (a non-negative integer)"),
+        (["--gpus=0,0", "train.py"], 2, "--selected_gpus='0,0' lists GPU 0 twice; each GPU may appear once"),
+        (["--gpus=,", "train.py"], 2, "--selected_gpus=',' names no GPU; drop it to run on CPU"),
+        (["--gpus=0,3", "train.py"], 2,
+         "--selected_gpus=0,3 but torch.cuda sees 2 CUDA device(s), so GPU 3 does not exist; choose "
+         "ids below 2, or drop --selected_gpus and use --nproc_per_node to run on CPU"),
+        (SEED_2_NODE, 0,
+         "--selected_gpus=0,1,2,3 but torch.cuda sees 0 CUDA device(s), so GPU 0 does not exist; "
+         "choose ids below 0, or drop --selected_gpus and use --nproc_per_node to run on CPU"),
+        (["missing.py"], 0,
+         "training script 'missing.py' does not exist (looked for {cwd}/missing.py); use -m to run a module"),
+        (["--ips=192.0.2.1", "--started_port=6170", "train.py"], 0,
+         "--node_ip=192.0.2.1 is not an address of this machine (cannot bind 192.0.2.1:6170); run "
+         "each node's launcher with its own IP"),
+        (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be >= 0 seconds"),
+        ([], 0, "no training script given; usage: python -m fleetlike.launch [flags] train.py "
+         "[script args] (see --help)"),
+        (["--no_such_flag=1", "train.py"], 0, "unrecognized arguments: --no_such_flag=1"),
+    ],
+)
+def test_input_errors_exit_2_before_anything_starts(
+    script: str, capsys: pytest.CaptureFixture[str], argv, visible, text
+) -> None:
+    code, out, err = run_main(argv, capsys, gpus=visible)
+    assert code == 2 and out == ""
+    assert err == f"fleetlike.launch: error: {text.format(cwd=Path.cwd())}\n"
+    assert not Path("log").exists()
+
+
+def test_port_in_use_is_reported_with_its_rank(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with _listening("127.0.0.1") as busy:
+        port = busy.getsockname()[1]
+        code, _, err = run_main([f"--started_port={port - 1}", "--nproc_per_node=2", script], capsys)
+    assert code == 2
+    assert err == (
+        f"fleetlike.launch: error: port {port} on 127.0.0.1 (for local rank 1) is already in use; "
+        "free it or choose another --started_port\n"
+    )
+
+
+def test_launch_config_validates_direct_construction() -> None:
+    with pytest.raises(LaunchInputError) as info:
+        LaunchConfig("t.py", cluster_node_ips=("10.0.0.1",), node_ip="10.0.0.2")
+    assert str(info.value) == (
+        "--node_ip=10.0.0.2 is not in --cluster_node_ips=10.0.0.1; give this machine's address "
+        "from that list"
+    )
+    with pytest.raises(LaunchInputError):
+        LaunchConfig("t.py", job_id="")
+
+
+TWO_BY_TWO = LaunchConfig(
+    "train.py",
+    cluster_node_ips=("127.0.0.1", "127.0.0.2"),
+    node_ip="127.0.0.2",
+    started_port=7100,
+    nproc_per_node=2,
+    job_id="j1",
+)
+
+BASE = {
+    "PATH": "/bin", "FOO": "bar", "http_proxy": "http://p:1", "https_proxy": "http://p:2",
+    "HTTP_PROXY": "http://p:3", "HTTPS_PROXY": "http://p:4", "all_proxy": "socks://p:5",
+    "ALL_PROXY": "socks://p:6", "no_proxy": "localhost", "RANK": "99",
+}
+
+
+def test_worker_env_is_exactly_the_contract() -> None:
+    env = worker_env(TWO_BY_TWO, 1, base=BASE)
+    assert env == {
+        "PATH": "/bin", "FOO": "bar", "no_proxy": "localhost",
+        "PADDLE_TRAINER_ID": "3",
+        "PADDLE_TRAINERS_NUM": "4",
+        "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:7100,127.0.0.1:7101,127.0.0.2:7100,127.0.0.2:7101",
+        "PADDLE_CURRENT_ENDPOINT": "127.0.0.2:7101",
+        "PADDLE_NODE_NUM": "2",
+        "FLAGS_selected_gpus": "",
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7100",
+        "FLEETLIKE_JOB_ID": "j1", "FLEETLIKE_NODE_IP": "127.0.0.2",
+    }
+    with pytest.raises(ValueError) as info:
+        worker_env(TWO_BY_TWO, 2, base=BASE)
+    assert str(info.value) == "local_rank=2 is out of range 0..1 (nproc_per_node=2)"
+
+
+def test_worker_env_on_gpus_keeps_the_launchers_device_numbering() -> None:
+    gpu = dataclasses.replace(TWO_BY_TWO, selected_gpus=(2, 3))
+    env = worker_env(gpu, 1, base={})
+    assert env["FLAGS_selected_gpus"] == "3" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    env = worker_env(gpu, 0, base={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert env["FLAGS_selected_gpus"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+def test_worker_env_docstring_lists_every_variable_it_sets() -> None:
+    doc = worker_env.__doc__ or ""
+    gpu = dataclasses.replace(TWO_BY_TWO, selected_gpus=(0, 1))
+    for name in worker_env(gpu, 0, base={}):
+        assert re.search(rf"^\s*{name}\b", doc, re.M), name
+    for name in launch.PROXY_VARIABLES:
+        assert name in BASE
+    assert "http_proxy" in doc
+
+
+def test_print_config_table(script: str) -> None:
+    table = format_config(TWO_BY_TWO)
+    lines = table.splitlines()
+    assert lines[0] == "fleetlike.launch configuration"
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines[2:])
+    assert rows["node_index"] == "1 of 2" and rows["ranks on this node"] == "2..3"
+    assert rows["master_endpoint"] == "127.0.0.1:7100" and rows["device"] == "cpu"
+    assert rows["job_id"] == "j1" and rows["world_size"] == "4"
+
+
+def test_public_names_are_documented() -> None:
+    for name in launch.__all__:
+        assert getattr(launch, name).__doc__, name

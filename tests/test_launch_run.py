@@ -1,0 +1,315 @@
+"""The launcher with real processes on the loopback "cluster" (127.0.0.1 and 127.0.0.2).
+
+Each test records every process it caused (workers write pid files, their children too) and ends
+by asserting that none is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetlike.launch import main
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "launch_workers"
+PY = sys.executable
+GLOO_OFFSET = 1000
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs; zombies (exited, not yet reaped by init) count as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def recorded_pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in out.glob("*.*") if p.name.startswith(("pid.", "child."))
+            and not p.name.endswith(".tmp") and p.read_text()]
+
+
+def assert_all_gone(out: Path, within: float = 5.0) -> None:
+    """Every recorded process ends within ``within`` s; stragglers are killed, then reported."""
+    pids = recorded_pids(out)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    leftovers = [p for p in pids if alive(p)]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert leftovers == []
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base(n: int, hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
+    """A base port in 20000-40000 with base..base+n-1 and the gloo ports free on every host."""
+    for _ in range(200):
+        base = random.randint(20000, 40000 - GLOO_OFFSET - n)
+        ports = [base + i for i in range(n)] + [base + GLOO_OFFSET]
+        if all(port_free(h, p) for h in hosts for p in ports):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any launcher's role variables, plus ``extra``."""
+    prefixes = ("PADDLE_", "OMPI_", "PMI_", "SLURM_", "FLEETLIKE_", "MPI_LOCAL", "TORCHELASTIC")
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "GROUP_RANK", "FLAGS_selected_gpus", "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    env.update(extra)
+    return env
+
+
+class Launchers:
+    """Starts launcher subprocesses and makes sure none outlives the test."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [PY, "-m", "fleetlike.launch", *args],
+            cwd=self.cwd, env=env or clean_env(), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the launcher stops its workers
+        for proc in self.procs:
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+@pytest.fixture()
+def launchers(tmp_path: Path) -> Iterator[Launchers]:
+    runner = Launchers(tmp_path)
+    yield runner
+    runner.close()
+    assert_all_gone(tmp_path / "out")
+
+
+@pytest.fixture()
+def out(tmp_path: Path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return proc.returncode, stdout, stderr
+
+
+def expected_env(ips: list[str], node: int, per: int, local: int, base: int, job: str) -> dict[str, str]:
+    """The contract of API.md §5, written out independently of fleetlike.launch.worker_env."""
+    rank = node * per + local
+    endpoints = [f"{ip}:{base + i}" for ip in ips for i in range(per)]
+    return {
+        "PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(len(endpoints)),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints), "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+        "PADDLE_NODE_NUM": str(len(ips)), "FLAGS_selected_gpus": "",
+        "RANK": str(rank), "WORLD_SIZE": str(len(endpoints)), "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per), "GROUP_RANK": str(node),
+        "MASTER_ADDR": ips[0], "MASTER_PORT": str(base),
+        "FLEETLIKE_JOB_ID": job, "FLEETLIKE_NODE_IP": ips[node], "FLEETLIKE_TEST_MARKER": "kept",
+    }
+
+
+PROXIES = {name: "http://proxy.invalid:3128" for name in
+           ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")}
+
+
+def check_worker(out: Path, rank: int, env: dict[str, str], world: int) -> None:
+    dump = json.loads((out / f"env.{rank}.json").read_text())
+    assert dump["env"] == env
+    assert dump["argv"] == ["--flag", "x y"] and dump["executable"] == PY
+    assert dump["detected_same"] is True
+    assert float((out / f"sum.{rank}").read_text()) == world * (world + 1) / 2
+
+
+# --------------------------------------------------------------------------- jobs that succeed
+
+
+def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    base = free_base(4)
+    proc = launchers.start(
+        "--nproc_per_node=4", f"--started_port={base}", "--job_id=job-1n", "--log_dir=logs",
+        str(WORKERS / "env_allreduce.py"), str(out), str(GLOO_OFFSET), "--flag", "x y",
+        env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES),
+    )
+    code, stdout, stderr = finish(proc)
+    assert code == 0, stderr
+    for local in range(4):
+        check_worker(out, local, expected_env(["127.0.0.1"], 0, 4, local, base, "job-1n"), 4)
+        log = (tmp_path / "logs" / f"workerlog.{local}").read_text()
+        assert f"worker {local} sum 10.0" in log
+    # local rank 0 is echoed with its prefix; the others only go to their logs
+    assert "[rank 0] worker 0 ready" in stdout and "[rank 0] worker 0 sum 10.0" in stdout
+    assert "[rank 1]" not in stdout and "worker 1" not in stdout
+    assert stderr == ""
+
+
+def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    ips = ["127.0.0.1", "127.0.0.2"]
+    base = free_base(2, tuple(ips))
+    procs = [
+        launchers.start(
+            f"--cluster_node_ips={','.join(ips)}", f"--node_ip={ip}", f"--started_port={base}",
+            "--nproc_per_node=2", f"--log_dir=log{node}",
+            str(WORKERS / "env_allreduce.py"), str(out), str(GLOO_OFFSET), "--flag", "x y",
+            env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES),
+        )
+        for node, ip in enumerate(ips)
+    ]
+    results = [finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
+    jobs = {json.loads((out / f"env.{r}.json").read_text())["env"]["FLEETLIKE_JOB_ID"] for r in range(4)}
+    assert len(jobs) == 1  # both launchers derived the same id
+    job = jobs.pop()
+    for node in range(2):
+        for local in range(2):
+            rank = node * 2 + local
+            check_worker(out, rank, expected_env(ips, node, 2, local, base, job), 4)
+            assert (tmp_path / f"log{node}" / f"workerlog.{local}").exists()
+    assert "[rank 0] worker 0 ready" in results[0][1] and "[rank 2] worker 2 ready" in results[1][1]
+
+
+@pytest.mark.gpu
+def test_seed_command_on_gpus(launchers: Launchers, out: Path) -> None:
+    """Seed 003's command as written (127.0.0.x addresses), one process per visible GPU (max 4)."""
+    from fleetlike.launch.checks import cuda_device_count
+
+    count = min(cuda_device_count(), 4)
+    if count == 0:
+        pytest.skip("needs a CUDA device: torch.cuda.device_count() is 0")
+    base = free_base(count)
+    gpus = ",".join(str(i) for i in range(count))
+    proc = launchers.start(
+        "--cluster_node_ips=127.0.0.1", "--node_ip=127.0.0.1", f"--started_port={base}",
+        f"--selected_gpus={gpus}", str(WORKERS / "env_allreduce.py"), str(out), str(GLOO_OFFSET),
+        "--flag", "x y", env=clean_env(FLEETLIKE_TEST_MARKER="kept"),
+    )
+    code, _, stderr = finish(proc)
+    assert code == 0, stderr
+    for local in range(count):
+        env = expected_env(["127.0.0.1"], 0, count, local, base, "unused")
+        env.update(FLAGS_selected_gpus=str(local), CUDA_VISIBLE_DEVICES=gpus)
+        dump = json.loads((out / f"env.{local}.json").read_text())
+        env["FLEETLIKE_JOB_ID"] = dump["env"]["FLEETLIKE_JOB_ID"]
+        assert dump["env"] == env
+        visible, doubled = (out / f"cuda.{local}").read_text().split()
+        assert int(visible) == count and float(doubled) == 2.0 * (local + 1)
+
+
+def test_in_process_main_and_leftover_children(
+    out: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Workers that exit 0 but leave a child behind: the job still ends with nothing running."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name not in clean_env():
+            monkeypatch.delenv(name)
+    base = free_base(2)
+    code = main(["--nproc_per_node=2", f"--started_port={base}", "--print_config",
+                 str(WORKERS / "behave.py"), str(out), "--child", "--ok"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert stdout.startswith("fleetlike.launch configuration\n")
+    assert "[rank 0] worker 0 of 2 started" in stdout
+    assert len(recorded_pids(out)) == 4
+    assert_all_gone(out, within=0.5)
+
+
+# --------------------------------------------------------------------------- jobs that fail
+
+
+def run_failing(launchers: Launchers, out: Path, nproc: int, *flags: str,
+                launcher_flags: tuple[str, ...] = ()) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = launchers.start(f"--nproc_per_node={nproc}", f"--started_port={free_base(nproc)}",
+                           *launcher_flags, str(WORKERS / "behave.py"), str(out), *flags)
+    code, _, stderr = finish(proc, timeout=30)
+    elapsed = time.monotonic() - started
+    assert_all_gone(out, within=0.5)
+    return code, stderr, elapsed
+
+
+def test_worker_error_ends_the_job(launchers: Launchers, out: Path) -> None:
+    code, stderr, elapsed = run_failing(launchers, out, 3, "--fail", "1", "3")
+    assert code == 3 and elapsed < 10
+    assert stderr == "fleetlike.launch: rank 1 (local 1) exited with code 3; log: log/workerlog.1\n"
+    assert len(recorded_pids(out)) == 3
+
+
+def test_worker_killed_by_sigkill(launchers: Launchers, out: Path) -> None:
+    code, stderr, elapsed = run_failing(launchers, out, 3, "--sigkill", "2")
+    assert code == 128 + signal.SIGKILL and elapsed < 10
+    assert stderr == (
+        "fleetlike.launch: rank 2 (local 2) was killed by signal SIGKILL; log: log/workerlog.2\n"
+    )
+
+
+def test_grandchildren_that_ignore_sigterm_are_killed(launchers: Launchers, out: Path) -> None:
+    """Rank 0 fails while the others (and every worker's child) sleep and ignore SIGTERM."""
+    code, stderr, elapsed = run_failing(
+        launchers, out, 2, "--fail", "0", "5", "--child", "--ignore-term",
+        launcher_flags=("--kill_grace=1",),
+    )
+    assert code == 5 and elapsed < 10
+    assert stderr == "fleetlike.launch: rank 0 (local 0) exited with code 5; log: log/workerlog.0\n"
+    assert len(recorded_pids(out)) == 4
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_stops_every_worker(launchers: Launchers, out: Path, sig: int) -> None:
+    proc = launchers.start("--nproc_per_node=2", f"--started_port={free_base(2)}",
+                           str(WORKERS / "behave.py"), str(out), "--child")
+    deadline = time.monotonic() + 20
+    while len(recorded_pids(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(recorded_pids(out)) == 4
+    proc.send_signal(sig)
+    code, _, stderr = finish(proc, timeout=15)
+    assert code == 128 + sig
+    assert stderr == f"fleetlike.launch: received {signal.Signals(sig).name}; stopped all 2 local workers\n"
+    assert_all_gone(out, within=0.5)
