@@ -237,3 +237,13 @@ def test_print_config_table(script: str) -> None:
 def test_public_names_are_documented() -> None:
     for name in launch.__all__:
         assert getattr(launch, name).__doc__, name
+
+
+@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "workers"])
+def test_every_launch_module_curates_its_exports(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(f"fleetlike.launch.{module}")
+    assert mod.__doc__ and mod.__all__
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name}"

@@ -171,6 +171,9 @@ def _with(**changes: str | None) -> dict[str, str]:
         ({"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2"},
          "PADDLE_TRAINER_ENDPOINTS is not set but PADDLE_TRAINER_ID=1 / PADDLE_TRAINERS_NUM=2 are; "
          "set the comma-separated ip:port list of all trainers (python -m fleetlike.launch does this)"),
+        ({"PADDLE_TRAINERS_NUM": "2"},
+         "PADDLE_TRAINER_ENDPOINTS is not set but PADDLE_TRAINERS_NUM=2 is; set the comma-separated "
+         "ip:port list of all trainers (python -m fleetlike.launch does this)"),
         (_with(FLAGS_selected_gpus="0,x"),
          "FLAGS_selected_gpus='0,x': 'x' is not a GPU id (a non-negative integer)"),
         (_with(FLAGS_selected_gpus="1,1"),
@@ -217,7 +220,7 @@ def test_torchrun_multi_node_uses_stand_in_hosts_and_master_addr() -> None:
          "every node's IP in node order"),
         ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
           "GROUP_RANK": "0", "MASTER_ADDR": "h"},
-         "node rank 0 does not hold RANK=5 in a block layout of 4 per node (expected node 1)"),
+         "GROUP_RANK=0 does not hold RANK=5 in a block layout of 4 per node (expected node 1)"),
         ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h"},
          "LOCAL_RANK=2 but RANK=5 with 4 per node is local rank 1; ranks must be laid out node by node"),
         ({"RANK": "1", "WORLD_SIZE": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h"},
@@ -507,3 +510,13 @@ def test_detect_role_under_torchrun(tmp_path: Path) -> None:
         assert (role["rank"], role["world_size"], role["local_rank"], role["node_num"]) == (rank, 2, rank, 1)
         assert role["endpoints"] == [f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"]
         assert role["job_id"] != "default"  # torchrun's run id
+
+
+@pytest.mark.parametrize("module", ["role", "base", "detect", "mpi", "paddle", "slurm", "_env"])
+def test_every_roles_module_curates_its_exports(module: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(f"fleetlike.roles.{module}")
+    assert mod.__doc__ and mod.__all__
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name}"

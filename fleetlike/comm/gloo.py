@@ -12,7 +12,9 @@ several communicators (``nccl_comm_num``) really run concurrently on CPU.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,16 @@ _OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.PROD: dist.ReduceOp.PRODUCT,
 }
+
+
+def _device(host: str) -> Any:
+    """Bind to the rank's own IP; a placeholder host name (torchrun/MPI roles without
+    FLEETLIKE_NODE_IPS) falls back to the interface of this machine's host name."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return ProcessGroupGloo.create_default_device()
+    return ProcessGroupGloo.create_device(hostname=host)
 
 
 class GlooCommunicator(Communicator):
@@ -68,7 +80,7 @@ class GlooCommunicator(Communicator):
         self._splits = 0
         opts = ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout)
-        opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        opts._devices = [_device(host)]
         self._pg = ProcessGroupGloo(store, rank, size, opts)
 
     @property

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, TextIO
 
-__all__ = ["Worker", "start_worker", "stop_workers", "describe_exit"]
+__all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit"]
 
 
 @dataclasses.dataclass

@@ -62,7 +62,8 @@ def uniform_role(
 ) -> Role:
     """A role on a block layout with ``local_size`` ranks on every node.
 
-    ``names`` are the variables that held (rank, world, local_rank, local_size), for messages.
+    ``names`` are the variables that held (rank, world, local_rank, local_size), for messages;
+    ``node_index`` is torchrun's ``GROUP_RANK`` (the MPIs do not give one).
     """
     rank_var, world_var, local_var, size_var = names
     if not 0 <= rank < world:
@@ -83,7 +84,7 @@ def uniform_role(
     expected_node, expected_local = divmod(rank, local_size)
     if node_index is not None and node_index != expected_node:
         raise ValueError(
-            f"node rank {node_index} does not hold {rank_var}={rank} in a block layout of "
+            f"GROUP_RANK={node_index} does not hold {rank_var}={rank} in a block layout of "
             f"{local_size} per node (expected node {expected_node})"
         )
     if local_rank != expected_local:

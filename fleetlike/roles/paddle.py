@@ -87,9 +87,14 @@ def paddle_role(environ: _env.Environ) -> Role:
     elif current is not None:
         endpoints = [current]
     else:
+        given = " / ".join(
+            f"{name}={value}"
+            for name, value in (("PADDLE_TRAINER_ID", trainer_id), ("PADDLE_TRAINERS_NUM", trainers))
+            if value is not None
+        )
         raise ValueError(
-            f"PADDLE_TRAINER_ENDPOINTS is not set but PADDLE_TRAINER_ID={trainer_id} / "
-            f"PADDLE_TRAINERS_NUM={trainers} are; set the comma-separated ip:port list of all "
+            f"PADDLE_TRAINER_ENDPOINTS is not set but {given} "
+            f"{'are' if ' / ' in given else 'is'}; set the comma-separated ip:port list of all "
             "trainers (python -m fleetlike.launch does this)"
         )
     if not endpoints:

@@ -1,0 +1,213 @@
+"""One rank of an MPI test job: ``mpiexec -n N python tests/mpi_runner.py SPEC OUTDIR``.
+
+The test process pickles a job spec (a task name and its data) to ``SPEC``; every rank runs the
+task on the MPI world and pickles its result to ``OUTDIR/rank{r}.pkl``. A rank that raises
+writes its traceback to ``OUTDIR/rank{r}.err`` and aborts the whole job, so peers blocked in a
+collective do not hang until the test's timeout. `run_mpi` is the test-side half: it starts
+the job in its own process group, bounds it with a timeout, and turns failures into errors that
+name the rank.
+
+Tasks:
+    cases          run a list of `comm_cases.Case` on ``MPICommunicator()`` (COMM_WORLD)
+    split          ``world.split(colors[rank], key=-rank)``, then an allreduce of the ranks
+    create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["mpiexec_path", "mpi_unavailable_reason", "run_mpi"]
+
+RUNNER = Path(__file__).resolve()
+
+
+# --------------------------------------------------------------------------- test side
+
+
+def mpiexec_path() -> Path:
+    """The mpich wheel's ``mpiexec``, installed next to the running interpreter."""
+    return Path(sys.executable).parent / "mpiexec"
+
+
+def mpi_unavailable_reason() -> str | None:
+    """Why MPI tests cannot run here, or None when they can."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError or a missing libmpi
+        return f"mpi4py does not import ({exc}); pip install mpi4py mpich"
+    exe = mpiexec_path()
+    if not os.access(exe, os.X_OK):
+        return f"no mpiexec next to the interpreter at {exe}; pip install mpich"
+    return None
+
+
+def mpiexec_command(n: int, *args: str) -> list[str]:
+    """``mpiexec`` for ``n`` local ranks: fork launcher (no ssh), no core binding, loopback."""
+    return [str(mpiexec_path()), "-launcher", "fork", "-bind-to", "none", "-n", str(n), *args]
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HYDRA_IFACE", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_mpi(n: int, task: str, data: Any, *, timeout: float = 60.0) -> list[Any]:
+    """Run ``task`` on ``n`` MPI ranks; return each rank's result in rank order.
+
+    Raises AssertionError with the failing rank's traceback (or mpiexec's output) when a rank
+    fails, and kills the job's whole process group when it outlives ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory(prefix="fleetlike-mpi-") as tmp:
+        spec = Path(tmp) / "spec.pkl"
+        spec.write_bytes(pickle.dumps({"task": task, "data": data}))
+        proc = subprocess.Popen(
+            mpiexec_command(n, sys.executable, str(RUNNER), str(spec), tmp),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=mpi_env(),
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            raise AssertionError(
+                f"mpiexec -n {n} ({task}) did not finish within {timeout:g}s; killed. Output:\n"
+                + out.decode(errors="replace")[-4000:]
+            ) from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        errors = sorted(Path(tmp).glob("rank*.err"))
+        if errors:
+            raise AssertionError(
+                "\n".join(f"{e.stem} raised:\n{e.read_text()}" for e in errors)
+            )
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"mpiexec -n {n} ({task}) exited with {proc.returncode}:\n"
+                + out.decode(errors="replace")[-4000:]
+            )
+        results = []
+        for r in range(n):
+            path = Path(tmp) / f"rank{r}.pkl"
+            if not path.exists():
+                raise AssertionError(f"rank {r} of {n} ({task}) wrote no result")
+            results.append(pickle.loads(path.read_bytes()))
+        return results
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _task_cases(cases: list[Any]) -> Any:
+    from comm_cases import run_cases
+
+    from fleetlike.comm.mpi import MPICommunicator
+
+    world = MPICommunicator()
+    try:
+        return run_cases(world, cases)
+    finally:
+        world.close()
+
+
+def _task_split(colors: list[int | None]) -> Any:
+    import torch
+
+    from fleetlike.comm.mpi import MPICommunicator
+
+    world = MPICommunicator()
+    sub = world.split(colors[world.rank], key=-world.rank)
+    try:
+        if sub is None:
+            return None
+        total = sub.all_reduce(torch.tensor([world.rank])).item()
+        return sub.ranks, sub.rank, sub.size, total
+    finally:
+        if sub is not None:
+            sub.close()
+        world.close()
+
+
+def _task_create_world(_: Any) -> Any:
+    import torch
+    from mpi4py import MPI
+
+    from fleetlike.comm import create_world, resolve_backend
+    from fleetlike.roles import MPIRoleMaker, Role
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    endpoints = [f"127.0.0.1:{7000 + r}" for r in range(size)]
+    role = Role.from_endpoints(rank, endpoints, source="mpi")
+    maker_role = MPIRoleMaker().role
+    out: dict[str, Any] = {
+        "auto": resolve_backend("auto", role).value,
+        "maker": (maker_role.rank, maker_role.world_size, maker_role.source),
+    }
+    for label, r in (("explicit", role), ("maker", maker_role)):
+        world = create_world(r, backend="mpi" if label == "explicit" else "auto")
+        out[f"{label}_world"] = (
+            world.backend,
+            world.rank,
+            world.size,
+            world.all_reduce(torch.tensor([float(rank + 1)])).item(),
+        )
+        world.close()
+    if size > 1:  # a role that disagrees with MPI about the rank is refused
+        wrong = Role.from_endpoints((rank + 1) % size, endpoints, source="mpi")
+        try:
+            create_world(wrong, backend="mpi")
+        except ValueError as exc:
+            out["mismatch"] = str(exc)
+        else:
+            out["mismatch"] = None
+    return out
+
+
+TASKS = {"cases": _task_cases, "split": _task_split, "create_world": _task_create_world}
+
+
+def main(spec_path: str, outdir: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        spec = pickle.loads(Path(spec_path).read_bytes())
+        result = TASKS[spec["task"]](spec["data"])
+        tmp = Path(outdir) / f"rank{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        shutil.move(tmp, Path(outdir) / f"rank{rank}.pkl")
+    except BaseException:  # noqa: BLE001 - report, then take the whole job down
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
