@@ -1,3 +1,27 @@
-"""fleetlike: collective-training strategies for PyTorch, in the shape of PaddlePaddle Fleet."""
+"""fleetlike: collective-training strategies for PyTorch, in the shape of PaddlePaddle Fleet.
+
+Example (step 1 of the four-step conversion):
+    >>> import fleetlike
+    >>> from fleetlike import fleet, DistributedStrategy, roles
+"""
+
+from fleetlike import roles
+from fleetlike import role_maker
+from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
+from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
+from fleetlike.strategies import DistributedStrategy
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CPUPlace",
+    "CUDAPlace",
+    "DistributedOptimizer",
+    "DistributedStrategy",
+    "Executor",
+    "Program",
+    "fleet",
+    "load_inference_model",
+    "role_maker",
+    "roles",
+]

@@ -65,11 +65,21 @@ def make_input(case: Case, rank: int) -> torch.Tensor:
     return data
 
 
-def run_case(comm: Any, case: Case) -> dict[str, Any]:
-    """Run ``case`` twice on this rank: as flagged (async / in place) and plain; return both."""
+def run_case(comm: Any, case: Case, device: torch.device | str | None = None) -> dict[str, Any]:
+    """Run ``case`` twice on this rank: as flagged (async / in place) and plain; return both.
+
+    With ``device`` the inputs live there (CUDA for nccl); the results come back on the CPU."""
     x = make_input(case, comm.rank)
-    return {"flagged": _run(comm, case, x.clone(), case.inplace, case.use_async),
-            "plain": _run(comm, case, x.clone(), False, False)}
+    if device is not None:
+        x = x.to(device)
+    return {"flagged": _cpu(_run(comm, case, x.clone(), case.inplace, case.use_async)),
+            "plain": _cpu(_run(comm, case, x.clone(), False, False))}
+
+
+def _cpu(result: Any) -> Any:
+    if isinstance(result, list):
+        return [t.cpu() for t in result]
+    return result.cpu()
 
 
 def _run(comm: Any, case: Case, x: torch.Tensor, inplace: bool, use_async: bool) -> Any:
@@ -88,7 +98,7 @@ def _run(comm: Any, case: Case, x: torch.Tensor, inplace: bool, use_async: bool)
         return [t.clone() for t in finish(fn(x))]
     if name == "all_gather_flat":
         if inplace:
-            buf = torch.zeros(n * x.numel(), dtype=x.dtype)
+            buf = torch.zeros(n * x.numel(), dtype=x.dtype, device=x.device)
             k = x.numel()
             buf[r * k : (r + 1) * k].copy_(x.reshape(-1))
             return finish(fn(buf[r * k : (r + 1) * k], out=buf)).clone()
@@ -159,8 +169,8 @@ def assert_close(got: Any, want: Any, case: Case, rank: int) -> None:
         assert torch.equal(g, w), f"{case} rank {rank}: {g} != {w}"
 
 
-def run_cases(comm: Any, cases: list[Case]) -> list[dict[str, Any]]:
-    return [run_case(comm, c) for c in cases]
+def run_cases(comm: Any, cases: list[Case], device: torch.device | str | None = None) -> list[dict[str, Any]]:
+    return [run_case(comm, c, device) for c in cases]
 
 
 def check_all(cases: list[Case], results: list[list[dict[str, Any]]]) -> None:

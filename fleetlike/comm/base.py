@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
 import dataclasses
 import weakref
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
 
@@ -204,6 +205,9 @@ class Communicator(abc.ABC):
     native_reduce_dtypes: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
     #: whether the backend has a native AVG reduction.
     native_avg: bool = False
+    #: whether a group of one still calls the backend's primitives. False short-cuts them (the
+    #: result is already there); NCCL sets it so a one-GPU job really runs, and tests, its calls.
+    calls_backend_at_size_one: bool = False
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int], name: str) -> None:
         self.rank = rank
@@ -278,6 +282,10 @@ class Communicator(abc.ABC):
             return dtype
         return torch.float64 if dtype in (torch.int64, torch.float64) else torch.float32
 
+    def _solo(self) -> bool:
+        """True when this group of one short-cuts the backend (see `calls_backend_at_size_one`)."""
+        return self.size == 1 and not self.calls_backend_at_size_one
+
     def _record(self, op: str, nbytes: int) -> None:
         self.stats.record(op, nbytes, _ring_send_bytes(op, nbytes, self.size))
 
@@ -304,9 +312,10 @@ class Communicator(abc.ABC):
         else:
             buf = tensor.clone(memory_format=torch.contiguous_format)
         self._record("all_reduce", buf.numel() * buf.element_size())
-        if self.size == 1 and buf is target:
+        solo = self._solo()
+        if solo and buf is target:
             return CompletedWork(target)
-        inner = self._all_reduce_start(buf, backend_op) if self.size > 1 else CompletedWork(buf)
+        inner = CompletedWork(buf) if solo else self._all_reduce_start(buf, backend_op)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -340,7 +349,7 @@ class Communicator(abc.ABC):
         else:
             buf = target.contiguous() if out is None else tensor.contiguous().clone()
         self._record("broadcast", buf.numel() * buf.element_size())
-        inner = self._broadcast_start(buf, root) if self.size > 1 else CompletedWork(buf)
+        inner = CompletedWork(buf) if self._solo() else self._broadcast_start(buf, root)
         if buf is target:
             return _ChainedWork(inner, lambda: target)
         return _ChainedWork(inner, lambda: target.copy_(buf))
@@ -369,9 +378,9 @@ class Communicator(abc.ABC):
         buf = tensor.to(wire, memory_format=torch.contiguous_format, copy=True)
         self._record("reduce", buf.numel() * buf.element_size())
         inner = (
-            self._reduce_start(buf, root, ReduceOp.SUM if avg_here else red)
-            if self.size > 1
-            else CompletedWork(buf)
+            CompletedWork(buf)
+            if self._solo()
+            else self._reduce_start(buf, root, ReduceOp.SUM if avg_here else red)
         )
         is_root = self.rank == root
         size = self.size
@@ -413,7 +422,7 @@ class Communicator(abc.ABC):
         flat_out = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         chunk = tensor if tensor.is_contiguous() else tensor.contiguous()
         self._record("all_gather", flat_out.numel() * flat_out.element_size())
-        if self.size == 1:
+        if self._solo():
             if chunk.data_ptr() != flat_out.data_ptr():
                 flat_out.view(-1).copy_(chunk.view(-1))
             inner: Work = CompletedWork(None)
@@ -484,7 +493,7 @@ class Communicator(abc.ABC):
         buf = tensor.reshape(-1) if wire == tensor.dtype and tensor.is_contiguous() else tensor.reshape(-1).to(wire)
         res = out if wire == out.dtype and out.is_contiguous() else torch.empty(n, dtype=wire, device=out.device)
         self._record("reduce_scatter", buf.numel() * buf.element_size())
-        if self.size == 1:
+        if self._solo():
             if res.data_ptr() != buf.data_ptr():
                 res.view(-1).copy_(buf)
             inner: Work = CompletedWork(None)
@@ -511,7 +520,7 @@ class Communicator(abc.ABC):
     def barrier_async(self) -> Work:
         if self._closed:
             raise CommError(f"barrier on communicator {self.name!r}, which was closed")
-        return self._barrier_start() if self.size > 1 else CompletedWork(None)
+        return CompletedWork(None) if self._solo() else self._barrier_start()
 
     def barrier(self) -> None:
         """All members meet: returns once every rank of the group has called it."""
@@ -528,6 +537,18 @@ class Communicator(abc.ABC):
         if sub is not None and name is not None:
             sub.name = name
         return sub
+
+    def group(self) -> ContextManager[None]:
+        """Launch the collectives started inside the ``with`` block together, where the backend
+        can (NCCL's groupStart / groupEnd: several buckets in one launch); a no-op elsewhere, so
+        callers can always write it. Wait on the handles after the block, not inside it.
+
+        Example:
+            >>> with comm.group():
+            ...     works = [comm.all_reduce_async(b) for b in buckets]
+            >>> results = [w.wait() for w in works]
+        """
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Release the group's resources; later calls raise CommError. Idempotent."""

@@ -1,0 +1,41 @@
+"""Process-wide switches read from the environment, turned into plain values here.
+
+The layers above never read the environment (DESIGN.md): `fleet.init` asks this function.
+
+==========================  ===============================================================
+``FLEETLIKE_STRATEGY``      JSON text or a path to a JSON file, applied over the script's
+                            `DistributedStrategy` (for changing a running job's strategy
+                            without editing the script)
+``FLEETLIKE_BACKEND``       force a backend: gloo, mpi, nccl, single (default: auto)
+``FLEETLIKE_CHECK_COLLECTIVES``  "1" turns the collective desync check on (debugging)
+==========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+__all__ = ["EnvSettings", "env_settings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+    strategy_override: str | None = None
+    backend: str | None = None
+    check_collectives: bool = False
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    env = os.environ if environ is None else environ
+    flag = env.get("FLEETLIKE_CHECK_COLLECTIVES", "").strip().lower()
+    if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise ValueError(
+            f"FLEETLIKE_CHECK_COLLECTIVES={flag!r} is not a switch; use 1 or 0"
+        )
+    return EnvSettings(
+        strategy_override=env.get("FLEETLIKE_STRATEGY") or None,
+        backend=env.get("FLEETLIKE_BACKEND") or None,
+        check_collectives=flag in ("1", "true", "yes"),
+    )

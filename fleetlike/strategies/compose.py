@@ -1,0 +1,226 @@
+"""Build the three programs of ``minimize``: origin (local), main (the passes' rewrite), startup.
+
+The passes run in one fixed, documented order (docs/ARCHITECTURE.md, "Pass order"):
+
+1. ``sync_batch_norm``   converts BatchNorm layers (model rewrite, before anything runs)
+2. ``recompute``         rewrites the forward
+3. ``amp``               scales the loss; unscale + agreed finite check before the update
+4. ``gradient_merge``    accumulates k steps; communicates and updates on the k-th
+5. ``data_parallel``     bucketed gradient allreduce overlapping backward (with
+                         ``fp16_allreduce`` and ``use_hierarchical_allreduce`` as its collective)
+   or ``localsgd`` / ``adaptive_localsgd``: local updates, periodic parameter averaging
+
+A pass is ``apply(program, build) -> program``: it clones and rewrites, never mutating the
+program it got, so ``_origin_program`` stays purely local. Each pass records in ``build.applied``
+whether it was applied and why not, which is what ``fleet.applied_strategy()`` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fleetlike.comm import CommGroups
+from fleetlike.program import Op, Program, StepState
+from fleetlike.roles import Role
+from fleetlike.strategies.config import DistributedStrategy
+from fleetlike.strategies.data_parallel import FlatAllReduce, GradReducer
+
+__all__ = ["Build", "AppliedEntry", "build_programs", "LossFn", "StrategyNotAvailableError"]
+
+LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | Mapping[str, torch.Tensor]"]
+
+
+class StrategyNotAvailableError(ValueError):
+    """A strategy option is switched on whose pass this build of fleetlike does not run."""
+
+
+@dataclasses.dataclass
+class AppliedEntry:
+    name: str
+    applied: bool
+    detail: str
+
+    def __str__(self) -> str:
+        mark = "applied" if self.applied else "NOT applied"
+        return f"{self.name}: {mark} ({self.detail})"
+
+
+@dataclasses.dataclass
+class Build:
+    """Everything a pass may use, and where passes leave state for save/load and stats."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    strategy: DistributedStrategy
+    groups: CommGroups
+    role: Role
+    device: torch.device
+    applied: list[AppliedEntry] = dataclasses.field(default_factory=list)
+    #: per-pass state objects with state_dict()/load_state_dict(), saved by save_persistables
+    states: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reducer: GradReducer | None = None
+    #: how the local step clears gradients; the data-parallel pass swaps in the reducer's
+    clear_grad: Callable[[], None] | None = None
+
+    def record(self, name: str, applied: bool, detail: str) -> None:
+        self.applied.append(AppliedEntry(name, applied, detail))
+
+
+# ---------------------------------------------------------------------- the local step
+
+
+def _outputs(result: Any) -> dict[str, torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return {"loss": result}
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            raise KeyError(
+                f"loss_fn returned a mapping with keys {sorted(result)}; it must contain 'loss' "
+                "(the scalar to minimize)"
+            )
+        return dict(result)
+    raise TypeError(
+        f"loss_fn must return the scalar loss tensor or a mapping with a 'loss' entry, got "
+        f"{type(result).__name__}"
+    )
+
+
+def local_program(build: Build) -> Program:
+    """forward -> backward -> optimizer_update -> clear_grad: one step with no communication."""
+    model, opt = build.model, build.optimizer
+
+    def forward(s: StepState) -> None:
+        s.outputs = _outputs(build.loss_fn(model, s.feed))
+        loss = s.outputs["loss"]
+        if loss.dim() != 0 and loss.numel() != 1:
+            raise ValueError(f"loss_fn's 'loss' must be a scalar, got shape {tuple(loss.shape)}")
+        s.loss = loss
+
+    def backward(s: StepState) -> None:
+        assert s.loss is not None  # set by forward, which always runs first
+        s.loss.backward()
+
+    def update(s: StepState) -> None:
+        if not s.skip_update:
+            opt.step()
+
+    def clear(s: StepState) -> None:
+        (build.clear_grad or (lambda: opt.zero_grad(set_to_none=True)))()
+
+    return Program(
+        "origin",
+        [
+            Op("forward", forward, {"loss_fn": getattr(build.loss_fn, "__name__", "loss_fn")}),
+            Op("backward", backward),
+            Op("optimizer_update", update, {"optimizer": type(opt).__name__}),
+            Op("clear_grad", clear),
+        ],
+        device=build.device,
+    )
+
+
+# ---------------------------------------------------------------------- data parallel
+
+
+def data_parallel_pass(program: Program, build: Build) -> Program:
+    """Bucketed, overlapped gradient averaging (see `GradReducer`)."""
+    s = build.strategy
+    rings = build.groups.rings(s.nccl_comm_num)
+    cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
+    reducer = GradReducer(
+        build.model.parameters(), FlatAllReduce(rings), cap_bytes=cap, find_unused=s.find_unused_parameters
+    )
+    build.reducer = reducer
+    build.clear_grad = reducer.zero_grad
+    main = program.clone("main")
+
+    def backward(st: StepState) -> None:
+        assert st.loss is not None
+        reducer.prepare(st.loss)
+        st.loss.backward()
+
+    def wait(st: StepState) -> None:
+        before = reducer.collectives_issued, reducer.bytes_issued
+        reducer.finalize()
+        st.info["collectives"] = reducer.collectives_issued - before[0]
+        st.info["bytes_communicated"] = reducer.bytes_issued - before[1]
+
+    described = [
+        Op("c_allreduce_avg", None, {**{"bucket": d.pop("bucket").describe()}, **d}, parent="backward")
+        for d in reducer.describe()
+    ]
+    main.replace("backward", Op("backward", backward, {"overlap": "bucket allreduce starts as grads fill"}), *described)
+    main.insert_before(
+        "optimizer_update",
+        Op("c_wait_allreduce", wait, {"buckets": len(reducer.buckets), "world": build.groups.world.size}),
+    )
+    detail = (
+        f"{len(reducer.buckets)} buckets "
+        + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
+        + f" over {len(rings)} communicator(s)"
+    )
+    build.record("data_parallel", True, detail)
+    return main
+
+
+# ---------------------------------------------------------------------- startup
+
+
+def startup_program(build: Build) -> Program:
+    """Broadcast rank 0's parameters and buffers to every rank (coalesced per dtype)."""
+    world = build.groups.world
+    tensors = [p.data for p in build.model.parameters()] + [b for b in build.model.buffers()]
+
+    def broadcast(_: StepState) -> None:
+        broadcast_coalesced(world, tensors)
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return Program(
+        "startup",
+        [Op("broadcast_params", broadcast, {"tensors": len(tensors), "bytes": nbytes, "root": 0, "comm": world.name})],
+        device=build.device,
+    )
+
+
+def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], root: int = 0) -> None:
+    """Broadcast ``tensors`` from ``root`` with one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        comm.broadcast(flat, root)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# ---------------------------------------------------------------------- composition
+
+_LATER = ("localsgd", "adaptive_localsgd", "amp", "recompute", "gradient_merge",
+          "use_hierarchical_allreduce", "fp16_allreduce", "sync_batch_norm")
+
+
+def build_programs(build: Build) -> tuple[Program, Program, Program]:
+    """Return ``(origin, main, startup)`` for ``build`` (see the module docstring)."""
+    s = build.strategy
+    s.validate_combination()
+    for name in _LATER:
+        if getattr(s, name):
+            raise StrategyNotAvailableError(
+                f"strategy.{name} is on, but its pass is not available in this build of fleetlike; "
+                f"set strategy.{name} = False"
+            )
+    origin = local_program(build)
+    main = data_parallel_pass(origin, build)
+    if not main.has("c_wait_allreduce"):  # pragma: no cover - defensive
+        raise RuntimeError("data-parallel pass produced no collectives")
+    build.clear_grad = build.reducer.zero_grad if build.reducer else None
+    return origin, main, startup_program(build)

@@ -1,0 +1,424 @@
+"""The `nccl` backend: clear errors without a GPU; on a GPU, every collective against numpy.
+
+The CPU tests always run. The GPU tests (marked ``gpu``) need a CUDA device, CuPy and NCCL and are
+skipped, with the reason, without them. One GPU means a world of one process: NCCL refuses two
+ranks on one device. The base class would short-cut a group of one, so the nccl backend sets
+``calls_backend_at_size_one`` and every call below really goes through NCCL on the comm stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fleetlike.comm.nccl as nccl_mod
+from comm_cases import DTYPES, KINDS, OPS, Case, case_strategy, check_all, run_cases
+from fleetlike.comm import CommError, SingleCommunicator, create_world
+from fleetlike.comm.nccl import NcclCommunicator, NcclUnavailableError, nccl_unavailable_reason
+from fleetlike.roles.role import Role
+from fleetlike.testing import free_ports
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _one_rank_role(**kw) -> Role:
+    return Role.from_endpoints(0, [f"127.0.0.1:{free_ports(1)[0]}"], job_id="nccl-test", **kw)
+
+
+# ------------------------------------------------------------------------- CPU: always run
+
+
+def test_module_imports_without_cupy():
+    """The module and the package import with CuPy unimportable, and do not import CuPy."""
+    code = (
+        "import sys\n"
+        "import fleetlike.comm.nccl as m, fleetlike.comm\n"
+        "assert 'cupy' not in sys.modules, 'importing the backend imported cupy'\n"
+        "sys.modules['cupy'] = None\n"
+        "print(m.NcclCommunicator.backend, m.NcclUnavailableError.__mro__[1].__name__)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["nccl", "CommError"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_create_world_nccl_without_gpu_says_why_and_what_to_do():
+    with pytest.raises(NcclUnavailableError) as info:
+        create_world(_one_rank_role(), backend="nccl", timeout=30)
+    msg = str(info.value)
+    assert info.value.reason == "no_cuda"
+    assert isinstance(info.value, CommError) and isinstance(info.value, RuntimeError)
+    assert "torch.cuda.is_available() is False" in msg
+    assert "backend='gloo'" in msg and "nvidia-smi" in msg
+    assert nccl_unavailable_reason() == msg
+
+
+def _pretend_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nccl_mod, "_NCCL", None)
+
+
+def test_missing_cupy_names_the_gpu_extra(monkeypatch):
+    _pretend_cuda(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    with pytest.raises(NcclUnavailableError) as info:
+        nccl_mod._require_nccl()
+    assert info.value.reason == "no_cupy"
+    assert "pip install 'fleetlike[gpu]'" in str(info.value) and "backend='gloo'" in str(info.value)
+
+
+def test_missing_nccl_library_names_the_package(monkeypatch):
+    _pretend_cuda(monkeypatch)
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "13.0.0"
+    cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.available = False
+    cupy.cuda, cuda.nccl = cuda, nccl
+    for name, mod in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    with pytest.raises(NcclUnavailableError) as info:
+        nccl_mod._require_nccl()
+    assert info.value.reason == "no_nccl"
+    assert "nvidia-nccl-cu12" in str(info.value) and "nvidia-smi" in str(info.value)
+
+
+def test_device_from_explicit_device_selected_gpus_or_local_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    resolve = nccl_mod._resolve_device
+    eps = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
+    assert resolve(Role.from_endpoints(1, eps[:2]), None) == torch.device("cuda", 1)
+    assert resolve(Role.from_endpoints(0, eps[:1], selected_gpus=[1]), None) == torch.device("cuda", 1)
+    assert resolve(Role.from_endpoints(1, eps[:2], selected_gpus=[1, 0]), None) == torch.device("cuda", 0)
+    assert resolve(Role.from_endpoints(1, eps[:2]), "cuda:0") == torch.device("cuda", 0)
+    assert resolve(Role.from_endpoints(0, eps[:1]), 1) == torch.device("cuda", 1)
+    with pytest.raises(NcclUnavailableError, match=r"GPU 2 \(from local_rank=2\).*sees 2 CUDA") as info:
+        resolve(Role.from_endpoints(2, eps), None)
+    assert info.value.reason == "no_device" and "--selected_gpus" in str(info.value)
+    with pytest.raises(ValueError, match="has no entry for local rank 2"):
+        resolve(Role.from_endpoints(2, eps, selected_gpus=[0, 1]), None)
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        resolve(Role.from_endpoints(0, eps[:1]), "cpu")
+
+
+def test_unique_id_travels_as_raw_bytes():
+    uid = tuple((i * 37 % 256) - 128 for i in range(128))  # CuPy's signed chars
+    raw = nccl_mod._uid_to_bytes(uid)
+    assert isinstance(raw, bytes) and len(raw) == 128
+    assert nccl_mod._uid_candidates(raw)[0] == uid
+    assert nccl_mod._uid_candidates(raw)[1] == tuple(v & 0xFF for v in uid)
+
+
+def test_group_is_a_no_op_elsewhere_and_size_one_short_cut_stays():
+    comm = SingleCommunicator()
+    with comm.group():
+        work = comm.all_reduce_async(torch.ones(3))
+    assert torch.equal(work.wait(), torch.ones(3))
+    assert SingleCommunicator.calls_backend_at_size_one is False
+    assert NcclCommunicator.calls_backend_at_size_one is True
+
+
+# ------------------------------------------------------------------------- GPU
+
+_REASON = nccl_unavailable_reason()
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"no usable NCCL here: {_REASON}")
+
+
+@pytest.fixture(scope="module")
+def world():
+    comm = create_world(_one_rank_role(), backend="nccl", timeout=60)
+    try:
+        yield comm
+    finally:
+        comm.close()
+
+
+def _cases(kind: str, dtype: str) -> list[Case]:
+    ops = OPS if kind in ("all_reduce", "reduce", "reduce_scatter") else ("sum",)
+    shapes = [(), (5,), (3, 7), (0,), (1000,)]
+    return [
+        Case(kind=kind, dtype=dtype, shape=shape, op=op, root=0, seed=seed, inplace=inplace, use_async=use_async)
+        for seed, (op, shape, inplace, use_async) in enumerate(
+            itertools.product(ops, shapes, (False, True), (False, True))
+        )
+    ]
+
+
+@gpu
+@needs_gpu
+def test_world_is_nccl_on_this_gpu(world):
+    assert isinstance(world, NcclCommunicator) and world.backend == "nccl"
+    assert (world.rank, world.size, world.ranks) == (0, 1, (0,))
+    assert world.device == torch.device("cuda", torch.cuda.current_device())
+    assert world.nccl_version > 0
+    print(f"NCCL {world.nccl_version} on {torch.cuda.get_device_name(world.device)}; "
+          f"native_avg={world.native_avg}; native dtypes={sorted(map(str, world.native_reduce_dtypes))}")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_collective_dtype_op_matches_numpy(world, kind, dtype):
+    cases = _cases(kind, dtype)
+    check_all(cases, [run_cases(world, cases, world.device)])
+
+
+@gpu
+@needs_gpu
+@settings(max_examples=40)
+@given(st.lists(case_strategy(1), min_size=1, max_size=8))
+def test_collectives_match_numpy_hypothesis(world, cases):
+    check_all(cases, [run_cases(world, cases, world.device)])
+
+
+class _Counting:
+    """Stands in for CuPy's NCCL communicator and counts the calls that reach it."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if callable(attr):
+            def call(*args, **kw):
+                self.calls.append(name)
+                return attr(*args, **kw)
+            return call
+        return attr
+
+
+@gpu
+@needs_gpu
+def test_a_world_of_one_really_calls_nccl(world):
+    real = world._comm
+    world._comm = counting = _Counting(real)
+    try:
+        x = torch.ones(8, device=world.device)
+        world.all_reduce(x)
+        world.broadcast(x)
+        world.reduce(x)
+        world.all_gather_flat(x)
+        world.reduce_scatter(x)
+        world.barrier()
+    finally:
+        world._comm = real
+    assert counting.calls == ["allReduce", "broadcast", "reduce", "allGather", "reduceScatter", "allReduce"]
+
+
+@gpu
+@needs_gpu
+def test_async_wait_orders_the_stream_without_blocking_the_host(world):
+    x = torch.zeros(1 << 20, device=world.device)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on torch's current stream
+    x.fill_(2.0)
+    work = world.all_gather_flat_async(x)
+    t0 = time.perf_counter()
+    out = work.wait()
+    waited = time.perf_counter() - t0
+    assert not work.is_completed(), "the collective finished before the sleeping kernel did"
+    assert waited < 0.05, f"wait() blocked the host for {waited:.3f}s"
+    assert torch.equal(out.cpu(), torch.full((1 << 20,), 2.0))  # ordered after the collective
+    torch.cuda.synchronize()
+    assert work.is_completed()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["all_gather_flat", "reduce_scatter", "all_reduce_out", "broadcast_out"])
+def test_input_made_just_before_the_call_is_seen_without_sync(world, kind):
+    n = 1 << 22
+    side = torch.cuda.Stream(device=world.device)
+    with torch.cuda.stream(side):  # a non-default current stream: the comm must wait on it
+        x = torch.zeros(n, device=world.device)
+        torch.cuda._sleep(100_000_000)
+        x.fill_(3.0)
+        if kind == "all_gather_flat":
+            out = world.all_gather_flat(x)
+        elif kind == "reduce_scatter":
+            out = world.reduce_scatter(x, out=torch.empty_like(x))
+        elif kind == "all_reduce_out":
+            out = world.all_reduce(x, out=torch.empty_like(x))
+        else:
+            out = world.broadcast(x, out=torch.empty_like(x))
+        got = out.cpu()  # on the side stream, after wait()
+    assert torch.equal(got, torch.full((n,), 3.0))
+
+
+@gpu
+@needs_gpu
+def test_ordering_test_is_sensitive(world):
+    """Control: raw NCCL on the comm stream, without the wait, reads the stale input."""
+    nccl = nccl_mod._require_nccl()
+    n = 1 << 22
+    x = torch.zeros(n, device=world.device)
+    out = torch.full((n,), -1.0, device=world.device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    x.fill_(3.0)
+    world.nccl_comm.allGather(x.data_ptr(), out.data_ptr(), n, nccl.NCCL_FLOAT32, world.stream.cuda_stream)
+    world.stream.synchronize()
+    stale = out.cpu()
+    torch.cuda.synchronize()
+    assert torch.equal(stale, torch.zeros(n)), "NCCL waited anyway: the ordering tests prove nothing"
+
+
+@gpu
+@needs_gpu
+def test_out_of_place_leaves_the_input(world):
+    x = torch.arange(10, dtype=torch.float32, device=world.device)
+    out = torch.empty_like(x)
+    assert world.all_reduce(x, "max", out=out) is out
+    assert torch.equal(x.cpu(), torch.arange(10, dtype=torch.float32))
+    assert torch.equal(out.cpu(), torch.arange(10, dtype=torch.float32))
+
+
+@gpu
+@needs_gpu
+def test_group_launches_several_buckets(world):
+    dev = world.device
+    buckets = [torch.full((n,), float(i + 1), device=dev) for i, n in enumerate([1, 1000, 1 << 20])]
+    ints = torch.arange(-7, 8, dtype=torch.int64, device=dev)
+    halves = torch.full((33,), 0.5, dtype=torch.bfloat16, device=dev)
+    with world.group():
+        works = [world.all_reduce_async(b, op="avg") for b in buckets]
+        works.append(world.all_reduce_async(ints, op="avg"))  # sum + floor division, deferred
+        works.append(world.all_reduce_async(halves, op="sum"))
+        works.append(world.all_gather_flat_async(torch.full((1000,), 2.0, device=dev)))
+        works.append(world.reduce_scatter_async(buckets[2].clone(), op="max"))
+        assert not any(w.is_completed() for w in works)
+    results = [w.wait() for w in works]
+    for i, b in enumerate(buckets):
+        assert torch.equal(results[i].cpu(), torch.full((b.numel(),), float(i + 1)))
+    assert torch.equal(results[3].cpu(), torch.arange(-7, 8))
+    assert torch.equal(results[4].cpu(), torch.full((33,), 0.5, dtype=torch.bfloat16))
+    assert torch.equal(results[5].cpu(), torch.full((1000,), 2.0))
+    assert torch.equal(results[6].cpu(), torch.full((1 << 20,), 3.0))
+
+
+@gpu
+@needs_gpu
+def test_group_nests_and_spans_communicators(world):
+    sub = world.split(0)
+    try:
+        a = torch.ones(4, device=world.device)
+        b = torch.full((4,), 2.0, device=world.device)
+        with world.group():
+            wa = world.all_reduce_async(a)
+            with sub.group():
+                wb = sub.all_reduce_async(b)
+            assert not wb.is_completed()  # launched only when the outermost block ends
+        assert torch.equal(wa.wait().cpu(), torch.ones(4))
+        assert torch.equal(wb.wait().cpu(), torch.full((4,), 2.0))
+    finally:
+        sub.close()
+
+
+@gpu
+@needs_gpu
+def test_wait_inside_a_group_says_to_wait_after_it(world):
+    with world.group():
+        work = world.all_reduce_async(torch.ones(4, device=world.device))
+        with pytest.raises(CommError, match="after the block"):
+            work.wait()
+    assert torch.equal(work.wait().cpu(), torch.ones(4))
+
+
+@gpu
+@needs_gpu
+def test_split_by_color(world):
+    assert world.split(None) is None
+    sub = world.split(3, name="mine")
+    try:
+        assert isinstance(sub, NcclCommunicator)
+        assert (sub.name, sub.rank, sub.size, sub.ranks) == ("mine", 0, 1, (0,))
+        assert sub.stream.cuda_stream != world.stream.cuda_stream
+        assert sub.all_reduce(torch.tensor([5], device=world.device)).item() == 5
+        subsub = sub.split(0)
+        assert subsub.all_gather_flat(torch.tensor([7], device=world.device)).tolist() == [7]
+        subsub.close()
+    finally:
+        sub.close()
+    with pytest.raises(CommError, match="closed"):
+        sub.all_reduce(torch.ones(1, device=world.device))
+
+
+@gpu
+@needs_gpu
+def test_cpu_tensor_on_nccl_is_refused(world):
+    with pytest.raises(ValueError, match=r"is on cpu, but the 'nccl' communicator .* moves CUDA tensors"):
+        world.all_reduce(torch.ones(3))
+    with pytest.raises(ValueError, match="gloo"):
+        world.broadcast(torch.ones(3), out=torch.ones(3, device=world.device))
+
+
+@gpu
+@needs_gpu
+def test_barrier_and_stats(world):
+    world.stats.reset()
+    world.barrier()
+    world.all_reduce(torch.zeros(1000, device=world.device))
+    assert world.stats.calls == {"all_reduce": 1}
+    assert world.stats.bytes == {"all_reduce": 4000}
+
+
+def _per_call(fn, n: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+@gpu
+@needs_gpu
+def test_overhead_against_raw_cupy_nccl(world):
+    """Per-call time of fleetlike's all_reduce and of the raw CuPy call (world of one: overhead
+    only, not bandwidth). Writes JSON to $FLEETLIKE_NCCL_BENCH when set."""
+    nccl = nccl_mod._require_nccl()
+    comm = world.nccl_comm
+    rows = []
+    for nbytes, calls in ((8, 2000), (64 << 20, 200)):
+        n = nbytes // 4
+        x = torch.ones(n, device=world.device)
+        y = torch.empty_like(x)
+        p, q = x.data_ptr(), y.data_ptr()
+
+        def raw_in(p=p, n=n):
+            comm.allReduce(p, p, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, torch.cuda.current_stream().cuda_stream)
+
+        def raw_out(p=p, q=q, n=n):
+            comm.allReduce(p, q, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, torch.cuda.current_stream().cuda_stream)
+
+        for mode, ours, raw in (
+            ("in-place", lambda x=x: world.all_reduce(x), raw_in),
+            ("out-of-place", lambda x=x, y=y: world.all_reduce(x, out=y), raw_out),
+        ):
+            t_ours, t_raw = _per_call(ours, calls), _per_call(raw, calls)
+            rows.append({"bytes": nbytes, "mode": mode, "calls": calls, "fleetlike_us": t_ours * 1e6,
+                         "raw_cupy_us": t_raw * 1e6, "ratio": t_ours / t_raw})
+    for r in rows:
+        print(f"{r['bytes']:>10} B {r['mode']:>12}: fleetlike {r['fleetlike_us']:8.1f} us, "
+              f"raw cupy {r['raw_cupy_us']:8.1f} us, x{r['ratio']:.2f}")
+    path = os.environ.get("FLEETLIKE_NCCL_BENCH")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(world.device), "torch": torch.__version__,
+                       "nccl": world.nccl_version, "rows": rows}, f, indent=1)
+    assert all(r["fleetlike_us"] > 0 for r in rows)
