@@ -41,6 +41,7 @@ __all__ = [
     "run_info",
     "save_json",
     "plot_panels",
+    "run_mpiexec",
 ]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -265,3 +266,40 @@ def plot_panels(
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
+
+
+def run_mpiexec(n: int, args: Sequence[str], *, timeout: float, cwd: str | Path | None = None) -> str:
+    """Run ``mpiexec -n n <args>`` (the mpiexec next to this interpreter, from the ``mpich`` wheel).
+
+    The job runs in its own process group, killed whole when it outlives ``timeout`` seconds or
+    the caller is interrupted. Returns the combined output; raises RuntimeError on failure."""
+    import signal
+    import subprocess
+
+    exe = Path(sys.executable).parent / "mpiexec"
+    if not os.access(exe, os.X_OK):
+        raise RuntimeError(f"no mpiexec at {exe}; install the MPI extra: pip install mpi4py mpich")
+    cmd = [str(exe), "-launcher", "fork", "-bind-to", "none", "-n", str(n), *args]
+    env = dict(os.environ)
+    env.setdefault("HYDRA_IFACE", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise RuntimeError(
+                f"{shlex.join(cmd)} did not finish within {timeout:g}s; killed. Output:\n"
+                + out.decode(errors="replace")[-4000:]
+            ) from None
+        raise
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{text[-4000:]}")
+    return text

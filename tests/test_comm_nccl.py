@@ -398,13 +398,14 @@ def test_overhead_against_raw_cupy_nccl(world):
         n = nbytes // 4
         x = torch.ones(n, device=world.device)
         y = torch.empty_like(x)
-        p, q = x.data_ptr(), y.data_ptr()
+        p, q, h = x.data_ptr(), y.data_ptr(), torch.cuda.current_stream().cuda_stream
+        f32, add = nccl.NCCL_FLOAT32, nccl.NCCL_SUM
 
         def raw_in(p=p, n=n):
-            comm.allReduce(p, p, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, torch.cuda.current_stream().cuda_stream)
+            comm.allReduce(p, p, n, f32, add, h)
 
         def raw_out(p=p, q=q, n=n):
-            comm.allReduce(p, q, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, torch.cuda.current_stream().cuda_stream)
+            comm.allReduce(p, q, n, f32, add, h)
 
         for mode, ours, raw in (
             ("in-place", lambda x=x: world.all_reduce(x), raw_in),

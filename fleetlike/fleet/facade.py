@@ -202,10 +202,14 @@ class Fleet:
 
     # ------------------------------------------------------------------ eager style
 
-    def distributed_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Broadcast rank 0's parameters and buffers, attach the gradient hooks; returns ``model``."""
+    def distributed_model(
+        self, model: torch.nn.Module, strategy: DistributedStrategy | None = None
+    ) -> torch.nn.Module:
+        """Broadcast rank 0's parameters and buffers, attach the gradient hooks; returns ``model``.
+
+        The bucketing follows ``strategy`` (default: the one given to ``fleet.init``)."""
         ctx = self._context("fleet.distributed_model")
-        s = ctx.strategy
+        s = strategy or ctx.strategy
         broadcast_coalesced(ctx.world, [p.data for p in model.parameters()] + list(model.buffers()))
         cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
         if self._eager is not None:

@@ -1,0 +1,333 @@
+"""Local SGD and adaptive local SGD: local updates, parameters averaged every k steps.
+
+These passes *replace* data parallel: ``main_program`` is the purely local step (forward,
+backward, update: no gradient communication) followed by ``c_localsgd_average``, which averages
+the parameters over the ranks when it is due. Communication drops from every step to every k-th,
+which pays off when slow ranks or a slow network dominate a step.
+
+Schedule (Paddle 2.x's ``LocalSGDOptimizer``): a step counter starts at 1 and grows by one per run
+of ``main_program`` (``_origin_program`` never touches it). Parameters are averaged on every run
+while ``step <= begin_step`` (warm-up) and afterwards whenever ``step - last_sync_step == k``,
+i.e. at steps ``{1..begin_step} ∪ {begin_step + j*k, j >= 1}``.
+
+Averaging is Paddle's snapshot form, not a plain mean of parameters: every rank keeps a snapshot
+of the parameters as they were at the last average (identical on all ranks), allreduces
+``(snapshot - param) / N`` and sets ``param = snapshot - mean; snapshot = param``. That equals
+the mean of the parameters, but sends the (small) drift, and is what makes the manual recipe of
+seed 003 work: ``_origin_program`` steps move the parameters away from the snapshot and the next
+``main_program`` run averages them back. Snapshots are flat per-dtype buffers (capped by
+``fuse_grad_size_in_MB``) spread round-robin over ``nccl_comm_num`` communicators, all started
+asynchronously and then waited for. They are taken by the startup program right after the
+broadcast from rank 0 (or lazily at the first run of ``main_program`` if startup never ran).
+
+Adaptive local SGD (Paddle 2.x's ``AdaptiveLocalSGDOptimizer``, after Wang & Joshi,
+arXiv:1810.08313): k starts at ``init_k_steps``; at step 1 the loss averaged over the ranks and
+the learning rate are recorded as ``loss0``/``lr0``; at each average after ``begin_step``::
+
+    k = clip(ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)), 1, 16)
+
+with ``loss`` this step's loss averaged over the ranks and ``lr`` this step's learning rate. So k
+*grows* when the learning rate falls faster than the loss (parameters settle: average less often)
+and *shrinks* when the loss falls faster than the learning rate. As in Paddle, warm-up averages
+(``step <= begin_step``) do not recompute k.
+
+Relation to ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``:
+torch counts from 0 (its ``step`` is ours minus one) and averages when
+``step >= warmup_steps and (step - warmup_steps) % period == 0``, and does nothing at all during
+its warm-up (it expects DDP's gradient allreduce there, as ``PostLocalSGDState`` does). With
+``period = k`` and ``warmup_steps = begin_step - 1`` the post-warm-up averages coincide (ours at
+``begin_step + j*k``, j >= 0, theirs at torch step ``begin_step - 1 + j*k``); our warm-up steps
+``1..begin_step - 1`` average parameters where torch relies on gradient averaging, which is the
+same for plain SGD from identical parameters. With Paddle's default ``begin_step = 1`` the two
+are identical: ``PeriodicModelAverager(period=k, warmup_steps=0)``.
+
+Example:
+    >>> s = DistributedStrategy(); s.localsgd = True
+    >>> s.localsgd_configs = {"k_steps": 4, "begin_step": 30}
+    >>> print(fleet.main_program)       # ... c_localsgd_average k=4 averages=... bytes=...
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fleetlike.comm import Communicator
+from fleetlike.program import Op, Program, StepState
+from fleetlike.strategies.buckets import plan_buckets
+
+if TYPE_CHECKING:
+    from fleetlike.strategies.compose import Build
+
+__all__ = [
+    "K_MIN",
+    "K_MAX",
+    "LocalSGDState",
+    "ParamAverager",
+    "adaptive_k",
+    "localsgd_pass",
+    "adaptive_localsgd_pass",
+    "snapshot_op",
+]
+
+K_MIN, K_MAX = 1, 16
+
+
+def adaptive_k(loss0: float, lr0: float, loss: float, lr: float, init_k_steps: int) -> int:
+    """Paddle's next k: ``clip(ceil(sqrt(lr0*loss / (lr*loss0) * init_k_steps)), 1, 16)``.
+
+    A ratio that is not a positive finite number (zero loss0 or lr, negative losses, nan) gives
+    1 for nan/non-positive (average as often as possible: the safe side) and 16 for +inf.
+    """
+    den = lr * loss0
+    ratio = lr0 * loss / den if den != 0 else (math.inf if lr0 * loss > 0 else math.nan)
+    value = ratio * init_k_steps
+    if math.isnan(value) or value <= 0:
+        return K_MIN
+    if math.isinf(value):
+        return K_MAX
+    return int(min(max(math.ceil(math.sqrt(value)), K_MIN), K_MAX))
+
+
+class ParamAverager:
+    """Snapshot-based parameter averaging over flat per-dtype buffers (see the module docstring)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], rings: list[Communicator], cap_bytes: int | None) -> None:
+        if not rings:
+            raise ValueError("ParamAverager needs at least one communicator")
+        self.rings = rings
+        self.groups = plan_buckets(params, cap_bytes)
+        self.world = rings[0].size
+
+    def nbytes(self) -> int:
+        return sum(sum(p.numel() for p in g) * g[0].element_size() for g in self.groups)
+
+    def flat(self, i: int) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.groups[i]])
+
+    def take_snapshots(self) -> list[torch.Tensor]:
+        return [self.flat(i) for i in range(len(self.groups))]
+
+    def average(self, snapshots: list[torch.Tensor]) -> int:
+        """Average the parameters in place, refresh ``snapshots``; returns bytes sent."""
+        diffs = [snap - self.flat(i) for i, snap in enumerate(snapshots)]
+        works = [self.rings[i % len(self.rings)].all_reduce_async(d, "avg") for i, d in enumerate(diffs)]
+        for w in works:
+            w.wait()
+        sent = 0
+        with torch.no_grad():
+            for group, snap, diff in zip(self.groups, snapshots, diffs):
+                snap.sub_(diff)  # snapshot - mean drift: the new (identical) parameters
+                offset = 0
+                for p in group:
+                    p.copy_(snap[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                sent += diff.numel() * diff.element_size()
+        return sent
+
+    def describe(self) -> list[str]:
+        out = []
+        for i, g in enumerate(self.groups):
+            numel = sum(p.numel() for p in g)
+            out.append(
+                f"buffer={i} params={len(g)} numel={numel} dtype={str(g[0].dtype).replace('torch.', '')} "
+                f"comm={self.rings[i % len(self.rings)].name}"
+            )
+        return out
+
+
+class LocalSGDState:
+    """Everything the schedule needs to resume exactly: counter, k, snapshots, loss0/lr0, stats."""
+
+    def __init__(self, k: int, begin_step: int, adaptive: bool, init_k_steps: int) -> None:
+        self.step = 1
+        self.k = k
+        self.begin_step = begin_step
+        self.adaptive = adaptive
+        self.init_k_steps = init_k_steps
+        self.last_sync_step = 0
+        self.snapshots: list[torch.Tensor] | None = None
+        self.loss0: float | None = None
+        self.lr0: float | None = None
+        self.averages_done = 0
+        self.bytes_sent = 0
+
+    def due(self) -> bool:
+        """Average at this step? (Paddle: ``step <= begin_step or step - last_step == k``.)"""
+        return self.step <= self.begin_step or self.step - self.last_sync_step == self.k
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "k": self.k,
+            "begin_step": self.begin_step,
+            "adaptive": self.adaptive,
+            "init_k_steps": self.init_k_steps,
+            "last_sync_step": self.last_sync_step,
+            "snapshots": None if self.snapshots is None else [s.clone() for s in self.snapshots],
+            "loss0": self.loss0,
+            "lr0": self.lr0,
+            "averages_done": self.averages_done,
+            "bytes_sent": self.bytes_sent,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("begin_step", "adaptive", "init_k_steps"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"local SGD state: saved {key}={state[key]!r} but this job has {getattr(self, key)!r}; "
+                    "restart with the saved strategy"
+                )
+        snaps = state["snapshots"]
+        if snaps is not None and self.snapshots is not None:
+            if [s.shape for s in snaps] != [s.shape for s in self.snapshots]:
+                raise ValueError(
+                    "local SGD state: saved snapshots have shapes "
+                    f"{[tuple(s.shape) for s in snaps]}, this model {[tuple(s.shape) for s in self.snapshots]}; "
+                    "load a checkpoint of the same model and fuse_grad_size_in_MB"
+                )
+        self.snapshots = None if snaps is None else [s.clone() for s in snaps]
+        self.step, self.k, self.last_sync_step = int(state["step"]), int(state["k"]), int(state["last_sync_step"])
+        self.loss0, self.lr0 = state["loss0"], state["lr0"]
+        self.averages_done, self.bytes_sent = int(state["averages_done"]), int(state["bytes_sent"])
+
+    def summary(self) -> str:
+        mode = f"adaptive_localsgd init_k_steps={self.init_k_steps}" if self.adaptive else "localsgd"
+        return (
+            f"{mode}: k={self.k} begin_step={self.begin_step} next_step={self.step} "
+            f"averages={self.averages_done} bytes_communicated={self.bytes_sent}"
+        )
+
+
+def _global_lr(optimizer: torch.optim.Optimizer) -> float:
+    lrs = {float(g["lr"]) for g in optimizer.param_groups}
+    if len(lrs) != 1:
+        raise ValueError(
+            f"adaptive_localsgd needs one global learning rate, but the optimizer's param_groups have "
+            f"lr={sorted(lrs)}; give every param group the same lr (a scheduler may change it) or "
+            "use strategy.localsgd with a fixed k_steps"
+        )
+    return lrs.pop()
+
+
+def _check_adaptive_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if type(optimizer) is not torch.optim.SGD:
+        raise ValueError(
+            f"strategy.adaptive_localsgd needs plain SGD, got {type(optimizer).__name__}: k is chosen "
+            "from the ratio of loss to learning rate, which only measures the step size when the "
+            "update is lr * gradient; Adam-like optimizers scale every coordinate by their own "
+            "statistics, so the lr signal is meaningless. Fix: use torch.optim.SGD without "
+            "momentum, or strategy.localsgd with a fixed localsgd_configs.k_steps"
+        )
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("momentum", 0) or g.get("nesterov", False):
+            raise ValueError(
+                f"strategy.adaptive_localsgd needs plain SGD, but param_groups[{i}] has "
+                f"momentum={g.get('momentum')}: with momentum the step is no longer lr * gradient, "
+                "so the lr signal that picks k is wrong. Fix: momentum=0, or strategy.localsgd "
+                "with a fixed localsgd_configs.k_steps"
+            )
+    _global_lr(optimizer)
+
+
+def _world_mean(comm: Communicator, value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return float(comm.all_reduce(t, "avg").item())
+
+
+def snapshot_op(build: Build) -> Op:
+    """The startup op that takes the snapshots after the broadcast from rank 0."""
+    state: LocalSGDState = build.states["localsgd"]
+    averager: ParamAverager = build.states["localsgd"].averager  # type: ignore[attr-defined]
+
+    def take(_: StepState) -> None:
+        state.snapshots = averager.take_snapshots()
+
+    return Op("localsgd_snapshot", take, {"buffers": len(averager.groups)})
+
+
+def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
+    s = build.strategy
+    if adaptive:
+        cfg = s.adaptive_localsgd_configs
+        _check_adaptive_optimizer(build.optimizer)
+        state = LocalSGDState(int(cfg["init_k_steps"]), int(cfg["begin_step"]), True, int(cfg["init_k_steps"]))
+    else:
+        cfg = s.localsgd_configs
+        state = LocalSGDState(int(cfg["k_steps"]), int(cfg["begin_step"]), False, 0)
+    rings = build.groups.rings(s.nccl_comm_num)
+    cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
+    averager = ParamAverager([p for p in build.model.parameters() if p.requires_grad], rings, cap)
+    state.averager = averager  # type: ignore[attr-defined]  # not saved: rebuilt from the model
+    build.states["localsgd"] = state
+    world = build.groups.world
+    device = build.device
+    main = program.clone("main")
+
+    def lazy_snapshot(st: StepState) -> None:
+        if state.snapshots is None:  # startup did not run: snapshot before anything moves
+            state.snapshots = averager.take_snapshots()
+
+    def average(st: StepState) -> None:
+        sent = 0
+        if adaptive and state.step == 1:
+            assert st.loss is not None
+            state.loss0 = _world_mean(world, float(st.loss.detach()), device)
+            state.lr0 = _global_lr(build.optimizer)
+            sent += 8
+        averaged = state.due()
+        if averaged:
+            assert state.snapshots is not None
+            sent += averager.average(state.snapshots)
+            if adaptive and state.step > state.begin_step:
+                assert st.loss is not None and state.loss0 is not None and state.lr0 is not None
+                loss = _world_mean(world, float(st.loss.detach()), device)
+                sent += 8
+                state.k = adaptive_k(state.loss0, state.lr0, loss, _global_lr(build.optimizer), state.init_k_steps)
+                st.info["localsgd_avg_loss"] = loss
+            state.last_sync_step = state.step
+            state.averages_done += 1
+        state.bytes_sent += sent
+        state.step += 1
+        st.info.update(
+            localsgd_k=state.k,
+            localsgd_averaged=averaged,
+            localsgd_averages=state.averages_done,
+            bytes_communicated=sent,
+        )
+
+    main.insert_before("forward", Op("localsgd_init_snapshot", lazy_snapshot, {"when": "first run, if startup did not"}))
+    main.insert_after(
+        "optimizer_update",
+        Op("c_localsgd_average", average, {
+            "k": lambda: state.k,
+            "begin_step": state.begin_step,
+            "next_step": lambda: state.step,
+            "averages": lambda: state.averages_done,
+            "bytes": lambda: state.bytes_sent,
+            "world": world.size,
+        }),
+        *[Op("c_allreduce_avg", None, {"what": f"snapshot-param {d}"}, parent="c_localsgd_average")
+          for d in averager.describe()],
+    )
+    main.notes.append(state.summary)
+    name = "adaptive_localsgd" if adaptive else "localsgd"
+    detail = (
+        f"replaces data_parallel: {len(averager.groups)} parameter buffer(s) over {len(rings)} communicator(s), "
+        + (f"k from loss and lr (init {state.k}, 1..{K_MAX})" if adaptive else f"k_steps={state.k}")
+        + f", every step until begin_step={state.begin_step}"
+    )
+    build.record(name, True, detail)
+    return main
+
+
+def localsgd_pass(program: Program, build: Build) -> Program:
+    """Local steps, parameters averaged at ``{1..begin_step} ∪ {begin_step + j*k_steps}``."""
+    return _make_pass(program, build, adaptive=False)
+
+
+def adaptive_localsgd_pass(program: Program, build: Build) -> Program:
+    """As `localsgd_pass`, with k recomputed from loss and learning rate at each average."""
+    return _make_pass(program, build, adaptive=True)

@@ -1,0 +1,55 @@
+"""Model, data and single-process references shared by the data-parallel tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IN, HID, OUT, BATCH = 16, 24, 3, 8
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Tanh(), torch.nn.Linear(HID, OUT))
+
+
+def make_opt(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    if name == "momentum":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(step * 1009 + rank)
+    return {
+        "x": torch.from_numpy(rng.standard_normal((BATCH, IN)).astype("float32")),
+        "y": torch.from_numpy(rng.integers(0, OUT, BATCH)),
+    }
+
+
+def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(feed["x"]), feed["y"])
+
+
+def params(model: torch.nn.Module) -> list[np.ndarray]:
+    return [p.detach().clone().numpy() for p in model.parameters()]
+
+
+def single_process(opt_name: str, world: int, steps: int, start: int = 0) -> list[np.ndarray]:
+    """One process on the concatenated batch of all ranks, from rank 0's initial parameters."""
+    model = make_model(100)
+    opt = make_opt(opt_name, model)
+    for step in range(start, steps):
+        parts = [batch(step, r) for r in range(world)]
+        feed = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        loss_fn(model, feed).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model)
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
