@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -84,7 +85,14 @@ class Bucket:
     def zero_(self) -> None:
         self.buffer.zero_()
 
-    def describe(self) -> str:
+    def describe(self) -> dict[str, Any]:
+        """Facts for the program listing."""
         kb = self.nbytes / 1024
         size = f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
-        return f"bucket={self.index} grads={len(self.params)} numel={self.numel} size={size} dtype={str(self.dtype).replace('torch.', '')}"
+        return {
+            "bucket": self.index,
+            "grads": len(self.params),
+            "numel": self.numel,
+            "size": size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }

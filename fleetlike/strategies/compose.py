@@ -151,7 +151,7 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
         st.info["bytes_communicated"] = reducer.bytes_issued - before[1]
 
     described = [
-        Op("c_allreduce_avg", None, {**{"bucket": d.pop("bucket").describe()}, **d}, parent="backward")
+        Op("c_allreduce_avg", None, {**d.pop("bucket").describe(), **d}, parent="backward")
         for d in reducer.describe()
     ]
     main.replace("backward", Op("backward", backward, {"overlap": "bucket allreduce starts as grads fill"}), *described)
@@ -204,7 +204,7 @@ def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], root: int = 0) -
 
 # ---------------------------------------------------------------------- composition
 
-_LATER = ("localsgd", "adaptive_localsgd", "amp", "recompute", "gradient_merge",
+_LATER = ("amp", "recompute", "gradient_merge",
           "use_hierarchical_allreduce", "fp16_allreduce", "sync_batch_norm")
 
 
@@ -218,7 +218,16 @@ def build_programs(build: Build) -> tuple[Program, Program, Program]:
                 f"strategy.{name} is on, but its pass is not available in this build of fleetlike; "
                 f"set strategy.{name} = False"
             )
+    from fleetlike.strategies import localsgd  # local SGD passes (replace data parallel when on)
+
     origin = local_program(build)
+    if s.localsgd or s.adaptive_localsgd:
+        # replaces data parallel: no gradient communication, periodic parameter averaging
+        main = (localsgd.adaptive_localsgd_pass if s.adaptive_localsgd else localsgd.localsgd_pass)(origin, build)
+        build.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
+        startup = startup_program(build)
+        startup.ops.append(localsgd.snapshot_op(build))  # snapshots = rank 0's broadcast params
+        return origin, main, startup
     main = data_parallel_pass(origin, build)
     if not main.has("c_wait_allreduce"):  # pragma: no cover - defensive
         raise RuntimeError("data-parallel pass produced no collectives")

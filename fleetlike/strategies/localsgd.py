@@ -153,6 +153,8 @@ class LocalSGDState:
         self.lr0: float | None = None
         self.averages_done = 0
         self.bytes_sent = 0
+        #: the buffers' layout (rebuilt from the model, not saved)
+        self.averager: ParamAverager | None = None
 
     def due(self) -> bool:
         """Average at this step? (Paddle: ``step <= begin_step or step - last_step == k``.)"""
@@ -181,12 +183,13 @@ class LocalSGDState:
                     "restart with the saved strategy"
                 )
         snaps = state["snapshots"]
-        if snaps is not None and self.snapshots is not None:
-            if [s.shape for s in snaps] != [s.shape for s in self.snapshots]:
+        if snaps is not None and self.averager is not None:
+            want = [sum(p.numel() for p in g) for g in self.averager.groups]
+            got = [s.numel() for s in snaps]
+            if want != got:
                 raise ValueError(
-                    "local SGD state: saved snapshots have shapes "
-                    f"{[tuple(s.shape) for s in snaps]}, this model {[tuple(s.shape) for s in self.snapshots]}; "
-                    "load a checkpoint of the same model and fuse_grad_size_in_MB"
+                    f"local SGD state: saved snapshot buffers have sizes {got}, this model's {want}; "
+                    "load a checkpoint of the same model, fuse_grad_size_in_MB and fuse_all_reduce_ops"
                 )
         self.snapshots = None if snaps is None else [s.clone() for s in snaps]
         self.step, self.k, self.last_sync_step = int(state["step"]), int(state["k"]), int(state["last_sync_step"])
@@ -240,7 +243,8 @@ def _world_mean(comm: Communicator, value: float, device: torch.device) -> float
 def snapshot_op(build: Build) -> Op:
     """The startup op that takes the snapshots after the broadcast from rank 0."""
     state: LocalSGDState = build.states["localsgd"]
-    averager: ParamAverager = build.states["localsgd"].averager  # type: ignore[attr-defined]
+    averager = state.averager
+    assert averager is not None  # set by the pass
 
     def take(_: StepState) -> None:
         state.snapshots = averager.take_snapshots()
@@ -260,7 +264,7 @@ def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
     rings = build.groups.rings(s.nccl_comm_num)
     cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
     averager = ParamAverager([p for p in build.model.parameters() if p.requires_grad], rings, cap)
-    state.averager = averager  # type: ignore[attr-defined]  # not saved: rebuilt from the model
+    state.averager = averager
     build.states["localsgd"] = state
     world = build.groups.world
     device = build.device
