@@ -6,7 +6,7 @@ Example (step 1 of the four-step conversion):
 """
 
 from fleetlike import roles
-from fleetlike import role_maker
+from fleetlike import mixed_precision, role_maker
 from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
 from fleetlike.strategies import DistributedStrategy
@@ -22,6 +22,7 @@ __all__ = [
     "Program",
     "fleet",
     "load_inference_model",
+    "mixed_precision",
     "role_maker",
     "roles",
 ]

@@ -8,6 +8,8 @@ ranks on one device. The base class would short-cut a group of one, so the nccl 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import json
 import os
@@ -16,8 +18,10 @@ import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -121,6 +125,11 @@ def test_unique_id_travels_as_raw_bytes():
     assert nccl_mod._uid_candidates(raw)[1] == tuple(v & 0xFF for v in uid)
 
 
+def test_exports():
+    assert sorted(nccl_mod.__all__) == ["NcclCommunicator", "NcclUnavailableError", "nccl_unavailable_reason"]
+    assert all(hasattr(nccl_mod, name) for name in nccl_mod.__all__)
+
+
 def test_group_is_a_no_op_elsewhere_and_size_one_short_cut_stays():
     comm = SingleCommunicator()
     with comm.group():
@@ -128,6 +137,181 @@ def test_group_is_a_no_op_elsewhere_and_size_one_short_cut_stays():
     assert torch.equal(work.wait(), torch.ones(3))
     assert SingleCommunicator.calls_backend_at_size_one is False
     assert NcclCommunicator.calls_backend_at_size_one is True
+
+
+# ------------------------------------------------------------------------- CPU: a fake NCCL
+# The backend's own logic (unique id through the store, streams and events, group deferral,
+# integer AVG, split, the size-one path of the base class) run against a stand-in for CuPy's
+# binding on CPU memory, with torch.cuda's stream and event calls replaced by recorders. This is
+# what CI can check without a GPU; the GPU tests below check the real thing.
+
+_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}
+_NP = {2: np.int32, 4: np.int64, 7: np.float32, 8: np.float64}
+
+
+def _view(ptr: int, count: int, dtype: int) -> np.ndarray:
+    raw = (ctypes.c_char * (count * _SIZES[dtype])).from_address(ptr)
+    return np.frombuffer(raw, dtype=_NP.get(dtype, np.uint8))
+
+
+class _FakeNccl(types.ModuleType):
+    """CuPy's nccl module, on CPU pointers. ``ndev == 2`` mirrors a peer holding the same data."""
+
+    available = True
+    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = range(5)
+    (NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64, NCCL_FLOAT16,
+     NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16) = range(10)
+
+    class NcclError(RuntimeError):
+        pass
+
+    def __init__(self):
+        super().__init__("cupy.cuda.nccl")
+        self.depth, self.queued, self.log, self.uids = 0, [], [], []
+        fake = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev, uid, rank):
+                assert isinstance(uid, tuple) and len(uid) == 128 and 0 <= rank < ndev
+                fake.uids.append(uid)
+                self.ndev = ndev
+
+            def _do(self, name, fn):
+                fake.log.append(name)
+                (fake.queued.append if fake.depth else lambda f: f())(fn)
+
+            def _copy(self, name, src, dst, nbytes):
+                self._do(name, lambda: ctypes.memmove(dst, src, nbytes) if src != dst else None)
+
+            def allReduce(self, s, r, n, t, op, stream):
+                if self.ndev == 1:
+                    return self._copy("allReduce", s, r, n * _SIZES[t])
+
+                def mirror():
+                    x = _view(s, n, t).copy()
+                    _view(r, n, t)[:] = {0: x + x, 1: x * x, 2: x, 3: x, 4: x}[op]
+                self._do("allReduce", mirror)
+
+            def broadcast(self, s, r, n, t, root, stream):
+                self._copy("broadcast", s, r, n * _SIZES[t])
+
+            def reduce(self, s, r, n, t, op, root, stream):
+                self._copy("reduce", s, r, n * _SIZES[t])
+
+            def allGather(self, s, r, n, t, stream):
+                self._copy("allGather", s, r, n * _SIZES[t])
+
+            def reduceScatter(self, s, r, n, t, op, stream):
+                self._copy("reduceScatter", s, r, n * _SIZES[t])
+
+            def destroy(self):
+                fake.log.append("destroy")
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_version(self):
+        return 22703
+
+    def get_unique_id(self):
+        return tuple(range(-64, 64))
+
+    def groupStart(self):
+        self.depth += 1
+
+    def groupEnd(self):
+        self.depth -= 1
+        if not self.depth:
+            queued, self.queued = self.queued, []
+            for fn in queued:
+                fn()
+
+
+class _FakeStream:
+    cuda_stream = 1234
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream):
+        self.recorded = True
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fake NCCL and torch.cuda's stream API on the CPU; yields a factory of communicators."""
+    nccl = _FakeNccl()
+    current = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+    def make(size: int = 1) -> NcclCommunicator:
+        store = dist.PrefixStore("nccl/world/", dist.HashStore())
+        return NcclCommunicator._connect(nccl, store, 0, size, range(size), "world", torch.device("cpu"), 10)
+
+    make.nccl = nccl
+    return make
+
+
+def test_fake_every_collective_dtype_op_goes_through_nccl_at_size_one(fake):
+    comm = fake()
+    assert fake.nccl.uids == [tuple(range(-64, 64))]  # the id came back intact from the store
+    assert comm.native_avg and torch.bfloat16 in comm.native_reduce_dtypes
+    cases = [c for kind in KINDS for dtype in DTYPES for c in _cases(kind, dtype)]
+    check_all(cases, [run_cases(comm, cases)])
+    # every non-empty case reached the binding: nothing was short-cut by the base class
+    assert len(fake.nccl.log) == 2 * sum(1 for c in cases if 0 not in c.shape)
+    comm.close()
+    assert fake.nccl.log[-1] == "destroy"
+
+
+def test_fake_group_defers_launch_and_integer_avg_division(fake):
+    comm = fake(2)  # a mirrored peer: sums double, averages stay
+    odd = torch.tensor([-3, -1, 1, 3, 5], dtype=torch.int64)
+    with comm.group():
+        w_int = comm.all_reduce_async(odd.clone(), op="avg")
+        w_sum = comm.all_reduce_async(torch.ones(3), op="sum")
+        assert fake.nccl.queued and not w_int.is_completed()
+        with pytest.raises(CommError, match="after the block"):
+            w_int.wait()
+    assert torch.equal(w_int.wait(), odd)  # (2x) // 2, not 2 * (x // 2)
+    assert torch.equal(w_sum.wait(), torch.full((3,), 2.0))
+    assert torch.equal(comm.all_reduce(odd.clone(), op="avg"), odd)
+    assert torch.equal(comm.all_reduce(torch.tensor([1.5, 2.5]), op="prod"), torch.tensor([2.25, 6.25]))
+
+
+def test_fake_split_barrier_and_device_check(fake):
+    comm = fake()
+    assert comm.split(None) is None
+    sub = comm.split(2, name="sub")
+    assert isinstance(sub, NcclCommunicator) and (sub.name, sub.size, sub.ranks) == ("sub", 1, (0,))
+    assert len(fake.nccl.uids) == 2
+    sub.barrier()
+    assert fake.nccl.log[-1] == "allReduce"
+    with pytest.raises(ValueError, match="'nccl' communicator 'world' moves CUDA tensors on cpu"):
+        comm.all_reduce(torch.ones(2, device="meta"))
+    sub.close()
+    comm.close()
 
 
 # ------------------------------------------------------------------------- GPU
@@ -226,14 +410,15 @@ def test_async_wait_orders_the_stream_without_blocking_the_host(world):
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on torch's current stream
     x.fill_(2.0)
     work = world.all_gather_flat_async(x)
+    assert not work.is_completed(), "the collective finished before the sleeping kernel did"
     t0 = time.perf_counter()
     out = work.wait()
     waited = time.perf_counter() - t0
-    assert not work.is_completed(), "the collective finished before the sleeping kernel did"
     assert waited < 0.05, f"wait() blocked the host for {waited:.3f}s"
+    assert not world.stream.query(), "the comm stream was idle while its input was still made"
     assert torch.equal(out.cpu(), torch.full((1 << 20,), 2.0))  # ordered after the collective
     torch.cuda.synchronize()
-    assert work.is_completed()
+    assert work.is_completed() and world.stream.query()
 
 
 @gpu
@@ -266,10 +451,14 @@ def test_ordering_test_is_sensitive(world):
     n = 1 << 22
     x = torch.zeros(n, device=world.device)
     out = torch.full((n,), -1.0, device=world.device)
+    h = world.stream.cuda_stream
+    world.nccl_comm.allGather(x.data_ptr(), out.data_ptr(), n, nccl.NCCL_FLOAT32, h)  # warm-up
+    torch.cuda.synchronize()
+    out.fill_(-1.0)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
     x.fill_(3.0)
-    world.nccl_comm.allGather(x.data_ptr(), out.data_ptr(), n, nccl.NCCL_FLOAT32, world.stream.cuda_stream)
+    world.nccl_comm.allGather(x.data_ptr(), out.data_ptr(), n, nccl.NCCL_FLOAT32, h)
     world.stream.synchronize()
     stale = out.cpu()
     torch.cuda.synchronize()

@@ -6,7 +6,10 @@ way in or out. MPI has no 16-bit float reductions: float16 and bfloat16 are redu
 by the base class, and moved (broadcast, gather) as raw 16-bit words.
 
 Note: MPICH progresses a non-blocking collective mostly inside MPI calls, so "async" here
-overlaps less than gloo's worker threads do; ``wait()`` is always correct.
+overlaps less than gloo's worker threads do; ``wait()`` is always correct. The blocking grid
+calls (``all_reduce`` ...) use MPI's blocking collectives, whose algorithms are faster than the
+non-blocking schedules (a 1 MiB ``Ireduce_scatter_block`` + ``Wait`` takes ~16x a blocking
+``Reduce_scatter_block`` on MPICH 5 over loopback).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleetlike.comm.base import Communicator, ReduceOp, Work
+from fleetlike.comm.base import Communicator, CompletedWork, ReduceOp, Work
 
 __all__ = ["MPICommunicator", "mpi_available"]
 
@@ -46,6 +49,10 @@ class _Request:
 
     def is_completed(self) -> bool:
         return bool(self._req.Test())
+
+
+#: What a blocking primitive returns: the call has finished when it returns.
+_DONE = CompletedWork(None)
 
 
 def _np(buf: torch.Tensor) -> np.ndarray:
@@ -95,23 +102,59 @@ class MPICommunicator(Communicator):
             req = self._comm.Ireduce(_np(buf), None, self._ops[op], root)
         return _Request(req, buf)
 
-    def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+    def _gather_send(self, out: torch.Tensor, chunk: torch.Tensor) -> Any:
+        """The send buffer of an allgather: IN_PLACE when ``chunk`` is ``out``'s own slice."""
         n = chunk.numel()
-        own = out[self.rank * n : (self.rank + 1) * n]
-        if n and chunk.data_ptr() == own.data_ptr():
-            return _Request(self._comm.Iallgather(self._MPI.IN_PLACE, _np(out)), out)
-        return _Request(self._comm.Iallgather(_np(chunk), _np(out)), out, chunk)
+        if n and chunk.data_ptr() == out[self.rank * n : (self.rank + 1) * n].data_ptr():
+            return self._MPI.IN_PLACE
+        return _np(chunk)
 
-    def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
-        src = buf
+    def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+        return _Request(self._comm.Iallgather(self._gather_send(out, chunk), _np(out)), out, chunk)
+
+    @staticmethod
+    def _scatter_source(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         if out.numel() and lo <= out.data_ptr() < hi:
-            src = buf.clone()  # MPI forbids overlapping send and receive buffers
+            return buf.clone()  # MPI forbids overlapping send and receive buffers
+        return buf
+
+    def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
+        src = self._scatter_source(out, buf)
         req = self._comm.Ireduce_scatter_block(_np(src), _np(out), self._ops[op])
         return _Request(req, out, src)
 
     def _barrier_start(self) -> Work:
         return _Request(self._comm.Ibarrier())
+
+    # Blocking forms (see the module note): the same buffers, MPI's blocking collectives.
+
+    def _all_reduce_now(self, buf: torch.Tensor, op: ReduceOp) -> Work:
+        self._comm.Allreduce(self._MPI.IN_PLACE, _np(buf), self._ops[op])
+        return _DONE
+
+    def _broadcast_now(self, buf: torch.Tensor, root: int) -> Work:
+        self._comm.Bcast(_np(buf), root)
+        return _DONE
+
+    def _reduce_now(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
+        if self.rank == root:
+            self._comm.Reduce(self._MPI.IN_PLACE, _np(buf), self._ops[op], root)
+        else:
+            self._comm.Reduce(_np(buf), None, self._ops[op], root)
+        return _DONE
+
+    def _all_gather_now(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
+        self._comm.Allgather(self._gather_send(out, chunk), _np(out))
+        return _DONE
+
+    def _reduce_scatter_now(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
+        self._comm.Reduce_scatter_block(_np(self._scatter_source(out, buf)), _np(out), self._ops[op])
+        return _DONE
+
+    def _barrier_now(self) -> Work:
+        self._comm.Barrier()
+        return _DONE
 
     def _split(self, color: int | None, key: int) -> Communicator | None:
         MPI = self._MPI

@@ -368,7 +368,9 @@ class NcclCommunicator(Communicator):
                     ) from exc
                 raw = store.get(key)
             if len(raw) != _UID_BYTES:
-                raise CommError(f"{name!r}: the NCCL unique id in the store has {len(raw)} bytes, not 128")
+                raise CommError(
+                    f"{name!r}: the NCCL unique id in the store has {len(raw)} bytes, not 128"
+                )
             comm = None
             for uid in _uid_candidates(raw):
                 try:
@@ -382,7 +384,9 @@ class NcclCommunicator(Communicator):
                         "NCCL needs one GPU per rank: two ranks on one GPU fail here."
                     ) from exc
             if comm is None:
-                raise CommError(f"{name!r}: CuPy rejected the NCCL unique id as signed and unsigned chars")
+                raise CommError(
+                    f"{name!r}: CuPy rejected the NCCL unique id as signed and as unsigned chars"
+                )
         return cls(nccl, comm, store, rank, size, ranks, name, device, timeout)
 
     # ----------------------------------------------------------------- properties
@@ -458,7 +462,9 @@ class NcclCommunicator(Communicator):
             return CompletedWork(buf)
         nop, post = self._op(op, buf)
         code, n, p, comm = self._types[buf.dtype], buf.numel(), buf.data_ptr(), self._comm
-        return self._launch("all_reduce", lambda s: comm.allReduce(p, p, n, code, nop, s), (buf,), post)
+        return self._launch(
+            "all_reduce", lambda s: comm.allReduce(p, p, n, code, nop, s), (buf,), post
+        )
 
     def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work:
         if buf.numel() == 0:
@@ -473,21 +479,29 @@ class NcclCommunicator(Communicator):
         if self.rank != root:
             post = None
         code, n, p, comm = self._types[buf.dtype], buf.numel(), buf.data_ptr(), self._comm
-        return self._launch("reduce", lambda s: comm.reduce(p, p, n, code, nop, root, s), (buf,), post)
+        return self._launch(
+            "reduce", lambda s: comm.reduce(p, p, n, code, nop, root, s), (buf,), post
+        )
 
     def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
         if chunk.numel() == 0:
             return CompletedWork(out)
         (code, n), src, dst, comm = self._moved(chunk), chunk.data_ptr(), out.data_ptr(), self._comm
-        return self._launch("all_gather", lambda s: comm.allGather(src, dst, n, code, s), (out, chunk))
+        return self._launch(
+            "all_gather", lambda s: comm.allGather(src, dst, n, code, s), (out, chunk)
+        )
 
     def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
         if out.numel() == 0:
             return CompletedWork(out)
         nop, post = self._op(op, out)
-        code, n, src, dst, comm = self._types[buf.dtype], out.numel(), buf.data_ptr(), out.data_ptr(), self._comm
+        code, n, comm = self._types[buf.dtype], out.numel(), self._comm
+        src, dst = buf.data_ptr(), out.data_ptr()
         return self._launch(
-            "reduce_scatter", lambda s: comm.reduceScatter(src, dst, n, code, nop, s), (out, buf), post
+            "reduce_scatter",
+            lambda s: comm.reduceScatter(src, dst, n, code, nop, s),
+            (out, buf),
+            post,
         )
 
     def _barrier_start(self) -> Work:
@@ -517,7 +531,9 @@ class NcclCommunicator(Communicator):
                     nccl.groupEnd()
             except nccl.NcclError as exc:
                 _GROUP.pending.clear()
-                raise CommError(f"NCCL group of {self.name!r} failed at ncclGroupEnd: {exc}") from exc
+                raise CommError(
+                    f"NCCL group of {self.name!r} failed at ncclGroupEnd: {exc}"
+                ) from exc
             if _GROUP.depth == 0:
                 pending, _GROUP.pending = _GROUP.pending, []
                 for work in pending:

@@ -26,6 +26,7 @@ from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_wor
 from fleetlike.fleet import checkpoint as ckpt
 from fleetlike.fleet.optimizer import DistributedOptimizer
 from fleetlike.fleet.util import Util
+from fleetlike.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
 from fleetlike.roles.settings import env_settings
@@ -63,6 +64,7 @@ class Fleet:
         self._build: Build | None = None
         self._programs: dict[str, Program] = {}
         self._eager: GradReducer | None = None
+        self._eager_optimizer: DistributedOptimizer | None = None
         self.util = Util(self._util_comm)
 
     # ------------------------------------------------------------------ init and roles
@@ -103,6 +105,7 @@ class Fleet:
         if self._ctx is not None:
             self._ctx.groups.close()
         self._ctx, self._build, self._programs, self._eager = None, None, {}, None
+        self._eager_optimizer = None
 
     def _context(self, what: str) -> _Context:
         if self._ctx is None:
@@ -156,11 +159,16 @@ class Fleet:
     ) -> DistributedOptimizer:
         ctx = self._context("fleet.distributed_optimizer")
         chosen = (strategy or ctx.strategy).copy()
+        if isinstance(optimizer, DecoratedOptimizer):  # seed 003's mixed_precision.decorate
+            chosen.amp = True
+            chosen.amp_configs = optimizer.amp_configs
+            optimizer = optimizer.optimizer
         override = env_settings().strategy_override
         if override:
             chosen.update_from_override(override)
         chosen.validate_combination()
-        return DistributedOptimizer(optimizer, chosen, self)
+        self._eager_optimizer = DistributedOptimizer(optimizer, chosen, self)
+        return self._eager_optimizer
 
     def _set_programs(self, build: Build, origin: Program, main: Program, startup: Program) -> None:
         self._build = build
@@ -198,6 +206,8 @@ class Fleet:
     def get_loss_scaling(self) -> float:
         """The current AMP loss scale (1.0 when no loss scaling is on)."""
         amp = self._build.states.get("amp") if self._build else None
+        if amp is None and self._eager_optimizer is not None:
+            amp = self._eager_optimizer.scaler
         return float(amp.scale) if amp is not None else 1.0
 
     # ------------------------------------------------------------------ eager style

@@ -22,6 +22,7 @@ import torch
 
 from fleetlike.program import Program
 from fleetlike.strategies import DistributedStrategy
+from fleetlike.strategies.amp import scaler_from_config, unscale_and_check
 from fleetlike.strategies.compose import Build, LossFn, build_programs
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class DistributedOptimizer:
         self.user_defined_strategy = strategy
         self._fleet = fleet
         self._skip_sync = False
+        #: eager-style loss scaling (program style keeps its scaler in the AMP pass)
+        self.scaler = scaler_from_config(strategy.amp_configs)[0] if strategy.amp else None
 
     # ------------------------------------------------------------------ delegation
 
@@ -95,11 +98,20 @@ class DistributedOptimizer:
         """``loss.backward()`` with the reducer armed (and, with AMP, the loss scaled)."""
         reducer = self._reducer()
         reducer.prepare(loss)
-        loss.backward()
+        (loss.float() * self.scaler.scale).backward() if self.scaler is not None else loss.backward()
 
-    def synchronize(self) -> None:
-        """Wait until every gradient is averaged over the ranks (before clipping, say)."""
-        self._reducer().finalize()
+    def synchronize(self) -> bool:
+        """Wait until every gradient is averaged over the ranks (before clipping, say).
+
+        With AMP the gradients are also unscaled and checked; returns True when the step is
+        finite on every rank (``step()`` then updates; otherwise it skips, on every rank)."""
+        reducer = self._reducer()
+        reducer.finalize()
+        if self.scaler is None:
+            return True
+        found = unscale_and_check([b.buffer for b in reducer.buckets], self.scaler.scale, reducer.collective_world)
+        self._found_inf = found
+        return not found
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -113,6 +125,12 @@ class DistributedOptimizer:
     def step(self, closure: Any = None) -> Any:
         if not self._skip_sync:
             self.synchronize()
+        if self.scaler is not None:
+            found = getattr(self, "_found_inf", False)
+            self.scaler.update(found)
+            self._found_inf = False
+            if found:
+                return None
         return self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

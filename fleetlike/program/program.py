@@ -36,8 +36,11 @@ class StepState:
     feed: Any
     outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     loss: torch.Tensor | None = None
-    #: set by an op (AMP's finite check, gradient merge) to skip the optimizer update
+    #: set by an op (AMP's finite check) to skip the optimizer update of this step
     skip_update: bool = False
+    #: set by gradient merge on all but the k-th run: gradients only accumulate (no
+    #: communication, no update, no clearing)
+    accumulate: bool = False
     #: free-form per-step facts (collectives issued, bytes, k, ...) for the stats record
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -108,6 +111,26 @@ class Program:
     def insert_before(self, op_type: str, *ops: Op) -> None:
         i = self.index(op_type)
         self.ops[i:i] = list(ops)
+
+    def wrap(self, op_type: str, before: Callable[[StepState], None] | None = None,
+             after: Callable[[StepState], None] | None = None, **attrs: Any) -> None:
+        """Replace op ``op_type`` by one running ``before``, the old op, then ``after``.
+
+        This is how passes compose on the same op (AMP scales the loss in ``backward``, data
+        parallel arms its hooks around it) without knowing of each other."""
+        i = self.index(op_type)
+        old = self.ops[i]
+        inner = old.fn
+
+        def fn(state: StepState) -> None:
+            if before is not None:
+                before(state)
+            if inner is not None:
+                inner(state)
+            if after is not None:
+                after(state)
+
+        self.ops[i] = Op(old.type, fn, {**old.attrs, **attrs}, old.parent)
 
     def insert_after(self, op_type: str, *ops: Op) -> None:
         i = self.index(op_type)

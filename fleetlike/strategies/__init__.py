@@ -18,6 +18,7 @@ from fleetlike.strategies.fields import (
     UnknownAttributeError,
     UnknownOptionError,
 )
+from fleetlike.strategies.localsgd_recipes import adaptive_local_step, get_local_sgd_steps
 from fleetlike.strategies.options import (
     CollectiveMode,
     Fp16AllreduceMode,
@@ -43,4 +44,6 @@ __all__ = [
     "SyncBatchNormScope",
     "UnknownAttributeError",
     "UnknownOptionError",
+    "adaptive_local_step",
+    "get_local_sgd_steps",
 ]

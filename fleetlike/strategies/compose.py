@@ -106,11 +106,12 @@ def local_program(build: Build) -> Program:
         s.loss.backward()
 
     def update(s: StepState) -> None:
-        if not s.skip_update:
+        if not (s.skip_update or s.accumulate):
             opt.step()
 
     def clear(s: StepState) -> None:
-        (build.clear_grad or (lambda: opt.zero_grad(set_to_none=True)))()
+        if not s.accumulate:
+            (build.clear_grad or (lambda: opt.zero_grad(set_to_none=True)))()
 
     return Program(
         "origin",
@@ -139,10 +140,9 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
     build.clear_grad = reducer.zero_grad
     main = program.clone("main")
 
-    def backward(st: StepState) -> None:
-        assert st.loss is not None
-        reducer.prepare(st.loss)
-        st.loss.backward()
+    def arm(st: StepState) -> None:
+        if not st.accumulate:
+            reducer.prepare(st.loss)
 
     def wait(st: StepState) -> None:
         before = reducer.collectives_issued, reducer.bytes_issued
@@ -154,9 +154,10 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
         Op("c_allreduce_avg", None, {**d.pop("bucket").describe(), **d}, parent="backward")
         for d in reducer.describe()
     ]
-    main.replace("backward", Op("backward", backward, {"overlap": "bucket allreduce starts as grads fill"}), *described)
-    main.insert_before(
-        "optimizer_update",
+    main.wrap("backward", before=arm, overlap="bucket allreduce starts as grads fill")
+    main.insert_after(
+        "backward",
+        *described,
         Op("c_wait_allreduce", wait, {"buckets": len(reducer.buckets), "world": build.groups.world.size}),
     )
     detail = (
@@ -204,32 +205,52 @@ def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], root: int = 0) -
 
 # ---------------------------------------------------------------------- composition
 
-_LATER = ("amp", "recompute", "gradient_merge",
-          "use_hierarchical_allreduce", "fp16_allreduce", "sync_batch_norm")
+_LATER = ("use_hierarchical_allreduce", "fp16_allreduce", "sync_batch_norm")
+
+#: pairs that cannot work together: (a, b, why and the fix)
+_CONFLICTS = (
+    ("localsgd", "fp16_allreduce", "local SGD averages parameters, not gradients; fp16_allreduce compresses gradient allreduces. Turn one off"),
+    ("adaptive_localsgd", "fp16_allreduce", "adaptive local SGD averages parameters, not gradients; fp16_allreduce compresses gradient allreduces. Turn one off"),
+    ("localsgd", "use_hierarchical_allreduce", "local SGD's parameter averaging uses flat allreduces; turn use_hierarchical_allreduce off"),
+    ("adaptive_localsgd", "use_hierarchical_allreduce", "adaptive local SGD's parameter averaging uses flat allreduces; turn use_hierarchical_allreduce off"),
+)
+
+
+def check_combinations(s: DistributedStrategy) -> None:
+    """Raise ValueError naming both options of an impossible combination, and the fix."""
+    s.validate_combination()
+    for a, b, why in _CONFLICTS:
+        if getattr(s, a) and getattr(s, b):
+            raise ValueError(f"strategy.{a} and strategy.{b} cannot be combined: {why}")
 
 
 def build_programs(build: Build) -> tuple[Program, Program, Program]:
-    """Return ``(origin, main, startup)`` for ``build`` (see the module docstring)."""
+    """Return ``(origin, main, startup)`` for ``build`` (see the module docstring for the order)."""
+    from fleetlike.strategies import localsgd
+    from fleetlike.strategies.amp import amp_pass
+    from fleetlike.strategies.gradient_merge import gradient_merge_pass
+    from fleetlike.strategies.recompute import recompute_pass
+
     s = build.strategy
-    s.validate_combination()
+    check_combinations(s)
     for name in _LATER:
         if getattr(s, name):
             raise StrategyNotAvailableError(
                 f"strategy.{name} is on, but its pass is not available in this build of fleetlike; "
                 f"set strategy.{name} = False"
             )
-    from fleetlike.strategies import localsgd  # local SGD passes (replace data parallel when on)
-
     origin = local_program(build)
+    main = origin
+    for on, apply in ((s.recompute, recompute_pass), (s.amp, amp_pass), (s.gradient_merge, gradient_merge_pass)):
+        if on:
+            main = apply(main, build)
+    startup = startup_program(build)
     if s.localsgd or s.adaptive_localsgd:
         # replaces data parallel: no gradient communication, periodic parameter averaging
-        main = (localsgd.adaptive_localsgd_pass if s.adaptive_localsgd else localsgd.localsgd_pass)(origin, build)
+        main = (localsgd.adaptive_localsgd_pass if s.adaptive_localsgd else localsgd.localsgd_pass)(main, build)
         build.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
-        startup = startup_program(build)
         startup.ops.append(localsgd.snapshot_op(build))  # snapshots = rank 0's broadcast params
-        return origin, main, startup
-    main = data_parallel_pass(origin, build)
-    if not main.has("c_wait_allreduce"):  # pragma: no cover - defensive
-        raise RuntimeError("data-parallel pass produced no collectives")
-    build.clear_grad = build.reducer.zero_grad if build.reducer else None
-    return origin, main, startup_program(build)
+    else:
+        main = data_parallel_pass(main, build)
+    main.name = "main"
+    return origin, main, startup

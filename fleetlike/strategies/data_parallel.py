@@ -44,6 +44,11 @@ class BucketCollective(Protocol):
         """Facts for the program listing: op name, communicator, wire dtype, ..."""
         ...
 
+    @property
+    def world(self) -> Communicator:
+        """A communicator spanning all ranks."""
+        ...
+
 
 class FlatAllReduce:
     """Average each bucket with one allreduce; bucket i goes to ring ``i % len(rings)``."""
@@ -52,6 +57,11 @@ class FlatAllReduce:
         if not rings:
             raise ValueError("FlatAllReduce needs at least one communicator")
         self.rings = list(rings)
+
+    @property
+    def world(self) -> Communicator:
+        """A communicator spanning all ranks (for small agreements such as AMP's finite flag)."""
+        return self.rings[0]
 
     def comm_for(self, bucket: Bucket) -> Communicator:
         return self.rings[bucket.index % len(self.rings)]
@@ -193,3 +203,7 @@ class GradReducer:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"bucket": b, **self.collective.describe(b)} for b in self.buckets]
+
+    @property
+    def collective_world(self) -> Communicator:
+        return self.collective.world

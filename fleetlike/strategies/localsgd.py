@@ -275,6 +275,10 @@ def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
             state.snapshots = averager.take_snapshots()
 
     def average(st: StepState) -> None:
+        if getattr(st, "accumulate", False):  # a gradient-merge micro-step: no update, no step
+            st.info.update(localsgd_k=state.k, localsgd_averaged=False,
+                           localsgd_averages=state.averages_done, bytes_communicated=0)
+            return
         sent = 0
         if adaptive and state.step == 1:
             assert st.loss is not None

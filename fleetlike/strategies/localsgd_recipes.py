@@ -43,13 +43,15 @@ def adaptive_local_step(
 ) -> int:
     """Seed 003's k: ``int(base_step * sqrt(ini_lr*(cur_loss-0.6) / (cur_lr*(ini_loss-0.6))))``.
 
-    At least 1; a jump above ``pre_step + 20`` (training noise) keeps ``pre_step`` instead
+    At least 1 (also for a loss below the assumed floor of 0.6, where the seed's ``math.sqrt``
+    would raise); a jump above ``pre_step + 20`` (training noise) keeps ``pre_step`` instead
     (reference: arXiv:1810.08313).
     """
     fir = ini_lr * (cur_loss - INF_LOSS)
     sec = cur_lr * max((ini_loss - INF_LOSS), 1e-12)
     ratio = fir / sec
-    step = int(base_step * math.sqrt(ratio))
+    # the seed's math.sqrt raises below the floor; "at least 1" is what it means there
+    step = int(base_step * math.sqrt(ratio)) if ratio > 0 else 1
     if step < 1:
         step = 1
     if step > pre_step + 20:

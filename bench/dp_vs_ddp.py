@@ -1,0 +1,442 @@
+"""Data parallel training: fleetlike (program style) against PyTorch DDP, side by side on gloo.
+
+Each of the 2 rank processes builds the same model twice from the same seed, one copy trained by
+fleetlike (``fleet.distributed_optimizer(opt, s).minimize(loss_fn, model)`` then
+``exe.run(fleet.main_program, feed=...)``) and one by ``DistributedDataParallel`` over its own
+``torch.distributed`` gloo process group, with the same bucket size
+(``fuse_grad_size_in_MB`` = ``bucket_cap_mb`` = 25), optimizer (SGD) and batches. After warm-up
+it alternates timed segments of ``--steps`` steps, fleetlike first on even rounds and DDP first on
+odd ones, so noise from the machine hits both alike; steps/s is the median over ``--rounds``.
+
+Models (per-rank batch):
+
+=========  ===========================================  =====  ===========
+name       layers                                       batch  parameters
+=========  ===========================================  =====  ===========
+mlp        seed MLP 32 -> 128 -> 128 -> 2 (ReLU)        128    ~21 K
+conv       conv(3->16,3) pool conv(16->32,3) pool fc    32     ~21 K
+mlp50m     3 x Linear(2048, 2048) + ReLU                16     12.6 M (50 MB)
+=========  ===========================================  =====  ===========
+
+Peak RSS is a per-process high-water mark, so it is measured in separate worlds: one where each
+rank trains the 50 MB model with fleetlike only, one with DDP only; ``ru_maxrss`` at the end.
+
+Usage (from the repository root)::
+
+    python -m bench.dp_vs_ddp                    # all models, 5 rounds, RSS, ~2-3 minutes
+    python -m bench.dp_vs_ddp --models mlp --rounds 5 --steps 200 --no-rss
+    python -m bench.dp_vs_ddp --profile mlp50m   # cProfile of rank 0's fleetlike steps
+
+Writes ``docs/benchmarks/dp_vs_ddp.json`` and ``.png`` and (re)writes the
+"## Data parallel vs PyTorch DDP" section of ``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._common import Column, format_table, median, run_info, save_json
+
+__all__ = ["MODELS", "TARGET_SPEED", "TARGET_RSS", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET_MB = 25
+WORLD = 2
+TARGET_SPEED = 1.0  # fleetlike steps/s / DDP steps/s, at least
+TARGET_RSS = 1.0  # fleetlike peak RSS / DDP peak RSS, at most
+SECTION = "## Data parallel vs PyTorch DDP"
+
+#: name -> (description, per-rank batch, timed steps per segment by default, warm-up steps)
+MODELS: dict[str, tuple[str, int, int, int]] = {
+    "mlp": ("seed MLP 32-128-128-2", 128, 1000, 50),
+    "conv": ("conv net 3x32x32, 2 conv + fc", 32, 200, 20),
+    "mlp50m": ("MLP 3 x 2048x2048 (50 MB)", 16, 30, 5),
+}
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _make_model(name: str) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(1234)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+    if name == "conv":
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )
+    if name == "mlp50m":
+        return nn.Sequential(
+            nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048),
+        )
+    raise ValueError(f"model {name!r} is not one of {', '.join(MODELS)}")
+
+
+def _batches(name: str, rank: int, n: int = 4) -> list[dict[str, Any]]:
+    """``n`` fixed batches for this rank (cycled); identical for both frameworks."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    bs = MODELS[name][1]
+    shape, classes = {"mlp": ((bs, 32), 2), "conv": ((bs, 3, 32, 32), 10), "mlp50m": ((bs, 2048), 2048)}[name]
+    return [
+        {"x": torch.randn(shape, generator=g), "y": torch.randint(0, classes, (bs,), generator=g)}
+        for _ in range(n)
+    ]
+
+
+def _loss_fn(model: Any, feed: dict[str, Any]) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(feed["x"]), feed["y"])
+
+
+def _fleet_stepper(role: Any, name: str, data: list[dict[str, Any]]) -> Any:
+    import torch
+
+    from fleetlike import DistributedStrategy, Executor, fleet
+
+    model = _make_model(name)
+    s = DistributedStrategy()
+    s.fuse_all_reduce_ops = True
+    s.fuse_grad_size_in_MB = BUCKET_MB
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), s).minimize(_loss_fn, model)
+    exe = Executor()
+    exe.run(fleet.startup_program)
+    main = fleet.main_program
+    i = [0]
+
+    def step() -> None:
+        exe.run(main, feed=data[i[0] % len(data)])
+        i[0] += 1
+
+    return step
+
+
+def _ddp_stepper(name: str, data: list[dict[str, Any]]) -> Any:
+    import torch
+
+    model = torch.nn.parallel.DistributedDataParallel(_make_model(name), bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    i = [0]
+
+    def step() -> None:
+        _loss_fn(model, data[i[0] % len(data)]).backward()
+        opt.step()
+        opt.zero_grad()
+        i[0] += 1
+
+    return step
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup: int,
+            frameworks: tuple[str, ...] = ("fleetlike", "ddp"), profile: bool = False) -> dict[str, Any]:
+    """One rank: build the steppers, warm up, then alternate timed segments. Returns steps/s lists."""
+    import torch.distributed as dist
+
+    from fleetlike import fleet
+
+    import torch
+
+    torch.set_num_threads(1)  # run_ranks does this too; explicit here
+    rss_start = _peak_rss_mib()
+    data = _batches(name, role.rank)
+    steppers = {}
+    if "fleetlike" in frameworks:
+        fleet.init(role, timeout=120)
+        steppers["fleetlike"] = _fleet_stepper(role, name, data)
+    # Both frameworks get a torch.distributed group for the barriers between segments.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}",
+                            rank=role.rank, world_size=role.world_size)
+    try:
+        if "ddp" in frameworks:
+            steppers["ddp"] = _ddp_stepper(name, data)
+        for fn in steppers.values():
+            for _ in range(warmup):
+                fn()
+        names = list(steppers)
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(rounds):
+            k = r % len(names)
+            for n in names[k:] + names[:k]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    steppers[n]()
+                rates[n].append(steps / (time.perf_counter() - t0))
+        prof_text = None
+        if profile and role.rank == 0:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(steps):
+                steppers["fleetlike"]()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+            prof_text = buf.getvalue()
+        elif profile:
+            for _ in range(steps):
+                steppers["fleetlike"]()
+        dist.barrier()
+        return {"rates": rates, "rss_start_mib": rss_start, "rss_peak_mib": _peak_rss_mib(), "profile": prof_text}
+    finally:
+        dist.destroy_process_group()
+        if "fleetlike" in frameworks:
+            fleet.shutdown()
+
+
+# ---------------------------------------------------------------------------- driver side
+
+
+def _run(name: str, rounds: int, steps: int, warmup: int, frameworks: tuple[str, ...] = ("fleetlike", "ddp"),
+         profile: bool = False) -> list[dict[str, Any]]:
+    from fleetlike.testing import free_ports, run_ranks
+
+    return run_ranks(_worker, WORLD, name, free_ports(1)[0], rounds, steps, warmup, frameworks, profile,
+                     timeout=600)
+
+
+def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
+    desc, batch, default_steps, warmup = MODELS[name]
+    steps = steps or default_steps
+    results = _run(name, rounds, steps, warmup)
+    # Ranks are in lockstep (every step allreduces); a step's rate is the slower rank's.
+    per_round = {fw: [min(res["rates"][fw][r] for res in results) for r in range(rounds)]
+                 for fw in ("fleetlike", "ddp")}
+    fl, dd = median(per_round["fleetlike"]), median(per_round["ddp"])
+    return {
+        "model": name, "description": desc, "batch_per_rank": batch, "steps_per_segment": steps,
+        "rounds": rounds, "warmup_steps": warmup,
+        "fleetlike_steps_per_s": fl, "ddp_steps_per_s": dd, "ratio": fl / dd,
+        # Same-round ratios: robust to load that drifts between rounds (a shared machine).
+        "paired_ratio_median": median([a / b for a, b in zip(per_round["fleetlike"], per_round["ddp"])]),
+        "fleetlike_rounds": per_round["fleetlike"], "ddp_rounds": per_round["ddp"],
+    }
+
+
+def measure_rss(name: str = "mlp50m", steps: int = 10) -> dict[str, Any]:
+    warmup = MODELS[name][3]
+    out: dict[str, Any] = {"model": name, "steps": steps + warmup}
+    for fw in ("fleetlike", "ddp"):
+        res = _run(name, 1, steps, warmup, frameworks=(fw,))
+        out[fw] = {"peak_rss_mib_per_rank": [r["rss_peak_mib"] for r in res],
+                   "rss_at_start_mib_per_rank": [r["rss_start_mib"] for r in res]}
+    fl = max(out["fleetlike"]["peak_rss_mib_per_rank"])
+    dd = max(out["ddp"]["peak_rss_mib_per_rank"])
+    out.update({"fleetlike_peak_mib": fl, "ddp_peak_mib": dd, "ratio": fl / dd})
+    return out
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], rss: dict[str, Any] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = 2 if rss else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(4.6 * ncols + 1, 3.8), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]} if rss else None)
+    ax = axes[0][0]
+    names = [r["model"] for r in rows]
+    ratios = [r["ratio"] for r in rows]
+    colors = ["tab:green" if v >= TARGET_SPEED else "tab:red" for v in ratios]
+    bars = ax.bar(names, ratios, color=colors)
+    ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], fontsize=9)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="DDP (1.0x)")
+    ax.set_ylabel("fleetlike / DDP steps/s")
+    ax.set_title("training speed (target >= 1.0)")
+    ax.set_ylim(0, max(1.2, max(ratios) * 1.15))
+    ax.legend(fontsize=8, loc="lower right")
+    if rss:
+        ax2 = axes[0][1]
+        v = rss["ratio"]
+        b = ax2.bar([rss["model"]], [v], color="tab:green" if v <= TARGET_RSS else "tab:red")
+        ax2.bar_label(b, labels=[f"{v:.2f}x"], fontsize=9)
+        ax2.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax2.set_ylim(0, max(1.2, v * 1.15))
+        ax2.set_title("peak RSS (target <= 1.0)")
+        ax2.set_ylabel("fleetlike / DDP peak RSS")
+    fig.suptitle(f"fleetlike data parallel vs PyTorch DDP, gloo, {WORLD} ranks, bucket {BUCKET_MB} MB")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_SPEED_COLS = [
+    Column("model", "model"),
+    Column("description", "layers"),
+    Column("batch_per_rank", "batch/rank"),
+    Column("fleetlike_steps_per_s", "fleetlike steps/s", "{:.1f}"),
+    Column("ddp_steps_per_s", "DDP steps/s", "{:.1f}"),
+    Column("ratio", "ratio", "{:.3f}"),
+    Column("paired_ratio_median", "same-round ratio (median)", "{:.3f}"),
+]
+
+
+def _rss_rows(rss: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"model": rss["model"], "fl": rss["fleetlike_peak_mib"], "ddp": rss["ddp_peak_mib"],
+             "fl0": max(rss["fleetlike"]["rss_at_start_mib_per_rank"]),
+             "ddp0": max(rss["ddp"]["rss_at_start_mib_per_rank"]), "ratio": rss["ratio"]}]
+
+
+_RSS_COLS = [
+    Column("model", "model"),
+    Column("fl", "fleetlike peak RSS (MiB)", "{:.0f}"),
+    Column("ddp", "DDP peak RSS (MiB)", "{:.0f}"),
+    Column("ratio", "ratio", "{:.3f}"),
+    Column("fl0", "fleetlike RSS at start", "{:.0f}"),
+    Column("ddp0", "DDP RSS at start", "{:.0f}"),
+]
+
+
+def _verdict(rows: list[dict[str, Any]], rss: dict[str, Any] | None) -> str:
+    lines = []
+    for r in rows:
+        ok = r["ratio"] >= TARGET_SPEED
+        lines.append(f"- **{r['model']}**: fleetlike runs at {r['ratio']:.2f}x DDP's steps/s "
+                     f"({'meets' if ok else 'misses'} the >= {TARGET_SPEED:.1f}x target"
+                     + ("" if ok else f"; fleetlike is {100 * (1 - r['ratio']):.0f}% slower") + ").")
+    if rss:
+        ok = rss["ratio"] <= TARGET_RSS
+        lines.append(f"- **peak RSS** ({rss['model']}): {rss['ratio']:.2f}x DDP's "
+                     f"({'meets' if ok else 'misses'} the <= {TARGET_RSS:.1f}x target).")
+    return "\n".join(lines)
+
+
+def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]], rss: dict[str, Any] | None,
+                   rounds: int, notes: str) -> None:
+    m = info["machine"]
+    body = [
+        SECTION,
+        "",
+        f"Command: `{info['command']}`  ",
+        f"Date: {info['date']}  ",
+        f"Machine: {m.get('cpus')} CPU cores ({m.get('cpu_model')}), {m.get('memory_gib', '?')} GiB, "
+        f"{m.get('platform')}; Python {m.get('python')}, torch {m.get('torch')}. "
+        f"{WORLD} ranks on one machine, gloo over loopback, `torch.set_num_threads(1)` per rank.",
+        "",
+        f"Method: each rank process trains the same model (same seed) with fleetlike's program style "
+        f"(`minimize` + `Executor.run(fleet.main_program)`) and with `DistributedDataParallel` on its own "
+        f"gloo process group, same SGD, same batches, same bucket size (`fuse_grad_size_in_MB` = "
+        f"`bucket_cap_mb` = {BUCKET_MB}). After warm-up, timed segments alternate (order swapped each "
+        f"round), {rounds} rounds; steps/s is the slower rank's, median over rounds. "
+        f"Ratio = fleetlike / DDP median steps/s (higher is better, target >= {TARGET_SPEED:.1f}); "
+        "the same-round ratio is the median of per-round fleetlike/DDP ratios, which is less "
+        "sensitive to load changing between rounds.",
+        "",
+        format_table(_SPEED_COLS, rows, markdown=True),
+        "",
+    ]
+    if rss:
+        body += [
+            f"Peak RSS per worker (`ru_maxrss`, max over ranks), measured in separate worlds (one "
+            f"fleetlike-only, one DDP-only) training {rss['model']} for {rss['steps']} steps; target <= "
+            f"{TARGET_RSS:.1f}x. \"At start\" is the high-water mark when the rank function began "
+            "(the forked worker with torch imported).",
+            "",
+            format_table(_RSS_COLS, _rss_rows(rss), markdown=True),
+            "",
+        ]
+    load = info.get("load_average")
+    if load:
+        body += [f"Load average (1, 5, 15 min) at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
+                 f"on {m.get('cpus')} cores" + (" - the machine was busy with other work; expect noise." if load[0] > 1.5 * (m.get("cpus") or 1) else "."), ""]
+    body += [
+        "Verdict:",
+        "",
+        _verdict(rows, rss),
+        "",
+    ]
+    if notes:
+        body += [notes.strip(), ""]
+    body += ["Artefacts: `docs/benchmarks/dp_vs_ddp.json`, `docs/benchmarks/dp_vs_ddp.png`.", ""]
+    section = "\n".join(body)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start >= 0:  # replace the previous run's section
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start].rstrip() + "\n\n" + (text[nxt + 1:] if nxt >= 0 else "")
+    path.write_text(text.rstrip() + "\n\n" + section)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.dp_vs_ddp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds (median)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per segment (default per model)")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
+    p.add_argument("--profile", metavar="MODEL", help="only cProfile rank 0's fleetlike steps on MODEL")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
+    p.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="Markdown file to update ('' = none)")
+    p.add_argument("--notes", default="", help="extra text for the doc section (e.g. a profile finding)")
+    args = p.parse_args(argv)
+
+    if args.profile:
+        steps = args.steps or MODELS[args.profile][2]
+        res = _run(args.profile, 1, steps, MODELS[args.profile][3], profile=True)
+        print(res[0]["profile"])
+        r = res[0]["rates"]
+        print(f"steps/s in the timed round: fleetlike {r['fleetlike'][0]:.1f}, DDP {r['ddp'][0]:.1f}")
+        return 0
+
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    for n in names:
+        if n not in MODELS:
+            p.error(f"unknown model {n!r}; choose from {', '.join(MODELS)}")
+    info = run_info("bench.dp_vs_ddp", argv)
+    info["load_average"] = list(os.getloadavg())
+    t0 = time.monotonic()
+    rows = []
+    for n in names:
+        print(f"[{time.monotonic() - t0:6.1f}s] timing {n} ...", file=sys.stderr, flush=True)
+        rows.append(measure_speed(n, args.rounds, args.steps))
+    rss = None
+    if not args.no_rss:
+        print(f"[{time.monotonic() - t0:6.1f}s] peak RSS (mlp50m, separate worlds) ...", file=sys.stderr, flush=True)
+        rss = measure_rss()
+    print(f"[{time.monotonic() - t0:6.1f}s] done", file=sys.stderr, flush=True)
+
+    print(f"fleetlike data parallel vs PyTorch DDP: gloo, {WORLD} ranks, bucket {BUCKET_MB} MB, "
+          f"median of {args.rounds} alternating rounds\n")
+    print(format_table(_SPEED_COLS, rows))
+    if rss:
+        print()
+        print(format_table(_RSS_COLS, _rss_rows(rss)))
+    print()
+    print(_verdict(rows, rss).replace("**", ""))
+
+    out = Path(args.out)
+    payload = {**info, "world_size": WORLD, "bucket_mb": BUCKET_MB, "targets": {"speed_ratio_min": TARGET_SPEED,
+               "rss_ratio_max": TARGET_RSS}, "speed": rows, "rss": rss, "elapsed_s": time.monotonic() - t0}
+    print(f"\nwrote {save_json(out / 'dp_vs_ddp.json', payload)}")
+    _plot(out / "dp_vs_ddp.png", rows, rss)
+    print(f"wrote {out / 'dp_vs_ddp.png'}")
+    if args.doc:
+        _write_section(Path(args.doc), info, rows, rss, args.rounds, args.notes)
+        print(f"updated {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""AMP: Paddle's loss-scaling rule, agreed skipping across ranks, bf16, and accuracy on digits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from amp_common import accuracy, digits_loss, digits_model, digits_split, shard_batch
+from dp_common import batch, loss_fn, make_model, max_diff, params
+from fleetlike import DistributedStrategy, Executor, fleet, mixed_precision
+from fleetlike.strategies.amp import LossScaler, OpListMode, check_op_names
+from fleetlike.testing import run_ranks
+
+
+def paddle_rule(seq, scale, incr_n, decr_n, incr_r, decr_r):
+    """Paddle's update_loss_scaling, written out independently: the trajectory after each step."""
+    good = bad = 0
+    out = []
+    for found_inf in seq:
+        if found_inf:
+            good, bad = 0, bad + 1
+            if bad == decr_n:
+                scale, bad = max(scale * decr_r, 1.0), 0
+        else:
+            good, bad = good + 1, 0
+            if good == incr_n:
+                scale, good = scale * incr_r, 0
+        out.append(scale)
+    return out
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.booleans(), max_size=60),
+    st.floats(1.0, 2.0**20),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.sampled_from([1.5, 2.0, 4.0]),
+    st.sampled_from([0.5, 0.8, 0.25]),
+)
+def test_scaler_follows_paddles_rule(seq, scale, incr_n, decr_n, incr_r, decr_r):
+    s = LossScaler(scale, incr_n, decr_n, incr_r, decr_r)
+    got = []
+    for found in seq:
+        s.update(found)
+        got.append(s.scale)
+    assert got == paddle_rule(seq, scale, incr_n, decr_n, incr_r, decr_r)
+    assert all(v >= 1.0 for v in got)
+
+
+def test_scaler_matches_torch_gradscaler_when_configured_alike():
+    """With decr_every_n_nan_or_inf=1 Paddle's rule is torch's GradScaler update (torch's kernel)."""
+    seq = [False] * 5 + [True] + [False] * 7 + [True, True] + [False] * 9
+    ours = LossScaler(1024.0, incr_every_n_steps=3, decr_every_n_nan_or_inf=1, incr_ratio=2.0, decr_ratio=0.5)
+    scale, tracker = torch.tensor([1024.0]), torch.tensor([0], dtype=torch.int32)
+    for found in seq:
+        ours.update(found)
+        torch._amp_update_scale_(scale, tracker, torch.tensor([float(found)]), 2.0, 0.5, 3)
+        assert ours.scale == scale.item()
+
+
+def test_fixed_scaling_never_moves_but_skips():
+    s = LossScaler(128.0, dynamic=False)
+    for found in [True, True, False, True]:
+        s.update(found)
+    assert s.scale == 128.0 and s.skipped_steps == 3
+
+
+def test_op_lists_are_checked_and_applied():
+    with pytest.raises(ValueError, match=r"'sofmax'.*did you mean 'softmax'"):
+        check_op_names("custom_black_list", ["sofmax"])
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), OpListMode(torch.bfloat16, ["exp"], ["matmul"], "cpu"):
+        assert torch.matmul(x, x).dtype == torch.float32  # black: float32 even under autocast
+        assert torch.exp(x).dtype == torch.bfloat16  # white: low precision
+
+
+def _scripted(role, bad_steps, bad_rank, dtype):
+    fleet.init(role, timeout=30)
+    try:
+        model = make_model(100 + role.rank)
+        s = DistributedStrategy()
+        s.amp = True
+        s.amp_configs = {"init_loss_scaling": 1024.0, "incr_every_n_steps": 2, "decr_every_n_nan_or_inf": 1, "dtype": dtype}
+
+        def lf(m, feed):
+            out = loss_fn(m, feed)
+            return out * feed["poison"]
+
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(lf, model)
+        exe = Executor()
+        exe.run(fleet.startup_program)
+        scales, found = [], []
+        for step in range(8):
+            poison = float("inf") if step in bad_steps and role.rank == bad_rank else 1.0
+            f, = exe.run(fleet.main_program, feed={**batch(step, role.rank), "poison": torch.tensor(poison)}, fetch_list=["found_inf"])
+            found.append(f)
+            scales.append(fleet.get_loss_scaling())
+        return scales, found, params(model), str(fleet.main_program)
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_overflow_on_one_rank_skips_everywhere():
+    bad = {2, 5, 6}
+    results = run_ranks(_scripted, 2, bad, 1, "float16", timeout=60)
+    expect = paddle_rule([s in bad for s in range(8)], 1024.0, 2, 1, 2.0, 0.8)
+    for scales, found, _, text in results:
+        assert scales == expect
+        assert found == [s in bad for s in range(8)]
+        assert "check_finite_and_unscale" in text and "update_loss_scaling" in text
+    assert max_diff(results[0][2], results[1][2]) == 0.0  # both ranks skipped the same steps
+
+
+@pytest.mark.timeout(60)
+def test_bf16_runs_without_scaling():
+    results = run_ranks(_scripted, 2, set(), 0, "bfloat16", timeout=45)
+    for scales, found, p, text in results:
+        assert scales == [1.0] * 8 and not any(found)
+        assert "autocast=bfloat16" in text and "loss_scale=" not in text
+
+
+def _digits(role, mode):
+    (xtr, ytr), (xte, yte) = digits_split()
+    fleet.init(role, timeout=60)
+    try:
+        model = digits_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        s = DistributedStrategy()
+        if mode == "decorate":
+            opt = mixed_precision.decorate(opt, init_loss_scaling=128.0, use_dynamic_loss_scaling=True)
+        elif mode != "fp32":
+            s.amp = True
+            s.amp_configs = {"dtype": mode}
+        fleet.distributed_optimizer(opt, s).minimize(digits_loss, model)
+        exe = Executor()
+        exe.run(fleet.startup_program)
+        for step in range(250):
+            exe.run(fleet.main_program, feed=shard_batch(xtr, ytr, step, role.rank, role.world_size))
+        return accuracy(model, xte, yte)
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_amp_reaches_fp32_accuracy_on_digits():
+    acc = {mode: run_ranks(_digits, 2, mode, timeout=90)[0] for mode in ("fp32", "float16", "bfloat16", "decorate")}
+    assert acc["fp32"] > 0.9, acc
+    for mode in ("float16", "bfloat16", "decorate"):
+        assert abs(acc[mode] - acc["fp32"]) <= 0.01, acc
+
+
+def _eager_amp(role):
+    fleet.init(role, timeout=30)
+    try:
+        s = DistributedStrategy()
+        s.amp = True
+        s.amp_configs = {"init_loss_scaling": 256.0, "decr_every_n_nan_or_inf": 1}
+        model = fleet.distributed_model(make_model(100 + role.rank), strategy=s)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s)
+        for step in range(4):
+            loss = loss_fn(model, batch(step, role.rank))
+            if step == 2 and role.rank == 0:
+                loss = loss * float("inf")
+            opt.backward(loss)
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clip between sync and update
+            with opt.skip_synchronize():
+                opt.step()
+            opt.zero_grad()
+        return fleet.get_loss_scaling(), params(model)
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_eager_amp_with_clipping_between_sync_and_step():
+    (s0, p0), (s1, p1) = run_ranks(_eager_amp, 2, timeout=45)
+    assert s0 == s1 == 256.0 * 0.8
+    assert max_diff(p0, p1) == 0.0
