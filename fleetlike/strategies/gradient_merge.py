@@ -38,9 +38,22 @@ class MergeState:
         return [p.grad for p in self.build.model.parameters() if p.grad is not None]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_step": self.micro_step, "partial": [g.detach().clone() for g in self.grads()]}
+        return {
+            "rank": self.build.role.rank,
+            "micro_step": self.micro_step,
+            "partial": [g.detach().clone() for g in self.grads()],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        rank = self.build.role.rank
+        if state["micro_step"] and state.get("rank", rank) != rank:
+            raise ValueError(
+                f"this checkpoint was saved by rank {state['rank']} in the middle of a gradient-merge "
+                f"window ({state['micro_step']} of {self.k_steps} micro-steps accumulated); those "
+                f"partial sums are rank {state['rank']}'s own, so rank {rank} cannot resume from them. "
+                "Save on every rank into its own directory (dirname/<worker_index>), or save when "
+                "the window is complete"
+            )
         self.micro_step = state["micro_step"]
         if self.build.reducer is None and state["partial"]:
             for p in self.build.model.parameters():

@@ -216,22 +216,16 @@ def _global_lr(optimizer: torch.optim.Optimizer) -> float:
 
 
 def _check_adaptive_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """SGD (with or without momentum, as Paddle's Momentum) is fine; anything else raises."""
     if type(optimizer) is not torch.optim.SGD:
         raise ValueError(
-            f"strategy.adaptive_localsgd needs plain SGD, got {type(optimizer).__name__}: k is chosen "
-            "from the ratio of loss to learning rate, which only measures the step size when the "
-            "update is lr * gradient; Adam-like optimizers scale every coordinate by their own "
-            "statistics, so the lr signal is meaningless. Fix: use torch.optim.SGD without "
-            "momentum, or strategy.localsgd with a fixed localsgd_configs.k_steps"
+            f"strategy.adaptive_localsgd needs SGD or Momentum (torch.optim.SGD), got "
+            f"{type(optimizer).__name__}: k is chosen from the ratio of loss to learning rate, which "
+            "measures the step size only when the update is driven by one global lr; Adam-like "
+            "optimizers scale every coordinate by their own statistics, so the lr signal is "
+            "meaningless. Fix: use torch.optim.SGD (momentum allowed), or strategy.localsgd with a "
+            "fixed localsgd_configs.k_steps"
         )
-    for i, g in enumerate(optimizer.param_groups):
-        if g.get("momentum", 0) or g.get("nesterov", False):
-            raise ValueError(
-                f"strategy.adaptive_localsgd needs plain SGD, but param_groups[{i}] has "
-                f"momentum={g.get('momentum')}: with momentum the step is no longer lr * gradient, "
-                "so the lr signal that picks k is wrong. Fix: momentum=0, or strategy.localsgd "
-                "with a fixed localsgd_configs.k_steps"
-            )
     _global_lr(optimizer)
 
 
@@ -275,7 +269,7 @@ def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
             state.snapshots = averager.take_snapshots()
 
     def average(st: StepState) -> None:
-        if getattr(st, "accumulate", False):  # a gradient-merge micro-step: no update, no step
+        if st.accumulate:  # a gradient-merge micro-step: no update, no step
             st.info.update(localsgd_k=state.k, localsgd_averaged=False,
                            localsgd_averages=state.averages_done, bytes_communicated=0)
             return
