@@ -95,12 +95,14 @@ def run_ranks(
     nodes: int = 1,
     timeout: float = 60.0,
     job_id: str = "test",
+    may_die: Sequence[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(role, *args, **kwargs)`` on every rank; return the results in rank order.
 
     Give ``world_size`` (ranks spread over ``nodes`` loopback "nodes") or explicit ``endpoints``.
-    ``fn`` must be importable by name (a module-level function).
+    ``fn`` must be importable by name (a module-level function). Ranks in ``may_die`` may end
+    without reporting (a test that kills them); their result is None.
     """
     if endpoints is None:
         if world_size is None or world_size % nodes:
@@ -118,7 +120,11 @@ def run_ranks(
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < len(eps):
+        def finished() -> bool:
+            dead = {i for i in may_die if procs[i].exitcode is not None}
+            return len(set(results) | dead) >= len(eps)
+
+        while not finished():
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(len(eps))) - set(results))
@@ -126,7 +132,10 @@ def run_ranks(
             try:
                 rank, ok, value = q.get(timeout=min(left, 0.5))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                dead = [
+                    i for i, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and i not in results and i not in may_die
+                ]
                 if dead:
                     raise RankError(
                         f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting"
@@ -140,7 +149,7 @@ def run_ranks(
     finally:
         _reap(procs)
         q.close()
-    return [results[r] for r in range(len(eps))]
+    return [results.get(r) for r in range(len(eps))]
 
 
 def _reap(procs: list[Any]) -> None:

@@ -217,6 +217,14 @@ class Communicator(abc.ABC):
         self.name = name
         self.stats = CommStats()
         self._closed = False
+        self._released = False
+        #: bound on each collective, seconds (for messages; the backend enforces it)
+        self.timeout: float | None = None
+        #: agree on every collective's op/shape/dtype before running it (see `guard`)
+        self.check_collectives = False
+        #: a store private to this group, for failure diagnosis (None: no diagnosis)
+        self._diag_store: Any = None
+        self._seq = 0
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -279,11 +287,34 @@ class Communicator(abc.ABC):
     def _close(self) -> None:
         """Release backend resources (override when there are any)."""
 
+    def _abort(self) -> None:
+        """After a failed collective: drop connections without waiting; mark closed."""
+        self._closed = True
+
+    def _issue(
+        self, op: str, tensor: torch.Tensor | None, start: Callable[[], Work], red: Any = None, root: int | None = None
+    ) -> Work:
+        """Number the collective, check agreement when asked, start it, diagnose failures."""
+        self._seq += 1
+        seq = self._seq
+        if self.check_collectives:
+            _guard.agree(self, seq, op, tensor, red, root)
+        try:
+            work = start()
+        except CommError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise RuntimeError and friends
+            raise _guard.failure(self, op, seq, exc) from exc
+        return work if self._diag_store is None else _guard.GuardedWork(work, self, op, seq)
+
     # ----------------------------------------------------------------- checks and helpers
 
     def _check(self, name: str, tensor: torch.Tensor, what: str = "tensor") -> None:
         if self._closed:
-            raise CommError(f"{name} on communicator {self.name!r}, which was closed")
+            raise CommError(
+                f"{name} on communicator {self.name!r}, which was closed (by close(), or after a "
+                "failed collective: start again with fleet.init)"
+            )
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in SUPPORTED_DTYPES:
@@ -292,7 +323,7 @@ class Communicator(abc.ABC):
         self._check_device(name, tensor, what)
 
     def _check_device(self, name: str, tensor: torch.Tensor, what: str) -> None:
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:  # not device.type: 0.3 us per call on small messages
             raise ValueError(
                 f"{name}: {what} is on {tensor.device}, but the {self.backend!r} backend moves CPU "
                 "tensors; move it with .cpu() or use the 'nccl' backend for CUDA tensors"
@@ -346,7 +377,7 @@ class Communicator(abc.ABC):
         if solo and buf is target:
             return CompletedWork(target)
         start = self._all_reduce_now if blocking else self._all_reduce_start
-        inner = CompletedWork(buf) if solo else start(buf, backend_op)
+        inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, lambda: start(buf, backend_op), red)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -384,7 +415,7 @@ class Communicator(abc.ABC):
             buf = target.contiguous() if out is None else tensor.contiguous().clone()
         self._record("broadcast", buf.numel() * buf.element_size())
         start = self._broadcast_now if blocking else self._broadcast_start
-        inner = CompletedWork(buf) if self._solo() else start(buf, root)
+        inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, lambda: start(buf, root), root=root)
         if buf is target:
             return _ChainedWork(inner, lambda: target)
         return _ChainedWork(inner, lambda: target.copy_(buf))
@@ -420,8 +451,12 @@ class Communicator(abc.ABC):
         inner = (
             CompletedWork(buf)
             if self._solo()
-            else (self._reduce_now if blocking else self._reduce_start)(
-                buf, root, ReduceOp.SUM if avg_here else red
+            else self._issue(
+                "reduce",
+                tensor,
+                lambda: (self._reduce_now if blocking else self._reduce_start)(buf, root, ReduceOp.SUM if avg_here else red),
+                red,
+                root,
             )
         )
         is_root = self.rank == root
@@ -473,7 +508,7 @@ class Communicator(abc.ABC):
             inner: Work = CompletedWork(None)
         else:
             start = self._all_gather_now if blocking else self._all_gather_start
-            inner = start(flat_out.view(-1), chunk.view(-1))
+            inner = self._issue("all_gather", chunk, lambda: start(_flat(flat_out), _flat(chunk)))
         if flat_out is out:
             return _ChainedWork(inner, lambda: out)
         return _ChainedWork(inner, lambda: out.copy_(flat_out))
@@ -544,7 +579,10 @@ class Communicator(abc.ABC):
         avg_here = red is ReduceOp.AVG and not self.native_avg
         # The input is consumed by the backend (and aliases ``out`` in place): hand it a copy
         # when the dtype changes, otherwise the tensor itself.
-        buf = tensor.reshape(-1) if wire == tensor.dtype and tensor.is_contiguous() else tensor.reshape(-1).to(wire)
+        if wire == tensor.dtype and tensor.is_contiguous():
+            buf = _flat(tensor)
+        else:
+            buf = tensor.reshape(-1).to(wire)
         res = out if wire == out.dtype and out.is_contiguous() else torch.empty(n, dtype=wire, device=out.device)
         self._record("reduce_scatter", buf.numel() * buf.element_size())
         if self._solo():
@@ -553,7 +591,7 @@ class Communicator(abc.ABC):
             inner: Work = CompletedWork(None)
         else:
             start = self._reduce_scatter_now if blocking else self._reduce_scatter_start
-            inner = start(res.view(-1), buf, ReduceOp.SUM if avg_here else red)
+            inner = self._issue("reduce_scatter", tensor, lambda: start(_flat(res), buf, ReduceOp.SUM if avg_here else red), red)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -573,14 +611,14 @@ class Communicator(abc.ABC):
     def barrier_async(self) -> Work:
         if self._closed:
             raise CommError(f"barrier on communicator {self.name!r}, which was closed")
-        return CompletedWork(None) if self._solo() else self._barrier_start()
+        return CompletedWork(None) if self._solo() else self._issue("barrier", None, self._barrier_start)
 
     def barrier(self) -> None:
         """All members meet: returns once every rank of the group has called it."""
         if self._closed:
             raise CommError(f"barrier on communicator {self.name!r}, which was closed")
         if not self._solo():
-            self._barrier_now().wait()
+            self._issue("barrier", None, self._barrier_now).wait()
 
     def split(self, color: int | None, key: int | None = None, *, name: str | None = None) -> Communicator | None:
         """Collective: ranks passing the same ``color`` form a new communicator.
@@ -590,8 +628,11 @@ class Communicator(abc.ABC):
         if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
             raise ValueError(f"split: color={color!r} must be a non-negative int or None")
         sub = self._split(color, self.rank if key is None else key)
-        if sub is not None and name is not None:
-            sub.name = name
+        if sub is not None:
+            sub.timeout = self.timeout
+            sub.check_collectives = self.check_collectives
+            if name is not None:
+                sub.name = name
         return sub
 
     def group(self) -> ContextManager[None]:
@@ -608,8 +649,9 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:
         """Release the group's resources; later calls raise CommError. Idempotent."""
-        if not self._closed:
-            self._closed = True
+        self._closed = True
+        if not self._released:
+            self._released = True
             self._close()
 
     def _check_same(self, name: str, tensor: torch.Tensor, out: torch.Tensor, what: str = "out") -> None:
@@ -632,9 +674,17 @@ def _close_all() -> None:
         comm.close()
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t.view(-1)``, skipped when ``t`` is already flat (a view costs ~0.8 us per call)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _divide_(buf: torch.Tensor, n: int) -> None:
     """In-place mean from a sum: true division for floats, floor division for integers."""
     if buf.is_floating_point():
         buf.div_(n)
     else:
         buf.floor_divide_(n)
+
+
+from fleetlike.comm import guard as _guard  # noqa: E402 - guard builds on the classes above

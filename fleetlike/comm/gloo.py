@@ -82,6 +82,8 @@ class GlooCommunicator(Communicator):
         opts._timeout = datetime.timedelta(seconds=timeout)
         opts._devices = [_device(host)]
         self._pg = ProcessGroupGloo(store, rank, size, opts)
+        self.timeout = timeout
+        self._diag_store = store
 
     @property
     def process_group(self) -> ProcessGroupGloo:
@@ -139,12 +141,21 @@ class GlooCommunicator(Communicator):
             self._timeout,
         )
 
+    def _abort(self) -> None:
+        super()._abort()
+        try:
+            self._pg.abort()
+        except Exception:  # noqa: BLE001 - best effort: the group is already broken
+            pass
+
     def _close(self) -> None:
         # Shut the group down and drop it while the interpreter is alive: torch's destructor
         # joins gloo's worker threads with the GIL released. Left to interpreter teardown, a
         # worker thread releasing its last tensor races finalization and aborts the process
         # ("terminate called without an active exception"), turning a clean exit into SIGABRT.
         pg, self._pg = self._pg, None  # type: ignore[assignment]
+        if pg is None:
+            return
         try:
             pg.shutdown()
         except Exception:  # noqa: BLE001 - best effort at teardown

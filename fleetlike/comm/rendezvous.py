@@ -1,6 +1,6 @@
 """Rendezvous: a TCP key-value store hosted by rank 0, closed to other jobs.
 
-Rank 0 listens on the master endpoint's own IP (never 0.0.0.0), writes the job id under a fixed
+Rank 0 listens on the master endpoint's own IP only (never 0.0.0.0), writes the job id under a fixed
 key, and every peer compares it with its own before doing anything else: two jobs that share a
 port refuse each other with a message instead of silently forming one wrong world. All further
 keys live under ``job/<id>/`` so nothing of one job can collide with another.
@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 
 import torch.distributed as dist
@@ -50,7 +51,13 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     if role.rank == 0:
         try:
             raw = dist.TCPStore(
-                host, port, role.world_size, True, _td(timeout), wait_for_workers=False
+                host,
+                port,
+                role.world_size,
+                True,
+                _td(timeout),
+                wait_for_workers=False,
+                master_listen_fd=_listen(host, port),
             )
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(
@@ -73,6 +80,20 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     # The prefix store holds a reference to the raw one, so rank 0's server lives as long.
     _meet(store, role, host, port, timeout, start)
     return store
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on ``host`` only (TCPStore alone would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()  # the store owns the descriptor from here on
 
 
 def _check_job(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:

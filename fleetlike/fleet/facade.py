@@ -86,11 +86,6 @@ class Fleet:
                 "does not provide; use is_collective=True (collective training)"
             )
         env = env_settings()
-        if check_collectives or env.check_collectives:
-            raise ValueError(
-                "check_collectives=True (or FLEETLIKE_CHECK_COLLECTIVES=1) is not available in this "
-                "build; leave it off"
-            )
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
@@ -98,6 +93,8 @@ class Fleet:
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
         self.shutdown()
         world = create_world(role, backend=backend or env.backend or "auto", timeout=limit, device=device)
+        world.timeout = limit
+        world.check_collectives = bool(check_collectives or env.check_collectives)
         self._ctx = _Context(role, world, CommGroups(world, role), device, strategy or DistributedStrategy(), limit)
 
     def shutdown(self) -> None:

@@ -13,6 +13,8 @@ was stopped by SIGINT/SIGTERM; 1 when a worker could not be started.
 
 from __future__ import annotations
 
+from typing import Any
+
 import signal
 import sys
 import threading
@@ -79,6 +81,18 @@ def _first_failure(workers: Sequence[Worker]) -> tuple[Worker | None, bool]:
     return None, all_done
 
 
+def _last_line(path: Any) -> str:
+    """The failing worker's last words (its exception, usually), for the one summary line."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 8192))
+            lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
 def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit code."""
     check_machine(config, visible_gpus=visible_gpus)
@@ -111,10 +125,13 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
             failed, all_done = _first_failure(workers)
             if failed is not None:
                 stop_workers(workers, grace=config.kill_grace)
+                close_logs(workers)
                 code = failed.process.returncode
+                said = _last_line(failed.log_path)
                 print(
                     f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
-                    f"{describe_exit(code)}; log: {failed.log_path}",
+                    f"{describe_exit(code)}; log: {failed.log_path}"
+                    + (f"; last line: {said}" if said else ""),
                     file=sys.stderr,
                     flush=True,
                 )

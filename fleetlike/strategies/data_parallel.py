@@ -109,8 +109,12 @@ class GradReducer:
         cap_bytes: int | None,
         find_unused: bool = False,
         auto_arm: bool = False,
+        check_nan_inf: bool = False,
+        names: dict[int, str] | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.check_nan_inf = check_nan_inf
+        self._names = names or {}
         self.collective = collective
         self.find_unused = find_unused
         self.auto_arm = auto_arm
@@ -173,10 +177,26 @@ class GradReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.check_nan_inf and not bool(torch.isfinite(bucket.buffer).all()):
+            self._raise_non_finite(bucket)
         self._works[bucket.index] = self.collective.start(bucket)
         self.collectives_issued += 1
         self.bytes_issued += bucket.nbytes
         self._next += 1
+
+    def _raise_non_finite(self, bucket: Bucket) -> None:
+        self.armed = False
+        world = self.collective.world
+        bad = [
+            self._names.get(id(p), f"parameter {tuple(p.shape)}")
+            for p, view in zip(bucket.params, bucket.views)
+            if not bool(torch.isfinite(view).all())
+        ]
+        raise FloatingPointError(
+            f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
+            f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "
+            "every rank. Look at this rank's data and loss (strategy.check_nan_inf found it)"
+        )
 
     def finalize(self) -> None:
         """Launch what is left (unused parameters), wait for every bucket, disarm."""
