@@ -65,7 +65,9 @@ def test_a_rank_killed_inside_an_all_reduce_fails_the_others_fast():
 
 
 def _mismatch(role, what):
-    fleet.init(role, timeout=20.0, check_collectives=True)
+    if what == "op":  # the environment switch, for debugging a script without editing it
+        os.environ["FLEETLIKE_CHECK_COLLECTIVES"] = "1"
+    fleet.init(role, timeout=20.0, check_collectives=what == "shape")
     world = fleet._ctx.world
     if what == "shape":
         t = torch.ones(4 if role.rank == 0 else 5)
@@ -142,3 +144,153 @@ def test_two_jobs_on_the_same_ports_never_join():
     assert kind0 == "RendezvousError" and "cannot host the rendezvous store" in msg0
     kind1, msg1 = second[1]
     assert kind1 == "JobMismatchError" and "'jobB'" in msg1 and "'jobA'" in msg1
+
+
+def _launch(tmp_path, mode):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fleetlike.testing import free_ports
+
+    script = Path(__file__).parent / "launch_workers" / "collective_fail.py"
+    base = free_ports(1)[0]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=3", f"--started_port={base}",
+         "--log_dir", str(tmp_path / "log"), str(script), mode],
+        capture_output=True, text=True, timeout=50, cwd=tmp_path,
+    )
+    return proc, time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_under_the_launcher_a_timeout_ends_the_job_with_the_message(tmp_path):
+    proc, took = _launch(tmp_path, "sleep")
+    assert proc.returncode != 0 and took < 30
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "CollectiveTimeoutError: all_reduce #2" in summary and "ranks [1] did not arrive" in summary
+    log = (tmp_path / "log" / f"workerlog.{summary.split('rank ')[1].split()[0]}").read_text()
+    assert "CollectiveTimeoutError" in log
+
+
+@pytest.mark.timeout(60)
+def test_under_the_launcher_a_killed_rank_ends_the_job_within_10s(tmp_path):
+    proc, took = _launch(tmp_path, "kill")
+    assert proc.returncode != 0
+    assert took < 10 + 3  # the job's end, plus interpreter start-up of the launcher and workers
+    assert "rank 1 (local 1) was killed by signal SIGKILL" in proc.stderr
+
+
+def _saver(role, ckpt, ready):
+    from pathlib import Path
+
+    fleet.init(role, timeout=30)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(24)])  # ~25 MB
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)).minimize(
+        lambda m, f: m(f).sum(), model
+    )
+    exe = Executor()
+    version = 0
+    while True:  # keep saving new versions until the test kills us mid-save
+        version += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(version))
+        fleet.save_persistables(exe, ckpt)
+        Path(ready).write_text(str(version))
+
+
+def _loader(role, ckpt):
+    fleet.init(role, timeout=30)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(24)])
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)).minimize(
+        lambda m, f: m(f).sum(), model
+    )
+    fleet.load_persistables(Executor(), ckpt)
+    values = {float(v) for p in model.parameters() for v in p.detach().unique()}
+    return values
+
+
+@pytest.mark.timeout(60)
+def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    import multiprocessing as mp
+    from pathlib import Path
+
+    from fleetlike.roles import Role
+    from fleetlike.testing import free_ports
+
+    ckpt, ready = str(tmp_path / "ckpt"), tmp_path / "ready"
+    role = Role.from_endpoints(0, [f"127.0.0.1:{free_ports(1)[0]}"])
+    proc = mp.get_context("spawn").Process(target=_saver, args=(role, ckpt, str(ready)))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 40
+        while not (ready.exists() and int(ready.read_text() or 0) >= 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # wait until a save is in progress: its temporary directory exists
+        while not list(Path(tmp_path).glob(".ckpt.tmp-*")) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.join(10)
+    assert proc.exitcode == -signal.SIGKILL
+    assert list(Path(tmp_path).glob(".ckpt.tmp-*"))  # the kill did land inside a save
+    (values,) = run_ranks(_loader, 1, ckpt, timeout=30)
+    assert len(values) == 1 and values.pop() >= 1.0  # one complete version, not a mixture
+
+
+def _slow(role):
+    fleet.init(role, timeout=30)
+    model = make_model(100)
+    s = DistributedStrategy()
+    s.slow_rank_check = True
+    s.slow_rank_check_configs = {"every_n_steps": 4, "factor": 1.5}
+
+    def lf(m, feed):
+        if role.rank == 2:
+            time.sleep(0.05)  # this rank's data loading is slow
+        return loss_fn(m, feed)
+
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(lf, model)
+    exe = Executor()
+    exe.run(fleet.startup_program)
+    reports = []
+    for step in range(9):
+        state = fleet.main_program.run(batch(step, role.rank))
+        if "slow_ranks" in state.info:
+            reports.append(state.info["slow_ranks"])
+    return reports
+
+
+@pytest.mark.timeout(60)
+def test_slow_rank_is_reported_by_rank_and_host():
+    results = run_ranks(_slow, 4, nodes=2, timeout=45)
+    for reports in results:
+        assert len(reports) == 2  # steps 4 and 8
+        for slow in reports:
+            assert [(r, host) for r, host, _ in slow] == [(2, "127.0.0.2")]
+            assert slow[0][2] >= 0.05
+
+
+def _fit(role, ckpt, phase):
+    fleet.init(role, timeout=30)
+    model = make_model(1)
+    s = DistributedStrategy()
+    if phase == "load":
+        s.nccl_comm_num = 2
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(loss_fn, model)
+    if phase == "save":
+        if role.rank == 0:
+            fleet.save_persistables(Executor(), ckpt)
+        return "saved"
+    return _catch(lambda: fleet.load_persistables(Executor(), ckpt))
+
+
+@pytest.mark.timeout(60)
+def test_loading_checks_world_size_and_strategy(tmp_path):
+    ckpt = str(tmp_path / "c")
+    run_ranks(_fit, 2, ckpt, "save", timeout=30)
+    kind, msg = run_ranks(_fit, 1, ckpt, "load", timeout=30)[0]
+    assert kind == "CheckpointError"
+    assert "world size: saved 2, now 1" in msg and "strategy.nccl_comm_num: saved 1, now 2" in msg

@@ -1,0 +1,304 @@
+"""Hierarchical allreduce, several communicators and fp16 compression on real gloo ranks.
+
+Two or four loopback "nodes" (127.0.0.1, 127.0.0.2, ...). Hierarchical equals one flat
+allreduce (integers exactly, floats to 1e-6 relative), several communicators equal one, fp16/bf16
+stay within their rounding bound and never overflow for magnitudes up to 1e5, training with each
+option equals single-process SGD, and the bytes each rank sends across nodes match the formulas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dp_common import batch, loss_fn, make_model, max_diff, params, single_process
+from fleetlike import DistributedStrategy, Executor, fleet
+from fleetlike.comm import CommGroups
+from fleetlike.strategies.compression import CompressedAllReduce, HalfCodec
+from fleetlike.strategies.data_parallel import FlatAllReduce
+from fleetlike.strategies.hierarchical import HierarchicalAllReduce, cross_node_bytes_flat, hierarchical_pairs
+from fleetlike.testing import endpoints_for, make_world, run_ranks
+
+DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32, "float64": torch.float64}
+
+
+def _data(seed: int, rank: int, numel: int, dtype: str, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    if dtype.startswith("int"):
+        return torch.randint(-1000, 1000, (numel,), generator=g, dtype=DTYPES[dtype])
+    return (torch.randn(numel, generator=g, dtype=torch.float64) * scale).to(DTYPES[dtype])
+
+
+def _compare(role, cases):
+    world = make_world(role)
+    groups = CommGroups(world, role)
+    try:
+        pairs = hierarchical_pairs(groups, role, 2)
+        hier = HierarchicalAllReduce(pairs, world)
+        hier_rb = HierarchicalAllReduce(pairs[:1], world, algorithm="reduce_broadcast")
+        rings3 = FlatAllReduce(groups.rings(3))
+        out = []
+        for i, (numel, dtype, seed) in enumerate(cases):
+            x = _data(seed, role.rank, numel, dtype)
+            for op in ("sum", "avg"):
+                flat = world.all_reduce(x.clone(), op)
+                h = hier.start_tensor(x.clone(), i, op).wait()
+                rb = hier_rb.start_tensor(x.clone(), i, op).wait()
+                ring = rings3.rings[i % 3].all_reduce(x.clone(), op)
+                out.append((op, dtype, flat.numpy(), h.numpy(), rb.numpy(), ring.numpy()))
+        return out
+    finally:
+        groups.close()
+
+
+def _check_equal(op, dtype, ref, got):
+    if dtype.startswith("int"):
+        np.testing.assert_array_equal(got, ref)
+    else:
+        scale = np.maximum(np.abs(ref), 1e-30)
+        rel = np.abs(got.astype(np.float64) - ref) / scale
+        tol = 1e-6 if dtype == "float32" else 1e-12
+        # relative to the element, or to the magnitude of the summands where they cancel
+        assert np.all((rel <= tol) | (np.abs(got - ref) <= tol * 4 * 10)), (op, dtype, rel.max())
+
+
+CASE = st.tuples(st.integers(0, 3000), st.sampled_from(sorted(DTYPES)), st.integers(0, 10**6))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (2, 1), (1, 4), (4, 1)])
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(CASE, min_size=3, max_size=5))
+def test_hierarchical_and_rings_equal_flat(nodes, per_node, cases):
+    results = run_ranks(_compare, nodes * per_node, cases, nodes=nodes, timeout=60)
+    for rank_out in results:
+        for op, dtype, flat, h, rb, ring in rank_out:
+            for got in (h, rb, ring):
+                _check_equal(op, dtype, flat, got)
+    for a, b in zip(results[0], results[-1]):  # every rank holds the same result
+        np.testing.assert_array_equal(a[3], b[3])
+
+
+# ------------------------------------------------------------------------- fp16
+
+
+def _fp16(role, cases):
+    world = make_world(role)
+    groups = CommGroups(world, role)
+    try:
+        pairs = hierarchical_pairs(groups, role, 1)
+        out = []
+        for i, (numel, seed, exp, dtype) in enumerate(cases):
+            codec = HalfCodec(dtype)
+            colls = {
+                "flat": CompressedAllReduce(FlatAllReduce(groups.rings(2)), codec),
+                "hier": CompressedAllReduce(HierarchicalAllReduce(pairs, world), codec),
+                "mixed": HierarchicalAllReduce(pairs, world, inter_codec=codec),
+            }
+            x = _data(seed, role.rank, numel, "float32", 10.0**exp).clamp(-1e5, 1e5)
+            if i == 0:
+                x = torch.full((numel,), 1e5)  # the worst case: every rank at the limit, same sign
+            res = {}
+            for name, c in colls.items():
+                y = x.clone()
+                (c.start_tensor(y, i) if name != "mixed" else c.start_tensor(y, i, "avg")).wait()
+                assert y.dtype == torch.float32
+                res[name] = y.numpy()
+            out.append(res)
+        return out
+    finally:
+        groups.close()
+
+
+@pytest.mark.timeout(90)
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases=st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 10**6), st.integers(-6, 5),
+                                st.sampled_from(["float16", "bfloat16"])), min_size=3, max_size=4))
+def test_fp16_within_bound_and_never_overflows(cases):
+    n = 4
+    results = run_ranks(_fp16, n, cases, nodes=2, timeout=60)
+    for i, (numel, seed, exp, dtype) in enumerate(cases):
+        xs = [_data(seed, r, numel, "float32", 10.0**exp).clamp(-1e5, 1e5).double().numpy() for r in range(n)]
+        if i == 0:
+            xs = [np.full(numel, 1e5) for _ in range(n)]
+        exact = sum(xs) / n
+        mag = sum(np.abs(x) for x in xs) / n
+        eps = 2.0**-11 if dtype == "float16" else 2.0**-8
+        tol = (n + 2) * eps * mag + 1e-30
+        for rank_out in results:
+            for name, got in rank_out[i].items():
+                assert np.all(np.isfinite(got)), (name, dtype, "overflow")
+                err = np.abs(got - exact)
+                assert np.all(err <= tol), (name, dtype, float((err / np.maximum(tol, 1e-300)).max()))
+
+
+# ------------------------------------------------------------------------- bytes
+
+
+def _bytes(role, numel):
+    world = make_world(role)
+    groups = CommGroups(world, role)
+    try:
+        pairs = hierarchical_pairs(groups, role, 1)
+        intra, inter = pairs[0]
+        x = torch.ones(numel)
+        out = {}
+        for name, fn in {
+            "flat": lambda: world.all_reduce(x.clone(), "sum"),
+            "hier": lambda: HierarchicalAllReduce(pairs, world).start_tensor(x.clone(), 0, "sum").wait(),
+            "hier_fp16": lambda: CompressedAllReduce(HierarchicalAllReduce(pairs, world), HalfCodec()).start_tensor(x.clone(), 0).wait(),
+            "mixed": lambda: HierarchicalAllReduce(pairs, world, inter_codec=HalfCodec()).start_tensor(x.clone(), 0).wait(),
+        }.items():
+            world.barrier()
+            for c in (world, intra, inter):
+                c.stats.reset()
+            fn()
+            node_of = [int(e.split(":")[0].rsplit(".", 1)[1]) for e in role.endpoints]
+            out[name] = {
+                "cross_flat": cross_node_bytes_flat(world.stats.wire_bytes, role.rank, node_of),
+                "inter": inter.stats.wire_bytes,
+                "intra": intra.stats.wire_bytes,
+            }
+        return out
+    finally:
+        groups.close()
+
+
+@pytest.mark.timeout(60)
+def test_cross_node_bytes_match_formulas():
+    numel, nodes, L = 3 * 1024 + 1, 2, 2  # odd: the hierarchical buffer is padded
+    n, k = nodes * L, nodes
+    res = run_ranks(_bytes, n, numel, nodes=nodes, timeout=40)
+    s = numel * 4
+    padded = (numel + 1) * 4
+    ring = lambda op_bytes, m: 2 * (m - 1) * op_bytes // m  # noqa: E731 - bytes one rank sends, ring allreduce
+    for rank, r in enumerate(res):
+        # flat: a ring over ranks 0..3 crosses nodes at 1->2 and 3->0: the last rank of each
+        # node sends its whole 2(N-1)/N * S across, the others nothing
+        last_of_node = rank % L == L - 1
+        assert r["flat"]["cross_flat"] == (ring(s, n) if last_of_node else 0)
+        # hierarchical: every inter-group byte crosses nodes, 2(K-1)/K * S/L per rank
+        assert r["hier"]["inter"] == ring(padded // L, k)
+        assert r["hier"]["intra"] == 2 * ((L - 1) * padded // L)
+        # fp16 everywhere: half the bytes, plus the overflow guard's 1-float MAX on each level
+        assert r["hier_fp16"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
+        assert r["hier_fp16"]["intra"] == 2 * ((L - 1) * (padded // 2) // L) + ring(4, L)
+        # mixed: full precision inside the node, half across
+        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L)
+        assert r["mixed"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
+    per_node_flat = sum(r["flat"]["cross_flat"] for r in res[:L])
+    per_node_hier = sum(r["hier"]["inter"] for r in res[:L])
+    assert per_node_flat == ring(s, n)  # 1.5 S leaves each node
+    assert abs(per_node_hier - s) <= 8  # S leaves each node (2(K-1)/K = 1 for two nodes)
+    assert per_node_flat / per_node_hier == pytest.approx(2 * (n - 1) / n / (2 * (k - 1) / k), rel=1e-3)
+
+
+# ------------------------------------------------------------------------- training
+
+STEPS = 8
+CONFIGS = {
+    "hier": {"use_hierarchical_allreduce": True},
+    "hier_rb": {"use_hierarchical_allreduce": True, "hierarchical_allreduce_configs.algorithm": "reduce_broadcast"},
+    "hier_2comm": {"use_hierarchical_allreduce": True, "nccl_comm_num": 2},
+    "hier_block": {"use_hierarchical_allreduce": True, "hierarchical_allreduce_inter_nranks": 2},
+    "fp16": {"fp16_allreduce": True},
+    "bf16": {"fp16_allreduce": True, "fp16_allreduce_configs.dtype": "bfloat16"},
+    "hier_fp16": {"use_hierarchical_allreduce": True, "fp16_allreduce": True, "nccl_comm_num": 2},
+    "mixed": {"fp16_allreduce": True, "fp16_allreduce_configs.mode": "mixed"},
+}
+
+
+def _train(role, names):
+    fleet.init(role, timeout=60)
+    out = {}
+    try:
+        for name in names:
+            model = make_model(100 + role.rank)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            s = DistributedStrategy.from_dict({**CONFIGS[name], "fuse_grad_size_in_MB": 0.001})
+            fleet.distributed_optimizer(opt, s).minimize(loss_fn, model)
+            exe = Executor()
+            exe.run(fleet.startup_program)
+            for step in range(STEPS):
+                exe.run(fleet.main_program, feed=batch(step, role.rank))
+            out[name] = (params(model), str(fleet.main_program), [str(a) for a in fleet.applied_strategy()])
+        return out
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_training_with_each_option_equals_single_process():
+    res = run_ranks(_train, 4, list(CONFIGS), nodes=2, timeout=100)
+    ref = single_process("sgd", 4, STEPS)
+    for rank, out in enumerate(res):
+        for name, (got, listing, applied) in out.items():
+            compressed = "16" in name or name == "mixed"
+            tol = 1e-6 if not compressed else (2e-3 if name != "bf16" else 1e-2)
+            assert max_diff(got, ref) <= tol, (rank, name, max_diff(got, ref))
+            assert not any("NOT applied" in a for a in applied if "hierarch" in a or "fp16" in a), applied
+    listing = res[0]["hier_fp16"][1]
+    assert "intra[node 0]" in listing and "inter[local 0]" in listing and "ring 1" in listing
+    assert "wire=float16" in listing and "c_fp16_hierarchical_allreduce_avg" in listing
+    assert "float32 intra, float16 inter" in res[0]["mixed"][1]
+    assert "intra[block 0]" in res[0]["hier_block"][1]
+    assert "wire=bfloat16" in res[0]["bf16"][1]
+
+
+def _one_node_and_errors(role):
+    fleet.init(role, timeout=30)
+    try:
+        model = make_model(100)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = DistributedStrategy.from_dict({"use_hierarchical_allreduce": True})
+        fleet.distributed_optimizer(opt, s).minimize(loss_fn, model)
+        applied = [str(a) for a in fleet.applied_strategy()]
+        errors = []
+        for n in (1, 3):
+            s = DistributedStrategy.from_dict({"use_hierarchical_allreduce": True, "hierarchical_allreduce_inter_nranks": n})
+            try:
+                fleet.distributed_optimizer(opt, s).minimize(loss_fn, make_model(100))
+            except ValueError as e:
+                errors.append(str(e))
+        return applied, errors
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_one_node_not_applied_and_fleet_validation():
+    res = run_ranks(_one_node_and_errors, 2, nodes=1, timeout=40)
+    applied, errors = res[0]
+    assert any("use_hierarchical_allreduce: NOT applied (one node" in a for a in applied), applied
+    assert len(errors) == 2 and "must be > 1" in errors[0] and "does not divide the world size 2" in errors[1]
+
+
+def _uneven(role):
+    fleet.init(role, timeout=30)
+    try:
+        model = make_model(100 + role.rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = DistributedStrategy.from_dict({"use_hierarchical_allreduce": True, "fp16_allreduce": True,
+                                           "fp16_allreduce_configs.mode": "mixed"})
+        fleet.distributed_optimizer(opt, s).minimize(loss_fn, model)
+        exe = Executor()
+        exe.run(fleet.startup_program)
+        for step in range(4):
+            exe.run(fleet.main_program, feed=batch(step, role.rank))
+        return params(model), [str(a) for a in fleet.applied_strategy()]
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_uneven_nodes_fall_back_to_flat():
+    eps = endpoints_for(2, 2)[:3]  # two ranks on 127.0.0.1, one on 127.0.0.2
+    res = run_ranks(_uneven, endpoints=eps, timeout=40)
+    ref = single_process("sgd", 3, 4)
+    for got, applied in res:
+        assert max_diff(got, ref) <= 1e-6
+        assert any("use_hierarchical_allreduce: NOT applied (nodes have unequal" in a for a in applied), applied
+        assert any("fp16_allreduce: NOT applied" in a for a in applied), applied

@@ -1,0 +1,185 @@
+"""Sync BatchNorm over fleetlike communicators equals torch's synchronized BatchNorm semantics
+(gloo), globally and per node; the sync_batch_norm strategy trains like one process on the
+concatenated batch.
+
+``torch.nn.SyncBatchNorm`` refuses CPU tensors in torch 2.x (its kernels batch_norm_stats /
+batch_norm_gather_stats are CUDA-only), so the reference is what it computes, built from torch
+pieces: a plain ``BatchNorm2d`` over the batch all-gathered with
+``torch.distributed.nn.all_gather`` (autograd flows back to each rank's slice) on a
+torch.distributed gloo group over all ranks (global) or over the node's ranks (local).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fleetlike import DistributedStrategy, Executor, fleet
+from fleetlike.comm import CommGroups
+from fleetlike.strategies.sync_bn import SyncBatchNorm, convert_sync_batchnorm
+from fleetlike.testing import free_ports, make_world, run_ranks
+
+C = 3
+
+
+def _inputs(rank, shape):
+    g = torch.Generator().manual_seed(17 + rank)
+    return torch.randn(shape, generator=g) * (1 + rank) + rank, torch.randn(shape, generator=g)
+
+
+class _GatheredBN(torch.nn.Module):
+    """BatchNorm over the all-gathered batch of a torch.distributed group; returns own slice."""
+
+    def __init__(self, bn, group):
+        super().__init__()
+        self.bn, self.group = bn, group
+        self.weight, self.bias = bn.weight, bn.bias
+
+    @property
+    def running_mean(self):
+        return self.bn.running_mean
+
+    @property
+    def running_var(self):
+        return self.bn.running_var
+
+    def forward(self, x):
+        group = self.group if self.group is not None else dist.group.WORLD
+        return self.bn(_Gather.apply(x, group)).split(x.shape[0])[dist.get_rank(group)]
+
+
+class _Gather(torch.autograd.Function):
+    """all_gather + cat; backward sums the gradient over the group and keeps the own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.n = group, x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g.split(ctx.n)[dist.get_rank(ctx.group)], None
+
+
+def _run_layer(bn, x, gy, steps=2):
+    outs = []
+    for _ in range(steps):
+        xi = x.clone().requires_grad_(True)
+        y = bn(xi)
+        y.backward(gy)
+        outs.append((y.detach().numpy(), xi.grad.numpy()))
+    return outs, bn.running_mean.numpy().copy(), bn.running_var.numpy().copy(), bn.weight.grad.numpy(), bn.bias.grad.numpy()
+
+
+def _compare(role, port, shape):
+    world = make_world(role)
+    groups = CommGroups(world, role)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=role.rank, world_size=role.world_size)
+    try:
+        node_groups = [dist.new_group(role.node_ranks(i)) for i in range(role.node_num)]
+        x, gy = _inputs(role.rank, shape)
+        res = {}
+        for scope in ("global", "local"):
+            comm = world if scope == "global" else groups.intra
+            pg = None if scope == "global" else node_groups[role.node_index]
+            torch.manual_seed(0)
+            ours = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(C, momentum=0.3)), comm, scope)
+            assert isinstance(ours[0], SyncBatchNorm)
+            torch.manual_seed(0)
+            ref = torch.nn.Sequential(_GatheredBN(torch.nn.BatchNorm2d(C, momentum=0.3), pg))
+            with torch.no_grad():
+                for m in (ours[0], ref[0]):
+                    m.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+                    m.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+            res[scope] = (_run_layer(ours[0], x, gy), _run_layer(ref[0], x, gy))
+        return res
+    finally:
+        dist.destroy_process_group()
+        groups.close()
+
+
+def _assert_close(a, b, tol=1e-6):
+    if isinstance(a, (list, tuple)):
+        for u, v in zip(a, b):
+            _assert_close(u, v, tol)
+    else:
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shape", [(4, C, 5, 3), (3, C, 2, 2)])
+def test_equals_torch_sync_batchnorm_global_and_local(shape):
+    results = run_ranks(_compare, 4, free_ports(1)[0], shape, nodes=2, timeout=60)
+    for res in results:
+        for scope in ("global", "local"):
+            ours, ref = res[scope]
+            _assert_close(ours, ref)
+    # local really differs from global (the nodes' data differ)
+    assert not np.allclose(results[0]["global"][0][1], results[0]["local"][0][1])
+
+
+# ---------------------------------------------------------------------------- training
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _feed(step, rank):
+    g = torch.Generator().manual_seed(step * 31 + rank)
+    return {"x": torch.randn(5, 6, generator=g) * 2 + rank, "y": torch.randn(5, 2, generator=g)}
+
+
+def _loss(model, feed):
+    return F.mse_loss(model(feed["x"]), feed["y"])
+
+
+def _train(role, scope):
+    fleet.init(role, timeout=30)
+    try:
+        model = _model(1 + role.rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = DistributedStrategy.from_dict({"sync_batch_norm": True, "sync_batch_norm_configs.scope": scope})
+        fleet.distributed_optimizer(opt, s).minimize(_loss, model)
+        exe = Executor()
+        exe.run(fleet.startup_program)
+        for step in range(5):
+            exe.run(fleet.main_program, feed=_feed(step, role.rank))
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        return state, str(fleet.main_program), [str(a) for a in fleet.applied_strategy()]
+    finally:
+        fleet.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_global_sync_bn_training_equals_single_process():
+    res = run_ranks(_train, 4, "global", nodes=2, timeout=60)
+    model = _model(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        parts = [_feed(step, r) for r in range(4)]
+        feed = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        _loss(model, feed).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for state, listing, applied in res:
+        for k, v in ref.items():
+            np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        assert "c_sync_batch_norm" in listing and "sync_bn[world]" in listing
+        assert any(a.startswith("sync_batch_norm: applied") for a in applied)
+
+
+@pytest.mark.timeout(90)
+def test_local_scope_listing_and_one_rank_per_node():
+    res = run_ranks(_train, 4, "local", nodes=2, timeout=60)
+    assert "sync_bn[node 0]" in res[0][1] and "sync_bn[node 1]" in res[2][1]
+    res = run_ranks(_train, 2, "local", nodes=2, timeout=60)
+    assert any("sync_batch_norm: NOT applied" in a for a in res[0][2])
