@@ -224,7 +224,7 @@ def plot_panels(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     n = len(panels)
     has_ratio = any(p.get("ratio") for p in panels)
@@ -256,8 +256,13 @@ def plot_panels(
             if i == 0:
                 rax.set_ylabel(ratio_label)
         bottom = axes[rows - 1][i]
-        bottom.xaxis.set_major_locator(LogLocator(base=4 ** 2))
+        xs = sorted(set(panel["x"]))
+        step = max(1, -(-len(xs) // 5))  # at most ~5 labelled ticks, the largest size included
+        ticks = xs[::-1][::step][::-1]
+        bottom.xaxis.set_major_locator(FixedLocator(ticks))
+        bottom.xaxis.set_minor_locator(NullLocator())
         bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: xfmt(v)))
+        bottom.tick_params(axis="x", labelrotation=30)
         bottom.set_xlabel(xlabel)
     fig.suptitle(title)
     fig.tight_layout()

@@ -1,19 +1,25 @@
 """Collectives, nccl-tests style: fleetlike's communicators against the raw backend, side by side.
 
 For each backend, op and message size it times the fleetlike call and the raw backend's call on
-the *same* transport and buffers, interleaved rep by rep, and reports the median:
+the *same* transport and buffers:
 
 =========  =========================================  ===========================================
 backend    fleetlike                                  raw
 =========  =========================================  ===========================================
 gloo       ``GlooCommunicator.all_reduce(t)`` ...     its ``process_group.allreduce([t]).wait()``
-mpi        ``MPICommunicator.all_reduce(t)`` ...      ``mpi_comm.Allreduce(IN_PLACE, t.numpy())``
+mpi        ``MPICommunicator.all_reduce(t)`` ...      ``mpi_comm.Allreduce(IN_PLACE, a)``, ``a`` a
+                                                      numpy view of ``t`` made once
 =========  =========================================  ===========================================
 
-so the ratio isolates fleetlike's wrapper. Columns follow nccl-tests: ``size`` is the largest
-buffer (all_gather's output, reduce_scatter's input), algbw = size / time, busbw = algbw x
-factor (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``ratio`` is
-fleetlike busbw / raw busbw (= raw time / fleetlike time) and ``+us`` the per-call overhead.
+so the ratio isolates fleetlike's wrapper. Every call is timed alone, fleetlike and raw
+alternating A B B A A B ... (no barrier between: consecutive collectives keep the ranks in
+step), so machine noise hits both alike; a call's time is the slowest rank's, and a row reports
+the median over calls. Columns follow nccl-tests: ``size`` is the largest buffer (all_gather's
+output, reduce_scatter's input), algbw = size / time, busbw = algbw x factor (all_reduce
+2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``ratio`` is fleetlike busbw /
+raw busbw (= raw time / fleetlike time), ``+us`` the per-call overhead (difference of the
+medians) and ``best +us`` the difference of the fastest calls, which load on the machine
+disturbs least.
 
 Usage (from the repository root)::
 
@@ -79,16 +85,12 @@ class Config:
     sizes: tuple[int, ...]
     ops: tuple[str, ...]
     iters: int
-    reps: int | None
-    block_bytes: int
+    min_iters: int
+    size_budget: int
 
-    def plan(self, nbytes: int) -> tuple[int, int]:
-        """(reps, calls per timed sample): fewer of both for big messages."""
-        inner = max(1, min(self.iters, self.block_bytes // max(nbytes, 1)))
-        if self.reps is not None:
-            return self.reps, inner
-        reps = 15 if nbytes <= 1 << 20 else 9 if nbytes <= 16 << 20 else 5
-        return reps, inner
+    def calls(self, nbytes: int) -> int:
+        """Timed calls per implementation: ``size_budget`` bytes' worth, within the bounds."""
+        return max(self.min_iters, min(self.iters, self.size_budget // max(nbytes, 1)))
 
 
 # --------------------------------------------------------------------------- calls
@@ -169,10 +171,13 @@ def measure(comm: Any, cfg: Config) -> list[dict[str, Any]]:
     for op in cfg.ops:
         for size in cfg.sizes:
             count = _count(op, size, comm.size)
-            reps, inner = cfg.plan(count * 4)
+            calls = cfg.calls(count * 4)
             fleet, raw = make(comm, op, count)
-            times = interleaved_timings({"fleetlike": fleet, "raw": raw}, reps=reps, inner=inner, sync=sync)
-            samples.append({"op": op, "bytes": count * 4, "count": count, "reps": reps, "inner": inner, **times})
+            sync()
+            # Each call timed alone, in the order A B B A A B ...: both see the same noise, and
+            # consecutive collectives keep the ranks in step without a barrier per sample.
+            times = interleaved_timings({"fleetlike": fleet, "raw": raw}, reps=calls, warmup=2)
+            samples.append({"op": op, "bytes": count * 4, "count": count, "calls": calls, **times})
             del fleet, raw
     return samples
 
@@ -205,19 +210,23 @@ def _mpi_worker(cfg: Config, result_file: str) -> None:
 
 
 def summarize(per_rank: Sequence[list[dict[str, Any]]], world: int) -> list[dict[str, Any]]:
-    """One row per (op, size): a sample's time is the slowest rank's; the row takes the median."""
+    """One row per (op, size): a call's time is the slowest rank's; the row takes the median."""
     rows = []
     for entries in zip(*per_rank):
         e0 = entries[0]
-        row: dict[str, Any] = {k: e0[k] for k in ("op", "bytes", "count", "reps", "inner")}
+        row: dict[str, Any] = {k: e0[k] for k in ("op", "bytes", "count", "calls")}
         for impl in ("fleetlike", "raw"):
-            t = median([max(s) for s in zip(*(e[impl] for e in entries))])
+            per_call = [max(s) for s in zip(*(e[impl] for e in entries))]
+            t = median(per_call)
+            row[f"{impl}_min_us"] = min(per_call) * 1e6
             algbw = e0["bytes"] / t / 1e9
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_algbw"] = algbw
             row[f"{impl}_busbw"] = algbw * bus_factor(e0["op"], world)
         row["ratio"] = row["raw_us"] / row["fleetlike_us"]
         row["overhead_us"] = row["fleetlike_us"] - row["raw_us"]
+        # best case: the fastest call of each, a load-insensitive view of the added cost
+        row["best_overhead_us"] = row["fleetlike_min_us"] - row["raw_min_us"]
         rows.append(row)
     return rows
 
@@ -225,6 +234,7 @@ def summarize(per_rank: Sequence[list[dict[str, Any]]], world: int) -> list[dict
 COLUMNS = [
     Column("bytes", "size", human_bytes),
     Column("count", "count"),
+    Column("calls", "calls"),
     Column("fleetlike_us", "time(us)", "{:.1f}"),
     Column("fleetlike_algbw", "algbw", "{:.3f}"),
     Column("fleetlike_busbw", "busbw", "{:.3f}"),
@@ -233,6 +243,7 @@ COLUMNS = [
     Column("raw_busbw", "raw busbw", "{:.3f}"),
     Column("ratio", "ratio", "{:.3f}"),
     Column("overhead_us", "+us", "{:+.1f}"),
+    Column("best_overhead_us", "best +us", "{:+.1f}"),
 ]
 
 SUMMARY_SIZES = (8, 1 << 20, 16 << 20, 256 << 20)
@@ -257,7 +268,9 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def report(backend: str, world: int, rows: list[dict[str, Any]], info: dict[str, Any], out_dir: Path) -> None:
-    print(f"\n# {backend}: {world} ranks, float32, sum; times are medians; GB/s = 1e9 B/s")
+    print(f"\n# {backend}: {world} ranks, float32, sum. time: median over calls of the slowest "
+          "rank; GB/s = 1e9 B/s;\n# +us: fleetlike minus raw median; best +us: fastest call minus "
+          "fastest call")
     for op in dict.fromkeys(r["op"] for r in rows):
         print(f"\n## {op}  (busbw factor {bus_factor(op, world):g})")
         print(format_table(COLUMNS, [r for r in rows if r["op"] == op]))
@@ -320,9 +333,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-bytes", default="256M", help="largest message (default 256M)")
     p.add_argument("--step-factor", type=int, default=4, help="size ladder factor, from the top (default 4)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
-    p.add_argument("--iters", type=int, default=50, help="max calls per timed sample (small messages)")
-    p.add_argument("--reps", type=int, default=None, help="samples per size (default 15 / 9 / 5 by size)")
-    p.add_argument("--block-bytes", default="32M", help="bytes moved per timed sample, bounds --iters")
+    p.add_argument("--iters", type=int, default=400, help="most timed calls per size and implementation")
+    p.add_argument("--min-iters", type=int, default=8, help="fewest timed calls (the biggest sizes)")
+    p.add_argument("--size-budget", default="512M",
+                   help="bytes per size and implementation; sets the calls between the bounds")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per backend run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -334,14 +348,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--ops {args.ops!r}: unknown {bad}; choose from {', '.join(OPS)}")
     if args.world < 2:
         p.error(f"--world {args.world}: collectives need at least 2 ranks")
-    if args.iters < 1 or (args.reps is not None and args.reps < 1):
-        p.error("--iters and --reps must be positive")
+    if not 1 <= args.min_iters <= args.iters:
+        p.error(f"need 1 <= --min-iters ({args.min_iters}) <= --iters ({args.iters})")
     try:
         sizes = size_ladder(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor)
     except ValueError as exc:
         p.error(str(exc))
     args.config = Config(world=args.world, sizes=tuple(sizes), ops=ops, iters=args.iters,
-                         reps=args.reps, block_bytes=parse_bytes(args.block_bytes))
+                         min_iters=args.min_iters, size_budget=parse_bytes(args.size_budget))
     return args
 
 

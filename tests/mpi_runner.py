@@ -10,7 +10,8 @@ name the rank.
 Tasks:
     cases          run a list of `comm_cases.Case` on ``MPICommunicator()`` (COMM_WORLD)
     split          ``world.split(colors[rank], key=-rank)``, then an allreduce of the ranks
-    create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role
+    create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role, and
+                   its `CommGroups` (intra, inter, rings)
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def _task_create_world(_: Any) -> Any:
     import torch
     from mpi4py import MPI
 
-    from fleetlike.comm import create_world, resolve_backend
+    from fleetlike.comm import CommGroups, create_world, resolve_backend
     from fleetlike.roles import MPIRoleMaker, Role
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -175,7 +176,14 @@ def _task_create_world(_: Any) -> Any:
             world.size,
             world.all_reduce(torch.tensor([float(rank + 1)])).item(),
         )
-        world.close()
+        if label == "maker":  # sub-communicators by MPI splits: one node, so intra = world
+            groups = CommGroups(world, r)
+            out["intra"] = groups.intra.all_gather_flat(torch.tensor([rank])).tolist()
+            out["inter"] = groups.inter.all_gather_flat(torch.tensor([rank])).tolist()
+            out["rings"] = [ring.all_reduce(torch.tensor([1])).item() for ring in groups.rings(3)]
+            groups.close()
+        else:
+            world.close()
     if size > 1:  # a role that disagrees with MPI about the rank is refused
         wrong = Role.from_endpoints((rank + 1) % size, endpoints, source="mpi")
         try:

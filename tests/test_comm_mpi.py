@@ -69,3 +69,6 @@ def test_create_world_from_mpi_role():
         assert res["explicit_world"] == ("mpi", rank, n, total)
         assert res["maker_world"] == ("mpi", rank, n, total)
         assert res["mismatch"] is not None and "rank" in res["mismatch"]
+        assert res["intra"] == list(range(n))  # one node: intra is the world, inter is this rank
+        assert res["inter"] == [rank]
+        assert res["rings"] == [n] * 3

@@ -318,3 +318,16 @@ def test_signal_to_launcher_stops_every_worker(launchers: Launchers, out: Path, 
     assert code == 128 + sig
     assert stderr == f"fleetlike.launch: received {signal.Signals(sig).name}; stopped all 2 local workers\n"
     assert_all_gone(out, within=0.5)
+
+
+def test_workers_die_with_a_sigkilled_launcher(launchers: Launchers, out: Path) -> None:
+    """A launcher killed outright cannot clean up; the kernel's parent-death signal does."""
+    proc = launchers.start("--nproc_per_node=2", f"--started_port={free_base(2)}",
+                           str(WORKERS / "behave.py"), str(out))
+    deadline = time.monotonic() + 20
+    while len(recorded_pids(out)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(recorded_pids(out)) == 2
+    proc.kill()
+    finish(proc, timeout=15)
+    assert_all_gone(out, within=5.0)

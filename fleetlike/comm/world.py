@@ -135,6 +135,7 @@ class CommGroups:
         self._intra: Communicator | None = None
         self._inter: Communicator | None = None
         self._rings: list[Communicator] = [world]
+        self._extra: dict[str, Communicator | None] = {}
 
     @property
     def intra(self) -> Communicator:
@@ -165,7 +166,18 @@ class CommGroups:
             self._rings.append(ring)
         return self._rings[:n]
 
+    def extra(self, name: str, color: int | None, key: int | None = None) -> Communicator | None:
+        """A further split of the world named ``name`` (cached by name; closed with the rest).
+
+        Collective on first use of ``name``: every rank asks for the same names in the same
+        order. Strategies use it for communicators of their own (per-ring intra/inter pairs of
+        hierarchical allreduce, sync BatchNorm), so their collectives never interleave with the
+        gradient buckets' on a shared communicator."""
+        if name not in self._extra:
+            self._extra[name] = self.world.split(color, key, name=name)
+        return self._extra[name]
+
     def close(self) -> None:
-        for comm in [*self._rings[1:], self._intra, self._inter, self.world]:
+        for comm in [*self._extra.values(), *self._rings[1:], self._intra, self._inter, self.world]:
             if comm is not None:
                 comm.close()

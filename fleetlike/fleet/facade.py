@@ -32,7 +32,8 @@ from fleetlike.roles import Role, RoleMaker, as_role
 from fleetlike.roles.settings import env_settings
 from fleetlike.strategies import DistributedStrategy
 from fleetlike.strategies.compose import AppliedEntry, Build, broadcast_coalesced
-from fleetlike.strategies.data_parallel import FlatAllReduce, GradReducer
+from fleetlike.strategies.compression import gradient_collective
+from fleetlike.strategies.data_parallel import GradReducer
 
 __all__ = ["Fleet", "fleet"]
 
@@ -221,12 +222,15 @@ class Fleet:
         cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
         if self._eager is not None:
             self._eager.remove()
+        collective, _ = gradient_collective(s, ctx.groups, ctx.role)  # as the data-parallel pass
         self._eager = GradReducer(
             model.parameters(),
-            FlatAllReduce(ctx.groups.rings(s.nccl_comm_num)),
+            collective,
             cap_bytes=cap,
             find_unused=s.find_unused_parameters,
             auto_arm=True,
+            check_nan_inf=s.check_nan_inf,
+            names={id(p): n for n, p in model.named_parameters()},
         )
         return model
 

@@ -90,6 +90,7 @@ def start_worker(
             stdout=subprocess.PIPE if echo else log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_launcher,
         )
     except BaseException:
         log_file.close()
@@ -137,6 +138,17 @@ def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int =
                 file=sys.stderr,
             )
     close_logs(workers)
+
+
+def _die_with_launcher() -> None:
+    """In the child, before exec: Linux delivers SIGKILL to it when the launcher dies, so a
+    launcher killed with SIGKILL (no chance to clean up) does not leave its workers running."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own stop logic still covers every other way of ending
 
 
 def close_logs(workers: Sequence[Worker]) -> None:

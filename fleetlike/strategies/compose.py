@@ -27,7 +27,7 @@ from fleetlike.comm import CommGroups
 from fleetlike.program import Op, Program, StepState
 from fleetlike.roles import Role
 from fleetlike.strategies.config import DistributedStrategy
-from fleetlike.strategies.data_parallel import FlatAllReduce, GradReducer
+from fleetlike.strategies.data_parallel import GradReducer
 
 __all__ = ["Build", "AppliedEntry", "build_programs", "LossFn", "StrategyNotAvailableError"]
 
@@ -130,12 +130,25 @@ def local_program(build: Build) -> Program:
 
 def data_parallel_pass(program: Program, build: Build) -> Program:
     """Bucketed, overlapped gradient averaging (see `GradReducer`)."""
+    from fleetlike.strategies.compression import gradient_collective
+
     s = build.strategy
+    collective, notes = gradient_collective(s, build.groups, build.role)
     rings = build.groups.rings(s.nccl_comm_num)
     cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
+    amp = build.states.get("amp")
+    nan_check = s.check_nan_inf and not (amp is not None and amp.dynamic)
     reducer = GradReducer(
-        build.model.parameters(), FlatAllReduce(rings), cap_bytes=cap, find_unused=s.find_unused_parameters
+        build.model.parameters(),
+        collective,
+        cap_bytes=cap,
+        find_unused=s.find_unused_parameters,
+        check_nan_inf=nan_check,
+        names={id(p): n for n, p in build.model.named_parameters()},
     )
+    if s.check_nan_inf:
+        build.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
+                     else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
     build.reducer = reducer
     build.clear_grad = reducer.zero_grad
     main = program.clone("main")
@@ -151,7 +164,7 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
         st.info["bytes_communicated"] = reducer.bytes_issued - before[1]
 
     described = [
-        Op("c_allreduce_avg", None, {**d.pop("bucket").describe(), **d}, parent="backward")
+        Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
         for d in reducer.describe()
     ]
     main.wrap("backward", before=arm, overlap="bucket allreduce starts as grads fill")
@@ -166,6 +179,8 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
         + f" over {len(rings)} communicator(s)"
     )
     build.record("data_parallel", True, detail)
+    for name, applied, why in notes:
+        build.record(name, applied, why)
     return main
 
 
@@ -205,7 +220,7 @@ def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], root: int = 0) -
 
 # ---------------------------------------------------------------------- composition
 
-_LATER = ("use_hierarchical_allreduce", "fp16_allreduce", "sync_batch_norm")
+_LATER: tuple[str, ...] = ()
 
 #: pairs that cannot work together: (a, b, why and the fix)
 _CONFLICTS = (
@@ -229,6 +244,7 @@ def build_programs(build: Build) -> tuple[Program, Program, Program]:
     from fleetlike.strategies import localsgd
     from fleetlike.strategies.amp import amp_pass
     from fleetlike.strategies.gradient_merge import gradient_merge_pass
+    from fleetlike.strategies.health import slow_rank_pass
     from fleetlike.strategies.recompute import recompute_pass
 
     s = build.strategy
@@ -239,6 +255,9 @@ def build_programs(build: Build) -> tuple[Program, Program, Program]:
                 f"strategy.{name} is on, but its pass is not available in this build of fleetlike; "
                 f"set strategy.{name} = False"
             )
+    from fleetlike.strategies.sync_bn import sync_bn_pass
+
+    sync_bn = sync_bn_pass(build) if s.sync_batch_norm else None  # before startup broadcasts buffers
     origin = local_program(build)
     main = origin
     for on, apply in ((s.recompute, recompute_pass), (s.amp, amp_pass), (s.gradient_merge, gradient_merge_pass)):
@@ -252,5 +271,12 @@ def build_programs(build: Build) -> tuple[Program, Program, Program]:
         startup.ops.append(localsgd.snapshot_op(build))  # snapshots = rank 0's broadcast params
     else:
         main = data_parallel_pass(main, build)
+    if sync_bn is not None:
+        main = main.clone("main")
+        main.insert_after("forward", Op("c_sync_batch_norm", None, sync_bn, parent="forward"))
+    if s.check_nan_inf and (s.localsgd or s.adaptive_localsgd):
+        build.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
+    if s.slow_rank_check:
+        main = slow_rank_pass(main, build)
     main.name = "main"
     return origin, main, startup

@@ -1,0 +1,237 @@
+"""fp16 / bf16 gradient compression around a bucket's allreduce, and choosing the collective.
+
+Each float32 (or float64) bucket travels as a 16-bit float and comes back in its own dtype:
+
+1. pre-divide by the world size ``N`` (as DDP's ``fp16_compress_hook``), so the sum of ``N``
+   values is an average and cannot outgrow the largest gradient;
+2. multiply by ``grad_scale`` (AIACC's adjustable gradient scale): raise it to keep small
+   gradients from underflowing in float16, lower it if large ones overflow;
+3. float16 only, an **overflow guard**: the ranks agree on the bucket's largest magnitude (one
+   1-element MAX allreduce on the bucket's own communicators) and, when ``summands x max`` would
+   pass 2**15, the factor is lowered by a power of two so no partial sum can reach float16's
+   65504. Gradients of magnitude 1e5 on 4 ranks therefore arrive finite. (bfloat16 has float32's
+   range and skips the guard and its allreduce.)
+4. cast, sum over the ranks in the 16-bit dtype, cast back and divide by the factor.
+
+``mode="all"`` compresses every hop (`CompressedAllReduce` around a flat or hierarchical
+collective); ``mode="mixed"`` (AIACC's mode 2) keeps full precision inside a node and
+compresses only the inter-node hop (`HierarchicalAllReduce` with ``inter_codec``), which needs
+the two-level split even when ``use_hierarchical_allreduce`` is off.
+
+Like the hierarchical chain, a compressed bucket runs on its ring's worker thread (cast,
+guard, allreduce, cast back), so backward keeps running meanwhile.
+
+Example:
+    >>> coll = CompressedAllReduce(FlatAllReduce(rings), HalfCodec("float16"))
+    >>> coll.start(bucket).wait()   # bucket.buffer averaged, float16 on the wire
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fleetlike.comm import Communicator, Work
+from fleetlike.strategies.buckets import Bucket
+from fleetlike.strategies.data_parallel import FlatAllReduce
+from fleetlike.strategies.hierarchical import HierarchicalAllReduce, RingWorkers, hierarchical_pairs
+
+__all__ = ["HalfCodec", "CompressedAllReduce", "gradient_collective"]
+
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: the guard keeps every partial sum below this (float16's largest finite value is 65504)
+_FP16_LIMIT = 2.0**15
+
+
+class HalfCodec:
+    """Casts a float tensor to a 16-bit wire dtype around a sum allreduce (see module doc)."""
+
+    def __init__(self, dtype: str | torch.dtype = "float16", grad_scale: float = 1.0) -> None:
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).replace("torch.", "")
+        dtype = str(dtype)
+        if dtype not in _HALF:
+            raise ValueError(f"dtype={dtype!r} is not a wire dtype; choose one of 'float16', 'bfloat16'")
+        if not grad_scale > 0 or not math.isfinite(grad_scale):
+            raise ValueError(f"grad_scale={grad_scale!r} must be a positive finite number")
+        self.name = dtype
+        self.dtype = _HALF[dtype]
+        self.grad_scale = float(grad_scale)
+        self.guard = self.dtype is torch.float16
+
+    def applies_to(self, dtype: torch.dtype) -> bool:
+        """Only wider floats are compressed; 16-bit and integer buckets travel as they are."""
+        return dtype in (torch.float32, torch.float64)
+
+    def guard_factor(self, max_abs: float, summands: int) -> float:
+        """A power of two <= 1 keeping ``summands * max_abs`` (already scaled) below 2**15."""
+        bound = max_abs * summands
+        if not math.isfinite(bound) or bound <= _FP16_LIMIT:
+            return 1.0  # non-finite gradients travel as inf/nan: AMP's finite check sees them
+        return 2.0 ** math.floor(math.log2(_FP16_LIMIT / bound))
+
+    def all_reduce_(
+        self,
+        x: torch.Tensor,
+        sum_fn: Callable[[torch.Tensor], Any],
+        max_fn: Callable[[torch.Tensor], Any],
+        *,
+        summands: int,
+        divide: int,
+    ) -> torch.Tensor:
+        """``x <- (sum over ranks of x) / divide`` with the wire in ``self.dtype``; blocking."""
+        factor = self.grad_scale
+        pre = factor / divide
+        if self.guard:
+            m = (x.abs().max().to(torch.float32) if x.numel() else x.new_zeros((), dtype=torch.float32)).reshape(1)
+            m.mul_(pre)
+            max_fn(m)
+            factor *= self.guard_factor(float(m.item()), summands)
+            pre = factor / divide
+        wire = (x * pre).to(self.dtype)
+        sum_fn(wire)
+        x.copy_(wire.to(x.dtype).div_(factor))
+        return x
+
+
+class CompressedAllReduce:
+    """A `BucketCollective` averaging every hop in a 16-bit dtype around ``inner``.
+
+    ``inner`` is a `FlatAllReduce` (the bucket's ring sums the wire tensor) or a
+    `HierarchicalAllReduce` (its chain sums it, on the same worker thread as its own buckets)."""
+
+    def __init__(self, inner: FlatAllReduce | HierarchicalAllReduce, codec: HalfCodec) -> None:
+        self.inner = inner
+        self.codec = codec
+        if isinstance(inner, HierarchicalAllReduce):
+            self.workers = inner.workers
+        else:
+            self.workers = RingWorkers(len(inner.rings), "fleetlike-fp16")
+
+    @property
+    def world(self) -> Communicator:
+        return self.inner.world
+
+    def _sum(self, t: torch.Tensor, index: int) -> None:
+        if isinstance(self.inner, HierarchicalAllReduce):
+            self.inner.sum_blocking(t, index)
+        else:
+            self._ring(index).all_reduce(t, "sum")
+
+    def _max(self, t: torch.Tensor, index: int) -> None:
+        if isinstance(self.inner, HierarchicalAllReduce):
+            self.inner.max_blocking(t, index)
+        else:
+            self._ring(index).all_reduce(t, "max")
+
+    def _ring(self, index: int) -> Communicator:
+        assert isinstance(self.inner, FlatAllReduce)
+        return self.inner.rings[index % len(self.inner.rings)]
+
+    def start(self, bucket: Bucket) -> Work:
+        if not self.codec.applies_to(bucket.dtype):
+            return self.inner.start(bucket)
+        n = self.world.size
+        buf, i = bucket.buffer, bucket.index
+        return self.workers.submit(i, lambda: self.codec.all_reduce_(
+            buf, lambda t: self._sum(t, i), lambda t: self._max(t, i), summands=n, divide=n))
+
+    def start_tensor(self, tensor: torch.Tensor, index: int) -> Work:
+        """Average ``tensor`` (float32/64) in place through the wire dtype (tests, benchmarks)."""
+        n = self.world.size
+        return self.workers.submit(index, lambda: self.codec.all_reduce_(
+            tensor, lambda t: self._sum(t, index), lambda t: self._max(t, index), summands=n, divide=n))
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        d = dict(self.inner.describe(bucket))
+        dtype = str(bucket.dtype).replace("torch.", "")
+        if self.codec.applies_to(bucket.dtype):
+            d["op"] = "c_fp16_" + d.get("op", "c_allreduce_avg").removeprefix("c_")
+            d["wire"] = self.codec.name
+            d["returns"] = dtype
+            scale = f"1/{self.world.size}" + (f" x {self.codec.grad_scale:g}" if self.codec.grad_scale != 1 else "")
+            d["scale"] = scale + (" x overflow guard" if self.codec.guard else "")
+        return d
+
+
+# ---------------------------------------------------------------------- choosing
+
+
+def gradient_collective(s: Any, groups: Any, role: Any) -> tuple[Any, list[tuple[str, bool, str]]]:
+    """The `BucketCollective` for strategy ``s`` and what to record in ``applied_strategy()``.
+
+    Validation follows Fleet: ``hierarchical_allreduce_inter_nranks`` (ranks per inner group,
+    0 = the ranks of one node) must be > 1 and divide the world size, else ValueError. Cases
+    where the two levels cannot help or cannot be formed fall back to the flat allreduce and
+    are recorded as not applied with the reason: one node; one rank per node; nodes of unequal
+    sizes (inter_nranks = 0 needs equal nodes: set inter_nranks explicitly to group
+    consecutive ranks instead).
+    """
+    rings = groups.rings(s.nccl_comm_num)
+    notes: list[tuple[str, bool, str]] = []
+    world = groups.world
+    block: int | None = None
+    hier_ok = False
+    want_hier = bool(s.use_hierarchical_allreduce)
+    fp16 = bool(s.fp16_allreduce)
+    cfg = s.fp16_allreduce_configs if fp16 else None
+    mixed = fp16 and str(cfg["mode"]) == "mixed"
+    why_not = ""
+    if want_hier or mixed:
+        inter_nranks = int(s.hierarchical_allreduce_inter_nranks) if want_hier else 0
+        if inter_nranks:
+            if inter_nranks <= 1:
+                raise ValueError(
+                    f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks}: it must be > 1 "
+                    "(the ranks of one inner group); use 0 for the ranks of one node"
+                )
+            if world.size % inter_nranks:
+                raise ValueError(
+                    f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks} does not divide the "
+                    f"world size {world.size}; use a divisor of it, or 0 for the ranks of one node"
+                )
+            if inter_nranks == world.size:
+                why_not = f"inter_nranks={inter_nranks} is the whole world: one group, nothing to split"
+            else:
+                hier_ok, block = True, inter_nranks
+        elif role.node_num == 1:
+            why_not = "one node: no allreduce crosses nodes, the flat allreduce is used"
+        elif not role.uniform_nodes():
+            why_not = ("nodes have unequal numbers of ranks; falling back to the flat allreduce "
+                       "(set hierarchical_allreduce_inter_nranks to group consecutive ranks)")
+        elif role.local_size == 1:
+            why_not = "one rank per node: the two-level allreduce equals the flat one"
+        else:
+            hier_ok = True
+    codec = HalfCodec(str(cfg["dtype"]), float(cfg["grad_scale"])) if fp16 else None
+    n = len(rings)
+    if hier_ok:
+        pairs = hierarchical_pairs(groups, role, n, block)
+        algo = str(s.hierarchical_allreduce_configs["algorithm"]) if want_hier else "reduce_scatter"
+        label = "node" if block is None else "block"
+        coll: Any = HierarchicalAllReduce(pairs, world, algorithm=algo, inter_codec=codec if mixed else None,
+                                         node_label=label)
+        if want_hier:
+            notes.append(("use_hierarchical_allreduce", True,
+                          f"{algo}: {pairs[0][0].size} ranks/{label} x {pairs[0][1].size} {label}s, "
+                          f"{n} intra/inter pair(s)"))
+    else:
+        coll = FlatAllReduce(rings)
+        if want_hier:
+            notes.append(("use_hierarchical_allreduce", False, why_not))
+    if fp16:
+        assert codec is not None
+        if mixed:
+            if hier_ok:
+                notes.append(("fp16_allreduce", True,
+                              f"mixed: {codec.name} across nodes only, full precision inside nodes"))
+            else:
+                notes.append(("fp16_allreduce", False, f"mixed mode compresses only across nodes, but {why_not}"))
+        else:
+            coll = CompressedAllReduce(coll, codec)
+            notes.append(("fp16_allreduce", True, f"all hops in {codec.name}, pre-divided by {world.size}"
+                          + (f", grad_scale {codec.grad_scale:g}" if codec.grad_scale != 1 else "")))
+    return coll, notes

@@ -1,0 +1,251 @@
+"""Hierarchical (two-level) gradient allreduce: inside nodes, across nodes, inside again.
+
+With ``L`` ranks per node and ``K`` nodes a flat ring allreduce of ``S`` bytes pushes
+``2 (N-1)/N * S`` through the one link each node has into the ring (N = K L). The
+bandwidth-optimal two-level form sends only ``2 (K-1)/K * S`` out of each node:
+
+1. intra-node **reduce-scatter**: local rank ``j`` ends up with the node's sum of chunk ``j``
+   (the buffer is zero-padded to a multiple of ``L``);
+2. inter-node **allreduce** of chunk ``j`` among the ranks with local rank ``j`` (one per node):
+   the ``L`` inter groups run side by side, each moving ``S / L``;
+3. intra-node **allgather** of the chunks: every rank holds the global sum; divide by ``N``.
+
+Fleet's original form (``algorithm="reduce_broadcast"``) is kept as an option: intra **reduce**
+to local rank 0, allreduce among the node leaders, intra **broadcast**. It funnels a node's whole
+``S`` through one rank and is slower wherever intra-node links are not free.
+
+Execution model: the three phases depend on each other, so each bucket's chain runs on a small
+worker thread, one per communicator pair ("ring"), fed in bucket order. Backward keeps running
+while a bucket's chain is in flight, buckets on different rings overlap each other, and because
+every collective of a pair is issued by that pair's one thread, in bucket order, all ranks issue
+the same collectives in the same order (invariant 1). ``nccl_comm_num = n`` gives ``n`` pairs
+(``CommGroups.extra`` splits), bucket ``i`` goes to pair ``i % n``.
+
+Mixed compression (AIACC's mode 2, ``fp16_allreduce_configs.mode = "mixed"``) compresses only
+phase 2, the hop across nodes: pass ``inter_codec`` (a `HalfCodec`).
+
+Example:
+    >>> pairs = [(groups.extra("hier intra", role.node_index, role.local_rank),
+    ...           groups.extra("hier inter", role.local_rank, role.node_index))]
+    >>> coll = HierarchicalAllReduce(pairs, groups.world)
+    >>> coll.start_tensor(grads, 0, "avg").wait()    # == world.all_reduce(grads, "avg")
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fleetlike.comm import Communicator, Work
+from fleetlike.strategies.buckets import Bucket
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fleetlike.roles import Role
+    from fleetlike.strategies.compression import HalfCodec
+
+__all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
+
+_ALGORITHMS = ("reduce_scatter", "reduce_broadcast")
+
+
+class _FutureWork:
+    """A `Work` over a `concurrent.futures.Future`: ``wait()`` re-raises the chain's error."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class RingWorkers:
+    """One worker thread per ring: jobs of a ring run one after another in submission order."""
+
+    def __init__(self, n: int, name: str = "fleetlike-ring") -> None:
+        self._pools = [
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}{i}")
+            for i in range(n)
+        ]
+        self._lock = threading.Lock()
+
+    def submit(self, ring: int, fn: Callable[[], Any]) -> Work:
+        with self._lock:
+            return _FutureWork(self._pools[ring % len(self._pools)].submit(fn))
+
+    def shutdown(self) -> None:
+        for p in self._pools:
+            p.shutdown(wait=False)
+
+
+def _divide_(buf: torch.Tensor, n: int) -> None:
+    if buf.is_floating_point():
+        buf.div_(n)
+    else:
+        buf.floor_divide_(n)  # as Communicator's AVG for integers
+
+
+class HierarchicalAllReduce:
+    """A `BucketCollective`: two-level average over ``(intra, inter)`` communicator pairs.
+
+    Args:
+        pairs: one ``(intra, inter)`` pair per ring; every intra group has the same size ``L``
+            and every inter group the same size ``K``, with ``K * L == world.size``.
+        world: a communicator over all ranks (for small agreements, e.g. AMP's finite flag).
+        algorithm: "reduce_scatter" (default) or "reduce_broadcast".
+        inter_codec: compress the inter-node hop only (mixed mode); None keeps the dtype.
+        node_label: how the listing names the intra scope (e.g. "node 0").
+    """
+
+    def __init__(
+        self,
+        pairs: Sequence[tuple[Communicator, Communicator]],
+        world: Communicator,
+        *,
+        algorithm: str = "reduce_scatter",
+        inter_codec: HalfCodec | None = None,
+        node_label: str = "node",
+    ) -> None:
+        if not pairs:
+            raise ValueError("HierarchicalAllReduce needs at least one (intra, inter) pair")
+        if str(algorithm) not in _ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} is not one of {', '.join(map(repr, _ALGORITHMS))}")
+        for intra, inter in pairs:
+            if intra.size * inter.size != world.size:
+                raise ValueError(
+                    f"intra group {intra.name!r} ({intra.size} ranks) x inter group {inter.name!r} "
+                    f"({inter.size} ranks) does not cover the world of {world.size} ranks"
+                )
+        self.pairs = list(pairs)
+        self._world = world
+        self.algorithm = str(algorithm)
+        self.inter_codec = inter_codec
+        self.node_label = node_label
+        self.workers = RingWorkers(len(self.pairs), "fleetlike-hier")
+
+    @property
+    def world(self) -> Communicator:
+        return self._world
+
+    def pair_for(self, index: int) -> tuple[Communicator, Communicator]:
+        return self.pairs[index % len(self.pairs)]
+
+    # ------------------------------------------------------------------ BucketCollective
+
+    def start(self, bucket: Bucket) -> Work:
+        return self.start_tensor(bucket.buffer, bucket.index, "avg")
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        intra, inter = self.pair_for(bucket.index)
+        dtype = str(bucket.dtype).replace("torch.", "")
+        wire = dtype
+        if self.inter_codec is not None and self.inter_codec.applies_to(bucket.dtype):
+            wire = f"{dtype} intra, {self.inter_codec.name} inter"
+        steps = (
+            "reduce_scatter->allreduce->allgather"
+            if self.algorithm == "reduce_scatter"
+            else "reduce->leaders' allreduce->broadcast"
+        )
+        return {
+            "op": "c_hierarchical_allreduce_avg",
+            "algorithm": steps,
+            "intra": intra.name,
+            "inter": inter.name,
+            "scope": f"{intra.size} ranks/{self.node_label} x {inter.size} {self.node_label}s",
+            "wire": wire,
+        }
+
+    # ------------------------------------------------------------------ tensors
+
+    def start_tensor(self, tensor: torch.Tensor, index: int, op: str = "avg") -> Work:
+        """Start ``op`` ("sum" or "avg") over all ranks on ``tensor`` in place, on pair ``index``."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op={op!r}: hierarchical allreduce does 'sum' or 'avg'")
+        return self.workers.submit(index, lambda: self.run(tensor, index, op))
+
+    def run(self, tensor: torch.Tensor, index: int, op: str = "sum") -> torch.Tensor:
+        """The blocking chain (what the worker thread runs); in place on ``tensor``."""
+        intra, inter = self.pair_for(index)
+        flat = tensor.view(-1)
+        n = flat.numel()
+        if n == 0:
+            return tensor
+        average = op == "avg"
+        codec = self.inter_codec if self.inter_codec is not None and self.inter_codec.applies_to(flat.dtype) else None
+        if self.algorithm == "reduce_scatter":
+            pad = (-n) % intra.size
+            buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
+            chunk = buf.view(intra.size, -1)[intra.rank]
+            intra.reduce_scatter(buf, "sum", out=chunk)
+            self._inter_sum(chunk, inter, codec, self._world.size if average else 1)
+            intra.all_gather_flat(chunk, out=buf)
+            if pad:
+                flat.copy_(buf[:n])
+        else:
+            intra.reduce(flat, 0, "sum")
+            if intra.rank == 0:
+                self._inter_sum(flat, inter, codec, self._world.size if average else 1)
+            intra.broadcast(flat, 0)
+        if average and codec is None:
+            _divide_(flat, self._world.size)
+        return tensor
+
+    def _inter_sum(self, chunk: torch.Tensor, inter: Communicator, codec: HalfCodec | None, divide: int) -> None:
+        if codec is None:
+            inter.all_reduce(chunk, "sum")
+        else:  # mixed: the division happens before the cast, as DDP's fp16 hook
+            codec.all_reduce_(chunk, lambda t: inter.all_reduce(t, "sum"), lambda t: inter.all_reduce(t, "max"),
+                              summands=inter.size, divide=divide)
+
+    # hooks for a wrapping CompressedAllReduce ------------------------------------------
+
+    def sum_blocking(self, tensor: torch.Tensor, index: int) -> None:
+        self.run(tensor, index, "sum")
+
+    def max_blocking(self, tensor: torch.Tensor, index: int) -> None:
+        intra, inter = self.pair_for(index)
+        intra.all_reduce(tensor, "max")
+        inter.all_reduce(tensor, "max")
+
+    def comm_names(self, index: int) -> str:
+        intra, inter = self.pair_for(index)
+        return f"{intra.name} + {inter.name}"
+
+
+def hierarchical_pairs(groups: Any, role: Role, n: int, block: int | None = None) -> list[tuple[Communicator, Communicator]]:
+    """``n`` (intra, inter) pairs, created collectively through ``groups.extra``.
+
+    ``block=None`` groups by node (from the role); an int groups consecutive ranks
+    ``[b*block, (b+1)*block)`` (Fleet's ``hierarchical_allreduce_inter_nranks``)."""
+    pairs = []
+    for i in range(n):
+        suffix = "" if i == 0 else f" ring {i}"
+        if block is None:
+            g, pos = role.node_index, role.local_rank
+            intra_name, inter_name = f"intra[node {g}]{suffix}", f"inter[local {pos}]{suffix}"
+        else:
+            g, pos = role.rank // block, role.rank % block
+            intra_name, inter_name = f"intra[block {g}]{suffix}", f"inter[pos {pos}]{suffix}"
+        intra = groups.extra(intra_name, g, pos)
+        inter = groups.extra(inter_name, pos, g)
+        pairs.append((intra, inter))
+    return pairs
+
+
+def cross_node_bytes_flat(wire_bytes: int, rank: int, node_of: Sequence[int]) -> int:
+    """Bytes ``rank`` sends to another node in a flat ring allreduce (ring in rank order).
+
+    In the ring model each rank sends all of its ``wire_bytes`` to rank ``rank + 1`` (mod N):
+    they cross nodes exactly when that neighbour is on another node, so with nodes of
+    consecutive ranks one rank per node (the last) sends ``2 (N-1)/N * S`` across and the others
+    send nothing across."""
+    nxt = (rank + 1) % len(node_of)
+    return wire_bytes if node_of[nxt] != node_of[rank] else 0
