@@ -154,3 +154,14 @@ def test_errors_name_the_fix():
         fleet.init(is_collective=False)
     with pytest.raises(RuntimeError, match="minimize"):
         fleet.main_program
+
+
+def test_save_refuses_to_replace_a_foreign_directory(tmp_path):
+    from fleetlike.fleet.checkpoint import CheckpointError, atomic_dir
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a fleetlike checkpoint"):
+        with atomic_dir(tmp_path / "mine"):
+            pass
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

@@ -81,12 +81,16 @@ class ReduceOp(str, enum.Enum):
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+            found = _REDUCE_OPS.get(value)  # a dict, not cls(value): 0.1 us rather than 0.5 us
+            if found is None:
+                found = _REDUCE_OPS.get(value.lower())
+            if found is not None:
+                return found
         choices = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"op={value!r} is not a reduction; choose one of {choices}")
+
+
+_REDUCE_OPS: dict[str, ReduceOp] = {m.value: m for m in ReduceOp}
 
 
 @runtime_checkable
@@ -292,15 +296,22 @@ class Communicator(abc.ABC):
         self._closed = True
 
     def _issue(
-        self, op: str, tensor: torch.Tensor | None, start: Callable[[], Work], red: Any = None, root: int | None = None
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        start: Callable[..., Work],
+        args: tuple[Any, ...] = (),
+        red: Any = None,
+        root: int | None = None,
     ) -> Work:
-        """Number the collective, check agreement when asked, start it, diagnose failures."""
+        """Number the collective, check agreement when asked, start it (``start(*args)``: no
+        closure per call), diagnose failures."""
         self._seq += 1
         seq = self._seq
         if self.check_collectives:
             _guard.agree(self, seq, op, tensor, red, root)
         try:
-            work = start()
+            work = start(*args)
         except CommError:
             raise
         except Exception as exc:  # noqa: BLE001 - backends raise RuntimeError and friends
@@ -372,12 +383,14 @@ class Communicator(abc.ABC):
             buf = out.copy_(tensor)
         else:
             buf = tensor.clone(memory_format=torch.contiguous_format)
-        self._record("all_reduce", buf.numel() * buf.element_size())
+        self._record("all_reduce", buf.nbytes)
         solo = self._solo()
         if solo and buf is target:
             return CompletedWork(target)
         start = self._all_reduce_now if blocking else self._all_reduce_start
-        inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, lambda: start(buf, backend_op), red)
+        inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, start, (buf, backend_op), red)
+        if not avg_here and buf is target:
+            return _ChainedWork(inner, lambda: target)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -387,8 +400,6 @@ class Communicator(abc.ABC):
                 target.copy_(buf)
             return target
 
-        if not avg_here and buf is target:
-            return _ChainedWork(inner, lambda: target)
         return _ChainedWork(inner, finish)
 
     def all_reduce(
@@ -413,9 +424,9 @@ class Communicator(abc.ABC):
                 out.copy_(tensor)
         else:
             buf = target.contiguous() if out is None else tensor.contiguous().clone()
-        self._record("broadcast", buf.numel() * buf.element_size())
+        self._record("broadcast", buf.nbytes)
         start = self._broadcast_now if blocking else self._broadcast_start
-        inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, lambda: start(buf, root), root=root)
+        inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, start, (buf, root), root=root)
         if buf is target:
             return _ChainedWork(inner, lambda: target)
         return _ChainedWork(inner, lambda: target.copy_(buf))
@@ -447,14 +458,15 @@ class Communicator(abc.ABC):
         avg_here = red is ReduceOp.AVG and not self.native_avg
         # Work on a private buffer: backends may scribble on non-root inputs.
         buf = tensor.to(wire, memory_format=torch.contiguous_format, copy=True)
-        self._record("reduce", buf.numel() * buf.element_size())
+        self._record("reduce", buf.nbytes)
         inner = (
             CompletedWork(buf)
             if self._solo()
             else self._issue(
                 "reduce",
                 tensor,
-                lambda: (self._reduce_now if blocking else self._reduce_start)(buf, root, ReduceOp.SUM if avg_here else red),
+                self._reduce_now if blocking else self._reduce_start,
+                (buf, root, ReduceOp.SUM if avg_here else red),
                 red,
                 root,
             )
@@ -501,14 +513,14 @@ class Communicator(abc.ABC):
                 )
         flat_out = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         chunk = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._record("all_gather", flat_out.numel() * flat_out.element_size())
+        self._record("all_gather", flat_out.nbytes)
         if self._solo():
             if chunk.data_ptr() != flat_out.data_ptr():
                 flat_out.view(-1).copy_(chunk.view(-1))
             inner: Work = CompletedWork(None)
         else:
             start = self._all_gather_now if blocking else self._all_gather_start
-            inner = self._issue("all_gather", chunk, lambda: start(_flat(flat_out), _flat(chunk)))
+            inner = self._issue("all_gather", chunk, start, (_flat(flat_out), _flat(chunk)))
         if flat_out is out:
             return _ChainedWork(inner, lambda: out)
         return _ChainedWork(inner, lambda: out.copy_(flat_out))
@@ -584,14 +596,16 @@ class Communicator(abc.ABC):
         else:
             buf = tensor.reshape(-1).to(wire)
         res = out if wire == out.dtype and out.is_contiguous() else torch.empty(n, dtype=wire, device=out.device)
-        self._record("reduce_scatter", buf.numel() * buf.element_size())
+        self._record("reduce_scatter", buf.nbytes)
         if self._solo():
             if res.data_ptr() != buf.data_ptr():
                 res.view(-1).copy_(buf)
             inner: Work = CompletedWork(None)
         else:
             start = self._reduce_scatter_now if blocking else self._reduce_scatter_start
-            inner = self._issue("reduce_scatter", tensor, lambda: start(_flat(res), buf, ReduceOp.SUM if avg_here else red), red)
+            inner = self._issue("reduce_scatter", tensor, start, (_flat(res), buf, ReduceOp.SUM if avg_here else red), red)
+        if not avg_here and res is out:
+            return _ChainedWork(inner, lambda: out)
         size = self.size
 
         def finish() -> torch.Tensor:

@@ -130,8 +130,8 @@ class MPICommunicator(Communicator):
 
     @staticmethod
     def _scatter_source(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
-        if out.numel() and lo <= out.data_ptr() < hi:
+        lo = buf.data_ptr()
+        if lo <= out.data_ptr() < lo + buf.nbytes and out.nbytes:
             return buf.clone()  # MPI forbids overlapping send and receive buffers
         return buf
 

@@ -48,6 +48,11 @@ def _fsync_dir(path: Path) -> None:
 def atomic_dir(dirname: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces ``dirname`` atomically."""
     target = Path(dirname)
+    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "COMPLETE").exists())):
+        raise CheckpointError(
+            f"{target} exists and is not a fleetlike checkpoint; a save replaces its directory "
+            "whole, so it refuses to touch other files. Give an empty or new directory"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     tmp = target.parent / f".{target.name}.tmp-{tag}"
