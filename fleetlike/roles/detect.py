@@ -102,14 +102,7 @@ def uniform_role(
         )
     port = _env.base_port(environ, offset=port_offset)
     endpoints = _env.block_endpoints(hosts, [local_size] * node_num, port)
-    return Role.from_endpoints(
-        rank,
-        endpoints,
-        selected_gpus=_env.selected_gpus(environ),
-        job_id=_env.job_id(environ),
-        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
-        source=source,
-    )
+    return _env.role_from_env(environ, rank, endpoints, port, source)
 
 
 def torchrun_role(environ: _env.Environ) -> Role:

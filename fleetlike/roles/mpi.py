@@ -74,15 +74,7 @@ def mpi_role(comm: Any, environ: _env.Environ) -> Role:
         f"[{h}]:{port + lr}" if ":" in h else f"{h}:{port + lr}" for h, lr in zip(hosts, locals_)
     ]
     topology(endpoints, rank)  # validates every endpoint
-    addr = _env.master_addr(environ)
-    return Role.from_endpoints(
-        rank,
-        endpoints,
-        selected_gpus=_env.selected_gpus(environ),
-        job_id=_env.job_id(environ),
-        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
-        source="mpi",
-    )
+    return _env.role_from_env(environ, rank, endpoints, port, "mpi")
 
 
 class MPIRoleMaker(RoleMaker):

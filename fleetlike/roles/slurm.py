@@ -163,13 +163,5 @@ def slurm_role(environ: _env.Environ) -> Role:
 
     port = _env.base_port(environ, default=_default_port(environ))
     endpoints = _env.block_endpoints(hosts, counts, port)
-    addr = _env.master_addr(environ)
-    return Role.from_endpoints(
-        rank,
-        endpoints,
-        selected_gpus=_env.selected_gpus(environ),
-        job_id=_env.job_id(environ),
-        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
-        source="slurm",
-    )
+    return _env.role_from_env(environ, rank, endpoints, port, "slurm")
 
