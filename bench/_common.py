@@ -217,8 +217,9 @@ def plot_panels(
 ) -> Path:
     """A PNG with one column per panel: the series on top (log x), their ratio below.
 
-    Each panel is ``{"title": str, "x": [...], "series": {label: [...]}, "ratio": [...]}``
-    (``ratio`` optional). Uses the Agg backend: no display needed.
+    Each panel is ``{"title": str, "x": [...], "series": {label: [...]}, "ratio": [...]}``;
+    ``ratio`` is optional, and may be ``{label: [...]}`` for several ratio lines (a control, say).
+    Uses the Agg backend: no display needed.
     """
     import matplotlib
 
@@ -246,8 +247,14 @@ def plot_panels(
         ax.legend(fontsize=8)
         if has_ratio:
             rax = axes[1][i]
-            if panel.get("ratio"):
-                rax.plot(panel["x"], panel["ratio"], marker="o", markersize=3, color="tab:green")
+            ratios = panel.get("ratio") or {}
+            if not isinstance(ratios, Mapping):
+                ratios = {None: ratios}
+            for j, (label, ys) in enumerate(ratios.items()):
+                rax.plot(panel["x"], ys, marker="o", markersize=3, label=label,
+                         color="tab:green" if j == 0 else "tab:gray", alpha=1.0 if j == 0 else 0.8)
+            if any(label is not None for label in ratios):
+                rax.legend(fontsize=7)
             if ratio_target is not None:
                 rax.axhline(ratio_target, color="tab:red", linestyle="--", linewidth=1)
             rax.axhline(1.0, color="gray", linewidth=0.8)

@@ -17,9 +17,11 @@ step), so machine noise hits both alike; a call's time is the slowest rank's, an
 the median over calls. Columns follow nccl-tests: ``size`` is the largest buffer (all_gather's
 output, reduce_scatter's input), algbw = size / time, busbw = algbw x factor (all_reduce
 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``ratio`` is fleetlike busbw /
-raw busbw (= raw time / fleetlike time), ``+us`` the per-call overhead (difference of the
-medians) and ``best +us`` the difference of the fastest calls, which load on the machine
-disturbs least.
+raw busbw (= raw time / fleetlike time); ``paired`` the median of per-call ratios of neighbouring
+fleetlike and raw calls; ``+us`` the per-call overhead (difference of the medians) and
+``best +us`` the difference of the fastest calls, which load on the machine disturbs least.
+``raw/raw`` times the raw call against itself as a third interleaved implementation: how far
+from 1.0 a ratio strays on this machine with no difference at all (``--no-control`` skips it).
 
 Usage (from the repository root)::
 
@@ -87,6 +89,7 @@ class Config:
     iters: int
     min_iters: int
     size_budget: int
+    control: bool = False
 
     def calls(self, nbytes: int) -> int:
         """Timed calls per implementation: ``size_budget`` bytes' worth, within the bounds."""
@@ -176,7 +179,10 @@ def measure(comm: Any, cfg: Config) -> list[dict[str, Any]]:
             sync()
             # Each call timed alone, in the order A B B A A B ...: both see the same noise, and
             # consecutive collectives keep the ranks in step without a barrier per sample.
-            times = interleaved_timings({"fleetlike": fleet, "raw": raw}, reps=calls, warmup=2)
+            impls = {"fleetlike": fleet, "raw": raw}
+            if cfg.control:  # raw against itself: the noise floor of a ratio on this machine
+                impls["raw_again"] = raw
+            times = interleaved_timings(impls, reps=calls, warmup=2)
             samples.append({"op": op, "bytes": count * 4, "count": count, "calls": calls, **times})
             del fleet, raw
     return samples
@@ -215,15 +221,22 @@ def summarize(per_rank: Sequence[list[dict[str, Any]]], world: int) -> list[dict
     for entries in zip(*per_rank):
         e0 = entries[0]
         row: dict[str, Any] = {k: e0[k] for k in ("op", "bytes", "count", "calls")}
-        for impl in ("fleetlike", "raw"):
-            per_call = [max(s) for s in zip(*(e[impl] for e in entries))]
-            t = median(per_call)
-            row[f"{impl}_min_us"] = min(per_call) * 1e6
+        per_call = {}
+        for impl in ("fleetlike", "raw", "raw_again"):
+            if impl not in e0:
+                continue
+            per_call[impl] = [max(s) for s in zip(*(e[impl] for e in entries))]
+            t = median(per_call[impl])
+            row[f"{impl}_min_us"] = min(per_call[impl]) * 1e6
             algbw = e0["bytes"] / t / 1e9
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_algbw"] = algbw
             row[f"{impl}_busbw"] = algbw * bus_factor(e0["op"], world)
         row["ratio"] = row["raw_us"] / row["fleetlike_us"]
+        # the same comparison call by call: neighbours in time share the machine's state
+        row["paired_ratio"] = median([r / f for r, f in zip(per_call["raw"], per_call["fleetlike"])])
+        if "raw_again" in per_call:
+            row["control_ratio"] = row["raw_us"] / row["raw_again_us"]
         row["overhead_us"] = row["fleetlike_us"] - row["raw_us"]
         # best case: the fastest call of each, a load-insensitive view of the added cost
         row["best_overhead_us"] = row["fleetlike_min_us"] - row["raw_min_us"]
@@ -242,9 +255,11 @@ COLUMNS = [
     Column("raw_algbw", "raw algbw", "{:.3f}"),
     Column("raw_busbw", "raw busbw", "{:.3f}"),
     Column("ratio", "ratio", "{:.3f}"),
+    Column("paired_ratio", "paired", "{:.3f}"),
     Column("overhead_us", "+us", "{:+.1f}"),
     Column("best_overhead_us", "best +us", "{:+.1f}"),
 ]
+CONTROL = Column("control_ratio", "raw/raw", "{:.3f}")
 
 SUMMARY_SIZES = (8, 1 << 20, 16 << 20, 256 << 20)
 
@@ -255,13 +270,17 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op]
         big = [r["ratio"] for r in mine if r["bytes"] >= TARGET_RATIO_FROM]
+        noise = [abs(1 - r["control_ratio"]) for r in mine
+                 if r["bytes"] >= TARGET_RATIO_FROM and "control_ratio" in r]
         small = min(mine, key=lambda r: r["bytes"])
         out[op] = {
             "min_ratio_from_1MiB": min(big) if big else None,
             "ratio_ok": (min(big) >= TARGET_RATIO) if big else None,
+            "control_spread_from_1MiB": max(noise) if noise else None,
             "smallest_bytes": small["bytes"],
             "smallest_overhead_us": small["overhead_us"],
-            "overhead_ok": small["overhead_us"] <= TARGET_OVERHEAD_US,
+            # the target is stated for 8-byte messages; larger smallest sizes are not judged
+            "overhead_ok": small["overhead_us"] <= TARGET_OVERHEAD_US if small["bytes"] <= 8 else None,
             "ratios": {str(r["bytes"]): round(r["ratio"], 3) for r in mine if r["bytes"] in SUMMARY_SIZES},
         }
     return out
@@ -273,13 +292,16 @@ def report(backend: str, world: int, rows: list[dict[str, Any]], info: dict[str,
           "fastest call")
     for op in dict.fromkeys(r["op"] for r in rows):
         print(f"\n## {op}  (busbw factor {bus_factor(op, world):g})")
-        print(format_table(COLUMNS, [r for r in rows if r["op"] == op]))
+        mine = [r for r in rows if r["op"] == op]
+        print(format_table(COLUMNS + ([CONTROL] if "control_ratio" in mine[0] else []), mine))
     checks = verdict(rows)
     print(f"\n## {backend} vs targets (busbw ratio >= {TARGET_RATIO} from 1 MiB; "
           f"<= {TARGET_OVERHEAD_US:g} us extra at the smallest size)")
     for op, v in checks.items():
         ratio = "n/a" if v["min_ratio_from_1MiB"] is None else f"{v['min_ratio_from_1MiB']:.3f}"
-        print(f"  {op:15s} min ratio >= 1 MiB: {ratio:>6s} {_ok(v['ratio_ok'])}   "
+        spread = v["control_spread_from_1MiB"]
+        noise = "" if spread is None else f" (raw/raw within +-{spread:.3f})"
+        print(f"  {op:15s} min ratio >= 1 MiB: {ratio:>6s} {_ok(v['ratio_ok']):6s}{noise}   "
               f"overhead at {human_bytes(v['smallest_bytes'])}: {v['smallest_overhead_us']:+.1f} us "
               f"{_ok(v['overhead_ok'])}")
     payload = {"benchmark": "collectives", "backend": backend, "world": world, "dtype": "float32",
@@ -293,7 +315,9 @@ def report(backend: str, world: int, rows: list[dict[str, Any]], info: dict[str,
         panels.append({"title": op, "x": [r["bytes"] for r in mine],
                        "series": {"fleetlike": [r["fleetlike_busbw"] for r in mine],
                                   f"raw {backend}": [r["raw_busbw"] for r in mine]},
-                       "ratio": [r["ratio"] for r in mine]})
+                       "ratio": {"fleetlike / raw": [r["ratio"] for r in mine],
+                                 **({"raw / raw (noise)": [r["control_ratio"] for r in mine]}
+                                    if "control_ratio" in mine[0] else {})}})
     png = plot_panels(out_dir / f"collectives_{backend}.png",
                       f"{backend}, {world} ranks: busbw, fleetlike vs raw ({info['date']})", panels,
                       ratio_label="fleetlike / raw", ratio_target=TARGET_RATIO)
@@ -334,9 +358,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step-factor", type=int, default=4, help="size ladder factor, from the top (default 4)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     p.add_argument("--iters", type=int, default=400, help="most timed calls per size and implementation")
-    p.add_argument("--min-iters", type=int, default=8, help="fewest timed calls (the biggest sizes)")
-    p.add_argument("--size-budget", default="512M",
+    p.add_argument("--min-iters", type=int, default=16, help="fewest timed calls (the biggest sizes)")
+    p.add_argument("--size-budget", default="1G",
                    help="bytes per size and implementation; sets the calls between the bounds")
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time raw against itself, an A/A ratio showing the noise floor "
+                        "(default on; --no-control runs 1.5x faster)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per backend run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -355,7 +382,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     args.config = Config(world=args.world, sizes=tuple(sizes), ops=ops, iters=args.iters,
-                         min_iters=args.min_iters, size_budget=parse_bytes(args.size_budget))
+                         min_iters=args.min_iters, size_budget=parse_bytes(args.size_budget),
+                         control=args.control)
     return args
 
 

@@ -20,7 +20,7 @@ Two measurements per configuration, in one process with ``torch.set_num_threads(
 
 Usage (from the repository root)::
 
-    python -m bench.recompute               # ~1 minute
+    python -m bench.recompute               # ~0.5-2 minutes (machine load)
     python -m bench.recompute --reps 5 --inner 1
 
 Writes ``docs/benchmarks/recompute.json`` and ``.png`` and (re)writes the "## Recompute"
@@ -41,7 +41,7 @@ from torch import nn
 
 from bench._common import Column, format_table, interleaved_timings, median, run_info, save_json
 
-__all__ = ["Block", "Stack", "CONFIGS", "saved_activation_bytes", "main"]
+__all__ = ["CONFIGS", "Block", "Stack", "main", "saved_activation_bytes"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Recompute"
@@ -160,14 +160,22 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 4.4))
-    for r in rows:
-        ax.scatter(r["mem_ratio"], r["time_ratio"], s=50, color="tab:gray" if r["config"] == "none" else "tab:blue")
-        ax.annotate(f"{r['config']}\n{r['time_ratio']:.2f}x time, {r['mem_ratio']:.2f}x mem",
-                    (r["mem_ratio"], r["time_ratio"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for i, r in enumerate(rows):
+        color = "tab:gray" if r["config"] == "none" else "tab:blue"
+        ax.plot([r["mem_ratio"], r["est_peak_ratio"]], [r["time_ratio"]] * 2, color=color, linewidth=0.8)
+        ax.scatter(r["mem_ratio"], r["time_ratio"], s=30, facecolors="none", edgecolors=color,
+                   label="kept between forward and backward" if i == 1 else None)
+        ax.scatter(r["est_peak_ratio"], r["time_ratio"], s=55, color=color,
+                   label="est. peak during backward" if i == 1 else None)
+        ax.annotate(f"{r['config']}: {r['time_ratio']:.2f}x time,\n{r['mem_ratio']:.2f}x kept, "
+                    f"~{r['est_peak_ratio']:.2f}x peak",
+                    (r["est_peak_ratio"], r["time_ratio"]), textcoords="offset points",
+                    xytext={"every 1 block": (6, -24), "every 2 blocks": (10, -10), "every 4 blocks": (6, 8)}.get(r["config"], (6, 4)), fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.axvline(1.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("saved-activation bytes / none")
+    ax.set_xlabel("activation bytes / none")
     ax.set_ylabel("step time / none")
     ax.set_xlim(0, 1.45)
     top = max(r["time_ratio"] for r in rows)
@@ -261,8 +269,8 @@ def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recompute", description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=7, help="interleaved timed reps per configuration (median)")
-    p.add_argument("--inner", type=int, default=2, help="steps per timed rep")
+    p.add_argument("--reps", type=int, default=15, help="interleaved timed reps per configuration (median)")
+    p.add_argument("--inner", type=int, default=3, help="steps per timed rep")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
     p.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="Markdown file to update ('' = none)")

@@ -120,6 +120,9 @@ class CompletedWork(Work):
         return True
 
 
+_DONE = CompletedWork(None)
+
+
 class _ChainedWork(Work):
     """Backend handle + a finishing step (cast back, divide for AVG, copy to ``out``).
 
@@ -148,6 +151,15 @@ class _ChainedWork(Work):
 
 def _noop() -> None:
     return None
+
+
+def _finish(inner: Work, finish: Callable[[], Any], blocking: bool) -> Any:
+    """The end of every grid call: blocking, wait and return the result (no handle object on
+    the hot path); otherwise a handle that runs ``finish`` on its first ``wait()``."""
+    if blocking:
+        inner.wait()
+        return finish()
+    return _ChainedWork(inner, finish)
 
 
 @dataclasses.dataclass
@@ -364,9 +376,12 @@ class Communicator(abc.ABC):
         """Start an allreduce; the result lands in ``out`` (or ``tensor`` when ``out`` is None)."""
         return self._all_reduce(tensor, op, out, False)
 
+    # Each grid call has one private body, ``_<op>(..., blocking)``: blocking, it runs the
+    # backend's blocking primitive and returns the result; otherwise it returns a `Work`.
+
     def _all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
-    ) -> Work:
+    ) -> Any:
         red = ReduceOp.parse(op)
         self._check("all_reduce", tensor)
         target = tensor if out is None else out
@@ -386,11 +401,11 @@ class Communicator(abc.ABC):
         self._record("all_reduce", buf.nbytes)
         solo = self._solo()
         if solo and buf is target:
-            return CompletedWork(target)
+            return target if blocking else CompletedWork(target)
         start = self._all_reduce_now if blocking else self._all_reduce_start
         inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, start, (buf, backend_op), red)
         if not avg_here and buf is target:
-            return _ChainedWork(inner, lambda: target)
+            return _finish(inner, lambda: target, blocking)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -400,19 +415,19 @@ class Communicator(abc.ABC):
                 target.copy_(buf)
             return target
 
-        return _ChainedWork(inner, finish)
+        return _finish(inner, finish, blocking)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Reduce ``tensor`` over all ranks; every rank gets the result. See `all_reduce_async`."""
-        return self._all_reduce(tensor, op, out, True).wait()
+        return self._all_reduce(tensor, op, out, True)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> Work:
         """Start copying ``root``'s tensor to every rank (into ``out`` when given)."""
         return self._broadcast(tensor, root, out, False)
 
-    def _broadcast(self, tensor: torch.Tensor, root: int, out: torch.Tensor | None, blocking: bool) -> Work:
+    def _broadcast(self, tensor: torch.Tensor, root: int, out: torch.Tensor | None, blocking: bool) -> Any:
         self._check("broadcast", tensor)
         self._check_root("broadcast", root)
         target = tensor if out is None else out
@@ -428,11 +443,11 @@ class Communicator(abc.ABC):
         start = self._broadcast_now if blocking else self._broadcast_start
         inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, start, (buf, root), root=root)
         if buf is target:
-            return _ChainedWork(inner, lambda: target)
-        return _ChainedWork(inner, lambda: target.copy_(buf))
+            return _finish(inner, lambda: target, blocking)
+        return _finish(inner, lambda: target.copy_(buf), blocking)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._broadcast(tensor, root, out, True).wait()
+        return self._broadcast(tensor, root, out, True)
 
     def reduce_async(
         self,
@@ -447,7 +462,7 @@ class Communicator(abc.ABC):
 
     def _reduce(
         self, tensor: torch.Tensor, root: int, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
-    ) -> Work:
+    ) -> Any:
         red = ReduceOp.parse(op)
         self._check("reduce", tensor)
         self._check_root("reduce", root)
@@ -481,7 +496,7 @@ class Communicator(abc.ABC):
                 target.copy_(buf)
             return target
 
-        return _ChainedWork(inner, finish)
+        return _finish(inner, finish, blocking)
 
     def reduce(
         self,
@@ -491,7 +506,7 @@ class Communicator(abc.ABC):
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._reduce(tensor, root, op, out, True).wait()
+        return self._reduce(tensor, root, op, out, True)
 
     def all_gather_flat_async(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> Work:
         """Start gathering every rank's ``tensor`` into one flat tensor of ``size * numel``.
@@ -499,7 +514,7 @@ class Communicator(abc.ABC):
         The in-place form passes ``tensor = out.chunk(size)[rank]``: no copy is made."""
         return self._all_gather_flat(tensor, out, False)
 
-    def _all_gather_flat(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool) -> Work:
+    def _all_gather_flat(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool) -> Any:
         self._check("all_gather", tensor)
         n = tensor.numel()
         if out is None:
@@ -522,29 +537,29 @@ class Communicator(abc.ABC):
             start = self._all_gather_now if blocking else self._all_gather_start
             inner = self._issue("all_gather", chunk, start, (_flat(flat_out), _flat(chunk)))
         if flat_out is out:
-            return _ChainedWork(inner, lambda: out)
-        return _ChainedWork(inner, lambda: out.copy_(flat_out))
+            return _finish(inner, lambda: out, blocking)
+        return _finish(inner, lambda: out.copy_(flat_out), blocking)
 
     def all_gather_flat(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._all_gather_flat(tensor, out, True).wait()
+        return self._all_gather_flat(tensor, out, True)
 
     def all_gather_async(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> Work:
         """Start gathering every rank's ``tensor``; the result is a list of ``size`` tensors."""
         return self._all_gather(tensor, out, False)
 
-    def _all_gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, blocking: bool) -> Work:
+    def _all_gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, blocking: bool) -> Any:
         self._check("all_gather", tensor)
         if out is not None:
             if len(out) != self.size:
                 raise ValueError(f"all_gather: out has {len(out)} tensors; it needs {self.size}")
             for i, o in enumerate(out):
                 self._check_same("all_gather", tensor, o, what=f"out[{i}]")
-        flat_work = self._all_gather_flat(tensor, None, blocking)
+        started = self._all_gather_flat(tensor, None, blocking)  # the flat result when blocking
         shape = tensor.shape
         size = self.size
 
         def finish() -> list[torch.Tensor]:
-            flat = flat_work.wait()
+            flat = started if blocking else started.wait()
             parts = [p.view(shape) for p in flat.chunk(size)] if flat.numel() else [
                 flat.new_empty(shape) for _ in range(size)
             ]
@@ -554,10 +569,10 @@ class Communicator(abc.ABC):
                 o.copy_(p)
             return out
 
-        return _ChainedWork(CompletedWork(None), finish)
+        return _finish(_DONE, finish, blocking)
 
     def all_gather(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        return self._all_gather(tensor, out, True).wait()
+        return self._all_gather(tensor, out, True)
 
     def reduce_scatter_async(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
@@ -569,7 +584,7 @@ class Communicator(abc.ABC):
 
     def _reduce_scatter(
         self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
-    ) -> Work:
+    ) -> Any:
         red = ReduceOp.parse(op)
         self._check("reduce_scatter", tensor)
         if tensor.numel() % self.size:
@@ -605,7 +620,7 @@ class Communicator(abc.ABC):
             start = self._reduce_scatter_now if blocking else self._reduce_scatter_start
             inner = self._issue("reduce_scatter", tensor, start, (_flat(res), buf, ReduceOp.SUM if avg_here else red), red)
         if not avg_here and res is out:
-            return _ChainedWork(inner, lambda: out)
+            return _finish(inner, lambda: out, blocking)
         size = self.size
 
         def finish() -> torch.Tensor:
@@ -615,12 +630,12 @@ class Communicator(abc.ABC):
                 out.copy_(res.view(out.shape))
             return out
 
-        return _ChainedWork(inner, finish)
+        return _finish(inner, finish, blocking)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self._reduce_scatter(tensor, op, out, True).wait()
+        return self._reduce_scatter(tensor, op, out, True)
 
     def barrier_async(self) -> Work:
         if self._closed:

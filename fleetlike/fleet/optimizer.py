@@ -44,7 +44,8 @@ class DistributedOptimizer:
         self._fleet = fleet
         self._skip_sync = False
         #: eager-style loss scaling (program style keeps its scaler in the AMP pass)
-        self.scaler = scaler_from_config(strategy.amp_configs)[0] if strategy.amp else None
+        scaler, dtype = scaler_from_config(strategy.amp_configs) if strategy.amp else (None, None)
+        self.scaler = scaler if dtype == torch.float16 else None  # bfloat16: no scaling at all
 
     # ------------------------------------------------------------------ delegation
 

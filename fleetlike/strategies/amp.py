@@ -12,7 +12,8 @@ non-finite steps multiply by ``decr_ratio``, never below 1; a non-finite step re
 count, a finite one the bad count; a non-finite step is skipped. Whether a step is finite is
 decided over all ranks by one 1-element max-allreduce, so every rank skips the same steps even
 when only one of them overflowed. With ``use_dynamic_loss_scaling=False`` the scale stays fixed
-(non-finite steps are still skipped). bfloat16 has float32's range: no scaling at all.
+(non-finite steps are still skipped). bfloat16 has float32's range: no scaling, no unscale, no
+finite check (and no extra collective) at all.
 
 Example:
     >>> s.amp = True; s.amp_configs = {"init_loss_scaling": 1024, "dtype": "float16"}
@@ -200,14 +201,15 @@ def amp_pass(program: Program, build: Build) -> Program:
             scaler.update(found["inf"])
             st.info["loss_scale"] = scaler.scale
 
-    main.insert_before(
-        "optimizer_update",
-        Op("check_finite_and_unscale", check, {"agreed_on": build.groups.world.name}),
-    )
-    main.insert_after(
-        "optimizer_update",
-        Op("update_loss_scaling", update_scale, {"dynamic": scaler.dynamic, "scale": lambda: scaler.scale}),
-    )
+    if scaling:  # bfloat16 has float32's range: no scale, nothing to unscale or skip
+        main.insert_before(
+            "optimizer_update",
+            Op("check_finite_and_unscale", check, {"agreed_on": build.groups.world.name}),
+        )
+        main.insert_after(
+            "optimizer_update",
+            Op("update_loss_scaling", update_scale, {"dynamic": scaler.dynamic, "scale": lambda: scaler.scale}),
+        )
     main.notes.append(lambda: f"amp {str(dtype).replace('torch.', '')}: loss scale {scaler.scale:g}, skipped {scaler.skipped_steps} steps")
     build.record("amp", True, f"autocast {str(dtype).replace('torch.', '')}, " + (
         "dynamic loss scaling" if scaler.dynamic else ("fixed loss scale" if scaling else "no loss scaling (bfloat16)")))
