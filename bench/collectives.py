@@ -11,9 +11,10 @@ mpi        ``MPICommunicator.all_reduce(t)`` ...      ``mpi_comm.Allreduce(IN_PL
                                                       numpy view of ``t`` made once
 =========  =========================================  ===========================================
 
-so the ratio isolates fleetlike's wrapper. Every call is timed alone, fleetlike and raw
-alternating A B B A A B ... (no barrier between: consecutive collectives keep the ranks in
-step), so machine noise hits both alike; a call's time is the slowest rank's, and a row reports
+so the ratio isolates fleetlike's wrapper. Every call is timed alone, the implementations
+interleaved in rotating order (A B, B A, ...; A B C, B C A, ... with the control), with no
+barrier between (consecutive collectives keep the ranks in step), so machine noise hits all
+alike; a call's time is the slowest rank's, and a row reports
 the median over calls. Columns follow nccl-tests: ``size`` is the largest buffer (all_gather's
 output, reduce_scatter's input), algbw = size / time, busbw = algbw x factor (all_reduce
 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``ratio`` is fleetlike busbw /
@@ -109,8 +110,8 @@ def _count(op: str, nbytes: int, world: int) -> int:
 
 def _gloo_calls(comm: Any, op: str, count: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     import torch
-    from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceScatterOptions
     import torch.distributed as dist
+    from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceScatterOptions
 
     pg, n = comm.process_group, comm.size
     if op == "all_reduce":
@@ -177,7 +178,7 @@ def measure(comm: Any, cfg: Config) -> list[dict[str, Any]]:
             calls = cfg.calls(count * 4)
             fleet, raw = make(comm, op, count)
             sync()
-            # Each call timed alone, in the order A B B A A B ...: both see the same noise, and
+            # Each call timed alone, in rotating order (A B, B A, ...): all see the same noise, and
             # consecutive collectives keep the ranks in step without a barrier per sample.
             impls = {"fleetlike": fleet, "raw": raw}
             if cfg.control:  # raw against itself: the noise floor of a ratio on this machine
@@ -408,10 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_gloo(cfg: Config, timeout: float) -> list[list[dict[str, Any]]]:
-    from fleetlike.testing import run_ranks
-
     # by module name, also when this file runs as __main__, so the ranks can import it
     from bench.collectives import _gloo_rank
+    from fleetlike.testing import run_ranks
 
     return run_ranks(_gloo_rank, cfg.world, cfg, timeout=timeout, job_id="bench-collectives")
 

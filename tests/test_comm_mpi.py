@@ -9,10 +9,9 @@ the ranks in a pickle, and the results come back one pickle per rank.
 from __future__ import annotations
 
 import pytest
+from comm_cases import case_strategy, check_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from comm_cases import case_strategy, check_all
 from mpi_runner import mpi_unavailable_reason, run_mpi
 
 _REASON = mpi_unavailable_reason()

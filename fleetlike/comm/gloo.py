@@ -49,6 +49,31 @@ def _device(host: str) -> Any:
     return ProcessGroupGloo.create_device(hostname=host)
 
 
+#: Options objects, built once per (kind, reduction, root): the process group copies what it
+#: needs from them, and a fresh one per call costs several pybind calls on the hot path.
+_OPTIONS: dict[tuple[str, ReduceOp | None, int | None], Any] = {}
+
+
+def _options(kind: str, op: ReduceOp | None = None, root: int | None = None) -> Any:
+    key = (kind, op, root)
+    opts = _OPTIONS.get(key)
+    if opts is None:
+        opts = {
+            "allreduce": AllreduceOptions,
+            "broadcast": BroadcastOptions,
+            "reduce": ReduceOptions,
+            "reduce_scatter": ReduceScatterOptions,
+            "barrier": BarrierOptions,
+        }[kind]()
+        if op is not None:
+            opts.reduceOp = _OPS[op]
+        if root is not None:
+            opts.rootRank = root
+            opts.rootTensor = 0
+        _OPTIONS[key] = opts
+    return opts
+
+
 class GlooCommunicator(Communicator):
     """A gloo process group over ``store``.
 
@@ -91,33 +116,22 @@ class GlooCommunicator(Communicator):
         return self._pg
 
     def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work:
-        opts = AllreduceOptions()
-        opts.reduceOp = _OPS[op]
-        return self._pg.allreduce([buf], opts)
+        return self._pg.allreduce([buf], _options("allreduce", op))
 
     def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work:
-        opts = BroadcastOptions()
-        opts.rootRank = root
-        opts.rootTensor = 0
-        return self._pg.broadcast([buf], opts)
+        return self._pg.broadcast([buf], _options("broadcast", None, root))
 
     def _reduce_start(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
-        opts = ReduceOptions()
-        opts.reduceOp = _OPS[op]
-        opts.rootRank = root
-        opts.rootTensor = 0
-        return self._pg.reduce([buf], opts)
+        return self._pg.reduce([buf], _options("reduce", op, root))
 
     def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
         return self._pg._allgather_base(out, chunk)
 
     def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
-        opts = ReduceScatterOptions()
-        opts.reduceOp = _OPS[op]
-        return self._pg._reduce_scatter_base(out, buf, opts)
+        return self._pg._reduce_scatter_base(out, buf, _options("reduce_scatter", op))
 
     def _barrier_start(self) -> Work:
-        return self._pg.barrier(BarrierOptions())
+        return self._pg.barrier(_options("barrier"))
 
     def _split(self, color: int | None, key: int) -> Communicator | None:
         seq = self._splits
