@@ -165,3 +165,26 @@ def test_save_refuses_to_replace_a_foreign_directory(tmp_path):
         with atomic_dir(tmp_path / "mine"):
             pass
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def _bcast(role):
+    from fleetlike.strategies.compose import broadcast_coalesced
+    from fleetlike.testing import make_world
+
+    world = make_world(role)
+    try:
+        g = torch.Generator().manual_seed(role.rank)
+        tensors = [torch.randn(n, generator=g) for n in (3, 40, 7, 100)] + [torch.arange(5) * (role.rank + 1)]
+        broadcast_coalesced(world, tensors, cap_bytes=64)  # chunks of <= 16 floats; big ones alone
+        return [t.tolist() for t in tensors], world.stats.calls["broadcast"]
+    finally:
+        world.close()
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_coalesced_chunks_and_matches_rank0():
+    (a, calls), (b, _) = run_ranks(_bcast, 2, timeout=30)
+    assert a == b
+    g = torch.Generator().manual_seed(0)
+    assert a[:4] == [torch.randn(n, generator=g).tolist() for n in (3, 40, 7, 100)]
+    assert calls == 4  # [3, 7] packed; 40 and 100 alone; the int64 tensor in its own pack
