@@ -294,3 +294,17 @@ def test_loading_checks_world_size_and_strategy(tmp_path):
     kind, msg = run_ranks(_fit, 1, ckpt, "load", timeout=30)[0]
     assert kind == "CheckpointError"
     assert "world size: saved 2, now 1" in msg and "strategy.nccl_comm_num: saved 1, now 2" in msg
+
+
+def test_rendezvous_names_the_store_the_wait_and_the_missing_ranks():
+    from fleetlike.comm import RendezvousError, create_world
+    from fleetlike.roles import Role
+
+    eps = endpoints_for(1, 3)
+    role = Role.from_endpoints(0, eps, job_id="lonely")
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as info:
+        create_world(role, timeout=1.5)  # ranks 1 and 2 never start
+    msg = str(info.value)
+    assert eps[0] in msg and "ranks [1, 2] of 3 did not arrive" in msg and "waited" in msg
+    assert time.monotonic() - started < 10

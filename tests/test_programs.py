@@ -188,3 +188,19 @@ def test_broadcast_coalesced_chunks_and_matches_rank0():
     g = torch.Generator().manual_seed(0)
     assert a[:4] == [torch.randn(n, generator=g).tolist() for n in (3, 40, 7, 100)]
     assert calls == 4  # [3, 7] packed; 40 and 100 alone; the int64 tensor in its own pack
+
+
+def test_strategy_override_from_the_environment(monkeypatch):
+    from fleetlike.roles import UserDefinedRoleMaker
+
+    monkeypatch.setenv("FLEETLIKE_STRATEGY", '{"fuse_all_reduce_ops": false, "find_unused_parameters": true}')
+    fleet.init(UserDefinedRoleMaker(0, ["127.0.0.1:6170"]))
+    try:
+        opt = fleet.distributed_optimizer(torch.optim.SGD(make_model(0).parameters(), lr=0.1), DistributedStrategy())
+        assert opt.user_defined_strategy.fuse_all_reduce_ops is False
+        assert opt.user_defined_strategy.find_unused_parameters is True
+        monkeypatch.setenv("FLEETLIKE_STRATEGY", '{"nccl_comm_nun": 2}')
+        with pytest.raises(KeyError, match="nccl_comm_num"):
+            fleet.distributed_optimizer(torch.optim.SGD(make_model(0).parameters(), lr=0.1))
+    finally:
+        fleet.shutdown()
