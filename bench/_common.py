@@ -315,3 +315,15 @@ def run_mpiexec(n: int, args: Sequence[str], *, timeout: float, cwd: str | Path 
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{text[-4000:]}")
     return text
+
+
+def replace_section(path: str | Path, title: str, section: str) -> None:
+    """Put ``section`` (starting with the ``title`` line, e.g. "## Recompute") into the Markdown
+    file at ``path``: replacing the old section of that title, else appending; other sections stay."""
+    p = Path(path)
+    text = p.read_text() if p.exists() else "# Benchmarks\n"
+    start = text.find("\n" + title + "\n")
+    if start >= 0:
+        nxt = text.find("\n## ", start + len(title) + 1)
+        text = text[:start].rstrip() + "\n\n" + (text[nxt + 1:] if nxt >= 0 else "")
+    p.write_text(text.rstrip() + "\n\n" + section)

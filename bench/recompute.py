@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench._common import Column, format_table, interleaved_timings, median, run_info, save_json
+from bench._common import replace_section, Column, format_table, interleaved_timings, median, run_info, save_json
 
 __all__ = ["CONFIGS", "Block", "Stack", "main", "saved_activation_bytes"]
 
@@ -258,13 +258,7 @@ def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]],
         "Artefacts: `docs/benchmarks/recompute.json`, `docs/benchmarks/recompute.png`.",
         "",
     ]
-    section = "\n".join(body)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find("\n" + SECTION + "\n")
-    if start >= 0:
-        nxt = text.find("\n## ", start + len(SECTION) + 1)
-        text = text[:start].rstrip() + "\n\n" + (text[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(text.rstrip() + "\n\n" + section)
+    replace_section(path, SECTION, "\n".join(body))
 
 
 def main(argv: list[str] | None = None) -> int:
