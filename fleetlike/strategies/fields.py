@@ -18,6 +18,8 @@ got 0. Fix: use an int >= 1, e.g. 1.
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import difflib
 import math
@@ -143,7 +145,7 @@ def unknown_key(name: Any, candidates: list[str], where: str) -> UnknownOptionEr
 # ----------------------------------------------------------------------------------------- specs
 
 
-class Spec:
+class Spec(abc.ABC):
     """How one option's values are checked, described and serialised.
 
     ``check`` returns the normalised value to store (e.g. an int given for a float becomes a
@@ -151,11 +153,11 @@ class Spec:
     validator's back) or raises `StrategyTypeError` / `StrategyValueError`.
     """
 
-    def check(self, field: str, value: Any) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check(self, field: str, value: Any) -> Any: ...
 
-    def describe(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def describe(self) -> str: ...
 
     def to_plain(self, value: Any) -> Any:
         """The JSON-ready form of a stored value."""
