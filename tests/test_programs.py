@@ -35,7 +35,10 @@ def _alternate(role):
             mean = torch.stack(gathered).mean(0)
             calls = world.stats.total_calls
             main = step % 2 == 0
-            exe.run(fleet.main_program if main else fleet._origin_program, feed=feed)
+            run, = exe.run(fleet.main_program if main else fleet._origin_program, feed=feed,
+                           fetch_list=["collectives"] if main else ["loss"])
+            if main:  # the step's own record agrees with the communicator's count
+                assert run == world.stats.total_calls - calls
             used = torch.cat([g.reshape(-1) for g in local]) if not main else mean
             delta = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before)])
             checks.append((main, float((delta + 0.1 * used).abs().max()), world.stats.total_calls - calls))

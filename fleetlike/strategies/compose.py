@@ -153,15 +153,18 @@ def data_parallel_pass(program: Program, build: Build) -> Program:
     build.clear_grad = reducer.zero_grad
     main = program.clone("main")
 
+    issued = {"collectives": 0, "bytes": 0}  # counters when this step's backward was armed
+
     def arm(st: StepState) -> None:
+        issued["collectives"], issued["bytes"] = reducer.collectives_issued, reducer.bytes_issued
         if not st.accumulate:
             reducer.prepare(st.loss)
 
     def wait(st: StepState) -> None:
-        before = reducer.collectives_issued, reducer.bytes_issued
         reducer.finalize()
-        st.info["collectives"] = reducer.collectives_issued - before[0]
-        st.info["bytes_communicated"] = reducer.bytes_issued - before[1]
+        # buckets launch during backward, so count from the arming, not from this wait
+        st.info["collectives"] = reducer.collectives_issued - issued["collectives"]
+        st.info["bytes_communicated"] = reducer.bytes_issued - issued["bytes"]
 
     described = [
         Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
