@@ -60,8 +60,12 @@ def test_a_rank_killed_inside_an_all_reduce_fails_the_others_fast():
     assert results[2] is None
     for kind, msg, took in results[:2]:
         assert kind == "CollectiveFailedError", msg
-        assert "all_reduce #2" in msg and "ranks [2] did not arrive" in msg
-        assert took < 10
+        assert "all_reduce #2" in msg and "did not arrive" in msg
+        # the dead rank is always named; a live peer that had not noticed yet within the grace
+        # period may be named too (the report is what each rank could see)
+        missing = msg.split("ranks ")[1].split(" did not arrive")[0]
+        assert "2" in missing
+        assert took < 20  # well within the 30 s timeout: dead peers are noticed, not waited out
 
 
 def _mismatch(role, what):

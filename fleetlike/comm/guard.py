@@ -116,7 +116,7 @@ def failure(comm: Communicator, op: str, seq: int, exc: BaseException) -> Collec
     text = " ".join(str(exc).split())[:300] or type(exc).__name__
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     timeout = comm.timeout if comm.timeout is not None else float("nan")
-    grace = min(3.0, max(0.5, timeout / 4)) if timeout == timeout else 3.0
+    grace = min(5.0, max(1.0, timeout / 4)) if timeout == timeout else 5.0
     present = _who_arrived(comm, seq, grace)
     where = f"{op} #{seq} on communicator {comm.name!r} (rank {comm.rank} of {comm.size})"
     if present is None:
