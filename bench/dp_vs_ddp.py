@@ -160,9 +160,14 @@ def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup
     if "fleetlike" in frameworks:
         fleet.init(role, timeout=120)
         steppers["fleetlike"] = _fleet_stepper(role, name, data)
-    # Both frameworks get a torch.distributed group for the barriers between segments.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}",
-                            rank=role.rank, world_size=role.world_size)
+    # Barriers between segments: DDP's torch.distributed group when DDP runs, else fleetlike's
+    # own world, so a fleetlike-only world (the RSS measurement) holds no second process group.
+    if "ddp" in frameworks:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}",
+                                rank=role.rank, world_size=role.world_size)
+        barrier = dist.barrier
+    else:
+        barrier = fleet.barrier_worker
     try:
         if "ddp" in frameworks:
             steppers["ddp"] = _ddp_stepper(name, data)
@@ -174,7 +179,7 @@ def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup
         for r in range(rounds):
             k = r % len(names)
             for n in names[k:] + names[:k]:
-                dist.barrier()
+                barrier()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     steppers[n]()
@@ -197,10 +202,11 @@ def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup
         elif profile:
             for _ in range(steps):
                 steppers["fleetlike"]()
-        dist.barrier()
+        barrier()
         return {"rates": rates, "rss_start_mib": rss_start, "rss_peak_mib": _peak_rss_mib(), "profile": prof_text}
     finally:
-        dist.destroy_process_group()
+        if "ddp" in frameworks:
+            dist.destroy_process_group()
         if "fleetlike" in frameworks:
             fleet.shutdown()
 
