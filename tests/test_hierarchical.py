@@ -302,3 +302,13 @@ def test_uneven_nodes_fall_back_to_flat():
         assert max_diff(got, ref) <= 1e-6
         assert any("use_hierarchical_allreduce: NOT applied (nodes have unequal" in a for a in applied), applied
         assert any("fp16_allreduce: NOT applied" in a for a in applied), applied
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_segments_equal_flat():
+    """Buffers of two 4 MiB segments or more take the pipelined path (odd sizes: padded tails)."""
+    cases = [(2_621_447, "float32", 1), (1_310_723, "int64", 2), (2_097_152, "float64", 3)]
+    results = run_ranks(_compare, 4, cases, nodes=2, timeout=100)
+    for rank_out in results:
+        for op, dtype, flat, h, rb, ring in rank_out:
+            _check_equal(op, dtype, flat, h)

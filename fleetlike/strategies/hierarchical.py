@@ -86,6 +86,10 @@ class RingWorkers:
             p.shutdown(wait=False)
 
 
+#: segment size of the pipelined hierarchical allreduce (buffers of two segments or more)
+_SEGMENT_BYTES = 4 << 20
+
+
 def _divide_(buf: torch.Tensor, n: int) -> None:
     if buf.is_floating_point():
         buf.div_(n)
@@ -180,7 +184,9 @@ class HierarchicalAllReduce:
             return tensor
         average = op == "avg"
         codec = self.inter_codec if self.inter_codec is not None and self.inter_codec.applies_to(flat.dtype) else None
-        if self.algorithm == "reduce_scatter":
+        if self.algorithm == "reduce_scatter" and codec is None and n * flat.element_size() >= 2 * _SEGMENT_BYTES:
+            self._pipelined(flat, intra, inter)
+        elif self.algorithm == "reduce_scatter":
             pad = (-n) % intra.size
             buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
             chunk = buf.view(intra.size, -1)[intra.rank]
@@ -197,6 +203,32 @@ class HierarchicalAllReduce:
         if average and codec is None:
             _divide_(flat, self._world.size)
         return tensor
+
+    def _pipelined(self, flat: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
+        """The reduce-scatter form over segments, so the phases overlap: while segment i crosses
+        the nodes, segment i+1 is reduce-scattered and segment i-1 all-gathered inside the node.
+        The intra and inter groups each have their own connections and worker threads, and
+        every rank issues the same calls in the same order, so the overlap is safe."""
+        step = max(intra.size, (_SEGMENT_BYTES // flat.element_size()) // intra.size * intra.size)
+        segments = []
+        for lo in range(0, flat.numel(), step):
+            seg = flat[lo : lo + step]
+            pad = (-seg.numel()) % intra.size
+            buf = seg if pad == 0 else torch.cat([seg, seg.new_zeros(pad)])
+            segments.append((seg, buf, buf.view(intra.size, -1)[intra.rank]))
+        scatter = [intra.reduce_scatter_async(segments[0][1], "sum", out=segments[0][2])]
+        gathers = []
+        for i, (seg, buf, chunk) in enumerate(segments):
+            scatter[i].wait()
+            if i + 1 < len(segments):
+                _, nbuf, nchunk = segments[i + 1]
+                scatter.append(intra.reduce_scatter_async(nbuf, "sum", out=nchunk))
+            inter.all_reduce(chunk, "sum")
+            gathers.append(intra.all_gather_flat_async(chunk, out=buf))
+        for (seg, buf, _), work in zip(segments, gathers):
+            work.wait()
+            if buf.data_ptr() != seg.data_ptr():
+                seg.copy_(buf[: seg.numel()])
 
     def _inter_sum(self, chunk: torch.Tensor, inter: Communicator, codec: HalfCodec | None, divide: int) -> None:
         if codec is None:
