@@ -67,11 +67,15 @@ class HalfCodec:
         return dtype in (torch.float32, torch.float64)
 
     def guard_factor(self, max_abs: float, summands: int) -> float:
-        """A power of two <= 1 keeping ``summands * max_abs`` (already scaled) below 2**15."""
+        """The power of two putting ``summands * max_abs`` (already scaled) just below 2**15.
+
+        Below 1 it avoids overflow; above 1 it lifts small buckets out of float16's subnormal
+        range (below 6e-5 float16 keeps only absolute precision), so both ends keep float16's
+        relative precision. Powers of two scale and unscale exactly."""
         bound = max_abs * summands
-        if not math.isfinite(bound) or bound <= _FP16_LIMIT:
+        if not math.isfinite(bound) or bound == 0.0:
             return 1.0  # non-finite gradients travel as inf/nan: AMP's finite check sees them
-        return 2.0 ** math.floor(math.log2(_FP16_LIMIT / bound))
+        return 2.0 ** min(math.floor(math.log2(_FP16_LIMIT / bound)), 60)
 
     def all_reduce_(
         self,
