@@ -130,14 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         result = os.path.join(tmp, "result.json")
         spec = json.dumps({"eps": eps, "eps2": eps2, "sizes": sizes, "reps": args.reps, "steps": args.steps, "out": result})
         tx0 = [nodes.tx_bytes(i) for i in range(2)]
-        procs = [nodes.popen(r // 2, [sys.executable, "-m", "bench.hierarchical", "--worker", str(r), "--spec", spec], cwd=ROOT)
-                 for r in range(4)]
-        try:
-            codes = [p.wait(timeout=900) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        codes = nodes.run_all(
+            [(r // 2, [sys.executable, "-m", "bench.hierarchical", "--worker", str(r), "--spec", spec]) for r in range(4)],
+            cwd=ROOT,
+        )
         if any(codes):
             print(f"workers failed: exit codes {codes}")
             return 1

@@ -189,15 +189,11 @@ def speed(args: argparse.Namespace) -> dict | None:
         result = os.path.join(tmp, "result.json")
         spec = json.dumps({"eps": eps, "steps": args.steps, "rounds": args.rounds, "out": result})
         tx0 = [nodes.tx_bytes(i) for i in range(2)]
-        procs = [nodes.popen(r // args.per_node, [sys.executable, "-m", "bench.localsgd", "--worker", str(r), "--spec", spec],
-                             cwd=ROOT) for r in range(n)]
-        try:
-            codes = [p.wait(timeout=900) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        codes = nodes.run_all(
+            [(r // args.per_node, [sys.executable, "-m", "bench.localsgd", "--worker", str(r), "--spec", spec])
+             for r in range(n)],
+            cwd=ROOT,
+        )
         if any(codes):
             raise RuntimeError(f"workers failed: exit codes {codes}")
         tx = [nodes.tx_bytes(i) - tx0[i] for i in range(2)]

@@ -91,6 +91,19 @@ class TwoNodes:
         """Start ``argv`` inside node ``node``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.ns[node], *argv], **kw)
 
+    def run_all(self, commands: Sequence[tuple[int, Sequence[str]]], timeout: float = 900, **kw: Any) -> list[int]:
+        """Start every ``(node, argv)`` inside its namespace, wait for all; kill what is left.
+
+        Returns the exit codes in order; no process outlives the call."""
+        procs = [self.popen(node, argv, **kw) for node, argv in commands]
+        try:
+            return [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
     def tx_bytes(self, node: int) -> int:
         """Bytes sent so far on node ``node``'s end of the veth (the real inter-node traffic)."""
         out = subprocess.run(["ip", "netns", "exec", self.ns[node], "cat", f"/sys/class/net/{self.dev[node]}/statistics/tx_bytes"],
