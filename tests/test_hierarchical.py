@@ -32,13 +32,15 @@ def _data(seed: int, rank: int, numel: int, dtype: str, scale: float = 1.0) -> t
     return (torch.randn(numel, generator=g, dtype=torch.float64) * scale).to(DTYPES[dtype])
 
 
-def _compare(role, cases):
+def _compare(role, cases, segment_bytes=1000):
     world = make_world(role)
     groups = CommGroups(world, role)
     try:
         pairs = hierarchical_pairs(groups, role, 2)
         hier = HierarchicalAllReduce(pairs, world)
         hier_rb = HierarchicalAllReduce(pairs[:1], world, algorithm="reduce_broadcast")
+        # tiny segments: every case of a few hundred elements or more is pipelined
+        hier_seg = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes)
         rings3 = FlatAllReduce(groups.rings(3))
         out = []
         for i, (numel, dtype, seed) in enumerate(cases):
@@ -48,7 +50,8 @@ def _compare(role, cases):
                 h = hier.start_tensor(x.clone(), i, op).wait()
                 rb = hier_rb.start_tensor(x.clone(), i, op).wait()
                 ring = rings3.rings[i % 3].all_reduce(x.clone(), op)
-                out.append((op, dtype, flat.numpy(), h.numpy(), rb.numpy(), ring.numpy()))
+                seg = hier_seg.start_tensor(x.clone(), i, op).wait()
+                out.append((op, dtype, flat.numpy(), h.numpy(), rb.numpy(), ring.numpy(), seg.numpy()))
         return out
     finally:
         groups.close()
@@ -75,8 +78,8 @@ CASE = st.tuples(st.integers(0, 3000), st.sampled_from(sorted(DTYPES)), st.integ
 def test_hierarchical_and_rings_equal_flat(nodes, per_node, cases):
     results = run_ranks(_compare, nodes * per_node, cases, nodes=nodes, timeout=60)
     for rank_out in results:
-        for op, dtype, flat, h, rb, ring in rank_out:
-            for got in (h, rb, ring):
+        for op, dtype, flat, *others in rank_out:
+            for got in others:
                 _check_equal(op, dtype, flat, got)
     for a, b in zip(results[0], results[-1]):  # every rank holds the same result
         np.testing.assert_array_equal(a[3], b[3])
@@ -97,6 +100,9 @@ def _fp16(role, cases):
                 "flat": CompressedAllReduce(FlatAllReduce(groups.rings(2)), codec),
                 "hier": CompressedAllReduce(HierarchicalAllReduce(pairs, world), codec),
                 "mixed": HierarchicalAllReduce(pairs, world, inter_codec=codec),
+                # pipelined over 512-byte segments: the casts happen segment by segment
+                "hier_seg": CompressedAllReduce(HierarchicalAllReduce(pairs, world, segment_bytes=512), codec),
+                "mixed_seg": HierarchicalAllReduce(pairs, world, inter_codec=codec, segment_bytes=512),
             }
             x = _data(seed, role.rank, numel, "float32", 10.0**exp).clamp(-1e5, 1e5)
             if i == 0:
@@ -104,7 +110,7 @@ def _fp16(role, cases):
             res = {}
             for name, c in colls.items():
                 y = x.clone()
-                (c.start_tensor(y, i) if name != "mixed" else c.start_tensor(y, i, "avg")).wait()
+                (c.start_tensor(y, i, "avg") if name.startswith("mixed") else c.start_tensor(y, i)).wait()
                 assert y.dtype == torch.float32
                 res[name] = y.numpy()
             out.append(res)
@@ -186,8 +192,8 @@ def test_cross_node_bytes_match_formulas():
         # fp16 everywhere: half the bytes, plus the overflow guard's 1-float MAX on each level
         assert r["hier_fp16"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
         assert r["hier_fp16"]["intra"] == 2 * ((L - 1) * (padded // 2) // L) + ring(4, L)
-        # mixed: full precision inside the node, half across
-        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L)
+        # mixed: full precision inside the node, half across; the scale is agreed on both levels
+        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L) + ring(4, L)
         assert r["mixed"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
     per_node_flat = sum(r["flat"]["cross_flat"] for r in res[:L])
     per_node_hier = sum(r["hier"]["inter"] for r in res[:L])
@@ -306,9 +312,10 @@ def test_uneven_nodes_fall_back_to_flat():
 
 @pytest.mark.timeout(120)
 def test_pipelined_segments_equal_flat():
-    """Buffers of two 4 MiB segments or more take the pipelined path (odd sizes: padded tails)."""
+    """Large buffers in 4 MiB and 1 MiB segments (odd sizes: padded tails)."""
     cases = [(2_621_447, "float32", 1), (1_310_723, "int64", 2), (2_097_152, "float64", 3)]
-    results = run_ranks(_compare, 4, cases, nodes=2, timeout=100)
+    results = run_ranks(_compare, 4, cases, 1 << 20, nodes=2, timeout=100)
     for rank_out in results:
-        for op, dtype, flat, h, rb, ring in rank_out:
+        for op, dtype, flat, h, _rb, _ring, seg in rank_out:
             _check_equal(op, dtype, flat, h)
+            _check_equal(op, dtype, flat, seg)

@@ -21,8 +21,13 @@ every collective of a pair is issued by that pair's one thread, in bucket order,
 the same collectives in the same order (invariant 1). ``nccl_comm_num = n`` gives ``n`` pairs
 (``CommGroups.extra`` splits), bucket ``i`` goes to pair ``i % n``.
 
+The reduce-scatter form runs each buffer in segments (`fleetlike.strategies.segments`), so
+segment ``i`` crosses the nodes while its neighbours are reduce-scattered and all-gathered
+inside the node: without that the link idles during the node-local phases.
+
 Mixed compression (AIACC's mode 2, ``fp16_allreduce_configs.mode = "mixed"``) compresses only
-phase 2, the hop across nodes: pass ``inter_codec`` (a `HalfCodec`).
+phase 2, the hop across nodes: pass ``inter_codec`` (a `HalfCodec`). `CompressedAllReduce`
+passes its codec to `run` to compress every hop, segment by segment.
 
 Example:
     >>> pairs = [(groups.extra("hier intra", role.node_index, role.local_rank),
@@ -42,6 +47,7 @@ import torch
 
 from fleetlike.comm import Communicator, Work
 from fleetlike.strategies.buckets import Bucket
+from fleetlike.strategies.segments import SEGMENT_BYTES, divide_, segmented_all_reduce
 
 if TYPE_CHECKING:  # pragma: no cover
     from fleetlike.roles import Role
@@ -86,17 +92,6 @@ class RingWorkers:
             p.shutdown(wait=False)
 
 
-#: segment size of the pipelined hierarchical allreduce (buffers of two segments or more)
-_SEGMENT_BYTES = 4 << 20
-
-
-def _divide_(buf: torch.Tensor, n: int) -> None:
-    if buf.is_floating_point():
-        buf.div_(n)
-    else:
-        buf.floor_divide_(n)  # as Communicator's AVG for integers
-
-
 class HierarchicalAllReduce:
     """A `BucketCollective`: two-level average over ``(intra, inter)`` communicator pairs.
 
@@ -107,6 +102,8 @@ class HierarchicalAllReduce:
         algorithm: "reduce_scatter" (default) or "reduce_broadcast".
         inter_codec: compress the inter-node hop only (mixed mode); None keeps the dtype.
         node_label: how the listing names the intra scope (e.g. "node 0").
+        segment_bytes: the reduce-scatter form pipelines buffers in segments of this many wire
+            bytes (`fleetlike.strategies.segments`).
     """
 
     def __init__(
@@ -117,6 +114,7 @@ class HierarchicalAllReduce:
         algorithm: str = "reduce_scatter",
         inter_codec: HalfCodec | None = None,
         node_label: str = "node",
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         if not pairs:
             raise ValueError("HierarchicalAllReduce needs at least one (intra, inter) pair")
@@ -133,6 +131,9 @@ class HierarchicalAllReduce:
         self.algorithm = str(algorithm)
         self.inter_codec = inter_codec
         self.node_label = node_label
+        if int(segment_bytes) < 1:
+            raise ValueError(f"segment_bytes={segment_bytes!r} must be a positive number of bytes")
+        self.segment_bytes = int(segment_bytes)
         self.workers = RingWorkers(len(self.pairs), "fleetlike-hier")
 
     @property
@@ -175,77 +176,49 @@ class HierarchicalAllReduce:
             raise ValueError(f"op={op!r}: hierarchical allreduce does 'sum' or 'avg'")
         return self.workers.submit(index, lambda: self.run(tensor, index, op))
 
-    def run(self, tensor: torch.Tensor, index: int, op: str = "sum") -> torch.Tensor:
-        """The blocking chain (what the worker thread runs); in place on ``tensor``."""
+    def run(self, tensor: torch.Tensor, index: int, op: str = "sum", codec: HalfCodec | None = None) -> torch.Tensor:
+        """The blocking chain (what the worker thread runs); in place on ``tensor``.
+
+        ``codec`` compresses every hop (`CompressedAllReduce`'s "all" mode); without it,
+        ``inter_codec`` compresses the hop across nodes only."""
         intra, inter = self.pair_for(index)
         flat = tensor.view(-1)
-        n = flat.numel()
-        if n == 0:
-            return tensor
-        average = op == "avg"
-        codec = self.inter_codec if self.inter_codec is not None and self.inter_codec.applies_to(flat.dtype) else None
-        if self.algorithm == "reduce_scatter" and codec is None and n * flat.element_size() >= 2 * _SEGMENT_BYTES:
-            self._pipelined(flat, intra, inter)
-        elif self.algorithm == "reduce_scatter":
-            pad = (-n) % intra.size
-            buf = flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
-            chunk = buf.view(intra.size, -1)[intra.rank]
-            intra.reduce_scatter(buf, "sum", out=chunk)
-            self._inter_sum(chunk, inter, codec, self._world.size if average else 1)
-            intra.all_gather_flat(chunk, out=buf)
-            if pad:
-                flat.copy_(buf[:n])
+        divide = self._world.size if op == "avg" else 1
+        scope = "all"
+        if codec is None or not codec.applies_to(flat.dtype):
+            codec, scope = self.inter_codec, "inter"
+            if codec is not None and not codec.applies_to(flat.dtype):
+                codec = None
+        if self.algorithm == "reduce_scatter":
+            segmented_all_reduce(flat, intra, inter, divide=divide, codec=codec, scope=scope,
+                                 segment_bytes=self.segment_bytes)
+        elif codec is not None and scope == "all":
+            codec.all_reduce_(flat, lambda t: self._reduce_broadcast(t, intra, inter, None, 1),
+                              lambda t: self._max(t, intra, inter), summands=self._world.size, divide=divide)
         else:
-            intra.reduce(flat, 0, "sum")
-            if intra.rank == 0:
-                self._inter_sum(flat, inter, codec, self._world.size if average else 1)
-            intra.broadcast(flat, 0)
-        if average and codec is None:
-            _divide_(flat, self._world.size)
+            self._reduce_broadcast(flat, intra, inter, codec, divide)
         return tensor
 
-    def _pipelined(self, flat: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
-        """The reduce-scatter form over segments, so the phases overlap: while segment i crosses
-        the nodes, segment i+1 is reduce-scattered and segment i-1 all-gathered inside the node.
-        The intra and inter groups each have their own connections and worker threads, and
-        every rank issues the same calls in the same order, so the overlap is safe."""
-        step = max(intra.size, (_SEGMENT_BYTES // flat.element_size()) // intra.size * intra.size)
-        segments = []
-        for lo in range(0, flat.numel(), step):
-            seg = flat[lo : lo + step]
-            pad = (-seg.numel()) % intra.size
-            buf = seg if pad == 0 else torch.cat([seg, seg.new_zeros(pad)])
-            segments.append((seg, buf, buf.view(intra.size, -1)[intra.rank]))
-        scatter = [intra.reduce_scatter_async(segments[0][1], "sum", out=segments[0][2])]
-        gathers = []
-        for i, (seg, buf, chunk) in enumerate(segments):
-            scatter[i].wait()
-            if i + 1 < len(segments):
-                _, nbuf, nchunk = segments[i + 1]
-                scatter.append(intra.reduce_scatter_async(nbuf, "sum", out=nchunk))
-            inter.all_reduce(chunk, "sum")
-            gathers.append(intra.all_gather_flat_async(chunk, out=buf))
-        for (seg, buf, _), work in zip(segments, gathers):
-            work.wait()
-            if buf.data_ptr() != seg.data_ptr():
-                seg.copy_(buf[: seg.numel()])
-
-    def _inter_sum(self, chunk: torch.Tensor, inter: Communicator, codec: HalfCodec | None, divide: int) -> None:
+    def _reduce_broadcast(self, flat: torch.Tensor, intra: Communicator, inter: Communicator,
+                          codec: HalfCodec | None, divide: int) -> None:
+        """Fleet's form: reduce to local rank 0, leaders allreduce (``codec``: compressed), broadcast."""
+        if flat.numel() == 0:
+            return
+        intra.reduce(flat, 0, "sum")
+        if intra.rank == 0:
+            if codec is None:
+                inter.all_reduce(flat, "sum")
+            else:  # the division happens before the cast, as DDP's fp16 hook
+                codec.all_reduce_(flat, lambda t: inter.all_reduce(t, "sum"), lambda t: inter.all_reduce(t, "max"),
+                                  summands=inter.size, divide=divide)
+        intra.broadcast(flat, 0)
         if codec is None:
-            inter.all_reduce(chunk, "sum")
-        else:  # mixed: the division happens before the cast, as DDP's fp16 hook
-            codec.all_reduce_(chunk, lambda t: inter.all_reduce(t, "sum"), lambda t: inter.all_reduce(t, "max"),
-                              summands=inter.size, divide=divide)
+            divide_(flat, divide)
 
-    # hooks for a wrapping CompressedAllReduce ------------------------------------------
-
-    def sum_blocking(self, tensor: torch.Tensor, index: int) -> None:
-        self.run(tensor, index, "sum")
-
-    def max_blocking(self, tensor: torch.Tensor, index: int) -> None:
-        intra, inter = self.pair_for(index)
-        intra.all_reduce(tensor, "max")
-        inter.all_reduce(tensor, "max")
+    @staticmethod
+    def _max(t: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
+        intra.all_reduce(t, "max")
+        inter.all_reduce(t, "max")
 
     def comm_names(self, index: int) -> str:
         intra, inter = self.pair_for(index)

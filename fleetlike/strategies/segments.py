@@ -1,0 +1,161 @@
+"""The two-level allreduce of one flat buffer, pipelined over segments.
+
+`HierarchicalAllReduce`'s bandwidth-optimal chain (intra reduce-scatter -> inter allreduce ->
+intra allgather) has phases that depend on each other. Run on a whole bucket one after another,
+the slow link between nodes idles while the node-local phases run. Cut into segments, the phases
+of different segments overlap: while segment ``i`` crosses the nodes, segment ``i+1`` is being
+reduce-scattered and segment ``i-1`` all-gathered, and the casts of a compressed wire happen in
+between on this thread. The inter-node allreduce of segment ``i+1`` is queued before that of
+segment ``i`` has finished, so the link never waits for this thread.
+
+Safety: the intra and inter groups each have their own connections and worker threads, and
+every rank issues the same calls on each of them in the same order (one thread per ring issues
+them all), so collectives match across ranks (invariant 1).
+
+Compression (``codec``, a `HalfCodec`) has two scopes. ``"all"`` casts each segment to the wire
+dtype before the reduce-scatter and back after the allgather, so every hop carries 16 bits.
+``"inter"`` (AIACC's mixed mode) keeps the node-local hops in the bucket's dtype and casts only
+the chunk that crosses the nodes. Either way the scale is agreed once per buffer, up front (one
+1-element MAX on the intra group and one on the inter group), from the largest magnitude on any
+rank: partial sums of ``world`` pre-divided values stay below float16's limit at every hop.
+
+Casts use in-place ``mul_`` and same-shape ``copy_`` only: on CPU these are vectorised, while
+``(x * s).to(torch.float16)`` and ``abs().max()`` take slow paths (measured: 64 MiB cast in 6 ms
+vs 50 ms; maximum magnitude in 2 ms vs 34 ms).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fleetlike.comm import Communicator, Work
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fleetlike.strategies.compression import HalfCodec
+
+__all__ = ["SEGMENT_BYTES", "divide_", "segmented_all_reduce"]
+
+#: default segment size: large enough that per-call overhead is small, small enough that a
+#: 16 MiB bucket already gets four segments to overlap
+SEGMENT_BYTES = 4 << 20
+_SCOPES = ("all", "inter")
+
+
+def divide_(buf: torch.Tensor, n: int) -> None:
+    """``buf /= n`` in place; integers floor-divide, as `Communicator`'s AVG does."""
+    if n == 1:
+        return
+    if buf.is_floating_point():
+        buf.div_(n)
+    else:
+        buf.floor_divide_(n)
+
+
+def segmented_all_reduce(
+    flat: torch.Tensor,
+    intra: Communicator,
+    inter: Communicator,
+    *,
+    divide: int = 1,
+    codec: HalfCodec | None = None,
+    scope: str = "all",
+    segment_bytes: int = SEGMENT_BYTES,
+) -> None:
+    """``flat <- (sum over intra x inter) / divide``, in place, blocking.
+
+    Args:
+        flat: a contiguous 1-D tensor, the same numel and dtype on every rank.
+        intra, inter: the node-local group and the group of this local rank across nodes.
+        divide: 1 for a sum, the world size for an average.
+        codec: wire compression, or None for the buffer's own dtype.
+        scope: "all" (every hop compressed) or "inter" (only the hop across nodes).
+        segment_bytes: wire bytes per segment; one segment means no pipelining.
+    """
+    if scope not in _SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {_SCOPES}")
+    n = flat.numel()
+    if n == 0:
+        return
+    world = intra.size * inter.size
+    pre = factor = 1.0
+    if codec is not None:
+
+        def agree(m: torch.Tensor) -> None:
+            intra.all_reduce(m, "max")
+            inter.all_reduce(m, "max")
+
+        pre, factor = codec.scales(flat, agree, summands=world, divide=divide)
+    wire_all = codec is not None and scope == "all"
+    wire_inter = codec is not None and scope == "inter"
+    wire_dtype = codec.dtype if wire_all and codec is not None else flat.dtype
+    width = intra.size
+    elem = torch.empty((), dtype=wire_dtype).element_size()
+    step = max(width, (max(1, segment_bytes) // elem) // width * width)
+    segs = [flat[lo : lo + step] for lo in range(0, n, step)]
+
+    def encode(seg: torch.Tensor) -> torch.Tensor:
+        pad = (-seg.numel()) % width
+        if wire_all and codec is not None:
+            buf = torch.empty(seg.numel() + pad, dtype=wire_dtype)
+            codec.encode_(seg, pre, buf[: seg.numel()])
+            buf[seg.numel() :].zero_()
+            return buf
+        return seg if pad == 0 else torch.cat([seg, seg.new_zeros(pad)])
+
+    def decode(seg: torch.Tensor, buf: torch.Tensor) -> None:
+        if wire_all and codec is not None:
+            codec.decode_(buf[: seg.numel()], factor, seg)
+            return
+        if buf.data_ptr() != seg.data_ptr():
+            seg.copy_(buf[: seg.numel()])
+        if not wire_inter:
+            divide_(seg, divide)
+
+    # per segment, dropped once the segment is finished (a compressed wire buffer is freed early)
+    bufs: dict[int, torch.Tensor] = {}
+    chunks: dict[int, torch.Tensor] = {}
+    scatters: dict[int, Work] = {}
+    crossings: dict[int, tuple[Work, torch.Tensor | None]] = {}
+    gathers: dict[int, Work] = {}
+
+    def start_scatter(i: int) -> None:
+        buf = bufs[i] = encode(segs[i])
+        chunk = chunks[i] = buf.view(width, -1)[intra.rank]
+        scatters[i] = intra.reduce_scatter_async(buf, "sum", out=chunk)
+
+    def start_crossing(i: int) -> None:
+        chunk = chunks[i]
+        if wire_inter and codec is not None:
+            w = torch.empty(chunk.numel(), dtype=codec.dtype)
+            codec.encode_(chunk, pre, w)
+            crossings[i] = (inter.all_reduce_async(w, "sum"), w)
+        else:
+            crossings[i] = (inter.all_reduce_async(chunk, "sum"), None)
+
+    def start_gather(i: int) -> None:
+        work, w = crossings.pop(i)
+        work.wait()
+        if w is not None and codec is not None:
+            codec.decode_(w, factor, chunks[i])
+        gathers[i] = intra.all_gather_flat_async(chunks.pop(i), out=bufs[i])
+
+    def finish(i: int) -> None:
+        gathers.pop(i).wait()
+        decode(segs[i], bufs.pop(i))
+
+    m = len(segs)
+    start_scatter(0)
+    for i in range(m):
+        scatters.pop(i).wait()
+        start_crossing(i)  # queued behind segment i-1's: the link stays busy
+        if i + 1 < m:
+            start_scatter(i + 1)
+        if i >= 1:
+            start_gather(i - 1)
+        if i >= 2:
+            finish(i - 2)
+    start_gather(m - 1)
+    for i in range(max(0, m - 2), m):
+        finish(i)
