@@ -19,11 +19,13 @@ mlp50m     3 x Linear(2048, 2048) + ReLU                16     12.6 M (50 MB)
 =========  ===========================================  =====  ===========
 
 Peak RSS is a per-process high-water mark, so it is measured in separate worlds: one where each
-rank trains the 50 MB model with fleetlike only, one with DDP only; ``ru_maxrss`` at the end.
+rank trains the 50 MB model with fleetlike only, one with DDP only; ``ru_maxrss`` at the end,
+repeated, under glibc's default allocator settings and under the launcher's (both frameworks
+alike in each).
 
 Usage (from the repository root)::
 
-    python -m bench.dp_vs_ddp                    # all models, 5 rounds, RSS, ~2-3 minutes
+    python -m bench.dp_vs_ddp                    # all models, 5 rounds, RSS, ~5 minutes
     python -m bench.dp_vs_ddp --models mlp --rounds 5 --steps 200 --no-rss
     python -m bench.dp_vs_ddp --profile mlp50m   # cProfile of rank 0's fleetlike steps
 
@@ -240,16 +242,60 @@ def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
     }
 
 
-def measure_rss(name: str = "mlp50m", steps: int = 10) -> dict[str, Any]:
+#: allocator settings the RSS worlds run under (both frameworks alike): glibc as it comes, and
+#: what ``python -m fleetlike.launch`` gives its workers (``--malloc_tuning on``)
+ALLOCATORS = ("glibc default", "fleetlike.launch")
+
+
+def _rss_repeats(name: str, steps: int, repeats: int) -> list[dict[str, float]]:
+    """``repeats`` pairs of separate worlds (fleetlike-only, DDP-only; order alternating):
+    each framework's peak RSS, max over ranks. Runs in this process's allocator setting."""
     warmup = MODELS[name][3]
-    out: dict[str, Any] = {"model": name, "steps": steps + warmup}
-    for fw in ("fleetlike", "ddp"):
-        res = _run(name, 1, steps, warmup, frameworks=(fw,))
-        out[fw] = {"peak_rss_mib_per_rank": [r["rss_peak_mib"] for r in res],
-                   "rss_at_start_mib_per_rank": [r["rss_start_mib"] for r in res]}
-    fl = max(out["fleetlike"]["peak_rss_mib_per_rank"])
-    dd = max(out["ddp"]["peak_rss_mib_per_rank"])
-    out.update({"fleetlike_peak_mib": fl, "ddp_peak_mib": dd, "ratio": fl / dd})
+    runs = []
+    for i in range(repeats):
+        run = {}
+        for fw in (("fleetlike", "ddp") if i % 2 == 0 else ("ddp", "fleetlike")):
+            res = _run(name, 1, steps, warmup, frameworks=(fw,))
+            run[fw] = max(r["rss_peak_mib"] for r in res)
+            run[f"{fw}_start"] = max(r["rss_start_mib"] for r in res)
+        runs.append(run)
+    return runs
+
+
+def measure_rss(name: str = "mlp50m", steps: int = 10, repeats: int = 3) -> dict[str, Any]:
+    """Peak RSS per worker, fleetlike vs DDP, under each of `ALLOCATORS`.
+
+    glibc reads its tunables at process start, so each setting runs in a fresh interpreter
+    (``--rss-worker``) whose environment has ``GLIBC_TUNABLES`` removed or set as the launcher
+    sets it."""
+    import json
+    import subprocess
+
+    from fleetlike.launch import tuned_glibc_tunables
+
+    out: dict[str, Any] = {"model": name, "steps": steps + MODELS[name][3], "repeats": repeats, "settings": []}
+    for label in ALLOCATORS:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        if label == "fleetlike.launch":
+            env["GLIBC_TUNABLES"] = tuned_glibc_tunables(None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.dp_vs_ddp", "--rss-worker", f"{name},{steps},{repeats}"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"RSS worlds under {label!r} failed:\n{proc.stderr[-3000:]}")
+        runs = json.loads(proc.stdout.strip().splitlines()[-1])
+        fl, dd = median([r["fleetlike"] for r in runs]), median([r["ddp"] for r in runs])
+        ratios = [r["fleetlike"] / r["ddp"] for r in runs]
+        out["settings"].append({
+            "allocator": label, "GLIBC_TUNABLES": env.get("GLIBC_TUNABLES", ""), "runs": runs,
+            "fleetlike_peak_mib": fl, "ddp_peak_mib": dd, "ratio": fl / dd,
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "fleetlike_start_mib": median([r["fleetlike_start"] for r in runs]),
+            "ddp_start_mib": median([r["ddp_start"] for r in runs]),
+        })
+    # the headline: what a job started with fleetlike's launcher gets
+    out["ratio"] = out["settings"][-1]["ratio"]
     return out
 
 
@@ -261,7 +307,7 @@ def _plot(path: Path, rows: list[dict[str, Any]], rss: dict[str, Any] | None) ->
 
     ncols = 2 if rss else 1
     fig, axes = plt.subplots(1, ncols, figsize=(4.6 * ncols + 1, 3.8), squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 1]} if rss else None)
+                             gridspec_kw={"width_ratios": [3, 2]} if rss else None)
     ax = axes[0][0]
     names = [r["model"] for r in rows]
     ratios = [r["ratio"] for r in rows]
@@ -275,13 +321,18 @@ def _plot(path: Path, rows: list[dict[str, Any]], rss: dict[str, Any] | None) ->
     ax.legend(fontsize=8, loc="lower right")
     if rss:
         ax2 = axes[0][1]
-        v = rss["ratio"]
-        b = ax2.bar([rss["model"]], [v], color="tab:green" if v <= TARGET_RSS else "tab:red")
-        ax2.bar_label(b, labels=[f"{v:.2f}x"], fontsize=9)
+        labels = [st["allocator"].replace(" ", "\n", 1) for st in rss["settings"]]
+        vs = [st["ratio"] for st in rss["settings"]]
+        b = ax2.bar(labels, vs, color=["tab:green" if v <= TARGET_RSS else "tab:red" for v in vs])
+        ax2.errorbar(labels, vs, yerr=[[v - st["ratio_min"] for v, st in zip(vs, rss["settings"])],
+                                       [st["ratio_max"] - v for v, st in zip(vs, rss["settings"])]],
+                     fmt="none", ecolor="black", capsize=3, linewidth=1)
+        ax2.bar_label(b, labels=[f"{v:.2f}x" for v in vs], fontsize=9, label_type="center")
         ax2.axhline(1.0, color="black", linestyle="--", linewidth=1)
-        ax2.set_ylim(0, max(1.2, v * 1.15))
-        ax2.set_title("peak RSS (target <= 1.0)")
+        ax2.set_ylim(0, max(1.25, max(st["ratio_max"] for st in rss["settings"]) * 1.1))
+        ax2.set_title(f"peak RSS, {rss['model']} (target <= 1.0)", fontsize=10)
         ax2.set_ylabel("fleetlike / DDP peak RSS")
+        ax2.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"fleetlike data parallel vs PyTorch DDP, gloo, {WORLD} ranks, bucket {BUCKET_MB} MB")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -301,16 +352,19 @@ _SPEED_COLS = [
 
 
 def _rss_rows(rss: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"model": rss["model"], "fl": rss["fleetlike_peak_mib"], "ddp": rss["ddp_peak_mib"],
-             "fl0": max(rss["fleetlike"]["rss_at_start_mib_per_rank"]),
-             "ddp0": max(rss["ddp"]["rss_at_start_mib_per_rank"]), "ratio": rss["ratio"]}]
+    return [{"allocator": st["allocator"], "fl": st["fleetlike_peak_mib"], "ddp": st["ddp_peak_mib"],
+             "ratio": st["ratio"], "range": f"{st['ratio_min']:.3f}-{st['ratio_max']:.3f}",
+             "runs": " / ".join(f"{r['fleetlike']:.0f} vs {r['ddp']:.0f}" for r in st["runs"]),
+             "fl0": st["fleetlike_start_mib"], "ddp0": st["ddp_start_mib"]} for st in rss["settings"]]
 
 
 _RSS_COLS = [
-    Column("model", "model"),
-    Column("fl", "fleetlike peak RSS (MiB)", "{:.0f}"),
-    Column("ddp", "DDP peak RSS (MiB)", "{:.0f}"),
+    Column("allocator", "allocator (both frameworks)"),
+    Column("fl", "fleetlike peak RSS (MiB, median)", "{:.0f}"),
+    Column("ddp", "DDP peak RSS (MiB, median)", "{:.0f}"),
     Column("ratio", "ratio", "{:.3f}"),
+    Column("range", "per-run ratio range"),
+    Column("runs", "runs: fleetlike vs DDP (MiB)"),
     Column("fl0", "fleetlike RSS at start", "{:.0f}"),
     Column("ddp0", "DDP RSS at start", "{:.0f}"),
 ]
@@ -324,9 +378,11 @@ def _verdict(rows: list[dict[str, Any]], rss: dict[str, Any] | None) -> str:
                      f"({'meets' if ok else 'misses'} the >= {TARGET_SPEED:.1f}x target"
                      + ("" if ok else f"; fleetlike is {100 * (1 - r['ratio']):.0f}% slower") + ").")
     if rss:
-        ok = rss["ratio"] <= TARGET_RSS
-        lines.append(f"- **peak RSS** ({rss['model']}): {rss['ratio']:.2f}x DDP's "
-                     f"({'meets' if ok else 'misses'} the <= {TARGET_RSS:.1f}x target).")
+        for st in rss["settings"]:
+            ok = st["ratio"] <= TARGET_RSS
+            lines.append(f"- **peak RSS** ({rss['model']}, {st['allocator']} allocator for both): "
+                         f"{st['ratio']:.2f}x DDP's, per run {st['ratio_min']:.2f}-{st['ratio_max']:.2f}x "
+                         f"({'meets' if ok else 'misses'} the <= {TARGET_RSS:.1f}x target).")
     return "\n".join(lines)
 
 
@@ -357,9 +413,12 @@ def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]],
     if rss:
         body += [
             f"Peak RSS per worker (`ru_maxrss`, max over ranks), measured in separate worlds (one "
-            f"fleetlike-only, one DDP-only) training {rss['model']} for {rss['steps']} steps; target <= "
-            f"{TARGET_RSS:.1f}x. \"At start\" is the high-water mark when the rank function began "
-            "(the forked worker with torch imported).",
+            f"fleetlike-only, one DDP-only, {rss['repeats']} pairs, medians) training {rss['model']} for "
+            f"{rss['steps']} steps; target <= {TARGET_RSS:.1f}x. Both frameworks run under the same "
+            "allocator setting, in a fresh interpreter per setting: glibc as it comes, and the "
+            "setting `python -m fleetlike.launch` gives its workers (`GLIBC_TUNABLES="
+            "glibc.malloc.tcache_count=0`, `--malloc_tuning on`). \"At start\" is the high-water mark "
+            "when the rank function began (the forked worker with torch imported).",
             "",
             format_table(_RSS_COLS, _rss_rows(rss), markdown=True),
             "",
@@ -396,7 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
     p.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="Markdown file to update ('' = none)")
     p.add_argument("--notes", default="", help="extra text for the doc section (e.g. a profile finding)")
+    p.add_argument("--rss-repeats", type=int, default=3, help="pairs of RSS worlds per allocator setting")
+    p.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    if args.rss_worker:  # one allocator setting's RSS worlds, in this fresh interpreter
+        import json
+
+        name, steps, repeats = args.rss_worker.split(",")
+        print(json.dumps(_rss_repeats(name, int(steps), int(repeats))))
+        return 0
 
     if args.profile:
         steps = args.steps or MODELS[args.profile][2]
@@ -420,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     rss = None
     if not args.no_rss:
         print(f"[{time.monotonic() - t0:6.1f}s] peak RSS (mlp50m, separate worlds) ...", file=sys.stderr, flush=True)
-        rss = measure_rss()
+        rss = measure_rss(repeats=args.rss_repeats)
     print(f"[{time.monotonic() - t0:6.1f}s] done", file=sys.stderr, flush=True)
 
     print(f"fleetlike data parallel vs PyTorch DDP: gloo, {WORLD} ranks, bucket {BUCKET_MB} MB, "

@@ -138,6 +138,8 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
         ([], 0, "no training script given; usage: python -m fleetlike.launch [flags] train.py "
          "[script args] (see --help)"),
         (["--no_such_flag=1", "train.py"], 0, "unrecognized arguments: --no_such_flag=1"),
+        (["--malloc_tuning=yes", "train.py"], 0,
+         "argument --malloc_tuning: invalid choice: 'yes' (choose from 'on', 'off')"),
     ],
 )
 def test_input_errors_exit_2_before_anything_starts(
@@ -200,6 +202,7 @@ def test_worker_env_is_exactly_the_contract() -> None:
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7100",
         "FLEETLIKE_JOB_ID": "j1", "FLEETLIKE_NODE_IP": "127.0.0.2",
+        "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
     }
     with pytest.raises(ValueError) as info:
         worker_env(TWO_BY_TWO, 2, base=BASE)
@@ -212,6 +215,60 @@ def test_worker_env_on_gpus_keeps_the_launchers_device_numbering() -> None:
     assert env["FLAGS_selected_gpus"] == "3" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     env = worker_env(gpu, 0, base={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     assert env["FLAGS_selected_gpus"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+def test_malloc_tuning_adds_to_glibc_tunables_and_keeps_the_users_choice(script: str) -> None:
+    assert parse_config([script]).malloc_tuning is True
+    off = parse_config(["--malloc_tuning=off", script])
+    assert off.malloc_tuning is False
+    assert "GLIBC_TUNABLES" not in worker_env(off, 0, base={})
+    assert worker_env(off, 0, base={"GLIBC_TUNABLES": "x=1"})["GLIBC_TUNABLES"] == "x=1"
+    on = parse_config([script])
+    cases = {
+        None: "glibc.malloc.tcache_count=0",
+        "": "glibc.malloc.tcache_count=0",
+        "glibc.malloc.arena_max=2": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0",
+        "glibc.malloc.tcache_count=5:glibc.malloc.arena_max=2": "glibc.malloc.tcache_count=5:glibc.malloc.arena_max=2",
+    }
+    for given, want in cases.items():
+        base = {} if given is None else {"GLIBC_TUNABLES": given}
+        assert worker_env(on, 0, base=base)["GLIBC_TUNABLES"] == want, given
+        assert launch.tuned_glibc_tunables(given) == want
+    rows = format_config(off)
+    assert re.search(r"^malloc_tuning\s+off$", rows, re.M)
+
+
+_TCACHE_PROBE = """
+import ctypes
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(40) for _ in range(5)]
+used = libc.mallinfo2().uordblks
+for b in blocks:
+    libc.free(b)
+print(used - libc.mallinfo2().uordblks)
+"""
+
+
+def test_workers_start_with_glibcs_thread_cache_off(script: str) -> None:
+    """glibc really reads it: small blocks freed by a worker go back to the arena (counted free)
+    instead of into the per-thread cache (which glibc counts as still in use)."""
+    import os
+    import subprocess
+    import sys
+
+    def freed(config: LaunchConfig) -> int:
+        env = worker_env(config, 0, base={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+        out = subprocess.run([sys.executable, "-c", _TCACHE_PROBE], env=env, capture_output=True, text=True,
+                             timeout=30, check=True)
+        return int(out.stdout)
+
+    assert freed(parse_config([script])) == 5 * 48  # five 40-byte requests, 48-byte chunks
+    assert freed(parse_config(["--malloc_tuning=off", script])) == 0
 
 
 def test_worker_env_docstring_lists_every_variable_it_sets() -> None:

@@ -19,13 +19,14 @@ from fleetlike.launch.config import (
     format_config,
     parse_config,
 )
-from fleetlike.launch.env import PROXY_VARIABLES, worker_env
+from fleetlike.launch.env import MALLOC_TUNABLE, PROXY_VARIABLES, tuned_glibc_tunables, worker_env
 from fleetlike.launch.main import launch, main, worker_command
 
 __all__ = [
     "DEFAULT_STARTED_PORT",
     "LaunchConfig",
     "LaunchInputError",
+    "MALLOC_TUNABLE",
     "PROXY_VARIABLES",
     "build_parser",
     "default_job_id",
@@ -33,6 +34,7 @@ __all__ = [
     "launch",
     "main",
     "parse_config",
+    "tuned_glibc_tunables",
     "worker_command",
     "worker_env",
 ]
