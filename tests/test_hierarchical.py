@@ -103,6 +103,9 @@ def _fp16(role, cases):
                 # pipelined over 512-byte segments: the casts happen segment by segment
                 "hier_seg": CompressedAllReduce(HierarchicalAllReduce(pairs, world, segment_bytes=512), codec),
                 "mixed_seg": HierarchicalAllReduce(pairs, world, inter_codec=codec, segment_bytes=512),
+                # Fleet's reduce -> leaders' allreduce -> broadcast, compressed on every hop / across only
+                "rb": CompressedAllReduce(HierarchicalAllReduce(pairs, world, algorithm="reduce_broadcast"), codec),
+                "mixed_rb": HierarchicalAllReduce(pairs, world, algorithm="reduce_broadcast", inter_codec=codec),
             }
             x = _data(seed, role.rank, numel, "float32", 10.0**exp).clamp(-1e5, 1e5)
             if i == 0:
