@@ -12,6 +12,7 @@ Tasks:
     split          ``world.split(colors[rank], key=-rank)``, then an allreduce of the ranks
     create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role, and
                    its `CommGroups` (intra, inter, rings)
+    stall          rank 0 issues an allreduce rank 1 never joins (the watchdog's case)
 """
 
 from __future__ import annotations
@@ -195,7 +196,28 @@ def _task_create_world(_: Any) -> Any:
     return out
 
 
-TASKS = {"cases": _task_cases, "split": _task_split, "create_world": _task_create_world}
+def _task_stall(spec: dict[str, Any]) -> Any:
+    """Rank 0 issues a collective that rank 1 never joins; the watchdog must end the job."""
+    import time
+
+    import torch
+
+    from fleetlike.comm.mpi import MPICommunicator
+
+    world = MPICommunicator(timeout=spec["timeout"])
+    world.barrier()  # collective #1: both ranks are up
+    if world.rank == 0:
+        x = torch.ones(4)
+        if spec["mode"] == "async":
+            world.all_reduce_async(x).wait()
+        else:
+            world.all_reduce(x)
+    else:
+        time.sleep(spec["sleep"])  # stuck in its data loader, say
+    return "finished"
+
+
+TASKS = {"cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
 
 
 def main(spec_path: str, outdir: str) -> None:

@@ -71,3 +71,20 @@ def test_create_world_from_mpi_role():
         assert res["intra"] == list(range(n))  # one node: intra is the world, inter is this rank
         assert res["inter"] == [rank]
         assert res["rings"] == [n] * 3
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_a_collective_a_peer_never_joins_aborts_the_job_after_the_timeout(mode):
+    """MPI would wait forever; the watchdog reports the collective and aborts the job."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_mpi(2, "stall", {"timeout": 2.0, "mode": mode, "sleep": 60}, timeout=45)
+    elapsed = time.monotonic() - t0
+    text = str(info.value)
+    assert "exited with" in text, text  # mpiexec ended the job, the test's timeout did not
+    assert "fleetlike: collective #2 all_reduce on 'world' (mpi) has not finished after" in text, text
+    assert "on rank 0 (timeout 2s)" in text and "the job is being aborted" in text, text
+    assert elapsed < 40, elapsed  # rank 1 sleeps 60 s: the job did not wait for it

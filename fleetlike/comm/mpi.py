@@ -5,6 +5,10 @@ MPI). Tensors are handed to MPI as buffers over their own memory, so nothing is 
 way in or out. MPI has no 16-bit float reductions: float16 and bfloat16 are reduced in float32
 by the base class, and moved (broadcast, gather) as raw 16-bit words.
 
+A collective that has not finished after ``timeout`` seconds aborts the job with a message
+naming it (`fleetlike.comm.watchdog`): MPI cannot cancel one, and waiting forever for a peer
+that is gone helps nobody.
+
 Note: MPICH progresses a non-blocking collective mostly inside MPI calls, so "async" here
 overlaps less than gloo's worker threads do; ``wait()`` is always correct. The blocking grid
 calls (``all_reduce`` ...) use MPI's blocking collectives, whose algorithms are faster than the
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm.base import Communicator, CompletedWork, ReduceOp, Work
+from fleetlike.comm.watchdog import WATCHDOG, InFlight
 
 __all__ = ["MPICommunicator", "mpi_available"]
 
@@ -34,20 +39,37 @@ def mpi_available() -> bool:
 
 
 class _Request:
-    """Adapts an MPI request to the `Work` protocol."""
+    """Adapts an MPI request to the `Work` protocol; ends its watchdog entry when done."""
 
-    __slots__ = ("_req", "_keep")
+    __slots__ = ("_req", "_watch", "_keep")
 
-    def __init__(self, req: Any, *keep: Any) -> None:
+    def __init__(self, req: Any, watch: int | None, *keep: Any) -> None:
         self._req = req
+        self._watch = watch
         self._keep = keep  # buffers MPI writes into must outlive the request
 
     def wait(self) -> None:
         self._req.Wait()
-        self._keep = ()
+        self._done()
 
     def is_completed(self) -> bool:
-        return bool(self._req.Test())
+        done = bool(self._req.Test())
+        if done:
+            self._done()
+        return done
+
+    def _done(self) -> None:
+        self._keep = ()
+        if self._watch is not None:
+            WATCHDOG.end(self._watch)
+            self._watch = None
+
+
+def _abort_job(item: InFlight) -> None:
+    """The watchdog's expiry action: MPI cannot cancel a collective, so end the whole job."""
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
 
 
 #: What a blocking primitive returns: the call has finished when it returns.
@@ -64,7 +86,12 @@ class MPICommunicator(Communicator):
         {torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8}
     )
 
-    def __init__(self, comm: Any | None = None, ranks: Sequence[int] | None = None, name: str = "world") -> None:
+    def __init__(
+        self, comm: Any | None = None, ranks: Sequence[int] | None = None, name: str = "world",
+        timeout: float | None = None,
+    ) -> None:
+        """``timeout``: seconds after which a collective that has not finished aborts the job
+        (`fleetlike.comm.watchdog`); None waits forever, as MPI itself does."""
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -90,6 +117,25 @@ class MPICommunicator(Communicator):
         }
         buffer = getattr(MPI, "buffer", None) or MPI.memory  # mpi4py >= 4 / 3
         self._fromaddress = buffer.fromaddress
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, or None")
+        self.timeout = timeout
+
+    def _watch(self, op: str) -> int | None:
+        """Start the watchdog on the collective being issued (``_seq`` is its number)."""
+        if self.timeout is None:
+            return None
+        return WATCHDOG.begin(self.timeout, f"{self.name!r} (mpi)", op, self._seq,
+                              rank=self.ranks[self.rank], expire=_abort_job)
+
+    def _blocking(self, op: str, call: Any, *args: Any) -> Work:
+        key = self._watch(op)
+        try:
+            call(*args)
+        finally:
+            if key is not None:
+                WATCHDOG.end(key)
+        return _DONE
 
     def _msg(self, buf: torch.Tensor) -> list[Any]:
         """An MPI message over ``buf``'s own memory: ``[buffer, datatype]``.
@@ -106,17 +152,18 @@ class MPICommunicator(Communicator):
         return self._comm
 
     def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work:
-        return _Request(self._comm.Iallreduce(self._MPI.IN_PLACE, self._msg(buf), self._ops[op]), buf)
+        req = self._comm.Iallreduce(self._MPI.IN_PLACE, self._msg(buf), self._ops[op])
+        return _Request(req, self._watch("all_reduce"), buf)
 
     def _broadcast_start(self, buf: torch.Tensor, root: int) -> Work:
-        return _Request(self._comm.Ibcast(self._msg(buf), root), buf)
+        return _Request(self._comm.Ibcast(self._msg(buf), root), self._watch("broadcast"), buf)
 
     def _reduce_start(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
         if self.rank == root:
             req = self._comm.Ireduce(self._MPI.IN_PLACE, self._msg(buf), self._ops[op], root)
         else:
             req = self._comm.Ireduce(self._msg(buf), None, self._ops[op], root)
-        return _Request(req, buf)
+        return _Request(req, self._watch("reduce"), buf)
 
     def _gather_send(self, out: torch.Tensor, chunk: torch.Tensor) -> Any:
         """The send buffer of an allgather: IN_PLACE when ``chunk`` is ``out``'s own slice."""
@@ -126,7 +173,8 @@ class MPICommunicator(Communicator):
         return self._msg(chunk)
 
     def _all_gather_start(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
-        return _Request(self._comm.Iallgather(self._gather_send(out, chunk), self._msg(out)), out, chunk)
+        req = self._comm.Iallgather(self._gather_send(out, chunk), self._msg(out))
+        return _Request(req, self._watch("all_gather"), out, chunk)
 
     @staticmethod
     def _scatter_source(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -138,40 +186,34 @@ class MPICommunicator(Communicator):
     def _reduce_scatter_start(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
         src = self._scatter_source(out, buf)
         req = self._comm.Ireduce_scatter_block(self._msg(src), self._msg(out), self._ops[op])
-        return _Request(req, out, src)
+        return _Request(req, self._watch("reduce_scatter"), out, src)
 
     def _barrier_start(self) -> Work:
-        return _Request(self._comm.Ibarrier())
+        return _Request(self._comm.Ibarrier(), self._watch("barrier"))
 
     # Blocking forms (see the module note): the same buffers, MPI's blocking collectives.
 
     def _all_reduce_now(self, buf: torch.Tensor, op: ReduceOp) -> Work:
-        self._comm.Allreduce(self._MPI.IN_PLACE, self._msg(buf), self._ops[op])
-        return _DONE
+        return self._blocking("all_reduce", self._comm.Allreduce, self._MPI.IN_PLACE, self._msg(buf), self._ops[op])
 
     def _broadcast_now(self, buf: torch.Tensor, root: int) -> Work:
-        self._comm.Bcast(self._msg(buf), root)
-        return _DONE
+        return self._blocking("broadcast", self._comm.Bcast, self._msg(buf), root)
 
     def _reduce_now(self, buf: torch.Tensor, root: int, op: ReduceOp) -> Work:
-        if self.rank == root:
-            self._comm.Reduce(self._MPI.IN_PLACE, self._msg(buf), self._ops[op], root)
-        else:
-            self._comm.Reduce(self._msg(buf), None, self._ops[op], root)
-        return _DONE
+        send = self._MPI.IN_PLACE if self.rank == root else self._msg(buf)
+        recv = self._msg(buf) if self.rank == root else None
+        return self._blocking("reduce", self._comm.Reduce, send, recv, self._ops[op], root)
 
     def _all_gather_now(self, out: torch.Tensor, chunk: torch.Tensor) -> Work:
-        self._comm.Allgather(self._gather_send(out, chunk), self._msg(out))
-        return _DONE
+        return self._blocking("all_gather", self._comm.Allgather, self._gather_send(out, chunk), self._msg(out))
 
     def _reduce_scatter_now(self, out: torch.Tensor, buf: torch.Tensor, op: ReduceOp) -> Work:
         src = self._scatter_source(out, buf)  # held here: an address buffer keeps nothing alive
-        self._comm.Reduce_scatter_block(self._msg(src), self._msg(out), self._ops[op])
-        return _DONE
+        return self._blocking("reduce_scatter", self._comm.Reduce_scatter_block, self._msg(src), self._msg(out),
+                              self._ops[op])
 
     def _barrier_now(self) -> Work:
-        self._comm.Barrier()
-        return _DONE
+        return self._blocking("barrier", self._comm.Barrier)
 
     def _split(self, color: int | None, key: int) -> Communicator | None:
         MPI = self._MPI
@@ -180,7 +222,7 @@ class MPICommunicator(Communicator):
         if color is None or sub == MPI.COMM_NULL:
             return None
         order = [r for _, r in sorted((k, r) for c, k, r in members if c == color)]
-        return MPICommunicator(sub, [self.ranks[r] for r in order], f"{self.name}/split:{color}")
+        return MPICommunicator(sub, [self.ranks[r] for r in order], f"{self.name}/split:{color}", self.timeout)
 
     def _close(self) -> None:
         if self._comm is not self._MPI.COMM_WORLD:

@@ -89,7 +89,7 @@ def create_world(
             )
         return SingleCommunicator("world", role.rank)
     if choice is Backend.MPI:
-        return _mpi_world(role)
+        return _mpi_world(role, timeout)
     from fleetlike.comm.rendezvous import connect
 
     store = connect(role, timeout)
@@ -104,7 +104,7 @@ def create_world(
     return NcclCommunicator.create(store, role, device=device, timeout=timeout)
 
 
-def _mpi_world(role: Role) -> Communicator:
+def _mpi_world(role: Role, timeout: float) -> Communicator:
     from fleetlike.comm.mpi import MPICommunicator, mpi_available
 
     if not mpi_available():
@@ -113,7 +113,7 @@ def _mpi_world(role: Role) -> Communicator:
             "`pip install 'fleetlike[mpi]'` (the mpich wheel brings mpiexec) and start the job "
             "with mpiexec"
         )
-    world = MPICommunicator()
+    world = MPICommunicator(timeout=timeout)  # the watchdog aborts a collective past it
     if world.size != role.world_size or world.rank != role.rank:
         raise ValueError(
             f"the MPI world says rank {world.rank} of {world.size}, but the role says rank "
