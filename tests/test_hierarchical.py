@@ -192,12 +192,12 @@ def test_cross_node_bytes_match_formulas():
         # hierarchical: every inter-group byte crosses nodes, 2(K-1)/K * S/L per rank
         assert r["hier"]["inter"] == ring(padded // L, k)
         assert r["hier"]["intra"] == 2 * ((L - 1) * padded // L)
-        # fp16 everywhere: half the bytes, plus the overflow guard's 1-float MAX on each level
-        assert r["hier_fp16"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
-        assert r["hier_fp16"]["intra"] == 2 * ((L - 1) * (padded // 2) // L) + ring(4, L)
+        # fp16 everywhere: half the bytes, plus the overflow guard's 1-double MAX on each level
+        assert r["hier_fp16"]["inter"] == ring(padded // 2 // L, k) + ring(8, k)
+        assert r["hier_fp16"]["intra"] == 2 * ((L - 1) * (padded // 2) // L) + ring(8, L)
         # mixed: full precision inside the node, half across; the scale is agreed on both levels
-        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L) + ring(4, L)
-        assert r["mixed"]["inter"] == ring(padded // 2 // L, k) + ring(4, k)
+        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L) + ring(8, L)
+        assert r["mixed"]["inter"] == ring(padded // 2 // L, k) + ring(8, k)
     per_node_flat = sum(r["flat"]["cross_flat"] for r in res[:L])
     per_node_hier = sum(r["hier"]["inter"] for r in res[:L])
     assert per_node_flat == ring(s, n)  # 1.5 S leaves each node
@@ -322,3 +322,15 @@ def test_pipelined_segments_equal_flat():
         for op, dtype, flat, h, _rb, _ring, seg in rank_out:
             _check_equal(op, dtype, flat, h)
             _check_equal(op, dtype, flat, seg)
+
+
+@pytest.mark.parametrize("values, grad_scale", [([1e300, -3e299, 1e-300], 1.0), ([1e30, -2e29, 5.0], 1e10)])
+def test_fp16_guard_keeps_float64_beyond_float32_range_finite(values, grad_scale):
+    """The agreed maximum is a float64: a float64 bucket above float32's range (or pushed there by
+    grad_scale) is still scaled into float16 instead of overflowing (one rank: sum = identity)."""
+    codec = HalfCodec("float16", grad_scale=grad_scale)
+    x = torch.tensor(values, dtype=torch.float64)
+    got = codec.all_reduce_(x.clone(), lambda t: t, lambda t: t, summands=4, divide=1)
+    assert torch.isfinite(got).all(), got
+    big = x.abs() >= x.abs().max() * 2.0**-13  # float16 keeps ~14 binades below the bucket's maximum
+    assert big.sum() == 2 and torch.allclose(got[big], x[big], rtol=2.0**-10, atol=0.0), (got, x)

@@ -229,6 +229,9 @@ def test_malloc_tuning_adds_to_glibc_tunables_and_keeps_the_users_choice(script:
         "": "glibc.malloc.tcache_count=0",
         "glibc.malloc.arena_max=2": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0",
         "glibc.malloc.tcache_count=5:glibc.malloc.arena_max=2": "glibc.malloc.tcache_count=5:glibc.malloc.arena_max=2",
+        # glibc ignores these two (a space in the name, no "="), so they are not the user's choice
+        " glibc.malloc.tcache_count=5": " glibc.malloc.tcache_count=5:glibc.malloc.tcache_count=0",
+        "glibc.malloc.tcache_count": "glibc.malloc.tcache_count:glibc.malloc.tcache_count=0",
     }
     for given, want in cases.items():
         base = {} if given is None else {"GLIBC_TUNABLES": given}

@@ -35,7 +35,8 @@ def tuned_glibc_tunables(current: str | None) -> str:
     A value that already sets ``glibc.malloc.tcache_count`` is the user's choice and comes back
     unchanged; other tunables are kept (the list is colon-separated)."""
     current = (current or "").strip(":")
-    names = [item.split("=", 1)[0].strip() for item in current.split(":") if item]
+    # as glibc parses it: ``name=value`` items, names compared exactly (no whitespace stripping)
+    names = [item.split("=", 1)[0] for item in current.split(":") if "=" in item]
     if "glibc.malloc.tcache_count" in names:
         return current
     return f"{current}:{MALLOC_TUNABLE}" if current else MALLOC_TUNABLE

@@ -7,7 +7,7 @@ Each float32 (or float64) bucket travels as a 16-bit float and comes back in its
 2. multiply by ``grad_scale`` (AIACC's adjustable gradient scale): raise it to keep small
    gradients from underflowing in float16, lower it if large ones overflow;
 3. float16 only, an **overflow guard**: the ranks agree on the bucket's largest magnitude (one
-   1-element MAX allreduce on the bucket's own communicators) and, when ``summands x max`` would
+   1-element float64 MAX allreduce on the bucket's own communicators) and, when ``summands x max`` would
    pass 2**15, the factor is lowered by a power of two so no partial sum can reach float16's
    65504. Gradients of magnitude 1e5 on 4 ranks therefore arrive finite. (bfloat16 has float32's
    range and skips the guard and its allreduce.)
@@ -85,7 +85,7 @@ class HalfCodec:
         ``factor`` after it. ``pre = factor / divide``; for float16 ``max_fn`` (a MAX allreduce
         over every rank whose values meet in a sum) agrees on the largest magnitude first."""
         factor = self.grad_scale
-        if self.guard:
+        if self.guard:  # in float64: a float64 bucket's (scaled) maximum may pass float32's range
             m = _abs_max(x).mul_(factor / divide)
             max_fn(m)
             factor *= self.guard_factor(float(m.item()), summands)
@@ -124,13 +124,13 @@ class HalfCodec:
 
 
 def _abs_max(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of ``x`` as a 1-element float32 tensor (NaN if ``x`` holds one).
+    """The largest magnitude of ``x`` as a 1-element float64 tensor (NaN if ``x`` holds one).
 
     ``aminmax`` is one vectorised pass; ``x.abs().max()`` allocates and is ~15x slower on CPU."""
     if x.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=x.device)
+        return torch.zeros(1, dtype=torch.float64, device=x.device)
     lo, hi = torch.aminmax(x)
-    return torch.maximum(hi, lo.neg()).to(torch.float32).reshape(1)
+    return torch.maximum(hi, lo.neg()).to(torch.float64).reshape(1)
 
 
 class CompressedAllReduce:
@@ -160,8 +160,12 @@ class CompressedAllReduce:
                                       summands=n, divide=n)
 
     def start(self, bucket: Bucket) -> Work:
-        if not self.codec.applies_to(bucket.dtype):
-            return self.inner.start(bucket)
+        if not self.codec.applies_to(bucket.dtype):  # a 16-bit or integer bucket travels as it is
+            if isinstance(self.inner, HierarchicalAllReduce):
+                return self.inner.start(bucket)  # queued on the same ring workers already
+            # issued from the ring's worker like the compressed buckets, so every rank issues the
+            # ring's collectives in one order (from the main thread they could interleave)
+            return self.workers.submit(bucket.index, lambda: self.inner.start(bucket).wait())
         buf, i = bucket.buffer, bucket.index
         return self.workers.submit(i, lambda: self._run(buf, i))
 
