@@ -207,6 +207,9 @@ class _FakeNccl(types.ModuleType):
             def destroy(self):
                 fake.log.append("destroy")
 
+            def abort(self):
+                fake.log.append("abort")
+
         self.NcclCommunicator = NcclCommunicator
 
     def get_version(self):
@@ -312,6 +315,30 @@ def test_fake_split_barrier_and_device_check(fake):
         comm.all_reduce(torch.ones(2, device="meta"))
     sub.close()
     comm.close()
+
+
+def test_fake_a_kernel_past_its_deadline_aborts_the_communicator_and_exits(fake, monkeypatch, capsys):
+    """The watchdog polls each launched collective's event; one still running after the
+    timeout is reported, its NCCL communicator aborted and the process ended (exit code 1)."""
+    import threading
+
+    from fleetlike.comm import nccl as nccl_module
+    from fleetlike.comm.watchdog import WATCHDOG
+
+    exits: list[int] = []
+    fired = threading.Event()
+    monkeypatch.setattr(nccl_module, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    comm = fake()
+    comm.all_reduce(torch.ones(3))  # its event completes: the entry is dropped, nothing expires
+    WATCHDOG.check()
+    assert not any("(nccl)" in item.comm for item in WATCHDOG.in_flight())
+    monkeypatch.setattr(_FakeEvent, "query", lambda self: False)  # the next kernel never finishes
+    comm.timeout = 0.3
+    comm.all_reduce_async(torch.ones(3))
+    assert fired.wait(10), "the watchdog never expired the collective"
+    assert exits == [1] and fake.nccl.log[-1] == "abort"
+    err = capsys.readouterr().err
+    assert "fleetlike: collective #2 all_reduce on 'world' (nccl) has not finished after" in err, err
 
 
 # ------------------------------------------------------------------------- GPU

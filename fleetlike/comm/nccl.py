@@ -26,6 +26,10 @@ How it runs:
   the comm stream for integers, which is what the other backends give.
 - A group of one still calls NCCL (``calls_backend_at_size_one``): a one-GPU job runs the same
   code path, with its ordering and its errors, as a large one.
+- Deadline: every launched collective's event is handed to the watchdog
+  (`fleetlike.comm.watchdog`); one whose event has not completed after the communicator's
+  timeout is reported, the NCCL communicator is aborted and the process exits with code 1, so
+  the launcher stops the job instead of every rank hanging on a peer that is gone.
 
 Example:
     >>> world = create_world(role, backend="nccl")       # one process per GPU
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +62,7 @@ from fleetlike.comm.base import (
     Work,
     _divide_,
 )
+from fleetlike.comm.watchdog import WATCHDOG, InFlight
 from fleetlike.roles.role import Role
 
 __all__ = ["NcclCommunicator", "NcclUnavailableError", "nccl_unavailable_reason"]
@@ -192,6 +198,11 @@ def _uid_candidates(raw: bytes) -> list[tuple[int, ...]]:
     return [struct.unpack(f"{len(raw)}b", raw), tuple(raw)]
 
 
+def _exit_process(code: int) -> None:
+    """End this process now, without Python's cleanup (which would wait on the dead stream)."""
+    os._exit(code)
+
+
 class _GroupState(threading.local):
     """NCCL groups are per thread: the depth and the handles launched at the outermost end."""
 
@@ -206,7 +217,7 @@ _GROUP = _GroupState()
 class _NcclWork(Work):
     """An NCCL collective on a communicator's stream: an event, and the buffers it uses."""
 
-    __slots__ = ("_device", "_stream", "_event", "_keep", "_post", "_blocking")
+    __slots__ = ("_device", "_stream", "_event", "_keep", "_post", "_blocking", "_watch")
 
     def __init__(
         self,
@@ -215,6 +226,7 @@ class _NcclWork(Work):
         keep: tuple[torch.Tensor, ...],
         post: Callable[[], None] | None,
         blocking: bool,
+        watch: Callable[[torch.cuda.Event], None] | None = None,
     ) -> None:
         self._device = device
         self._stream = stream
@@ -222,6 +234,7 @@ class _NcclWork(Work):
         self._keep = keep
         self._post = post
         self._blocking = blocking
+        self._watch = watch
 
     def _launched(self) -> None:
         """The NCCL kernel is enqueued: run the finishing kernel, if any, and mark the end."""
@@ -232,6 +245,9 @@ class _NcclWork(Work):
         event = torch.cuda.Event()
         event.record(self._stream)
         self._event = event
+        if self._watch is not None:  # the watchdog polls the event: the host may never wait
+            self._watch(event)
+            self._watch = None
 
     def wait(self) -> None:
         """Make torch's current stream wait for the collective (the host blocks only for a
@@ -281,6 +297,7 @@ class NcclCommunicator(Communicator):
         self._store = store
         self._device = device
         self._timeout = timeout
+        self.timeout = timeout  # the watchdog's deadline for each collective
         self._splits = 0
         self.nccl_version: int = int(nccl.get_version())
         self._stream = torch.cuda.Stream(device=device)
@@ -436,12 +453,33 @@ class NcclCommunicator(Communicator):
                 ) from exc
             for t in keep:
                 t.record_stream(stream)
-            work = _NcclWork(self._device, stream, keep, post, blocking)
+            work = _NcclWork(self._device, stream, keep, post, blocking, self._watcher(what))
             if _GROUP.depth:
                 _GROUP.pending.append(work)
             else:
                 work._launched()
         return work
+
+    def _watcher(self, what: str) -> Callable[[torch.cuda.Event], None] | None:
+        """What registers a launched collective with the watchdog (None: no timeout)."""
+        if self.timeout is None:
+            return None
+        timeout, seq, name, rank = self.timeout, self._seq, f"{self.name!r} (nccl)", self.ranks[self.rank]
+
+        def watch(event: torch.cuda.Event) -> None:
+            WATCHDOG.begin(timeout, name, what, seq, rank=rank, expire=self._expire, done=event.query)
+
+        return watch
+
+    def _expire(self, item: InFlight) -> None:
+        """A kernel past its deadline: abort the NCCL communicator (its kernels return), then end
+        the process, as torch's NCCL watchdog does: the CUDA context is not trustworthy after
+        an abort, and the launcher stops the rest of the job when a worker dies."""
+        try:
+            if self._comm is not None:
+                self._comm.abort()
+        finally:
+            _exit_process(1)
 
     def _op(self, op: ReduceOp, buf: torch.Tensor) -> tuple[int, Callable[[], None] | None]:
         """NCCL's op, and a finishing step for an integer AVG (sum, then floor division)."""
