@@ -65,10 +65,19 @@ class _Request:
             self._watch = None
 
 
+#: seconds between the watchdog's message and MPI_Abort: mpiexec forwards a rank's stderr
+#: asynchronously and tears the job down on an abort, so without a pause the message was lost
+#: (seen in CI: the job ended with code 1 and no output at all)
+_ABORT_GRACE = 1.0
+
+
 def _abort_job(item: InFlight) -> None:
     """The watchdog's expiry action: MPI cannot cancel a collective, so end the whole job."""
+    import time
+
     from mpi4py import MPI
 
+    time.sleep(_ABORT_GRACE)
     MPI.COMM_WORLD.Abort(1)
 
 
