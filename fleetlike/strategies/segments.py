@@ -97,7 +97,7 @@ def segmented_all_reduce(
     inter_codec = codec if scope == "inter" else None  # compresses the crossing only
     wire_dtype = all_codec.dtype if all_codec is not None else flat.dtype
     width = intra.size
-    elem = torch.empty((), dtype=wire_dtype).element_size()
+    elem = wire_dtype.itemsize
     step = max(width, (max(1, segment_bytes) // elem) // width * width)
     segs = [flat[lo : lo + step] for lo in range(0, n, step)]
 
