@@ -19,8 +19,7 @@ class Clock:
 
 def test_only_an_overdue_collective_expires_once_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     clock = Clock()
-    dog = Watchdog(clock)
-    dog._thread = object()  # type: ignore[assignment]  # drive check() by hand, no thread
+    dog = Watchdog(clock, thread=False)  # check() driven by hand
     expired: list[InFlight] = []
     a = dog.begin(5.0, "'world' (mpi)", "all_reduce", 7, rank=3, expire=expired.append)
     clock.now += 1.0
@@ -40,8 +39,7 @@ def test_only_an_overdue_collective_expires_once_with_a_message(capsys: pytest.C
 
 def test_a_collective_that_ends_in_time_never_expires() -> None:
     clock = Clock()
-    dog = Watchdog(clock)
-    dog._thread = object()  # type: ignore[assignment]
+    dog = Watchdog(clock, thread=False)
     key = dog.begin(2.0, "'world' (mpi)", "broadcast", 1, rank=0, expire=lambda _: pytest.fail("expired"))
     clock.now += 2.0
     assert dog.check() is None  # exactly at the timeout: not past it

@@ -50,6 +50,7 @@ __all__ = [
     "CommStats",
     "SUPPORTED_DTYPES",
     "CommError",
+    "divide_",
 ]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
@@ -410,7 +411,7 @@ class Communicator(abc.ABC):
 
         def finish() -> torch.Tensor:
             if avg_here:
-                _divide_(buf, size)
+                divide_(buf, size)
             if buf is not target:
                 target.copy_(buf)
             return target
@@ -492,7 +493,7 @@ class Communicator(abc.ABC):
         def finish() -> torch.Tensor:
             if is_root:
                 if avg_here:
-                    _divide_(buf, size)
+                    divide_(buf, size)
                 target.copy_(buf)
             return target
 
@@ -625,7 +626,7 @@ class Communicator(abc.ABC):
 
         def finish() -> torch.Tensor:
             if avg_here:
-                _divide_(res, size)
+                divide_(res, size)
             if res is not out:
                 out.copy_(res.view(out.shape))
             return out
@@ -708,8 +709,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
-def _divide_(buf: torch.Tensor, n: int) -> None:
-    """In-place mean from a sum: true division for floats, floor division for integers."""
+def divide_(buf: torch.Tensor, n: int) -> None:
+    """In-place mean from a sum: true division for floats, floor division for integers (what
+    every backend's AVG gives). Dividing by 1 is skipped."""
+    if n == 1:
+        return
     if buf.is_floating_point():
         buf.div_(n)
     else:

@@ -60,7 +60,7 @@ from fleetlike.comm.base import (
     CompletedWork,
     ReduceOp,
     Work,
-    _divide_,
+    divide_,
 )
 from fleetlike.comm.watchdog import WATCHDOG, InFlight
 from fleetlike.roles.role import Role
@@ -485,7 +485,7 @@ class NcclCommunicator(Communicator):
         """NCCL's op, and a finishing step for an integer AVG (sum, then floor division)."""
         if op is ReduceOp.AVG and not buf.is_floating_point():
             size = self.size
-            return self._ops[ReduceOp.SUM], lambda: _divide_(buf, size)
+            return self._ops[ReduceOp.SUM], lambda: divide_(buf, size)
         return self._ops[op], None
 
     def _moved(self, t: torch.Tensor) -> tuple[int, int]:

@@ -61,8 +61,10 @@ class InFlight:
 class Watchdog:
     """Watches in-flight collectives; calls ``expire`` on the first one past its timeout."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, thread: bool = True) -> None:
+        """``thread=False``: no background thread; the owner calls `check` (tests)."""
         self._clock = clock
+        self._use_thread = thread
         self._pending: dict[int, InFlight] = {}
         self._keys = itertools.count()
         self._lock = threading.Lock()
@@ -77,7 +79,7 @@ class Watchdog:
         ends when the thread finds ``done()`` true."""
         key = next(self._keys)
         self._pending[key] = InFlight(self._clock(), timeout, comm, op, seq, rank, expire, done)
-        if self._thread is None or timeout / 4 < self._period:
+        if self._use_thread and (self._thread is None or timeout / 4 < self._period):
             self._ensure_thread(timeout)
         return key
 

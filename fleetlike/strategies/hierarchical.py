@@ -47,7 +47,8 @@ import torch
 
 from fleetlike.comm import Communicator, Work
 from fleetlike.strategies.buckets import Bucket
-from fleetlike.strategies.segments import SEGMENT_BYTES, divide_, segmented_all_reduce
+from fleetlike.comm.base import divide_
+from fleetlike.strategies.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
 
 if TYPE_CHECKING:  # pragma: no cover
     from fleetlike.roles import Role
@@ -194,7 +195,7 @@ class HierarchicalAllReduce:
                                  segment_bytes=self.segment_bytes)
         elif codec is not None and scope == "all":
             codec.all_reduce_(flat, lambda t: self._reduce_broadcast(t, intra, inter, None, 1),
-                              lambda t: self._max(t, intra, inter), summands=self._world.size, divide=divide)
+                              lambda t: agree_max(t, intra, inter), summands=self._world.size, divide=divide)
         else:
             self._reduce_broadcast(flat, intra, inter, codec, divide)
         return tensor
@@ -214,15 +215,6 @@ class HierarchicalAllReduce:
         intra.broadcast(flat, 0)
         if codec is None:
             divide_(flat, divide)
-
-    @staticmethod
-    def _max(t: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
-        intra.all_reduce(t, "max")
-        inter.all_reduce(t, "max")
-
-    def comm_names(self, index: int) -> str:
-        intra, inter = self.pair_for(index)
-        return f"{intra.name} + {inter.name}"
 
 
 def hierarchical_pairs(groups: Any, role: Role, n: int, block: int | None = None) -> list[tuple[Communicator, Communicator]]:

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from fleetlike.comm import Communicator, Work
+from fleetlike.comm.base import divide_
 
 if TYPE_CHECKING:  # pragma: no cover
     from fleetlike.strategies.compression import HalfCodec
 
-__all__ = ["SEGMENT_BYTES", "divide_", "segmented_all_reduce"]
+__all__ = ["SEGMENT_BYTES", "agree_max", "segmented_all_reduce"]
 
 #: default segment size. Measured at 1 Gbit between two 2-rank nodes (bench.hierarchical):
 #: 1 MiB segments take a 4 MiB buffer from 48 to 41 ms and a 16 MiB float16 one from 97 to
@@ -49,14 +50,11 @@ SEGMENT_BYTES = 1 << 20
 _SCOPES = ("all", "inter")
 
 
-def divide_(buf: torch.Tensor, n: int) -> None:
-    """``buf /= n`` in place; integers floor-divide, as `Communicator`'s AVG does."""
-    if n == 1:
-        return
-    if buf.is_floating_point():
-        buf.div_(n)
-    else:
-        buf.floor_divide_(n)
+def agree_max(t: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
+    """``t <- max over intra x inter`` in place (two small blocking MAX allreduces): how a
+    two-level chain agrees on the compression scale."""
+    intra.all_reduce(t, "max")
+    inter.all_reduce(t, "max")
 
 
 def segmented_all_reduce(
@@ -87,12 +85,7 @@ def segmented_all_reduce(
     world = intra.size * inter.size
     pre = factor = 1.0
     if codec is not None:
-
-        def agree(m: torch.Tensor) -> None:
-            intra.all_reduce(m, "max")
-            inter.all_reduce(m, "max")
-
-        pre, factor = codec.scales(flat, agree, summands=world, divide=divide)
+        pre, factor = codec.scales(flat, lambda m: agree_max(m, intra, inter), summands=world, divide=divide)
     all_codec = codec if scope == "all" else None  # compresses every hop
     inter_codec = codec if scope == "inter" else None  # compresses the crossing only
     wire_dtype = all_codec.dtype if all_codec is not None else flat.dtype
