@@ -14,8 +14,11 @@ An entry ends with `Watchdog.end` (MPI: the call returned or the request complet
 was registered with ``done`` (NCCL: the kernel's CUDA event; the host does not wait for it),
 when the thread finds ``done()`` true.
 
-Cost on the hot path: a dict insert and a dict pop per collective (about a microsecond); the
-thread starts with the first tracked collective and wakes every ``min(1 s, timeout / 4)``.
+Cost on the hot path: a dict insert and a dict pop per collective, each under the watchdog's
+lock (about a microsecond); the thread starts with the first tracked collective and wakes every
+``min(1 s, timeout / 4)``. A check that fails unexpectedly is reported once on stderr with its
+traceback and the thread goes on watching: losing the thread would silently remove every
+deadline.
 
 Example:
     >>> key = WATCHDOG.begin(60.0, "world (mpi)", "all_reduce", 17, rank=3, expire=abort)
@@ -25,10 +28,10 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,17 +62,24 @@ class InFlight:
 
 
 class Watchdog:
-    """Watches in-flight collectives; calls ``expire`` on the first one past its timeout."""
+    """Watches in-flight collectives; calls ``expire`` on the first one past its timeout.
+
+    Every thread that issues or completes a collective calls `begin` / `end`, and the watchdog
+    thread calls `check`, so all shared state (the entries, the period, the thread) lives under
+    one lock. Callbacks (``done`` queries and ``expire``) run outside it: ``expire`` may abort
+    the process or take its time, and must never block the training threads' `begin` / `end`.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, thread: bool = True) -> None:
         """``thread=False``: no background thread; the owner calls `check` (tests)."""
         self._clock = clock
         self._use_thread = thread
-        self._pending: dict[int, InFlight] = {}
-        self._keys = itertools.count()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._period = 1.0
+        self._pending: dict[int, InFlight] = {}  # guarded by _lock
+        self._next_key = 0  # guarded by _lock
+        self._thread: threading.Thread | None = None  # guarded by _lock
+        self._period = 1.0  # guarded by _lock
+        self._reported: set[tuple[str, str]] = set()  # touched by the watchdog thread only
 
     def begin(
         self, timeout: float, comm: str, op: str, seq: int, *, rank: int, expire: Callable[[InFlight], None],
@@ -77,43 +87,72 @@ class Watchdog:
     ) -> int:
         """Start watching a collective; returns the key for `end`. With ``done``, the entry also
         ends when the thread finds ``done()`` true."""
-        key = next(self._keys)
-        self._pending[key] = InFlight(self._clock(), timeout, comm, op, seq, rank, expire, done)
-        if self._use_thread and (self._thread is None or timeout / 4 < self._period):
-            self._ensure_thread(timeout)
+        item = InFlight(self._clock(), timeout, comm, op, seq, rank, expire, done)
+        with self._lock:
+            key = self._next_key
+            self._next_key += 1
+            self._pending[key] = item
+            if self._use_thread and (self._thread is None or timeout / 4 < self._period):
+                self._period = min(self._period, max(0.05, timeout / 4))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="fleetlike-watchdog", daemon=True)
+                    self._thread.start()
         return key
 
     def end(self, key: int) -> None:
         """The collective finished (or failed by itself): stop watching it."""
-        self._pending.pop(key, None)
+        with self._lock:
+            self._pending.pop(key, None)
 
     def in_flight(self) -> list[InFlight]:
-        return list(self._pending.values())
+        with self._lock:
+            return list(self._pending.values())
+
+    def clear(self) -> None:
+        """Forget every entry (a test's communicators are gone; nothing of theirs may expire)."""
+        with self._lock:
+            self._pending.clear()
 
     def check(self) -> InFlight | None:
         """Expire the oldest overdue collective, if any (what the thread does each period)."""
         now = self._clock()
-        for key, item in list(self._pending.items()):
-            if item.done is not None and _finished(item.done):
-                self._pending.pop(key, None)
-            elif now - item.started > item.timeout:
-                self._pending.pop(key, None)
-                print(item.message(now), file=sys.stderr, flush=True)
-                item.expire(item)
-                return item
-        return None
-
-    def _ensure_thread(self, timeout: float) -> None:
         with self._lock:
-            self._period = min(self._period, max(0.05, timeout / 4))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fleetlike-watchdog", daemon=True)
-                self._thread.start()
+            snapshot = list(self._pending.items())
+        finished = [key for key, item in snapshot if item.done is not None and _finished(item.done)]
+        overdue = [
+            (key, item) for key, item in snapshot if key not in finished and now - item.started > item.timeout
+        ]
+        with self._lock:
+            for key in finished:
+                self._pending.pop(key, None)
+            # an entry that `end` removed meanwhile finished in time after all
+            expired = next(((k, it) for k, it in overdue if self._pending.pop(k, None) is not None), None)
+        if expired is None:
+            return None
+        item = expired[1]
+        print(item.message(now), file=sys.stderr, flush=True)
+        item.expire(item)
+        return item
 
     def _run(self) -> None:
         while True:
-            time.sleep(self._period)
-            self.check()
+            with self._lock:
+                period = self._period
+            time.sleep(period)
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - the thread must outlive one bad check
+                self._report(exc)
+
+    def _report(self, exc: Exception) -> None:
+        """Say once per distinct failure that a check failed; the watchdog keeps running."""
+        signature = (type(exc).__name__, str(exc))
+        if signature in self._reported:
+            return
+        self._reported.add(signature)
+        trace = "".join(traceback.format_exception(exc))
+        print(f"fleetlike: the collective watchdog's check failed (it keeps watching):\n{trace}",
+              file=sys.stderr, flush=True)
 
 
 def _finished(done: Callable[[], bool]) -> bool:
