@@ -33,16 +33,15 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
     import torch
 
     from bench._common import interleaved_timings, median
+    from fleetlike.collectives import CompressedAllReduce, HalfCodec, HierarchicalAllReduce, hierarchical_pairs
     from fleetlike.comm import CommGroups, create_world
     from fleetlike.roles.role import Role
-    from fleetlike.strategies.compression import CompressedAllReduce, HalfCodec
-    from fleetlike.strategies.hierarchical import HierarchicalAllReduce, hierarchical_pairs
 
     torch.set_num_threads(1)
     role = Role.from_endpoints(rank, eps, job_id="bench-hier")
     world = create_world(role, backend="gloo", timeout=600)
     groups = CommGroups(world, role)
-    pairs = hierarchical_pairs(groups, role, 2)
+    pairs = hierarchical_pairs(groups, 2)
     hier = HierarchicalAllReduce(pairs[:1], world)
     hier2 = HierarchicalAllReduce(pairs, world)
     fp16 = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world), HalfCodec("float16"))

@@ -17,9 +17,14 @@ from hypothesis import strategies as st
 from dp_common import batch, loss_fn, make_model, max_diff, params, single_process
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.comm import CommGroups
-from fleetlike.strategies.compression import CompressedAllReduce, HalfCodec
-from fleetlike.strategies.data_parallel import FlatAllReduce
-from fleetlike.strategies.hierarchical import HierarchicalAllReduce, cross_node_bytes_flat, hierarchical_pairs
+from fleetlike.collectives import (
+    CompressedAllReduce,
+    FlatAllReduce,
+    HalfCodec,
+    HierarchicalAllReduce,
+    cross_node_bytes_flat,
+    hierarchical_pairs,
+)
 from fleetlike.testing import endpoints_for, make_world, run_ranks
 
 DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32, "float64": torch.float64}
@@ -36,7 +41,7 @@ def _compare(role, cases, segment_bytes=1000):
     world = make_world(role)
     groups = CommGroups(world, role)
     try:
-        pairs = hierarchical_pairs(groups, role, 2)
+        pairs = hierarchical_pairs(groups, 2)
         hier = HierarchicalAllReduce(pairs, world)
         hier_rb = HierarchicalAllReduce(pairs[:1], world, algorithm="reduce_broadcast")
         # tiny segments: every case of a few hundred elements or more is pipelined
@@ -92,7 +97,7 @@ def _fp16(role, cases):
     world = make_world(role)
     groups = CommGroups(world, role)
     try:
-        pairs = hierarchical_pairs(groups, role, 1)
+        pairs = hierarchical_pairs(groups, 1)
         out = []
         for i, (numel, seed, exp, dtype) in enumerate(cases):
             codec = HalfCodec(dtype)
@@ -151,7 +156,7 @@ def _bytes(role, numel):
     world = make_world(role)
     groups = CommGroups(world, role)
     try:
-        pairs = hierarchical_pairs(groups, role, 1)
+        pairs = hierarchical_pairs(groups, 1)
         intra, inter = pairs[0]
         x = torch.ones(numel)
         out = {}

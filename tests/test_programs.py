@@ -171,7 +171,7 @@ def test_save_refuses_to_replace_a_foreign_directory(tmp_path):
 
 
 def _bcast(role):
-    from fleetlike.strategies.compose import broadcast_coalesced
+    from fleetlike.collectives import broadcast_coalesced
     from fleetlike.testing import make_world
 
     world = make_world(role)

@@ -1,7 +1,7 @@
 """DistributedStrategy: Paddle defaults, 1.x aliases, strict validation, round trips.
 
 The contract (types and ranges of every option) is restated here independently of the registry
-in ``fleetlike.strategies.options``, so that a registry edit that changes the contract fails a
+in ``fleetlike.config.options``, so that a registry edit that changes the contract fails a
 test instead of silently redefining it.
 """
 
@@ -30,7 +30,8 @@ from fleetlike.strategies import (
     UnknownAttributeError,
     UnknownOptionError,
 )
-from fleetlike.strategies import config, fields, options, options_format, options_view
+import fleetlike.config as config_pkg
+from fleetlike.config import fields, formats, options, recipes, rules, strategy, view
 
 # ------------------------------------------------------------------ the contract, restated
 
@@ -156,8 +157,8 @@ def test_registry_matches_the_restated_contract() -> None:
     assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy"}
 
 
-@pytest.mark.parametrize("module", [strategies_pkg, config, fields, options, options_format,
-                                    options_view])
+@pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,
+                                    view, rules, recipes])
 def test_all_is_curated(module: Any) -> None:
     assert len(set(module.__all__)) == len(module.__all__)
     for name in module.__all__:
@@ -165,7 +166,7 @@ def test_all_is_curated(module: Any) -> None:
 
 
 def test_config_never_reads_the_environment() -> None:
-    for module in (config, fields, options, options_format, options_view):
+    for module in (config_pkg, strategy, fields, options, formats, view, rules, recipes):
         source = Path(module.__file__).read_text()
         assert "os.environ" not in source and "getenv" not in source
     assert STRATEGY_ENV_VAR == "FLEETLIKE_STRATEGY"
@@ -679,6 +680,6 @@ def test_every_invalid_dict_raises_the_documented_error(
 def test_docstring_examples_run() -> None:
     import doctest
 
-    for module in (config, fields):
+    for module in (strategy, fields, rules):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from fleetlike.collectives import GradReducer, broadcast_coalesced, make_reducer
 from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_world
 from fleetlike.fleet import checkpoint as ckpt
 from fleetlike.fleet.optimizer import DistributedOptimizer
@@ -30,9 +31,8 @@ from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
 from fleetlike.roles.settings import env_settings
 from fleetlike.strategies import DistributedStrategy
-from fleetlike.strategies.compose import AppliedEntry, Build, broadcast_coalesced
-from fleetlike.strategies.compression import gradient_collective
-from fleetlike.strategies.data_parallel import GradReducer
+from fleetlike.strategies.compose import AppliedEntry, Build
+from fleetlike.strategies.data_parallel import gradient_collective
 
 __all__ = ["Fleet", "fleet"]
 
@@ -218,19 +218,12 @@ class Fleet:
         ctx = self._context("fleet.distributed_model")
         s = strategy or ctx.strategy
         broadcast_coalesced(ctx.world, [p.data for p in model.parameters()] + list(model.buffers()))
-        cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
         if self._eager is not None:
             self._eager.remove()
         collective, _ = gradient_collective(s, ctx.groups, ctx.role)  # as the data-parallel pass
-        self._eager = GradReducer(
-            model.parameters(),
-            collective,
-            cap_bytes=cap,
-            find_unused=s.find_unused_parameters,
-            auto_arm=True,
-            check_nan_inf=s.check_nan_inf,
-            names={id(p): n for n, p in model.named_parameters()},
-        )
+        self._eager = make_reducer(model, collective, cap_bytes=s.bucket_cap_bytes(),
+                                   find_unused=s.find_unused_parameters, check_nan_inf=s.check_nan_inf,
+                                   auto_arm=True)
         return model
 
     def _eager_reducer(self, required: bool = True) -> GradReducer | None:

@@ -1,49 +1,15 @@
-"""Strategies: the `DistributedStrategy` configuration and (later) one pass per feature.
+"""Strategies: `DistributedStrategy` for users, and one pass per feature that rewrites a step.
 
-`DistributedStrategy` is the typed, validated config object of API.md section 3; the closed sets
-of string choices are `str` enums so that a value can be written either as the enum member or as
-its string; the error classes let callers catch configuration mistakes precisely.
+`DistributedStrategy` (defined in `fleetlike.config`, re-exported here where users import it)
+is the typed, validated config object of API.md section 3; the closed sets of string choices are
+`str` enums so that a value can be written either as the enum member or as its string; the error
+classes let callers catch configuration mistakes precisely. The passes (``compose``,
+``data_parallel``, ``amp``, ``recompute``, ``gradient_merge``, ``localsgd``, ``sync_bn``,
+``health``) turn a strategy into ``main_program``, using the collectives of
+`fleetlike.collectives`.
 """
 
-from fleetlike.strategies.config import (
-    STRATEGY_ENV_VAR,
-    ConfigSection,
-    DistributedStrategy,
-    InactiveSetting,
-)
-from fleetlike.strategies.fields import (
-    StrategyError,
-    StrategyTypeError,
-    StrategyValueError,
-    UnknownAttributeError,
-    UnknownOptionError,
-)
-from fleetlike.strategies.localsgd_recipes import adaptive_local_step, get_local_sgd_steps
-from fleetlike.strategies.options import (
-    CollectiveMode,
-    Fp16AllreduceMode,
-    HalfDtype,
-    HierarchicalAlgorithm,
-    Mode,
-    SyncBatchNormScope,
-)
+from fleetlike.config import *  # noqa: F401,F403  (the names users import from here)
+from fleetlike.config import __all__ as _config_all
 
-__all__ = [
-    "STRATEGY_ENV_VAR",
-    "CollectiveMode",
-    "ConfigSection",
-    "DistributedStrategy",
-    "Fp16AllreduceMode",
-    "HalfDtype",
-    "HierarchicalAlgorithm",
-    "InactiveSetting",
-    "Mode",
-    "StrategyError",
-    "StrategyTypeError",
-    "StrategyValueError",
-    "SyncBatchNormScope",
-    "UnknownAttributeError",
-    "UnknownOptionError",
-    "adaptive_local_step",
-    "get_local_sgd_steps",
-]
+__all__ = list(_config_all)

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from fleetlike.collectives import GradReducer, broadcast_coalesced
 from fleetlike.comm import CommGroups
+from fleetlike.config import DistributedStrategy, rules
 from fleetlike.program import Op, Program, StepState
 from fleetlike.roles import Role
-from fleetlike.strategies.config import DistributedStrategy
-from fleetlike.strategies.data_parallel import GradReducer
 
 __all__ = ["Build", "AppliedEntry", "build_programs", "LossFn", "StrategyNotAvailableError"]
 
@@ -125,68 +125,6 @@ def local_program(build: Build) -> Program:
     )
 
 
-# ---------------------------------------------------------------------- data parallel
-
-
-def data_parallel_pass(program: Program, build: Build) -> Program:
-    """Bucketed, overlapped gradient averaging (see `GradReducer`)."""
-    from fleetlike.strategies.compression import gradient_collective
-
-    s = build.strategy
-    collective, notes = gradient_collective(s, build.groups, build.role)
-    rings = build.groups.rings(s.nccl_comm_num)
-    cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
-    amp = build.states.get("amp")
-    nan_check = s.check_nan_inf and not (amp is not None and amp.dynamic)
-    reducer = GradReducer(
-        build.model.parameters(),
-        collective,
-        cap_bytes=cap,
-        find_unused=s.find_unused_parameters,
-        check_nan_inf=nan_check,
-        names={id(p): n for n, p in build.model.named_parameters()},
-    )
-    if s.check_nan_inf:
-        build.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
-                     else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
-    build.reducer = reducer
-    build.clear_grad = reducer.zero_grad
-    main = program.clone("main")
-
-    issued = {"collectives": 0, "bytes": 0}  # counters when this step's backward was armed
-
-    def arm(st: StepState) -> None:
-        issued["collectives"], issued["bytes"] = reducer.collectives_issued, reducer.bytes_issued
-        if not st.accumulate:
-            reducer.prepare(st.loss)
-
-    def wait(st: StepState) -> None:
-        reducer.finalize()
-        # buckets launch during backward, so count from the arming, not from this wait
-        st.info["collectives"] = reducer.collectives_issued - issued["collectives"]
-        st.info["bytes_communicated"] = reducer.bytes_issued - issued["bytes"]
-
-    described = [
-        Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
-        for d in reducer.describe()
-    ]
-    main.wrap("backward", before=arm, overlap="bucket allreduce starts as grads fill")
-    main.insert_after(
-        "backward",
-        *described,
-        Op("c_wait_allreduce", wait, {"buckets": len(reducer.buckets), "world": build.groups.world.size}),
-    )
-    detail = (
-        f"{len(reducer.buckets)} buckets "
-        + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
-        + f" over {len(rings)} communicator(s)"
-    )
-    build.record("data_parallel", True, detail)
-    for name, applied, why in notes:
-        build.record(name, applied, why)
-    return main
-
-
 # ---------------------------------------------------------------------- startup
 
 
@@ -206,72 +144,22 @@ def startup_program(build: Build) -> Program:
     )
 
 
-def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], root: int = 0, cap_bytes: int = 16 << 20) -> None:
-    """Broadcast ``tensors`` from ``root``: few collectives, bounded extra memory.
-
-    Tensors of one dtype are packed into flat buffers of at most ``cap_bytes`` (a larger tensor
-    goes alone, in place), so a big model costs a few collectives and no full second copy."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
-            if nbytes >= cap_bytes and t.is_contiguous():
-                comm.broadcast(t.detach(), root)
-                continue
-            if chunk and size + nbytes > cap_bytes:
-                _broadcast_packed(comm, chunk, root)
-                chunk, size = [], 0
-            chunk.append(t)
-            size += nbytes
-        if chunk:
-            _broadcast_packed(comm, chunk, root)
-
-
-def _broadcast_packed(comm: Any, group: list[torch.Tensor], root: int) -> None:
-    flat = torch.cat([t.detach().reshape(-1) for t in group])
-    comm.broadcast(flat, root)
-    offset = 0
-    with torch.no_grad():
-        for t in group:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 # ---------------------------------------------------------------------- composition
 
 _LATER: tuple[str, ...] = ()
-
-#: pairs that cannot work together: (a, b, why and the fix)
-_CONFLICTS = (
-    ("localsgd", "fp16_allreduce", "local SGD averages parameters, not gradients; fp16_allreduce compresses gradient allreduces. Turn one off"),
-    ("adaptive_localsgd", "fp16_allreduce", "adaptive local SGD averages parameters, not gradients; fp16_allreduce compresses gradient allreduces. Turn one off"),
-    ("localsgd", "use_hierarchical_allreduce", "local SGD's parameter averaging uses flat allreduces; turn use_hierarchical_allreduce off"),
-    ("adaptive_localsgd", "use_hierarchical_allreduce", "adaptive local SGD's parameter averaging uses flat allreduces; turn use_hierarchical_allreduce off"),
-)
-
-
-def check_combinations(s: DistributedStrategy) -> None:
-    """Raise ValueError naming both options of an impossible combination, and the fix."""
-    s.validate_combination()
-    for a, b, why in _CONFLICTS:
-        if getattr(s, a) and getattr(s, b):
-            raise ValueError(f"strategy.{a} and strategy.{b} cannot be combined: {why}")
 
 
 def build_programs(build: Build) -> tuple[Program, Program, Program]:
     """Return ``(origin, main, startup)`` for ``build`` (see the module docstring for the order)."""
     from fleetlike.strategies import localsgd
     from fleetlike.strategies.amp import amp_pass
+    from fleetlike.strategies.data_parallel import data_parallel_pass
     from fleetlike.strategies.gradient_merge import gradient_merge_pass
     from fleetlike.strategies.health import slow_rank_pass
     from fleetlike.strategies.recompute import recompute_pass
 
     s = build.strategy
-    check_combinations(s)
+    rules.check(s)
     for name in _LATER:
         if getattr(s, name):
             raise StrategyNotAvailableError(

@@ -1,229 +1,165 @@
-"""The data-parallel machinery: gradient hooks start each bucket's collective during backward.
+"""The data-parallel pass: bucketed gradient averaging that overlaps backward.
 
-`GradReducer` is shared by the program style (the data-parallel pass arms it in
-``main_program``'s backward and waits for it before the update) and the eager style
-(``fleet.distributed_model`` arms it on the first gradient of an iteration and
-``opt.synchronize()`` waits). One implementation, two ways in.
-
-Buckets launch strictly in index order on every rank (a bucket that is ready early waits for
-its predecessors), as DDP does: gloo and NCCL match collectives by the order they are issued,
-so this is what keeps ranks from pairing different buckets. A bucket holding a parameter that got
-no gradient this step is launched when the step is finalized (its gradient is zero), so unused
-parameters delay the overlap but never hang the job; with ``find_unused_parameters`` they are
-found from the autograd graph before backward, so overlap is kept.
-
-The collective itself is a `BucketCollective`: the default averages over one or more rings;
-hierarchical and compressed variants plug in here without touching the hooks.
+`gradient_collective` turns the strategy (``use_hierarchical_allreduce``, ``fp16_allreduce``,
+``nccl_comm_num``, ``hierarchical_allreduce_inter_nranks``) and the job's topology into one
+`BucketCollective` of `fleetlike.collectives`; `data_parallel_pass` builds the `GradReducer`
+around it and puts its ops into ``main_program``. The eager ``fleet.distributed_model`` asks
+`gradient_collective` too, so both styles communicate alike.
 
 Example:
-    >>> reducer = GradReducer(model.parameters(), FlatAllReduce([world]), cap_bytes=32 << 20)
-    >>> reducer.prepare(loss); loss.backward(); reducer.finalize()   # grads averaged
+    >>> collective, notes = gradient_collective(strategy, groups, role)
+    >>> main = data_parallel_pass(program, build)   # ... c_allreduce_avg bucket=0 ... c_wait_allreduce
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-import torch
+from fleetlike.collectives import (
+    BucketCollective,
+    CompressedAllReduce,
+    FlatAllReduce,
+    HalfCodec,
+    HierarchicalAllReduce,
+    hierarchical_pairs,
+    make_reducer,
+)
+from fleetlike.comm import CommGroups
+from fleetlike.config import DistributedStrategy
+from fleetlike.program import Op, Program, StepState
+from fleetlike.roles import Role
 
-from fleetlike.comm import Communicator, Work
-from fleetlike.strategies.buckets import Bucket, plan_buckets
+if TYPE_CHECKING:
+    from fleetlike.strategies.compose import Build
 
-__all__ = ["BucketCollective", "FlatAllReduce", "GradReducer", "unused_parameters"]
-
-
-class BucketCollective(Protocol):
-    """How a bucket's gradients are combined over the ranks (average by default)."""
-
-    def start(self, bucket: Bucket) -> Work:
-        """Start combining ``bucket.buffer`` in place; return the handle to wait on."""
-        ...
-
-    def describe(self, bucket: Bucket) -> dict[str, Any]:
-        """Facts for the program listing: op name, communicator, wire dtype, ..."""
-        ...
-
-    @property
-    def world(self) -> Communicator:
-        """A communicator spanning all ranks."""
-        ...
+__all__ = ["data_parallel_pass", "gradient_collective"]
 
 
-class FlatAllReduce:
-    """Average each bucket with one allreduce; bucket i goes to ring ``i % len(rings)``."""
+def gradient_collective(
+    s: DistributedStrategy, groups: CommGroups, role: Role
+) -> tuple[BucketCollective, list[tuple[str, bool, str]]]:
+    """The `BucketCollective` for strategy ``s`` and what to record in ``applied_strategy()``.
 
-    def __init__(self, rings: Sequence[Communicator]) -> None:
-        if not rings:
-            raise ValueError("FlatAllReduce needs at least one communicator")
-        self.rings = list(rings)
-
-    @property
-    def world(self) -> Communicator:
-        """A communicator spanning all ranks (for small agreements such as AMP's finite flag)."""
-        return self.rings[0]
-
-    def comm_for(self, bucket: Bucket) -> Communicator:
-        return self.rings[bucket.index % len(self.rings)]
-
-    def start(self, bucket: Bucket) -> Work:
-        return self.comm_for(bucket).all_reduce_async(bucket.buffer, "avg")
-
-    def describe(self, bucket: Bucket) -> dict[str, Any]:
-        return {"comm": self.comm_for(bucket).name, "wire": str(bucket.dtype).replace("torch.", "")}
-
-
-def unused_parameters(loss: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """Parameters that ``loss`` does not depend on, found by walking its autograd graph."""
-    seen: set[int] = set()
-    reached: set[int] = set()
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            reached.add(id(var))
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return [p for p in params if id(p) not in reached]
-
-
-class GradReducer:
-    """Averages gradients over the ranks, overlapping communication with backward.
-
-    Args:
-        params: the model's parameters (those with ``requires_grad``).
-        collective: how a bucket is combined (`FlatAllReduce` or a hierarchical/compressed one).
-        cap_bytes: bucket size cap (``fuse_grad_size_in_MB``); None = one bucket per gradient.
-        find_unused: look for parameters without gradient before each backward.
-        auto_arm: eager style: a gradient arriving while idle starts a new iteration.
+    Validation follows Fleet: ``hierarchical_allreduce_inter_nranks`` (ranks per inner group,
+    0 = the ranks of one node) must be > 1 and divide the world size, else ValueError. Cases
+    where the two levels cannot help or cannot be formed fall back to the flat allreduce and
+    are recorded as not applied with the reason: one node; one rank per node; nodes of unequal
+    sizes (inter_nranks = 0 needs equal nodes: set inter_nranks explicitly to group
+    consecutive ranks instead).
     """
+    rings = groups.rings(s.nccl_comm_num)
+    notes: list[tuple[str, bool, str]] = []
+    world = groups.world
+    block: int | None = None
+    hier_ok = False
+    want_hier = bool(s.use_hierarchical_allreduce)
+    fp16 = bool(s.fp16_allreduce)
+    cfg = s.fp16_allreduce_configs if fp16 else None
+    mixed = fp16 and str(cfg["mode"]) == "mixed"
+    why_not = ""
+    if want_hier or mixed:
+        inter_nranks = int(s.hierarchical_allreduce_inter_nranks) if want_hier else 0
+        if inter_nranks:
+            if inter_nranks <= 1:
+                raise ValueError(
+                    f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks}: it must be > 1 "
+                    "(the ranks of one inner group); use 0 for the ranks of one node"
+                )
+            if world.size % inter_nranks:
+                raise ValueError(
+                    f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks} does not divide the "
+                    f"world size {world.size}; use a divisor of it, or 0 for the ranks of one node"
+                )
+            if inter_nranks == world.size:
+                why_not = f"inter_nranks={inter_nranks} is the whole world: one group, nothing to split"
+            else:
+                hier_ok, block = True, inter_nranks
+        elif role.node_num == 1:
+            why_not = "one node: no allreduce crosses nodes, the flat allreduce is used"
+        elif not role.uniform_nodes():
+            why_not = ("nodes have unequal numbers of ranks; falling back to the flat allreduce "
+                       "(set hierarchical_allreduce_inter_nranks to group consecutive ranks)")
+        elif role.local_size == 1:
+            why_not = "one rank per node: the two-level allreduce equals the flat one"
+        else:
+            hier_ok = True
+    codec = HalfCodec(str(cfg["dtype"]), float(cfg["grad_scale"])) if fp16 else None
+    n = len(rings)
+    if hier_ok:
+        pairs = hierarchical_pairs(groups, n, block)
+        algo = str(s.hierarchical_allreduce_configs["algorithm"]) if want_hier else "reduce_scatter"
+        label = "node" if block is None else "block"
+        coll: FlatAllReduce | HierarchicalAllReduce | CompressedAllReduce = HierarchicalAllReduce(pairs, world, algorithm=algo, inter_codec=codec if mixed else None,
+                                         node_label=label)
+        if want_hier:
+            notes.append(("use_hierarchical_allreduce", True,
+                          f"{algo}: {pairs[0][0].size} ranks/{label} x {pairs[0][1].size} {label}s, "
+                          f"{n} intra/inter pair(s)"))
+    else:
+        coll = FlatAllReduce(rings)
+        if want_hier:
+            notes.append(("use_hierarchical_allreduce", False, why_not))
+    if fp16:
+        assert codec is not None
+        if mixed:
+            if hier_ok:
+                notes.append(("fp16_allreduce", True,
+                              f"mixed: {codec.name} across nodes only, full precision inside nodes"))
+            else:
+                notes.append(("fp16_allreduce", False, f"mixed mode compresses only across nodes, but {why_not}"))
+        else:
+            coll = CompressedAllReduce(coll, codec)
+            notes.append(("fp16_allreduce", True, f"all hops in {codec.name}, pre-divided by {world.size}"
+                          + (f", grad_scale {codec.grad_scale:g}" if codec.grad_scale != 1 else "")))
+    return coll, notes
 
-    def __init__(
-        self,
-        params: Iterable[torch.nn.Parameter],
-        collective: BucketCollective,
-        *,
-        cap_bytes: int | None,
-        find_unused: bool = False,
-        auto_arm: bool = False,
-        check_nan_inf: bool = False,
-        names: dict[int, str] | None = None,
-    ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.check_nan_inf = check_nan_inf
-        self._names = names or {}
-        self.collective = collective
-        self.find_unused = find_unused
-        self.auto_arm = auto_arm
-        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
-        self._where: dict[int, tuple[Bucket, int]] = {}
-        for b in self.buckets:
-            for j, p in enumerate(b.params):
-                self._where[id(p)] = (b, j)
-        self.armed = False
-        self._pending: list[int] = []
-        self._seen: list[list[bool]] = []
-        self._works: list[Work | None] = []
-        self._next = 0
-        self.collectives_issued = 0
-        self.bytes_issued = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        for b in self.buckets:
-            b.attach()
 
-    # ------------------------------------------------------------------ lifecycle of a step
+def data_parallel_pass(program: Program, build: Build) -> Program:
+    """Bucketed, overlapped gradient averaging (see `GradReducer`)."""
+    s = build.strategy
+    collective, notes = gradient_collective(s, build.groups, build.role)
+    rings = build.groups.rings(s.nccl_comm_num)
+    cap = s.bucket_cap_bytes()
+    amp = build.states.get("amp")
+    nan_check = s.check_nan_inf and not (amp is not None and amp.dynamic)
+    reducer = make_reducer(build.model, collective, cap_bytes=cap, find_unused=s.find_unused_parameters,
+                           check_nan_inf=nan_check)
+    if s.check_nan_inf:
+        build.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
+                     else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
+    build.reducer = reducer
+    build.clear_grad = reducer.zero_grad
+    main = program.clone("main")
 
-    def prepare(self, loss: torch.Tensor | None = None) -> None:
-        """Arm the hooks for one communicating backward (call right before it)."""
-        for b in self.buckets:
-            b.attach()
-        self._begin()
-        if self.find_unused and loss is not None:
-            for p in unused_parameters(loss, self.params):
-                self._mark(p)
+    issued = {"collectives": 0, "bytes": 0}  # counters when this step's backward was armed
 
-    def _begin(self) -> None:
-        self.armed = True
-        self._pending = [len(b.params) for b in self.buckets]
-        self._seen = [[False] * len(b.params) for b in self.buckets]
-        self._works = [None] * len(self.buckets)
-        self._next = 0
+    def arm(st: StepState) -> None:
+        issued["collectives"], issued["bytes"] = reducer.collectives_issued, reducer.bytes_issued
+        if not st.accumulate:
+            reducer.prepare(st.loss)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            if not self.auto_arm:
-                return
-            self._begin()
-        bucket, j = self._where[id(p)]
-        view = bucket.views[j]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # the user replaced .grad (set_to_none zero_grad): fold it back
-            p.grad = view
-        self._mark(p)
+    def wait(st: StepState) -> None:
+        reducer.finalize()
+        # buckets launch during backward, so count from the arming, not from this wait
+        st.info["collectives"] = reducer.collectives_issued - issued["collectives"]
+        st.info["bytes_communicated"] = reducer.bytes_issued - issued["bytes"]
 
-    def _mark(self, p: torch.Tensor) -> None:
-        bucket, j = self._where[id(p)]
-        if self._seen[bucket.index][j]:
-            return
-        self._seen[bucket.index][j] = True
-        self._pending[bucket.index] -= 1
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self.buckets[self._next])
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self.check_nan_inf and not bool(torch.isfinite(bucket.buffer).all()):
-            self._raise_non_finite(bucket)
-        self._works[bucket.index] = self.collective.start(bucket)
-        self.collectives_issued += 1
-        self.bytes_issued += bucket.nbytes
-        self._next += 1
-
-    def _raise_non_finite(self, bucket: Bucket) -> None:
-        self.armed = False
-        world = self.collective.world
-        bad = [
-            self._names.get(id(p), f"parameter {tuple(p.shape)}")
-            for p, view in zip(bucket.params, bucket.views)
-            if not bool(torch.isfinite(view).all())
-        ]
-        raise FloatingPointError(
-            f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
-            f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "
-            "every rank. Look at this rank's data and loss (strategy.check_nan_inf found it)"
-        )
-
-    def finalize(self) -> None:
-        """Launch what is left (unused parameters), wait for every bucket, disarm."""
-        if not self.armed:
-            return
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-        for w in self._works:
-            if w is not None:
-                w.wait()
-        self.armed = False
-
-    def zero_grad(self) -> None:
-        """Zero the gradients in place (they are views: never set them to None)."""
-        for b in self.buckets:
-            b.zero_()
-            b.attach()
-
-    def remove(self) -> None:
-        """Detach the hooks (the buffers stay as the grads)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"bucket": b, **self.collective.describe(b)} for b in self.buckets]
-
-    @property
-    def collective_world(self) -> Communicator:
-        return self.collective.world
+    described = [
+        Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
+        for d in reducer.describe()
+    ]
+    main.wrap("backward", before=arm, overlap="bucket allreduce starts as grads fill")
+    main.insert_after(
+        "backward",
+        *described,
+        Op("c_wait_allreduce", wait, {"buckets": len(reducer.buckets), "world": build.groups.world.size}),
+    )
+    detail = (
+        f"{len(reducer.buckets)} buckets "
+        + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
+        + f" over {len(rings)} communicator(s)"
+    )
+    build.record("data_parallel", True, detail)
+    for name, applied, why in notes:
+        build.record(name, applied, why)
+    return main

@@ -56,7 +56,7 @@ import torch
 
 from fleetlike.comm import Communicator
 from fleetlike.program import Op, Program, StepState
-from fleetlike.strategies.buckets import plan_buckets
+from fleetlike.collectives import plan_buckets
 
 if TYPE_CHECKING:
     from fleetlike.strategies.compose import Build
@@ -256,7 +256,7 @@ def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
         cfg = s.localsgd_configs
         state = LocalSGDState(int(cfg["k_steps"]), int(cfg["begin_step"]), False, 0)
     rings = build.groups.rings(s.nccl_comm_num)
-    cap = int(float(s.fuse_grad_size_in_MB) * (1 << 20)) if s.fuse_all_reduce_ops else None
+    cap = s.bucket_cap_bytes()
     averager = ParamAverager([p for p in build.model.parameters() if p.requires_grad], rings, cap)
     state.averager = averager
     build.states["localsgd"] = state

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetlike.strategies.fields import Field, Section, UnknownOptionError, suggest
-from fleetlike.strategies.options import ALIASES, ENTRIES
+from fleetlike.config.fields import Field, Section, UnknownOptionError, suggest
+from fleetlike.config.options import ALIASES, ENTRIES
 
 __all__ = ["describe_option", "flat_defaults", "known_names", "render_markdown", "render_table"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any
 
-from fleetlike.strategies.fields import (
+from fleetlike.config.fields import (
     Alias,
     Bool,
     Checkpoints,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Protocol
 
-from fleetlike.strategies.fields import (
+from fleetlike.config.fields import (
     UnknownAttributeError,
     UnknownOptionError,
     plain,

@@ -37,7 +37,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from fleetlike.strategies.fields import (
+from fleetlike.config import rules
+from fleetlike.config.fields import (
     Field,
     Section,
     StrategyTypeError,
@@ -48,14 +49,14 @@ from fleetlike.strategies.fields import (
     type_error,
     unknown_key,
 )
-from fleetlike.strategies.options import ALIASES, ENTRIES
-from fleetlike.strategies.options_format import (
+from fleetlike.config.options import ALIASES, ENTRIES
+from fleetlike.config.formats import (
     describe_option,
     known_names,
     render_markdown,
     render_table,
 )
-from fleetlike.strategies.options_view import ConfigSection
+from fleetlike.config.view import ConfigSection
 
 __all__ = ["STRATEGY_ENV_VAR", "ConfigSection", "DistributedStrategy", "InactiveSetting"]
 
@@ -415,17 +416,22 @@ class DistributedStrategy:
         return found
 
     def validate_combination(self) -> None:
-        """Raise `StrategyValueError` for options that cannot work together.
+        """Raise `StrategyValueError` for options that cannot work together (`rules.check`).
 
         Called by the fleet layer at ``distributed_optimizer``/``minimize`` time rather than on
         assignment, so that a user may switch one feature on before switching another off.
         """
-        if self._values["localsgd"] and self._values["adaptive_localsgd"]:
-            fix = ("turn one off: adaptive_localsgd chooses k itself from loss and learning rate, "
-                   "localsgd uses the fixed localsgd_configs.k_steps")
-            raise StrategyValueError(
-                "localsgd and adaptive_localsgd", (True, True), "at most one of them True", fix,
-                f"localsgd and adaptive_localsgd cannot both be True. Fix: {fix}")
+        rules.check(self)
+
+    def bucket_cap_bytes(self) -> int | None:
+        """Gradient bucket size in bytes (``fuse_grad_size_in_MB`` MiB), or None for one bucket
+        per gradient (``fuse_all_reduce_ops`` False).
+
+        The one place this conversion lives: data parallel, eager style and local SGD's
+        averaging buffers all size their buckets from it, so they always agree."""
+        if not self._values["fuse_all_reduce_ops"]:
+            return None
+        return int(float(self._values["fuse_grad_size_in_MB"]) * (1 << 20))
 
     # ---------------------------------------------------------------- introspection
 

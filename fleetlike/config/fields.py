@@ -12,7 +12,7 @@ Every error raised here names the field, the constraint, the value received and 
     >>> Int(min=1).check("localsgd_configs.k_steps", 0)
     Traceback (most recent call last):
     ...
-    fleetlike.strategies.fields.StrategyValueError: localsgd_configs.k_steps must be an int >= 1, \
+    fleetlike.config.fields.StrategyValueError: localsgd_configs.k_steps must be an int >= 1, \
 got 0. Fix: use an int >= 1, e.g. 1.
 """
 

@@ -30,15 +30,11 @@ vs 50 ms; maximum magnitude in 2 ms vs 34 ms).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from fleetlike.collectives.codec import HalfCodec
 from fleetlike.comm import Communicator, Work
 from fleetlike.comm.base import divide_
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fleetlike.strategies.compression import HalfCodec
 
 __all__ = ["SEGMENT_BYTES", "agree_max", "segmented_all_reduce"]
 

@@ -21,7 +21,7 @@ every collective of a pair is issued by that pair's one thread, in bucket order,
 the same collectives in the same order (invariant 1). ``nccl_comm_num = n`` gives ``n`` pairs
 (``CommGroups.extra`` splits), bucket ``i`` goes to pair ``i % n``.
 
-The reduce-scatter form runs each buffer in segments (`fleetlike.strategies.segments`), so
+The reduce-scatter form runs each buffer in segments (`fleetlike.collectives.segments`), so
 segment ``i`` crosses the nodes while its neighbours are reduce-scattered and all-gathered
 inside the node: without that the link idles during the node-local phases.
 
@@ -30,8 +30,7 @@ phase 2, the hop across nodes: pass ``inter_codec`` (a `HalfCodec`). `Compressed
 passes its codec to `run` to compress every hop, segment by segment.
 
 Example:
-    >>> pairs = [(groups.extra("hier intra", role.node_index, role.local_rank),
-    ...           groups.extra("hier inter", role.local_rank, role.node_index))]
+    >>> pairs = hierarchical_pairs(groups, 1)         # (intra, inter) by node
     >>> coll = HierarchicalAllReduce(pairs, groups.world)
     >>> coll.start_tensor(grads, 0, "avg").wait()    # == world.all_reduce(grads, "avg")
 """
@@ -41,18 +40,15 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fleetlike.comm import Communicator, Work
-from fleetlike.strategies.buckets import Bucket
+from fleetlike.collectives.buckets import Bucket
+from fleetlike.collectives.codec import HalfCodec
+from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
+from fleetlike.comm import CommGroups, Communicator, Work
 from fleetlike.comm.base import divide_
-from fleetlike.strategies.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fleetlike.roles import Role
-    from fleetlike.strategies.compression import HalfCodec
 
 __all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
 
@@ -104,7 +100,7 @@ class HierarchicalAllReduce:
         inter_codec: compress the inter-node hop only (mixed mode); None keeps the dtype.
         node_label: how the listing names the intra scope (e.g. "node 0").
         segment_bytes: the reduce-scatter form pipelines buffers in segments of this many wire
-            bytes (`fleetlike.strategies.segments`).
+            bytes (`fleetlike.collectives.segments`).
     """
 
     def __init__(
@@ -217,19 +213,21 @@ class HierarchicalAllReduce:
             divide_(flat, divide)
 
 
-def hierarchical_pairs(groups: Any, role: Role, n: int, block: int | None = None) -> list[tuple[Communicator, Communicator]]:
+def hierarchical_pairs(groups: CommGroups, n: int, block: int | None = None) -> list[tuple[Communicator, Communicator]]:
     """``n`` (intra, inter) pairs, created collectively through ``groups.extra``.
 
-    ``block=None`` groups by node (from the role); an int groups consecutive ranks
-    ``[b*block, (b+1)*block)`` (Fleet's ``hierarchical_allreduce_inter_nranks``)."""
+    ``block=None`` groups by node (the node index and local rank of ``groups.role``); an int
+    groups consecutive ranks ``[b*block, (b+1)*block)`` (Fleet's
+    ``hierarchical_allreduce_inter_nranks``)."""
     pairs = []
+    rank = groups.world.rank
     for i in range(n):
         suffix = "" if i == 0 else f" ring {i}"
         if block is None:
-            g, pos = role.node_index, role.local_rank
+            g, pos = groups.role.node_index, groups.role.local_rank
             intra_name, inter_name = f"intra[node {g}]{suffix}", f"inter[local {pos}]{suffix}"
         else:
-            g, pos = role.rank // block, role.rank % block
+            g, pos = rank // block, rank % block
             intra_name, inter_name = f"intra[block {g}]{suffix}", f"inter[pos {pos}]{suffix}"
         intra = groups.extra(intra_name, g, pos)
         inter = groups.extra(inter_name, pos, g)

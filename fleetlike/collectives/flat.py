@@ -1,0 +1,60 @@
+"""The bucket-collective interface and its plain form: one averaging allreduce per bucket.
+
+`BucketCollective` is what `GradReducer` needs from a collective (start a bucket, describe it,
+a world communicator for small agreements); the hierarchical and compressed variants implement
+the same three members, so the gradient hooks never know which one runs.
+
+Example:
+    >>> coll = FlatAllReduce(groups.rings(2))       # bucket i on ring i % 2
+    >>> coll.start(bucket).wait()                   # bucket.buffer averaged over the ranks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from fleetlike.collectives.buckets import Bucket
+from fleetlike.comm import Communicator, Work
+
+__all__ = ["BucketCollective", "FlatAllReduce"]
+
+
+class BucketCollective(Protocol):
+    """How a bucket's gradients are combined over the ranks (average by default)."""
+
+    def start(self, bucket: Bucket) -> Work:
+        """Start combining ``bucket.buffer`` in place; return the handle to wait on."""
+        ...
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        """Facts for the program listing: op name, communicator, wire dtype, ..."""
+        ...
+
+    @property
+    def world(self) -> Communicator:
+        """A communicator spanning all ranks."""
+        ...
+
+
+class FlatAllReduce:
+    """Average each bucket with one allreduce; bucket i goes to ring ``i % len(rings)``."""
+
+    def __init__(self, rings: Sequence[Communicator]) -> None:
+        if not rings:
+            raise ValueError("FlatAllReduce needs at least one communicator")
+        self.rings = list(rings)
+
+    @property
+    def world(self) -> Communicator:
+        """A communicator spanning all ranks (for small agreements such as AMP's finite flag)."""
+        return self.rings[0]
+
+    def comm_for(self, bucket: Bucket) -> Communicator:
+        return self.rings[bucket.index % len(self.rings)]
+
+    def start(self, bucket: Bucket) -> Work:
+        return self.comm_for(bucket).all_reduce_async(bucket.buffer, "avg")
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        return {"comm": self.comm_for(bucket).name, "wire": str(bucket.dtype).replace("torch.", "")}

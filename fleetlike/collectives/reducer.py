@@ -1,0 +1,215 @@
+"""The data-parallel machinery: gradient hooks start each bucket's collective during backward.
+
+`GradReducer` is shared by the program style (the data-parallel pass arms it in
+``main_program``'s backward and waits for it before the update) and the eager style
+(``fleet.distributed_model`` arms it on the first gradient of an iteration and
+``opt.synchronize()`` waits). One implementation, two ways in.
+
+Buckets launch strictly in index order on every rank (a bucket that is ready early waits for
+its predecessors), as DDP does: gloo and NCCL match collectives by the order they are issued,
+so this is what keeps ranks from pairing different buckets. A bucket holding a parameter that got
+no gradient this step is launched when the step is finalized (its gradient is zero), so unused
+parameters delay the overlap but never hang the job; with ``find_unused_parameters`` they are
+found from the autograd graph before backward, so overlap is kept.
+
+The collective itself is a `BucketCollective`: the default averages over one or more rings;
+hierarchical and compressed variants plug in here without touching the hooks.
+
+Example:
+    >>> reducer = make_reducer(model, FlatAllReduce([world]), cap_bytes=32 << 20)
+    >>> reducer.prepare(loss); loss.backward(); reducer.finalize()   # grads averaged
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fleetlike.collectives.buckets import Bucket, plan_buckets
+from fleetlike.collectives.flat import BucketCollective
+from fleetlike.comm import Communicator, Work
+
+__all__ = ["GradReducer", "make_reducer", "unused_parameters"]
+
+
+def unused_parameters(loss: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Parameters that ``loss`` does not depend on, found by walking its autograd graph."""
+    seen: set[int] = set()
+    reached: set[int] = set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            reached.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return [p for p in params if id(p) not in reached]
+
+
+class GradReducer:
+    """Averages gradients over the ranks, overlapping communication with backward.
+
+    Args:
+        params: the model's parameters (those with ``requires_grad``).
+        collective: how a bucket is combined (`FlatAllReduce` or a hierarchical/compressed one).
+        cap_bytes: bucket size cap (``fuse_grad_size_in_MB``); None = one bucket per gradient.
+        find_unused: look for parameters without gradient before each backward.
+        auto_arm: eager style: a gradient arriving while idle starts a new iteration.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        collective: BucketCollective,
+        *,
+        cap_bytes: int | None,
+        find_unused: bool = False,
+        auto_arm: bool = False,
+        check_nan_inf: bool = False,
+        names: dict[int, str] | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.check_nan_inf = check_nan_inf
+        self._names = names or {}
+        self.collective = collective
+        self.find_unused = find_unused
+        self.auto_arm = auto_arm
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                self._where[id(p)] = (b, j)
+        self.armed = False
+        self._pending: list[int] = []
+        self._seen: list[list[bool]] = []
+        self._works: list[Work | None] = []
+        self._next = 0
+        self.collectives_issued = 0
+        self.bytes_issued = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        for b in self.buckets:
+            b.attach()
+
+    # ------------------------------------------------------------------ lifecycle of a step
+
+    def prepare(self, loss: torch.Tensor | None = None) -> None:
+        """Arm the hooks for one communicating backward (call right before it)."""
+        for b in self.buckets:
+            b.attach()
+        self._begin()
+        if self.find_unused and loss is not None:
+            for p in unused_parameters(loss, self.params):
+                self._mark(p)
+
+    def _begin(self) -> None:
+        self.armed = True
+        self._pending = [len(b.params) for b in self.buckets]
+        self._seen = [[False] * len(b.params) for b in self.buckets]
+        self._works = [None] * len(self.buckets)
+        self._next = 0
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            if not self.auto_arm:
+                return
+            self._begin()
+        bucket, j = self._where[id(p)]
+        view = bucket.views[j]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # the user replaced .grad (set_to_none zero_grad): fold it back
+            p.grad = view
+        self._mark(p)
+
+    def _mark(self, p: torch.Tensor) -> None:
+        bucket, j = self._where[id(p)]
+        if self._seen[bucket.index][j]:
+            return
+        self._seen[bucket.index][j] = True
+        self._pending[bucket.index] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.check_nan_inf and not bool(torch.isfinite(bucket.buffer).all()):
+            self._raise_non_finite(bucket)
+        self._works[bucket.index] = self.collective.start(bucket)
+        self.collectives_issued += 1
+        self.bytes_issued += bucket.nbytes
+        self._next += 1
+
+    def _raise_non_finite(self, bucket: Bucket) -> None:
+        self.armed = False
+        world = self.collective.world
+        bad = [
+            self._names.get(id(p), f"parameter {tuple(p.shape)}")
+            for p, view in zip(bucket.params, bucket.views)
+            if not bool(torch.isfinite(view).all())
+        ]
+        raise FloatingPointError(
+            f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
+            f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "
+            "every rank. Look at this rank's data and loss (strategy.check_nan_inf found it)"
+        )
+
+    def finalize(self) -> None:
+        """Launch what is left (unused parameters), wait for every bucket, disarm."""
+        if not self.armed:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        self.armed = False
+
+    def zero_grad(self) -> None:
+        """Zero the gradients in place (they are views: never set them to None)."""
+        for b in self.buckets:
+            b.zero_()
+            b.attach()
+
+    def remove(self) -> None:
+        """Detach the hooks (the buffers stay as the grads)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"bucket": b, **self.collective.describe(b)} for b in self.buckets]
+
+    @property
+    def collective_world(self) -> Communicator:
+        return self.collective.world
+
+
+def make_reducer(
+    model: torch.nn.Module,
+    collective: BucketCollective,
+    *,
+    cap_bytes: int | None,
+    find_unused: bool = False,
+    check_nan_inf: bool = False,
+    auto_arm: bool = False,
+) -> GradReducer:
+    """The `GradReducer` for ``model``'s parameters, named for error messages.
+
+    The one way both styles build it (the data-parallel pass with ``auto_arm=False``, the eager
+    ``fleet.distributed_model`` with ``auto_arm=True``), so they bucket and report alike.
+    ``cap_bytes`` is ``DistributedStrategy.bucket_cap_bytes()``."""
+    return GradReducer(
+        model.parameters(),
+        collective,
+        cap_bytes=cap_bytes,
+        find_unused=find_unused,
+        auto_arm=auto_arm,
+        check_nan_inf=check_nan_inf,
+        names={id(p): n for n, p in model.named_parameters()},
+    )
