@@ -29,13 +29,9 @@ from fleetlike.config import DistributedStrategy, rules
 from fleetlike.program import Op, Program, StepState
 from fleetlike.roles import Role
 
-__all__ = ["Build", "AppliedEntry", "build_programs", "LossFn", "StrategyNotAvailableError"]
+__all__ = ["Build", "AppliedEntry", "build_programs", "LossFn"]
 
 LossFn = Callable[[torch.nn.Module, Any], "torch.Tensor | Mapping[str, torch.Tensor]"]
-
-
-class StrategyNotAvailableError(ValueError):
-    """A strategy option is switched on whose pass this build of fleetlike does not run."""
 
 
 @dataclasses.dataclass
@@ -146,8 +142,6 @@ def startup_program(build: Build) -> Program:
 
 # ---------------------------------------------------------------------- composition
 
-_LATER: tuple[str, ...] = ()
-
 
 def build_programs(build: Build) -> tuple[Program, Program, Program]:
     """Return ``(origin, main, startup)`` for ``build`` (see the module docstring for the order)."""
@@ -160,12 +154,6 @@ def build_programs(build: Build) -> tuple[Program, Program, Program]:
 
     s = build.strategy
     rules.check(s)
-    for name in _LATER:
-        if getattr(s, name):
-            raise StrategyNotAvailableError(
-                f"strategy.{name} is on, but its pass is not available in this build of fleetlike; "
-                f"set strategy.{name} = False"
-            )
     from fleetlike.strategies.sync_bn import sync_bn_pass
 
     sync_bn = sync_bn_pass(build) if s.sync_batch_norm else None  # before startup broadcasts buffers
