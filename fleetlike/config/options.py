@@ -170,7 +170,8 @@ ENTRIES: tuple[Field | Section, ...] = (
         "GPUs per node and a slower network between nodes; no effect on one node")),
     Field("hierarchical_allreduce_inter_nranks", Int(min=0), 0,
           requires="use_hierarchical_allreduce", note=(
-              "ranks per inner group; 0 = the ranks of one node, the usual choice")),
+              "ranks per inner group; 0 or 1 (Paddle's default) = the ranks of one node, the "
+              "usual choice; > 1 groups that many consecutive ranks")),
     Section("hierarchical_allreduce_configs", requires="use_hierarchical_allreduce",
             note="hierarchical allreduce algorithm", fields=(
         Field("algorithm", Choice(HierarchicalAlgorithm), HierarchicalAlgorithm.REDUCE_SCATTER,

@@ -40,12 +40,14 @@ def gradient_collective(
 ) -> tuple[BucketCollective, list[tuple[str, bool, str]]]:
     """The `BucketCollective` for strategy ``s`` and what to record in ``applied_strategy()``.
 
-    Validation follows Fleet: ``hierarchical_allreduce_inter_nranks`` (ranks per inner group,
-    0 = the ranks of one node) must be > 1 and divide the world size, else ValueError. Cases
+    ``hierarchical_allreduce_inter_nranks`` has Paddle's meaning: the ranks of one inner group;
+    0 or 1 (Paddle 2.x's default; its transpiler reads ``<= 1`` as "selected automatically")
+    mean the ranks of one node, so a Paddle config carries over unchanged. A value > 1 groups
+    consecutive ranks and must divide the world size (Fleet's check), else ValueError. Cases
     where the two levels cannot help or cannot be formed fall back to the flat allreduce and
     are recorded as not applied with the reason: one node; one rank per node; nodes of unequal
-    sizes (inter_nranks = 0 needs equal nodes: set inter_nranks explicitly to group
-    consecutive ranks instead).
+    sizes (per-node grouping needs equal nodes: set inter_nranks > 1 to group consecutive
+    ranks instead).
     """
     rings = groups.rings(s.nccl_comm_num)
     notes: list[tuple[str, bool, str]] = []
@@ -59,16 +61,12 @@ def gradient_collective(
     why_not = ""
     if want_hier or mixed:
         inter_nranks = int(s.hierarchical_allreduce_inter_nranks) if want_hier else 0
-        if inter_nranks:
-            if inter_nranks <= 1:
-                raise ValueError(
-                    f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks}: it must be > 1 "
-                    "(the ranks of one inner group); use 0 for the ranks of one node"
-                )
+        if inter_nranks > 1:  # 0 and 1 (Paddle's default) both mean: the ranks of one node
             if world.size % inter_nranks:
                 raise ValueError(
                     f"strategy.hierarchical_allreduce_inter_nranks={inter_nranks} does not divide the "
-                    f"world size {world.size}; use a divisor of it, or 0 for the ranks of one node"
+                    f"world size {world.size}; use a divisor of it, or 0 (or 1, as in Paddle) for "
+                    "the ranks of one node"
                 )
             if inter_nranks == world.size:
                 why_not = f"inter_nranks={inter_nranks} is the whole world: one group, nothing to split"
