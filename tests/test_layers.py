@@ -1,0 +1,318 @@
+"""The folder tree is the architecture: imports between fleetlike's layers point down, never in a circle.
+
+Every module of the package is read with `ast` (nothing is imported), and every import of a
+fleetlike module counts: module level, inside functions, and under ``if TYPE_CHECKING:`` (a
+type-only import is still a dependency a reader has to follow, and the first step of a real
+circle). Imports of other packages are not looked at.
+
+Layers, bottom up (`LAYERS`); a layer may import the layers listed for it, by default every
+layer below it:
+
+====================  =========================================================================
+config                `DistributedStrategy`, the registry, the rules: nothing of fleetlike
+mixed_precision       seed 003's ``decorate``: marks an optimizer with AMP settings (config)
+roles                 who am I: role makers and the frozen `Role`
+comm                  communicators over roles
+collectives           buckets, reducer, flat / hierarchical / compressed averaging (comm only)
+program               `Program`, `Executor`
+strategies            one unit per feature (config, collectives, program, comm, roles)
+fleet                 the facade of API.md (everything below)
+launch                the launcher: roles only, and only the package's public names
+top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
+                      helper that builds roles and worlds); nothing in the package imports them
+====================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import fleetlike
+
+ROOT = Path(fleetlike.__file__).resolve().parent
+
+#: bottom up: (layer, module prefixes, the layers it may import or None for "every layer below")
+LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
+    ("config", ("fleetlike.config",), set()),
+    ("mixed_precision", ("fleetlike.mixed_precision",), {"config"}),
+    ("roles", ("fleetlike.roles",), None),
+    ("comm", ("fleetlike.comm",), None),
+    ("collectives", ("fleetlike.collectives",), {"comm"}),
+    ("program", ("fleetlike.program",), None),
+    ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
+    ("fleet", ("fleetlike.fleet",), None),
+    ("launch", ("fleetlike.launch",), {"roles"}),
+    ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
+]
+
+#: layers whose modules others may import only through the package (its public names)
+PUBLIC_ONLY: dict[str, set[str]] = {"launch": {"roles"}}
+
+#: Import circles that their owners are removing right now. Each entry is a set of modules that
+#: form one circle; imports among them are ignored here. When you break a circle, delete its
+#: entry: the test fails while an entry no longer describes a circle, so the list cannot go stale.
+_KNOWN_BEING_FIXED: list[frozenset[str]] = [
+    # comm engineer: splitting handles/errors/stats out of comm/base
+    frozenset({"fleetlike.comm.base", "fleetlike.comm.guard"}),
+    # roles engineer
+    frozenset({"fleetlike.roles.base", "fleetlike.roles.detect"}),
+    # the lead's facade rewrite
+    frozenset({"fleetlike.fleet.facade", "fleetlike.fleet.optimizer"}),
+    # the lead's engine rewrite: compose imports the passes, the passes import compose.Build
+    frozenset({
+        "fleetlike.strategies.compose",
+        "fleetlike.strategies.amp",
+        "fleetlike.strategies.data_parallel",
+        "fleetlike.strategies.gradient_merge",
+        "fleetlike.strategies.health",
+        "fleetlike.strategies.localsgd",
+        "fleetlike.strategies.recompute",
+    }),
+]
+
+#: Imports against the layering that their owners are removing right now, as (importer,
+#: imported) module pairs; the same rule: delete an entry when you fix it, the test fails while
+#: an entry no longer occurs.
+_KNOWN_BREACHES_BEING_FIXED: set[tuple[str, str]] = {
+    # launch engineer: launch takes roles' public names (parse_gpu_list, is_host, parse_endpoint)
+    ("fleetlike.launch.config", "fleetlike.roles._env"),
+    ("fleetlike.launch.config", "fleetlike.roles.role"),
+    ("fleetlike.launch.env", "fleetlike.roles.role"),
+}
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(source: str, name: str) -> Iterator[tuple[str, int, str | None]]:
+    """``(fleetlike module, line, name imported from it)`` for every import in ``source`` (the
+    text of module ``name``), at any depth: module level, in functions, under TYPE_CHECKING.
+
+    ``from a.b import c`` names the module ``a.b.c`` when there is one (importing a submodule),
+    else ``a.b`` with the name ``c`` (a name from the package)."""
+    package = name if name in MODULES and _is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    yield alias.name, node.lineno, None
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                sub = f"{origin}.{alias.name}"
+                if sub in MODULES:
+                    yield sub, node.lineno, None
+                elif origin in MODULES:
+                    yield origin, node.lineno, alias.name
+
+
+IMPORTS: dict[str, list[tuple[str, int, str | None]]] = {
+    m: [i for i in _imports(p.read_text(encoding="utf-8"), m) if i[0] != m] for m, p in MODULES.items()
+}
+#: module -> {imported module: first line}
+GRAPH: dict[str, dict[str, int]] = {
+    m: {t: min(line for t2, line, _ in found if t2 == t) for t, _, _ in found} for m, found in IMPORTS.items()
+}
+
+
+def _layer(module: str) -> str:
+    best, length = "", -1
+    for layer, prefixes, _ in LAYERS:
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > length:
+                best, length = layer, len(prefix)
+    return best
+
+
+def _allowed(layer: str) -> set[str]:
+    names = [entry[0] for entry in LAYERS]
+    allowed = LAYERS[names.index(layer)][2]
+    return set(names[: names.index(layer)]) if allowed is None else allowed
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _path(graph: dict[str, dict[str, int]], start: str, goal: str, within: set[str]) -> list[str]:
+    """A shortest import path from ``start`` to ``goal`` inside ``within`` (for messages)."""
+    previous: dict[str, str | None] = {start: None}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph.get(v, {})):
+            if w in within and w not in previous:
+                previous[w] = v
+                queue.append(w)
+    if goal not in previous:
+        return []
+    path = [goal]
+    while previous[path[-1]] is not None:
+        path.append(previous[path[-1]])  # type: ignore[arg-type]
+    return path[::-1]
+
+
+def _describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:
+    first = component[0]
+    members = set(component)
+    for w in sorted(graph[first]):
+        if w in members:
+            back = _path(graph, w, first, members)
+            if back:
+                loop = [first, *back]
+                return " -> ".join(
+                    f"{a} (line {graph[a][b]})" for a, b in zip(loop, loop[1:])
+                ) + f" -> {first}"
+    return ", ".join(component)
+
+
+# --------------------------------------------------------------------------------- tests
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {m: _layer(m) for m in MODULES if not _layer(m)} == {}
+
+
+def _breaches() -> list[tuple[str, str, str]]:
+    """``(importer, imported, why)`` for every import against the layering."""
+    wrong = []
+    for module, found in sorted(IMPORTS.items()):
+        layer = _layer(module)
+        for target, line, name in found:
+            other = _layer(target)
+            if other == layer:
+                continue
+            if other not in _allowed(layer):
+                wrong.append((module, target, f"{module}:{line} imports {target}: layer {layer!r} "
+                              f"may import {sorted(_allowed(layer)) or 'nothing of fleetlike'}, "
+                              f"not {other!r}"))
+            elif other in PUBLIC_ONLY.get(layer, set()) and (
+                not _is_package(target) or (name or "").startswith("_")
+            ):
+                what = target if name is None else f"{name} from {target}"
+                wrong.append((module, target, f"{module}:{line} imports {what}: layer {layer!r} "
+                              f"may use only the public names of the {other!r} package"))
+    return wrong
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = [why for module, target, why in _breaches()
+             if (module, target) not in _KNOWN_BREACHES_BEING_FIXED]
+    assert wrong == [], "imports against the layering:\n  " + "\n  ".join(wrong)
+
+
+@pytest.mark.parametrize("known", sorted(_KNOWN_BREACHES_BEING_FIXED), ids="->".join)
+def test_known_breaches_still_exist(known: tuple[str, str]) -> None:
+    """An entry of `_KNOWN_BREACHES_BEING_FIXED` must still occur: delete it once it is fixed."""
+    assert known in {(m, t) for m, t, _ in _breaches()}, (
+        f"{known[0]} no longer imports {known[1]} against the layering: delete this "
+        "_KNOWN_BREACHES_BEING_FIXED entry"
+    )
+
+
+def test_no_import_circles_between_modules() -> None:
+    pruned = {
+        m: {t: line for t, line in targets.items()
+            if not any(m in known and t in known for known in _KNOWN_BEING_FIXED)}
+        for m, targets in GRAPH.items()
+    }
+    circles = [_describe(pruned, c) for c in _cycles(pruned)]
+    assert circles == [], "import circles between fleetlike modules:\n  " + "\n  ".join(circles)
+
+
+@pytest.mark.parametrize("known", _KNOWN_BEING_FIXED, ids=lambda k: "+".join(sorted(k))[:60])
+def test_known_circles_still_exist(known: frozenset[str]) -> None:
+    """An entry of `_KNOWN_BEING_FIXED` must still be one circle: delete it once it is fixed."""
+    missing = sorted(known - set(MODULES))
+    assert missing == [], f"{missing} no longer exist: remove or update this _KNOWN_BEING_FIXED entry"
+    within = {m: {t: line for t, line in GRAPH[m].items() if t in known} for m in known}
+    components = _cycles(within)
+    assert [set(c) for c in components] == [set(known)], (
+        f"{sorted(known)} is no longer one import circle (circles among them now: {components}); "
+        "delete or shrink its _KNOWN_BEING_FIXED entry"
+    )
+
+
+def test_the_checker_sees_what_it_must() -> None:
+    """Function-level, TYPE_CHECKING and relative imports count; cycles are reported as loops."""
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _describe(graph, ["a", "b", "c"]) == "a (line 1) -> b (line 2) -> c (line 3) -> a"
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "if TYPE_CHECKING:\n    from fleetlike.fleet.facade import Fleet\n"
+        "def f():\n    from fleetlike.comm import Communicator\n"
+        "from . import flat\n"
+        "from ..config import rules\n"
+    )
+    assert sorted(_imports(source, "fleetlike.collectives.reducer")) == [
+        ("fleetlike.collectives.flat", 7, None),
+        ("fleetlike.comm", 6, "Communicator"),
+        ("fleetlike.config.rules", 8, None),
+        ("fleetlike.fleet.facade", 4, "Fleet"),
+    ]
+    assert _layer("fleetlike.collectives.reducer") == "collectives"
+    assert _layer("fleetlike.testing") == "top" and _layer("fleetlike") == "top"
+    assert _allowed("config") == set() and _allowed("collectives") == {"comm"}
+    assert _allowed("fleet") >= {"strategies", "program", "mixed_precision"}
