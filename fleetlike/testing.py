@@ -5,6 +5,10 @@ that has torch imported already, so starting a world costs a fraction of a secon
 exception becomes an error in the caller naming the rank and carrying its traceback; a world that
 does not finish in ``timeout`` seconds is killed and reported, so nothing can hang or linger.
 
+No port is picked and handed over: the caller hosts the world's rendezvous store on a port the OS
+chooses and holds the other ranks' ports (`fleetlike.launch.host_endpoints`, as
+``--started_port=auto`` does), and the ranks join that store (``Role.master_hosted``).
+
 Example:
     >>> def work(role, x):
     ...     world = make_world(role)
@@ -26,9 +30,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 from fleetlike.roles.role import Role
 
-__all__ = ["RankError", "run_ranks", "free_ports", "endpoints_for", "make_world"]
+__all__ = ["HostedJob", "RankError", "run_ranks", "hosted_job", "node_hosts", "free_ports", "make_world"]
 
 _CTX: Any = None
 
@@ -47,7 +52,12 @@ def _context() -> Any:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` right now (the OS picks them)."""
+    """``n`` distinct ports free on ``host`` right now (the OS picks them), then released.
+
+    Racy by nature: anything may bind them before the caller does. Only for a port that is
+    never bound (a world of one) or bound by this same process at once; a world of several
+    ranks takes `hosted_job` / `run_ranks`, which hold their ports.
+    """
     socks, ports = [], []
     try:
         for _ in range(n):
@@ -61,10 +71,56 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
-def endpoints_for(nodes: int, per_node: int) -> list[str]:
-    """Endpoints of a ``nodes x per_node`` job; node i is 127.0.0.(i+1), as two launchers would."""
-    ports = free_ports(nodes * per_node)
-    return [f"127.0.0.{1 + r // per_node}:{ports[r]}" for r in range(nodes * per_node)]
+def node_hosts(nodes: int | Sequence[int], world_size: int | None = None) -> list[str]:
+    """The host of each rank: node i is 127.0.0.(i+1), as two launchers on one machine would be.
+
+    ``nodes`` is a node count (``world_size`` split evenly) or the rank count of each node.
+    """
+    if isinstance(nodes, int):
+        if world_size is None or nodes < 1 or world_size % nodes:
+            raise ValueError(f"world_size={world_size} must be a multiple of nodes={nodes}")
+        counts = [world_size // nodes] * nodes
+    else:
+        counts = list(nodes)
+        if world_size is not None and sum(counts) != world_size:
+            raise ValueError(f"nodes={counts} holds {sum(counts)} ranks but world_size={world_size}")
+    return [f"127.0.0.{1 + i}" for i, count in enumerate(counts) for _ in range(count)]
+
+
+class HostedJob:
+    """A job whose store this process hosts and whose ports it holds; `role` gives each rank's.
+
+    Example:
+        >>> with hosted_job([3], job_id="lonely") as job:
+        ...     create_world(job.role(0), timeout=1.5)   # waits for ranks 1 and 2
+    """
+
+    def __init__(self, hosted: HostedEndpoints, job_id: str) -> None:
+        self.hosted = hosted
+        self.job_id = job_id
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.hosted.endpoints
+
+    def role(self, rank: int) -> Role:
+        return Role.from_endpoints(rank, self.endpoints, job_id=self.job_id, master_hosted=True)
+
+    def close(self) -> None:
+        self.hosted.close()
+
+    def __enter__(self) -> HostedJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def hosted_job(
+    nodes: int | Sequence[int] = 1, world_size: int | None = None, *, job_id: str = "test"
+) -> HostedJob:
+    """Host a job of ``world_size`` ranks over ``nodes`` loopback nodes (see `node_hosts`)."""
+    return HostedJob(host_endpoints(node_hosts(nodes, world_size), job_id), job_id)
 
 
 def make_world(role: Role, backend: str = "auto", timeout: float = 60.0) -> Any:
@@ -92,28 +148,50 @@ def run_ranks(
     world_size: int | None = None,
     *args: Any,
     endpoints: Sequence[str] | None = None,
-    nodes: int = 1,
+    nodes: int | Sequence[int] = 1,
     timeout: float = 60.0,
     job_id: str = "test",
     may_die: Sequence[int] = (),
+    job: HostedJob | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(role, *args, **kwargs)`` on every rank; return the results in rank order.
 
-    Give ``world_size`` (ranks spread over ``nodes`` loopback "nodes") or explicit ``endpoints``.
-    ``fn`` must be importable by name (a module-level function). Ranks in ``may_die`` may end
-    without reporting (a test that kills them); their result is None.
+    Give ``world_size`` (ranks spread over ``nodes`` loopback "nodes": a count, or the ranks of
+    each node), or a ``job`` from `hosted_job` that the caller keeps open (to learn its
+    endpoints while it runs). Either way this process hosts the store and holds the ports.
+    Explicit ``endpoints`` are joined as given, rank 0 hosting the store itself: only for a test
+    of exactly that (two jobs on one port). ``fn`` must be importable by name (a module-level
+    function). Ranks in ``may_die`` may end without reporting (a test that kills them); their
+    result is None.
     """
-    if endpoints is None:
-        if world_size is None or world_size % nodes:
-            raise ValueError(f"world_size={world_size} must be a multiple of nodes={nodes}")
-        endpoints = endpoints_for(nodes, world_size // nodes)
-    eps = list(endpoints)
+    own: HostedJob | None = None
+    if endpoints is not None:
+        roles = [Role.from_endpoints(r, list(endpoints), job_id=job_id) for r in range(len(endpoints))]
+    else:
+        if job is None:
+            job = own = hosted_job(nodes, world_size, job_id=job_id)
+        roles = [job.role(r) for r in range(len(job.endpoints))]
+    try:
+        return _run_roles(fn, roles, args, kwargs, timeout, may_die)
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _run_roles(
+    fn: Callable[..., Any],
+    roles: list[Role],
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    may_die: Sequence[int],
+) -> list[Any]:
+    eps = roles[0].endpoints
     ctx = _context()
     q = ctx.Queue()
     procs = []
-    for r in range(len(eps)):
-        role = Role.from_endpoints(r, eps, job_id=job_id)
+    for role in roles:
         p = ctx.Process(target=_child, args=(fn, role, args, kwargs, q), daemon=True)
         p.start()
         procs.append(p)

@@ -13,7 +13,7 @@ import torch
 from dp_common import batch, loss_fn, make_model
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.comm import CommError
-from fleetlike.testing import endpoints_for, run_ranks
+from fleetlike.testing import hosted_job, run_ranks
 
 
 def _catch(fn):
@@ -136,13 +136,14 @@ def _job(role, rounds):
 
 @pytest.mark.timeout(60)
 def test_two_jobs_on_the_same_ports_never_join():
-    eps = endpoints_for(1, 2)
     first: dict = {}
-    t = threading.Thread(target=lambda: first.update(r=run_ranks(_job, endpoints=eps, job_id="jobA", rounds=40, timeout=40)))
-    t.start()
-    time.sleep(2.5)  # job A is up and holds the port (it runs ~8 s)
-    second = run_ranks(_job, endpoints=eps, job_id="jobB", rounds=1, timeout=40)
-    t.join()
+    with hosted_job(1, 2, job_id="jobA") as job_a:  # job A's store and ports, held by this test
+        t = threading.Thread(target=lambda: first.update(r=run_ranks(_job, job=job_a, rounds=40, timeout=40)))
+        t.start()
+        time.sleep(2.5)  # job A is up (it runs ~8 s)
+        # job B is told job A's endpoints on purpose: its rank 0 tries to host the store there
+        second = run_ranks(_job, endpoints=job_a.endpoints, job_id="jobB", rounds=1, timeout=40)
+        t.join()
     assert first["r"] == [("ok", 3.0), ("ok", 3.0)]  # job A is unaffected
     kind0, msg0 = second[0]
     assert kind0 == "RendezvousError" and "cannot host the rendezvous store" in msg0
@@ -155,13 +156,10 @@ def _launch(tmp_path, mode):
     import sys
     from pathlib import Path
 
-    from fleetlike.testing import free_ports
-
     script = Path(__file__).parent / "launch_workers" / "collective_fail.py"
-    base = free_ports(1)[0]
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=3", f"--started_port={base}",
+        [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=3", "--started_port=auto",
          "--log_dir", str(tmp_path / "log"), str(script), mode],
         capture_output=True, text=True, timeout=50, cwd=tmp_path,
     )
@@ -222,10 +220,9 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     from pathlib import Path
 
     from fleetlike.roles import Role
-    from fleetlike.testing import free_ports
 
     ckpt, ready = str(tmp_path / "ckpt"), tmp_path / "ready"
-    role = Role.from_endpoints(0, [f"127.0.0.1:{free_ports(1)[0]}"])
+    role = Role.from_endpoints(0, ["127.0.0.1:6170"])  # a world of one binds no port
     proc = mp.get_context("spawn").Process(target=_saver, args=(role, ckpt, str(ready)))
     proc.start()
     try:
@@ -304,13 +301,11 @@ def test_loading_checks_world_size_and_strategy(tmp_path):
 
 def test_rendezvous_names_the_store_the_wait_and_the_missing_ranks():
     from fleetlike.comm import RendezvousError, create_world
-    from fleetlike.roles import Role
 
-    eps = endpoints_for(1, 3)
-    role = Role.from_endpoints(0, eps, job_id="lonely")
-    started = time.monotonic()
-    with pytest.raises(RendezvousError) as info:
-        create_world(role, timeout=1.5)  # ranks 1 and 2 never start
+    with hosted_job(1, 3, job_id="lonely") as job, pytest.raises(RendezvousError) as info:
+        eps = job.endpoints
+        started = time.monotonic()
+        create_world(job.role(0), timeout=1.5)  # ranks 1 and 2 never start
     msg = str(info.value)
     assert eps[0] in msg and "ranks [1, 2] of 3 did not arrive" in msg and "waited" in msg
     assert time.monotonic() - started < 10

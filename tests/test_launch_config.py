@@ -135,6 +135,13 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
          "--node_ip=192.0.2.1 is not an address of this machine (cannot bind 192.0.2.1:6170); run "
          "each node's launcher with its own IP"),
         (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be >= 0 seconds"),
+        (["--ips=127.0.0.1,127.0.0.2", "--start_port=auto", "train.py"], 0,
+         "--started_port=auto chooses free ports on this machine only, but "
+         "--cluster_node_ips=127.0.0.1,127.0.0.2 lists 2 nodes, whose launchers must agree on the "
+         "ports in advance; give every node the same number, e.g. --started_port=6170"),
+        (["--ips=192.0.2.1", "--started_port=auto", "train.py"], 0,
+         "--node_ip=192.0.2.1 is not an address of this machine (cannot bind a port on it for "
+         "--started_port=auto); give one of this machine's IPs"),
         ([], 0, "no training script given; usage: python -m fleetlike.launch [flags] train.py "
          "[script args] (see --help)"),
         (["--no_such_flag=1", "train.py"], 0, "unrecognized arguments: --no_such_flag=1"),
@@ -299,7 +306,7 @@ def test_public_names_are_documented() -> None:
         assert getattr(launch, name).__doc__, name
 
 
-@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "workers"])
+@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "ports", "workers"])
 def test_every_launch_module_curates_its_exports(module: str) -> None:
     import importlib
 
@@ -307,3 +314,57 @@ def test_every_launch_module_curates_its_exports(module: str) -> None:
     assert mod.__doc__ and mod.__all__
     for name in mod.__all__:
         assert hasattr(mod, name), f"{module}.{name}"
+
+
+def test_auto_ports_are_held_from_their_choice_to_the_end_of_the_job(script: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from fleetlike.comm.rendezvous import JOB_KEY
+    from fleetlike.launch.checks import host_ports
+
+    config = parse_config(["--start_port=auto", "--nproc_per_node=3", "--job_id=jA", script])
+    assert config.started_port is None and config.auto_ports
+    with pytest.raises(ValueError, match="chosen when the launcher binds them"):
+        config.endpoints  # noqa: B018 - unknown until bound
+    assert format_config(config).count("auto (not yet chosen; store hosted by the launcher)") == 1
+    chosen, hosted = host_ports(config)
+    try:
+        ports = chosen.local_ports
+        assert len(set(ports)) == 3 and ports == hosted.ports
+        for port in ports:  # every port is this job's: nobody else can bind it, even with REUSEADDR
+            assert not _bindable("127.0.0.1", port)
+        # rank 0's port is a store of this job, already serving
+        client = dist.TCPStore("127.0.0.1", ports[0], None, False, datetime.timedelta(seconds=5))
+        assert client.get(JOB_KEY) == b"jA"
+        env = worker_env(chosen, 1, base={"TORCHELASTIC_USE_AGENT_STORE": "False"})
+        assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(f"127.0.0.1:{p}" for p in ports)
+        assert env["PADDLE_CURRENT_ENDPOINT"] == f"127.0.0.1:{ports[1]}"
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(ports[0]))
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        role = _paddle_role(env)
+        assert role.master_hosted and role.rank == 1 and role.master_endpoint == f"127.0.0.1:{ports[0]}"
+        assert f"auto ({','.join(map(str, ports))}; store hosted by the launcher)" in format_config(chosen)
+    finally:
+        hosted.close()
+    assert all(_bindable("127.0.0.1", p) for p in ports[1:])  # released with the job
+    # a fixed-port job never tells its rank 0 that the store is hosted, whatever it inherited
+    fixed = worker_env(TWO_BY_TWO, 0, base={"TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in fixed and not _paddle_role(fixed).master_hosted
+
+
+def _paddle_role(env: dict[str, str]):
+    from fleetlike.roles.paddle import paddle_role
+
+    return paddle_role(env)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -457,12 +456,6 @@ def test_every_source_agrees_on_the_same_job(layout, style) -> None:
 # --------------------------------------------------------------------------- real launchers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _clean_env() -> dict[str, str]:
     prefixes = ("PADDLE_", "OMPI_", "PMI_", "SLURM_", "FLEETLIKE_", "MPI_LOCAL", "TORCHELASTIC")
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -475,7 +468,7 @@ def test_mpi_role_maker_under_mpiexec(tmp_path: Path) -> None:
     mpiexec = Path(PY).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip(f"no mpiexec next to {PY} (pip install mpich)")
-    port = _free_port()
+    port = 6170  # only named: print_role.py never binds it
     env = {**_clean_env(), "FLEETLIKE_MASTER_PORT": str(port)}
     proc = subprocess.run(
         [str(mpiexec), "-n", "3", PY, str(WORKERS / "print_role.py"), str(tmp_path), "--mpi"],
@@ -497,18 +490,19 @@ def test_detect_role_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(PY).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip(f"no torchrun next to {PY}")
-    port = _free_port()
+    # --standalone: torchrun's agent binds its store on a port the OS chooses (no port handed in)
     proc = subprocess.run(
-        [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-         str(WORKERS / "print_role.py"), str(tmp_path)],
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(WORKERS / "print_role.py"), str(tmp_path)],
         env=_clean_env(), capture_output=True, text=True, timeout=45,
     )
     assert proc.returncode == 0, proc.stderr
     for rank in range(2):
-        role = json.loads((tmp_path / f"role.{rank}.json").read_text())["role"]
+        data = json.loads((tmp_path / f"role.{rank}.json").read_text())
+        role, port = data["role"], int(data["MASTER_PORT"])
         assert role["source"] == "torchrun"
         assert (role["rank"], role["world_size"], role["local_rank"], role["node_num"]) == (rank, 2, rank, 1)
-        assert role["endpoints"] == [f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"]
+        host = data["MASTER_ADDR"]
+        assert role["endpoints"] == [f"{host}:{port + 1}", f"{host}:{port + 2}"]
         assert role["job_id"] != "default"  # torchrun's run id
 
 
@@ -520,3 +514,22 @@ def test_every_roles_module_curates_its_exports(module: str) -> None:
     assert mod.__doc__ and mod.__all__
     for name in mod.__all__:
         assert hasattr(mod, name), f"{module}.{name}"
+
+
+def test_as_role_lives_beside_detection_without_an_import_circle() -> None:
+    import fleetlike.roles.base as base
+    import fleetlike.roles.detect as detect
+
+    assert not hasattr(base, "as_role") and roles.as_role is detect.as_role
+    assert "detect" not in base.__dict__  # base imports nothing of detection
+
+
+def test_the_mpi_and_torchrun_readers_are_one_table() -> None:
+    from fleetlike.roles.detect import LAUNCHER_VARS, mpich_role, openmpi_role
+
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}
+    pmi = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "10.0.0.1"}
+    a, b = openmpi_role(ompi), mpich_role(pmi)
+    assert (a.rank, a.local_rank, a.node_index, a.source) == (3, 1, 1, "openmpi")
+    assert (b.rank, b.local_rank, b.node_index, b.source) == (3, 1, 1, "mpich")
+    assert set(LAUNCHER_VARS) == {"torchrun", "openmpi", "mpich"}

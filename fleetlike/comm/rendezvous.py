@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fleetlike.comm.base import CommError
 from fleetlike.roles.role import Role, parse_endpoint
 
-__all__ = ["RendezvousError", "JobMismatchError", "connect", "JOB_KEY"]
+__all__ = ["RendezvousError", "JobMismatchError", "connect", "host_store", "JOB_KEY"]
 
 JOB_KEY = "fleetlike/job_id"
 
@@ -48,23 +48,14 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     """
     host, port = parse_endpoint(role.master_endpoint, name="master_endpoint")
     start = time.monotonic()
-    if role.rank == 0:
+    if role.rank == 0 and not role.master_hosted:
         try:
-            raw = dist.TCPStore(
-                host,
-                port,
-                role.world_size,
-                True,
-                _td(timeout),
-                wait_for_workers=False,
-                master_listen_fd=_listen(host, port),
-            )
+            raw = host_store(host, role.job_id, timeout, port=port)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
                 "job using that port? Pick another --started_port / MASTER_PORT."
             ) from exc
-        raw.set(JOB_KEY, role.job_id)
     else:
         try:
             raw = dist.TCPStore(host, port, role.world_size, False, _td(timeout))
@@ -82,18 +73,36 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     return store
 
 
-def _listen(host: str, port: int) -> int:
-    """A socket listening on ``host`` only (TCPStore alone would listen on every interface)."""
+def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0) -> dist.TCPStore:
+    """Host job ``job_id``'s store on ``host`` (only) at ``port``; 0 lets the OS choose it.
+
+    Rank 0 calls this with its endpoint's port. ``python -m fleetlike.launch
+    --started_port=auto`` and `fleetlike.testing` call it with port 0 and give the workers the
+    store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
+    so nothing can take it between its choice and its use.
+    """
+    fd, bound = _listen(host, port)
+    store = dist.TCPStore(
+        host, bound, None, True, _td(timeout), wait_for_workers=False, master_listen_fd=fd
+    )
+    store.set(JOB_KEY, job_id)
+    return store
+
+
+def _listen(host: str, port: int) -> tuple[int, int]:
+    """(descriptor, port) of a socket listening on ``host`` only (TCPStore alone would listen
+    on every interface)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(1024)
+        bound = sock.getsockname()[1]
     except OSError:
         sock.close()
         raise
-    return sock.detach()  # the store owns the descriptor from here on
+    return sock.detach(), bound  # the store owns the descriptor from here on
 
 
 def _check_job(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:

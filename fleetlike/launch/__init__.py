@@ -11,6 +11,7 @@ Example (in-process, returns the exit code)::
 """
 
 from fleetlike.launch.config import (
+    AUTO_PORT,
     DEFAULT_STARTED_PORT,
     LaunchConfig,
     LaunchInputError,
@@ -19,11 +20,15 @@ from fleetlike.launch.config import (
     format_config,
     parse_config,
 )
-from fleetlike.launch.env import MALLOC_TUNABLE, PROXY_VARIABLES, tuned_glibc_tunables, worker_env
+from fleetlike.launch.env import AGENT_STORE, MALLOC_TUNABLE, PROXY_VARIABLES, tuned_glibc_tunables, worker_env
 from fleetlike.launch.main import launch, main, worker_command
+from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 
 __all__ = [
+    "AGENT_STORE",
+    "AUTO_PORT",
     "DEFAULT_STARTED_PORT",
+    "HostedEndpoints",
     "LaunchConfig",
     "LaunchInputError",
     "MALLOC_TUNABLE",
@@ -31,6 +36,7 @@ __all__ = [
     "build_parser",
     "default_job_id",
     "format_config",
+    "host_endpoints",
     "launch",
     "main",
     "parse_config",

@@ -7,13 +7,15 @@ code 2 instead.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
 
-from fleetlike.launch.config import LaunchConfig, LaunchInputError
+from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
+from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 
-__all__ = ["cuda_device_count", "check_machine", "check_ports"]
+__all__ = ["cuda_device_count", "check_machine", "check_ports", "host_ports"]
 
 
 def cuda_device_count() -> int:
@@ -82,7 +84,8 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
                 f"{missing[0]} does not exist; choose ids below {count}, or drop "
                 "--selected_gpus and use --nproc_per_node to run on CPU"
             )
-    check_ports(config.node_ip, range(config.started_port, config.started_port + config.nproc_per_node))
+    if not config.auto_ports:
+        check_ports(config.node_ip, range(config.local_ports[0], config.local_ports[-1] + 1))
     try:
         os.makedirs(config.log_dir, exist_ok=True)
     except OSError as exc:
@@ -91,3 +94,23 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
         ) from None
     if not os.access(config.log_dir, os.W_OK):
         raise LaunchInputError(f"--log_dir={config.log_dir} is not writable; choose another directory")
+
+
+def host_ports(config: LaunchConfig) -> tuple[LaunchConfig, HostedEndpoints]:
+    """``--started_port=auto``: bind this node's ports and host the store; the config with them.
+
+    The returned `HostedEndpoints` must stay open until the workers are gone.
+    """
+    try:
+        hosted = host_endpoints([config.node_ip] * config.nproc_per_node, config.job_id)
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+            raise LaunchInputError(
+                f"--node_ip={config.node_ip} is not an address of this machine (cannot bind a "
+                f"port on it for --started_port={AUTO_PORT}); give one of this machine's IPs"
+            ) from None
+        raise LaunchInputError(
+            f"cannot bind a free port on --node_ip={config.node_ip} for "
+            f"--started_port={AUTO_PORT}: {exc.strerror or exc}; give a number instead"
+        ) from None
+    return dataclasses.replace(config, ports=hosted.ports), hosted

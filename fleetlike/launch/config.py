@@ -14,10 +14,10 @@ import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 
-from fleetlike.roles._env import parse_gpu_list
-from fleetlike.roles.role import _is_host
+from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
+    "AUTO_PORT",
     "DEFAULT_STARTED_PORT",
     "LaunchConfig",
     "LaunchInputError",
@@ -28,6 +28,9 @@ __all__ = [
 ]
 
 DEFAULT_STARTED_PORT = 6170
+
+#: ``--started_port=auto``: the launcher lets the OS choose free ports and holds them (one node).
+AUTO_PORT = "auto"
 
 _EXAMPLES = """\
 examples:
@@ -45,6 +48,9 @@ examples:
         --selected_gpus=0,1,2,3 \\
         train_with_fleet.py --model=ResNet50 --data_dir=./ImageNet
   and the same with --node_ip=192.168.1.3 on 192.168.1.3.
+
+  one machine, ports chosen by the launcher (several jobs or test runs side by side):
+    python -m fleetlike.launch --nproc_per_node=2 --started_port=auto train.py
 
 Ranks are numbered node by node in --cluster_node_ips order; local process i listens at
 node_ip:(started_port + i). Worker i logs to LOG_DIR/workerlog.i; local rank 0 is also echoed here.
@@ -96,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this node's IP, one of --cluster_node_ips (default: the only one, "
                    "else 127.0.0.1)")
     p.add_argument("--started_port", "--start_port", default=str(DEFAULT_STARTED_PORT),
-                   help="port of local process 0; process i uses started_port+i (default: 6170)")
+                   help="port of local process 0; process i uses started_port+i (default: 6170). "
+                   "'auto' (one node only): the launcher binds free ports chosen by the OS and "
+                   "hosts the rendezvous store on rank 0's itself, so no other process can take "
+                   "a port between its choice and its use")
     p.add_argument("--selected_gpus", "--gpus", default=None,
                    help="comma-separated GPU ids, one process each (default: all visible GPUs; "
                    "with --nproc_per_node=N, GPUs 0..N-1 if at least N are visible, else CPU)")
@@ -124,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_job_id(cluster_node_ips: Sequence[str], started_port: int, nproc_per_node: int) -> str:
+def default_job_id(
+    cluster_node_ips: Sequence[str], started_port: int | None, nproc_per_node: int
+) -> str:
     """Random for one node; for several, a digest that every node's launcher computes alike.
 
     Launchers on different machines cannot agree on a random value without talking to each
@@ -138,13 +149,18 @@ def default_job_id(cluster_node_ips: Sequence[str], started_port: int, nproc_per
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Everything the launcher needs, resolved. Endpoints and ranks are derived, not stored."""
+    """Everything the launcher needs, resolved. Endpoints and ranks are derived, not stored.
+
+    ``started_port=None`` is ``--started_port=auto``: the ports are unknown until the launcher
+    binds them (`fleetlike.launch.ports.host_endpoints`), which then fills ``ports`` with the
+    port of each local rank.
+    """
 
     training_script: str
     training_script_args: tuple[str, ...] = ()
     cluster_node_ips: tuple[str, ...] = ("127.0.0.1",)
     node_ip: str = "127.0.0.1"
-    started_port: int = DEFAULT_STARTED_PORT
+    started_port: int | None = DEFAULT_STARTED_PORT
     nproc_per_node: int = 1
     selected_gpus: tuple[int, ...] = ()
     log_dir: str = "log"
@@ -153,13 +169,14 @@ class LaunchConfig:
     kill_grace: float = 3.0
     print_config: bool = False
     malloc_tuning: bool = True
+    ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
         if not self.cluster_node_ips:
             raise LaunchInputError("--cluster_node_ips is empty; give at least this node's IP")
         for ip in self.cluster_node_ips:
-            if not _is_host(ip):
+            if not is_host(ip):
                 raise LaunchInputError(
                     f"--cluster_node_ips={ips}: {ip!r} is neither an IP address nor a host name"
                 )
@@ -182,13 +199,26 @@ class LaunchConfig:
                 f"({len(self.selected_gpus)} GPUs, one process each); drop --nproc_per_node or "
                 "make them agree"
             )
-        if not 1 <= self.started_port <= 65535:
+        if self.started_port is None:
+            if self.node_num > 1:
+                raise LaunchInputError(
+                    f"--started_port={AUTO_PORT} chooses free ports on this machine only, but "
+                    f"--cluster_node_ips={ips} lists {self.node_num} nodes, whose launchers must "
+                    "agree on the ports in advance; give every node the same number, e.g. "
+                    f"--started_port={DEFAULT_STARTED_PORT}"
+                )
+        elif not 1 <= self.started_port <= 65535:
             raise LaunchInputError(f"--started_port={self.started_port} is outside 1..65535")
-        last = self.started_port + self.nproc_per_node - 1
-        if last > 65535:
+        elif self.started_port + self.nproc_per_node - 1 > 65535:
+            last = self.started_port + self.nproc_per_node - 1
             raise LaunchInputError(
                 f"--started_port={self.started_port} with {self.nproc_per_node} processes per "
                 f"node needs ports up to {last}, above 65535; choose a lower --started_port"
+            )
+        if self.ports and len(self.ports) != self.nproc_per_node:
+            raise ValueError(
+                f"ports={self.ports} has {len(self.ports)} entries for nproc_per_node="
+                f"{self.nproc_per_node}; give one port per local rank"
             )
         if self.kill_grace < 0:
             raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
@@ -208,13 +238,26 @@ class LaunchConfig:
         return self.node_num * self.nproc_per_node
 
     @property
+    def auto_ports(self) -> bool:
+        """``--started_port=auto``."""
+        return self.started_port is None
+
+    @property
+    def local_ports(self) -> tuple[int, ...]:
+        """The port of each local rank: ``ports`` once chosen, else ``started_port + i``."""
+        if self.ports:
+            return self.ports
+        if self.started_port is None:
+            raise ValueError(
+                f"--started_port={AUTO_PORT}: the ports are chosen when the launcher binds them; "
+                "ask a config returned by fleetlike.launch.ports.host_endpoints"
+            )
+        return tuple(range(self.started_port, self.started_port + self.nproc_per_node))
+
+    @property
     def endpoints(self) -> tuple[str, ...]:
         """Every rank's ``ip:port``, node by node in ``cluster_node_ips`` order."""
-        return tuple(
-            f"{ip}:{self.started_port + i}"
-            for ip in self.cluster_node_ips
-            for i in range(self.nproc_per_node)
-        )
+        return tuple(f"{ip}:{port}" for ip in self.cluster_node_ips for port in self.local_ports)
 
     @property
     def master_endpoint(self) -> str:
@@ -247,7 +290,7 @@ def parse_config(
     args = build_parser().parse_args(list(argv))
     ips = tuple(ip.strip() for ip in args.cluster_node_ips.split(",") if ip.strip())
     node_ip = args.node_ip.strip() if args.node_ip else (ips[0] if len(ips) == 1 else "127.0.0.1")
-    port = _int_flag("--started_port", args.started_port)
+    port = None if args.started_port.strip() == AUTO_PORT else _int_flag("--started_port", args.started_port)
     nproc = None if args.nproc_per_node is None else _int_flag("--nproc_per_node", args.nproc_per_node)
     if args.selected_gpus is not None:
         try:
@@ -291,6 +334,13 @@ def parse_config(
     )
 
 
+def _port_text(config: LaunchConfig) -> str:
+    if not config.auto_ports:
+        return str(config.started_port)
+    chosen = ",".join(map(str, config.ports)) if config.ports else "not yet chosen"
+    return f"{AUTO_PORT} ({chosen}; store hosted by the launcher)"
+
+
 def format_config(config: LaunchConfig) -> str:
     """The resolved configuration as a two-column table (``--print_config``)."""
     script = ("-m " if config.module else "") + config.training_script
@@ -299,12 +349,12 @@ def format_config(config: LaunchConfig) -> str:
         ("cluster_node_ips", ",".join(config.cluster_node_ips)),
         ("node_ip", config.node_ip),
         ("node_index", f"{config.node_index} of {config.node_num}"),
-        ("started_port", str(config.started_port)),
+        ("started_port", _port_text(config)),
         ("nproc_per_node", str(config.nproc_per_node)),
         ("device", "gpu " + ",".join(map(str, config.selected_gpus)) if config.selected_gpus else "cpu"),
         ("world_size", str(config.world_size)),
         ("ranks on this node", f"{config.rank(0)}..{config.rank(config.nproc_per_node - 1)}"),
-        ("master_endpoint", config.master_endpoint),
+        ("master_endpoint", config.master_endpoint if not config.auto_ports or config.ports else "chosen at start"),
         ("log_dir", config.log_dir),
         ("job_id", config.job_id),
         ("kill_grace", f"{config.kill_grace:g} s"),

@@ -13,7 +13,12 @@ from collections.abc import Mapping
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles.role import parse_endpoint
 
-__all__ = ["MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
+__all__ = ["AGENT_STORE", "MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
+
+#: torch's (and torchrun's) name for "the store at MASTER_ADDR:MASTER_PORT is hosted by the
+#: launcher": set to ``True`` with ``--started_port=auto``, read by `PaddleCloudRoleMaker`
+#: (``Role.master_hosted``) and by torch's own ``env://`` / ``tcp://`` initialization.
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 #: Removed from workers: a proxy would swallow the workers' connections to each other.
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -51,7 +56,8 @@ def worker_env(
     PADDLE_TRAINER_ID     global rank (node_index * nproc_per_node + local_rank)
     PADDLE_TRAINERS_NUM   world size (nodes * nproc_per_node)
     PADDLE_TRAINER_ENDPOINTS  every rank's ip:port, comma separated, in rank order
-    PADDLE_CURRENT_ENDPOINT   this worker's node_ip:(started_port + local_rank)
+    PADDLE_CURRENT_ENDPOINT   this worker's node_ip:(started_port + local_rank), or with
+                          ``--started_port=auto`` node_ip and the port chosen for it
     PADDLE_NODE_NUM       number of nodes
     FLAGS_selected_gpus   this worker's GPU id ("" on CPU)
     RANK                  = PADDLE_TRAINER_ID (torchrun name)
@@ -60,7 +66,11 @@ def worker_env(
     LOCAL_WORLD_SIZE      nproc_per_node
     GROUP_RANK            node index (torchrun name)
     MASTER_ADDR           rank 0's IP: the fleetlike rendezvous store is hosted there
-    MASTER_PORT           rank 0's port (started_port)
+    MASTER_PORT           rank 0's port (started_port, or the port the launcher chose)
+    TORCHELASTIC_USE_AGENT_STORE  ``--started_port=auto`` only: ``True``, as under torchrun:
+                          the store at MASTER_ADDR:MASTER_PORT is hosted by the launcher, so
+                          rank 0 (fleetlike, or torch's ``env://``) joins it instead of
+                          binding the port; removed otherwise
     FLEETLIKE_JOB_ID      the job id (--job_id, see `default_job_id`)
     FLEETLIKE_NODE_IP     this node's IP (--node_ip)
     CUDA_VISIBLE_DEVICES  GPU runs only: the launcher's own visible devices, unchanged in
@@ -102,6 +112,10 @@ def worker_env(
             "FLEETLIKE_NODE_IP": config.node_ip,
         }
     )
+    if config.auto_ports:
+        env[AGENT_STORE] = str(True)
+    else:
+        env.pop(AGENT_STORE, None)
     if config.selected_gpus:
         visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
         if not visible:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-from fleetlike.launch.checks import check_machine, cuda_device_count
+from fleetlike.launch.checks import check_machine, cuda_device_count, host_ports
 from fleetlike.launch.config import (
     LaunchConfig,
     LaunchInputError,
@@ -30,6 +30,7 @@ from fleetlike.launch.config import (
     parse_config,
 )
 from fleetlike.launch.env import worker_env
+from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.launch.workers import Worker, close_logs, describe_exit, start_worker, stop_workers
 
 __all__ = ["main", "launch", "worker_command"]
@@ -95,7 +96,20 @@ def _last_line(path: Any) -> str:
 
 def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit code."""
-    check_machine(config, visible_gpus=visible_gpus)
+    hosted: HostedEndpoints | None = None
+    if config.auto_ports:
+        # held until every worker is gone, so no other process can take the ports meanwhile
+        config, hosted = host_ports(config)
+    try:
+        check_machine(config, visible_gpus=visible_gpus)
+        return _run(config)
+    finally:
+        if hosted is not None:
+            hosted.close()
+
+
+def _run(config: LaunchConfig) -> int:
+    """Start, watch and stop the workers of a checked ``config`` whose ports are settled."""
     if config.print_config:
         print(format_config(config), flush=True)
     stop = _StopRequest()

@@ -7,6 +7,7 @@ stopping a job leaves nothing behind: SIGTERM first, SIGKILL after a grace perio
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
@@ -144,8 +145,6 @@ def _die_with_launcher() -> None:
     """In the child, before exec: Linux delivers SIGKILL to it when the launcher dies, so a
     launcher killed with SIGKILL (no chance to clean up) does not leave its workers running."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own stop logic still covers every other way of ending

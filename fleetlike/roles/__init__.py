@@ -10,20 +10,23 @@ Example:
     (2, True)
 """
 
-from fleetlike.roles.base import RoleMaker, as_role
-from fleetlike.roles.detect import EnvRoleMaker, detect_role, detect_source
+from fleetlike.roles._env import parse_gpu_list
+from fleetlike.roles.base import RoleMaker
+from fleetlike.roles.detect import EnvRoleMaker, as_role, detect_role, detect_source
 from fleetlike.roles.mpi import MPIRoleMaker
 from fleetlike.roles.paddle import (
     PaddleCloudRoleMaker,
     UserDefinedCollectiveRoleMaker,
     UserDefinedRoleMaker,
 )
-from fleetlike.roles.role import Role, parse_endpoint, topology
+from fleetlike.roles.role import Role, is_host, parse_endpoint, topology
 from fleetlike.roles.slurm import expand_nodelist, parse_tasks_per_node
 
 __all__ = [
     "Role",
+    "is_host",
     "parse_endpoint",
+    "parse_gpu_list",
     "topology",
     "RoleMaker",
     "as_role",

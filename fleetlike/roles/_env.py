@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from fleetlike.roles.role import Role, _is_host
+from fleetlike.roles.role import Role, is_host
 
 __all__ = [
     "DEFAULT_PORT",
@@ -24,6 +24,7 @@ __all__ = [
     "selected_gpus",
     "job_id",
     "master_addr",
+    "agent_store",
     "base_port",
     "node_hosts",
     "block_endpoints",
@@ -108,10 +109,17 @@ def master_addr(environ: Environ) -> str | None:
     for name in ("FLEETLIKE_MASTER_ADDR", "MASTER_ADDR"):
         value = get(environ, name)
         if value is not None:
-            if not _is_host(value.strip("[]")):
+            if not is_host(value.strip("[]")):
                 raise ValueError(f"{name}={value!r} is neither an IP address nor a host name")
             return value
     return None
+
+
+def agent_store(environ: Environ) -> bool:
+    """``TORCHELASTIC_USE_AGENT_STORE=True``: the store at the master endpoint is hosted by the
+    launcher (torch's name and spelling; ``fleetlike.launch --started_port=auto`` sets it), so
+    rank 0 connects to it instead of hosting one."""
+    return get(environ, "TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def base_port(environ: Environ, *, default: int = DEFAULT_PORT, offset: int = 0) -> int:
@@ -149,7 +157,7 @@ def node_hosts(environ: Environ, node_num: int, *, source: str) -> tuple[list[st
                 f"environment describes {node_num}; list one address per node, in node order"
             )
         for host in hosts:
-            if not _is_host(host):
+            if not is_host(host):
                 raise ValueError(
                     f"FLEETLIKE_NODE_IPS={listed!r}: {host!r} is neither an IP address nor a host name"
                 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fleetlike.roles.role import Role
 
-__all__ = ["RoleMaker", "as_role"]
+__all__ = ["RoleMaker"]
 
 
 class RoleMaker:
@@ -81,19 +81,3 @@ class RoleMaker:
             f"local_rank={r.local_rank}/{r.local_size}, node={r.node_index}/{r.node_num}, "
             f"source={r.source!r})"
         )
-
-
-def as_role(obj: RoleMaker | Role | None) -> Role:
-    """Turn what a user passes as ``role_maker`` into a `Role`; None auto-detects."""
-    if obj is None:
-        from fleetlike.roles.detect import detect_role
-
-        return detect_role()
-    if isinstance(obj, Role):
-        return obj
-    if isinstance(obj, RoleMaker):
-        return obj.role
-    raise TypeError(
-        f"role_maker must be a fleetlike role maker (e.g. roles.PaddleCloudRoleMaker()), a Role "
-        f"or None for auto-detection; got {type(obj).__name__}"
-    )

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from fleetlike.roles import _env
@@ -36,8 +37,12 @@ from fleetlike.roles.slurm import is_slurm, slurm_role
 
 __all__ = [
     "EnvRoleMaker",
+    "LAUNCHER_VARS",
+    "LauncherVars",
+    "as_role",
     "detect_role",
     "detect_source",
+    "env_role",
     "torchrun_role",
     "openmpi_role",
     "mpich_role",
@@ -105,66 +110,73 @@ def uniform_role(
     return _env.role_from_env(environ, rank, endpoints, port, source)
 
 
-def torchrun_role(environ: _env.Environ) -> Role:
-    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` from torchrun."""
-    world = _env.require_int(environ, "WORLD_SIZE", minimum=1)
-    rank = _env.require_int(environ, "RANK", minimum=0)
-    local_rank = _env.get_int(environ, "LOCAL_RANK", minimum=0)
-    local_size = _env.get_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
-    if local_size is None:
-        local_size = world
-    if local_rank is None:
-        local_rank = rank % local_size
+@dataclasses.dataclass(frozen=True)
+class LauncherVars:
+    """The variables one launcher sets: (rank, world, local rank, local size), and node index.
+
+    torchrun, Open MPI and MPICH differ only in these names (and torchrun's port offset), so one
+    reader, `env_role`, serves all three.
+    """
+
+    rank: str
+    world: str
+    local_rank: str
+    local_size: str
+    node_index: str | None = None
+    port_offset: int = 0
+
+
+#: Name of each launcher -> its variables.
+LAUNCHER_VARS: dict[str, LauncherVars] = {
+    "torchrun": LauncherVars("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", 1),
+    "openmpi": LauncherVars(
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mpich": LauncherVars("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+def env_role(environ: _env.Environ, source: str) -> Role:
+    """The role from launcher ``source``'s variables (`LAUNCHER_VARS`) on a block layout.
+
+    A missing local size means one node (all ranks local); a missing local rank is
+    ``rank % local_size``, the block layout every one of these launchers uses by default.
+    """
+    names = LAUNCHER_VARS[source]
+    world = _env.require_int(environ, names.world, minimum=1)
+    rank = _env.require_int(environ, names.rank, minimum=0)
+    local_size = _env.get_int(environ, names.local_size, minimum=1) or world
+    local_rank = _env.get_int(environ, names.local_rank, minimum=0)
+    node_index = None if names.node_index is None else _env.get_int(environ, names.node_index, minimum=0)
     return uniform_role(
         environ,
         rank=rank,
         world=world,
-        local_rank=local_rank,
+        local_rank=rank % local_size if local_rank is None else local_rank,
         local_size=local_size,
-        node_index=_env.get_int(environ, "GROUP_RANK", minimum=0),
-        source="torchrun",
-        names=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-        port_offset=1,
+        node_index=node_index,
+        source=source,
+        names=(names.rank, names.world, names.local_rank, names.local_size),
+        port_offset=names.port_offset,
     )
+
+
+def torchrun_role(environ: _env.Environ) -> Role:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK`` from torchrun."""
+    return env_role(environ, "torchrun")
 
 
 def openmpi_role(environ: _env.Environ) -> Role:
     """``OMPI_COMM_WORLD_*`` from Open MPI's ``mpirun``."""
-    world = _env.require_int(environ, "OMPI_COMM_WORLD_SIZE", minimum=1)
-    rank = _env.require_int(environ, "OMPI_COMM_WORLD_RANK", minimum=0)
-    local_size = _env.get_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1) or world
-    local_rank = _env.get_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", minimum=0)
-    return uniform_role(
-        environ,
-        rank=rank,
-        world=world,
-        local_rank=rank % local_size if local_rank is None else local_rank,
-        local_size=local_size,
-        source="openmpi",
-        names=(
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "OMPI_COMM_WORLD_LOCAL_SIZE",
-        ),
-    )
+    return env_role(environ, "openmpi")
 
 
 def mpich_role(environ: _env.Environ) -> Role:
     """``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``/``MPI_LOCALNRANKS`` from MPICH's Hydra."""
-    world = _env.require_int(environ, "PMI_SIZE", minimum=1)
-    rank = _env.require_int(environ, "PMI_RANK", minimum=0)
-    local_size = _env.get_int(environ, "MPI_LOCALNRANKS", minimum=1) or world
-    local_rank = _env.get_int(environ, "MPI_LOCALRANKID", minimum=0)
-    return uniform_role(
-        environ,
-        rank=rank,
-        world=world,
-        local_rank=rank % local_size if local_rank is None else local_rank,
-        local_size=local_size,
-        source="mpich",
-        names=("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    )
+    return env_role(environ, "mpich")
 
 
 def is_torchrun(environ: _env.Environ) -> bool:
@@ -214,3 +226,21 @@ class EnvRoleMaker(RoleMaker):
 
     def __init__(self, environ: _env.Environ | None = None) -> None:
         super().__init__(detect_role(environ))
+
+
+def as_role(obj: RoleMaker | Role | None) -> Role:
+    """Turn what a user passes as ``role_maker`` into a `Role`; None auto-detects.
+
+    It lives beside detection (not in `fleetlike.roles.base`) because None means "detect", and
+    detection builds on the role makers: here both are below it, so no import circle.
+    """
+    if obj is None:
+        return detect_role()
+    if isinstance(obj, Role):
+        return obj
+    if isinstance(obj, RoleMaker):
+        return obj.role
+    raise TypeError(
+        f"role_maker must be a fleetlike role maker (e.g. roles.PaddleCloudRoleMaker()), a Role "
+        f"or None for auto-detection; got {type(obj).__name__}"
+    )

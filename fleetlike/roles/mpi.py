@@ -23,7 +23,7 @@ from fleetlike.roles import _env
 from fleetlike.roles.base import RoleMaker
 from fleetlike.roles.detect import is_mpich, is_openmpi, mpich_role, openmpi_role
 from fleetlike.roles.paddle import single_role
-from fleetlike.roles.role import Role, _is_host, topology
+from fleetlike.roles.role import Role, is_host, topology
 
 __all__ = ["MPIRoleMaker", "mpi_role"]
 
@@ -55,7 +55,7 @@ def mpi_role(comm: Any, environ: _env.Environ) -> Role:
     rank, size = comm.Get_rank(), comm.Get_size()
     own = _env.get(environ, "FLEETLIKE_NODE_IP") or MPI.Get_processor_name()
     hosts = comm.allgather(own)
-    bad = sorted({h for h in hosts if not _is_host(h)})
+    bad = sorted({h for h in hosts if not is_host(h)})
     if bad:
         raise ValueError(
             f"MPI host names {bad} are neither IP addresses nor host names usable in ip:port; "

@@ -137,6 +137,7 @@ def paddle_role(environ: _env.Environ) -> Role:
         selected_gpus=_env.selected_gpus(environ),
         job_id=_env.job_id(environ),
         source="paddle",
+        master_hosted=_env.agent_store(environ),
     )
 
 

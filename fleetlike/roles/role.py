@@ -17,7 +17,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Sequence
 
-__all__ = ["Role", "parse_endpoint", "topology"]
+__all__ = ["Role", "is_host", "parse_endpoint", "topology"]
 
 
 def parse_endpoint(endpoint: str, *, name: str = "endpoint") -> tuple[str, int]:
@@ -42,12 +42,14 @@ def parse_endpoint(endpoint: str, *, name: str = "endpoint") -> tuple[str, int]:
         ) from None
     if not 1 <= port <= 65535:
         raise ValueError(f"{name}={endpoint!r}: port {port} is outside 1..65535")
-    if not _is_host(host):
+    if not is_host(host):
         raise ValueError(f"{name}={endpoint!r}: {host!r} is neither an IP address nor a host name")
     return host, port
 
 
-def _is_host(host: str) -> bool:
+def is_host(host: str) -> bool:
+    """True for an IP address or a syntactically valid host name (no lookup: the name may only
+    resolve on the nodes, not where the check runs)."""
     try:
         ipaddress.ip_address(host)
         return True
@@ -90,6 +92,10 @@ class Role:
         selected_gpus: the GPU ids this process may use (empty on CPU).
         job_id: identifies the job, so two jobs sharing a port never join each other.
         master_endpoint: where the rendezvous store listens (rank 0's endpoint by default).
+        master_hosted: the store at ``master_endpoint`` is already hosted by another process (the
+            launcher with ``--started_port=auto``, or `fleetlike.testing`), so rank 0 joins it as
+            a client instead of binding the port: the host bound it on port 0 and never let it go,
+            so no other process can take it between the choice of the port and its use.
         source: which role maker produced this (for the applied-strategy report and errors).
     """
 
@@ -104,6 +110,7 @@ class Role:
     job_id: str = "default"
     master_endpoint: str = ""
     source: str = "user"
+    master_hosted: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -129,6 +136,7 @@ class Role:
         job_id: str = "default",
         master_endpoint: str | None = None,
         source: str = "user",
+        master_hosted: bool = False,
     ) -> Role:
         """Build a role from a rank and the endpoint list, deriving the node topology."""
         eps = tuple(endpoints)
@@ -160,6 +168,7 @@ class Role:
             job_id=job_id,
             master_endpoint=master_endpoint if master_endpoint else eps[0],
             source=source,
+            master_hosted=master_hosted,
         )
 
     @property

@@ -8,6 +8,7 @@ The layers above never read the environment (DESIGN.md): `fleet.init` asks this 
                             without editing the script)
 ``FLEETLIKE_BACKEND``       force a backend: gloo, mpi, nccl, single (default: auto)
 ``FLEETLIKE_CHECK_COLLECTIVES``  "1" turns the collective desync check on (debugging)
+``CUDA_VISIBLE_DEVICES``    set: the process trains on a GPU even without FLAGS_selected_gpus
 ==========================  ===============================================================
 """
 
@@ -25,6 +26,8 @@ class EnvSettings:
     strategy_override: str | None = None
     backend: str | None = None
     check_collectives: bool = False
+    #: CUDA_VISIBLE_DEVICES as set (a GPU job launched without FLAGS_selected_gpus)
+    cuda_visible_devices: str | None = None
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -38,4 +41,5 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         strategy_override=env.get("FLEETLIKE_STRATEGY") or None,
         backend=env.get("FLEETLIKE_BACKEND") or None,
         check_collectives=flag in ("1", "true", "yes"),
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES") or None,
     )

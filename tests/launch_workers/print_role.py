@@ -21,7 +21,8 @@ def main() -> None:
         role = roles.detect_role()
         extra = {}
     with open(os.path.join(out, f"role.{role.rank}.json"), "w") as f:
-        json.dump({"role": dataclasses.asdict(role), **extra}, f)
+        master = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+        json.dump({"role": dataclasses.asdict(role), **master, **extra}, f)
 
 
 if __name__ == "__main__":

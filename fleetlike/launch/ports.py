@@ -1,0 +1,102 @@
+"""Ports without a race: ``--started_port=auto`` (and `fleetlike.testing`).
+
+Picking a free port, closing it and handing the number to another process is a race: anything
+on the machine may bind it in between (CI once failed with "port 60154 ... is already in use").
+The only port of a fleetlike job that is really listened on is the rendezvous store's (rank 0's
+endpoint); gloo's connections between ranks use ports the OS assigns as they are made. So the
+host of the job binds that socket on port 0 and serves the store on it itself, the way torchrun's
+agent does, and the workers connect to it (``Role.master_hosted``): the port is bound before its
+number exists anywhere, and stays bound until the job ends.
+
+The other ranks' endpoints are only names (they tell nodes apart and appear in messages), but a
+name should not point at a port some other program owns: each is bound too (not listening, no
+``SO_REUSEADDR``) and held as long as the job runs, so no other process can bind it meanwhile.
+
+Example:
+    >>> with host_endpoints(["127.0.0.1", "127.0.0.1"], job_id="demo") as hosted:
+    ...     hosted.endpoints          # ('127.0.0.1:41233', '127.0.0.1:39017'), say
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from types import TracebackType
+
+import torch.distributed as dist
+
+from fleetlike.comm.rendezvous import host_store
+
+__all__ = ["HostedEndpoints", "host_endpoints", "reserve_port"]
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A socket bound to a port the OS chose on ``host``, held (not listening) by the caller.
+
+    No ``SO_REUSEADDR``: on Linux two sockets that both set it may share a port while neither
+    listens, so leaving it off is what makes the port this socket's alone.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HostedEndpoints:
+    """A job's endpoints whose ports this process holds: rank 0's is the store it hosts.
+
+    Close it (or leave the ``with`` block) only once the job's processes are gone: that lets the
+    ports go.
+    """
+
+    def __init__(self, endpoints: tuple[str, ...], store: dist.TCPStore, held: list[socket.socket]) -> None:
+        self.endpoints = endpoints
+        self.store: dist.TCPStore | None = store
+        self._held = held
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The port of each endpoint, in rank order."""
+        return tuple(int(e.rsplit(":", 1)[1]) for e in self.endpoints)
+
+    def close(self) -> None:
+        """Stop the store and release the reserved ports (idempotent)."""
+        for sock in self._held:
+            sock.close()
+        self._held = []
+        self.store = None  # the server thread ends with the last reference
+
+    def __enter__(self) -> HostedEndpoints:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def host_endpoints(hosts: Sequence[str], job_id: str, timeout: float = 300.0) -> HostedEndpoints:
+    """Endpoints for ranks on ``hosts`` (one entry per rank, rank order), ports chosen by the OS.
+
+    Rank 0's port is a rendezvous store for ``job_id`` hosted here (on ``hosts[0]`` only); the
+    others are reserved sockets. Raises OSError when a host is not an address of this machine.
+    """
+    if not hosts:
+        raise ValueError("hosts is empty: give one host per rank (at least one)")
+    store = host_store(hosts[0], job_id, timeout)
+    held: list[socket.socket] = []
+    try:
+        ports = [int(store.port)]
+        for host in hosts[1:]:
+            held.append(reserve_port(host))
+            ports.append(held[-1].getsockname()[1])
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
+    shown = [f"[{h}]" if ":" in h else h for h in hosts]
+    return HostedEndpoints(tuple(f"{h}:{p}" for h, p in zip(shown, ports)), store, held)
