@@ -13,6 +13,7 @@ Tasks:
     create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role, and
                    its `CommGroups` (intra, inter, rings)
     stall          rank 0 issues an allreduce rank 1 never joins (the watchdog's case)
+    mismatch       each rank calls one collective with its own size; returns the error text
 """
 
 from __future__ import annotations
@@ -217,7 +218,32 @@ def _task_stall(spec: dict[str, Any]) -> Any:
     return "finished"
 
 
-TASKS = {"cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
+def _task_mismatch(spec: dict[str, Any]) -> Any:
+    """Rank r passes ``spec["shapes"][r]`` to ``spec["kind"]``; returns (error text, rows) or
+    None, then an allreduce showing the communicator still works."""
+    import torch
+
+    from fleetlike.comm import CollectiveMismatchError
+    from fleetlike.comm.mpi import MPICommunicator
+
+    world = MPICommunicator(timeout=spec.get("timeout", 30.0))
+    world.check_sizes = spec.get("check_sizes", True)
+    try:
+        x = torch.ones(spec["shapes"][world.rank])
+        try:
+            getattr(world, spec["kind"])(x)
+        except CollectiveMismatchError as exc:
+            error: Any = (str(exc), exc.rows)
+        except Exception as exc:  # noqa: BLE001 - what MPI itself does, for the record
+            error = ("other", f"{type(exc).__name__}: {exc}")
+        else:
+            error = None
+        return error, world.all_reduce(torch.tensor([1.0 + world.rank])).item()
+    finally:
+        world.close()
+
+
+TASKS = {"mismatch": _task_mismatch, "cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
 
 
 def main(spec_path: str, outdir: str) -> None:

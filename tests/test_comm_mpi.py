@@ -88,3 +88,18 @@ def test_a_collective_a_peer_never_joins_aborts_the_job_after_the_timeout(mode):
     assert "fleetlike: collective #2 all_reduce on 'world' (mpi) has not finished after" in text, text
     assert "on rank 0 (timeout 2s)" in text and "the job is being aborted" in text, text
     assert elapsed < 40, elapsed  # rank 1 sleeps 60 s: the job did not wait for it
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "broadcast", "reduce_scatter"])
+def test_different_sizes_raise_on_every_rank_naming_each_shape(kind):
+    """MPI on its own truncates ("Message from rank 1 ... truncated"), errors on one rank only
+    (broadcast) or aborts the job; the default size check raises on every rank first."""
+    shapes = [(4,), (6,)] if kind != "reduce_scatter" else [(4,), (8,)]
+    results = run_mpi(2, "mismatch", {"kind": kind, "shapes": shapes}, timeout=60)
+    for rank, (error, after) in enumerate(results):
+        assert error is not None and error[0] != "other", (rank, error)
+        text, rows = error
+        assert "found by the size check" in text, text
+        assert [r["shape"] for r in rows] == [str(s) for s in shapes], text
+        assert after == 3.0

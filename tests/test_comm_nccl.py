@@ -199,7 +199,13 @@ class _FakeNccl(types.ModuleType):
                 self._copy("reduce", s, r, n * _SIZES[t])
 
             def allGather(self, s, r, n, t, stream):
-                self._copy("allGather", s, r, n * _SIZES[t])
+                nbytes, ndev = n * _SIZES[t], self.ndev
+
+                def mirror():  # every (mirrored) peer contributes the same chunk
+                    for i in range(ndev):
+                        if s != r + i * nbytes:
+                            ctypes.memmove(r + i * nbytes, s, nbytes)
+                self._do("allGather", mirror)
 
             def reduceScatter(self, s, r, n, t, op, stream):
                 self._copy("reduceScatter", s, r, n * _SIZES[t])

@@ -6,22 +6,30 @@ Example:
     >>> world.all_reduce(torch.ones(4), op="avg")
 """
 
-from fleetlike.comm.base import (
-    SUPPORTED_DTYPES,
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.dtypes import SUPPORTED_DTYPES, dtype_name, parse_choice
+from fleetlike.comm.errors import (
+    CollectiveError,
+    CollectiveFailedError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     CommError,
-    CommStats,
-    Communicator,
-    CompletedWork,
-    ReduceOp,
-    Work,
 )
+from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.ops import ReduceOp
+from fleetlike.comm.ragged import all_gather_ragged
 from fleetlike.comm.rendezvous import JobMismatchError, RendezvousError
 from fleetlike.comm.single import SingleCommunicator
+from fleetlike.comm.stats import CommStats
 from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_world, resolve_backend
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "Backend",
+    "CollectiveError",
+    "CollectiveFailedError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CommError",
     "CommGroups",
     "CommStats",
@@ -33,6 +41,9 @@ __all__ = [
     "RendezvousError",
     "SingleCommunicator",
     "Work",
+    "all_gather_ragged",
     "create_world",
+    "dtype_name",
+    "parse_choice",
     "resolve_backend",
 ]

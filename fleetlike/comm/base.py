@@ -21,7 +21,9 @@ Backends implement only the ``_*_start`` primitives (and, where blocking calls a
 the ``_*_now`` forms the blocking grid calls use) on *contiguous* tensors of dtypes they
 support; this base class does the argument checks, dtype conversion (a backend without, say,
 bfloat16 reductions gets float32 on the wire and the result is cast back), AVG as SUM then
-divide, aliasing for the in-place forms, and the statistics, once for all backends.
+divide, aliasing for the in-place forms, the statistics, and the agreement checks of `guard`
+(by default, one small all-reduce that makes ranks passing different sizes raise
+`CollectiveMismatchError` instead of aborting inside gloo), once for all backends.
 
 Example:
     >>> comm = SingleCommunicator()
@@ -34,14 +36,25 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
-import dataclasses
+import itertools
+import threading
 import weakref
-import enum
 from collections.abc import Callable, Sequence
-from typing import Any, ContextManager, Protocol, runtime_checkable
+from typing import Any, ContextManager
 
 import torch
 
+from fleetlike.comm import guard as _guard
+from fleetlike.comm.dtypes import SUPPORTED_DTYPES, dtype_names
+from fleetlike.comm.errors import CommError
+from fleetlike.comm.handles import DONE as _DONE
+from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.handles import finish as _finish
+from fleetlike.comm.ops import ReduceOp
+from fleetlike.comm.stats import CommStats, ring_send_bytes
+
+# ReduceOp, Work, CompletedWork, CommStats, SUPPORTED_DTYPES and CommError live in their own
+# modules (ops, handles, stats, dtypes, errors) and are re-exported here, where callers found them.
 __all__ = [
     "ReduceOp",
     "Work",
@@ -52,160 +65,6 @@ __all__ = [
     "CommError",
     "divide_",
 ]
-
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-)
-
-
-class CommError(RuntimeError):
-    """A collective could not be carried out (peer missing, backend failure, bad setup)."""
-
-
-class ReduceOp(str, enum.Enum):
-    """Reduction of a collective. Accepts the enum or its lower-case name."""
-
-    SUM = "sum"
-    AVG = "avg"
-    MAX = "max"
-    MIN = "min"
-    PROD = "prod"
-
-    @classmethod
-    def parse(cls, value: ReduceOp | str) -> ReduceOp:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            found = _REDUCE_OPS.get(value)  # a dict, not cls(value): 0.1 us rather than 0.5 us
-            if found is None:
-                found = _REDUCE_OPS.get(value.lower())
-            if found is not None:
-                return found
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"op={value!r} is not a reduction; choose one of {choices}")
-
-
-_REDUCE_OPS: dict[str, ReduceOp] = {m.value: m for m in ReduceOp}
-
-
-@runtime_checkable
-class Work(Protocol):
-    """Handle of an asynchronous collective. ``wait()`` blocks and returns the result.
-
-    A protocol rather than a base class, so a backend's own handle (torch's ``Work``, an MPI
-    request wrapper) serves directly without another layer per call."""
-
-    def wait(self) -> Any: ...
-
-    def is_completed(self) -> bool: ...
-
-
-class CompletedWork(Work):
-    """A handle whose result is already there (world of one, empty tensors)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result: Any) -> None:
-        self._result = result
-
-    def wait(self) -> Any:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_DONE = CompletedWork(None)
-
-
-class _ChainedWork(Work):
-    """Backend handle + a finishing step (cast back, divide for AVG, copy to ``out``).
-
-    The finishing step runs exactly once, on the first ``wait()``.
-    """
-
-    __slots__ = ("_inner", "_finish", "_result", "_done")
-
-    def __init__(self, inner: Work, finish: Callable[[], Any]) -> None:
-        self._inner = inner
-        self._finish = finish
-        self._result: Any = None
-        self._done = False
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._inner.wait()
-            self._result = self._finish()
-            self._done = True
-            self._finish = _noop  # drop references to the buffers
-        return self._result
-
-    def is_completed(self) -> bool:
-        return self._done or self._inner.is_completed()
-
-
-def _noop() -> None:
-    return None
-
-
-def _finish(inner: Work, finish: Callable[[], Any], blocking: bool) -> Any:
-    """The end of every grid call: blocking, wait and return the result (no handle object on
-    the hot path); otherwise a handle that runs ``finish`` on its first ``wait()``."""
-    if blocking:
-        inner.wait()
-        return finish()
-    return _ChainedWork(inner, finish)
-
-
-@dataclasses.dataclass
-class CommStats:
-    """What a communicator has moved: collective calls and payload bytes, by op name.
-
-    ``bytes`` counts the payload of each call as seen by this rank (the tensor's size in the
-    wire dtype), not what the algorithm puts on the links; `wire_bytes` estimates that from
-    the ring algorithm's factors so flat and hierarchical schemes can be compared.
-    """
-
-    calls: dict[str, int] = dataclasses.field(default_factory=dict)
-    bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-    wire_bytes: int = 0
-
-    def record(self, op: str, nbytes: int, wire: int) -> None:
-        self.calls[op] = self.calls.get(op, 0) + 1
-        self.bytes[op] = self.bytes.get(op, 0) + nbytes
-        self.wire_bytes += wire
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.wire_bytes = 0
-
-
-def _ring_send_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends with the ring algorithm (nccl-tests' bus factors times payload)."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * nbytes // n
-    if op in ("broadcast", "reduce"):
-        return nbytes
-    return 0
 
 
 class Communicator(abc.ABC):
@@ -239,10 +98,21 @@ class Communicator(abc.ABC):
         self.timeout: float | None = None
         #: agree on every collective's op/shape/dtype before running it (see `guard`)
         self.check_collectives = False
+        #: agree on each collective's element count, op and dtype before its data moves (one
+        #: small all-reduce; see `guard.agree_sizes`), unless the caller passes ``agreed=True``.
+        #: On by default: a size mismatch otherwise aborts the process inside gloo.
+        self.check_sizes = True
         #: a store private to this group, for failure diagnosis (None: no diagnosis)
         self._diag_store: Any = None
+        #: number of the last collective issued; ``next(self._seqs)`` is atomic under the GIL,
+        #: ``self._seq += 1`` from two threads is not
         self._seq = 0
-        _LIVE.add(self)
+        self._seqs = itertools.count(1)
+        #: set by the guard while its agreement exchange runs, so a watchdog report names the
+        #: collective being checked ("all_reduce"), not the exchange's primitive ("all_gather")
+        self._check_label: str | None = None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
@@ -301,6 +171,11 @@ class Communicator(abc.ABC):
     def _barrier_now(self) -> Work:
         return self._barrier_start()
 
+    def _can_check_now(self) -> bool:
+        """Whether a blocking agreement exchange can run before this collective (NCCL: not
+        inside ``with comm.group():``, where no collective completes before the block ends)."""
+        return True
+
     def _close(self) -> None:
         """Release backend resources (override when there are any)."""
 
@@ -316,13 +191,15 @@ class Communicator(abc.ABC):
         args: tuple[Any, ...] = (),
         red: Any = None,
         root: int | None = None,
+        agreed: bool = False,
     ) -> Work:
-        """Number the collective, check agreement when asked, start it (``start(*args)``: no
-        closure per call), diagnose failures."""
-        self._seq += 1
-        seq = self._seq
+        """Number the collective, check agreement (sizes by default, everything when asked),
+        start it (``start(*args)``: no closure per call), diagnose failures."""
+        seq = self._seq = next(self._seqs)
         if self.check_collectives:
             _guard.agree(self, seq, op, tensor, red, root)
+        elif self.check_sizes and not agreed and self.size > 1 and self._can_check_now():
+            _guard.agree_sizes(self, seq, op, tensor, red, root)
         try:
             work = start(*args)
         except CommError:
@@ -342,8 +219,10 @@ class Communicator(abc.ABC):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in SUPPORTED_DTYPES:
-            valid = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-            raise TypeError(f"{name}: {what} has dtype {tensor.dtype}; supported dtypes: {valid}")
+            raise TypeError(
+                f"{name}: {what} has dtype {tensor.dtype}; supported dtypes: {dtype_names(SUPPORTED_DTYPES)}; "
+                "convert it with .to(...) (fleet.util.all_reduce accepts every integer and float dtype)"
+            )
         self._check_device(name, tensor, what)
 
     def _check_device(self, name: str, tensor: torch.Tensor, what: str) -> None:
@@ -367,21 +246,30 @@ class Communicator(abc.ABC):
         return self.size == 1 and not self.calls_backend_at_size_one
 
     def _record(self, op: str, nbytes: int) -> None:
-        self.stats.record(op, nbytes, _ring_send_bytes(op, nbytes, self.size))
+        self.stats.record(op, nbytes, ring_send_bytes(op, nbytes, self.size))
 
     # ----------------------------------------------------------------- public grid
 
     def all_reduce_async(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> Work:
-        """Start an allreduce; the result lands in ``out`` (or ``tensor`` when ``out`` is None)."""
-        return self._all_reduce(tensor, op, out, False)
+        """Start an allreduce; the result lands in ``out`` (or ``tensor`` when ``out`` is None).
+
+        ``agreed=True`` (on every grid call): the caller guarantees every rank passes the same
+        size, dtype and op (gradient buckets built from one model), so the default size check,
+        one small all-reduce before the data, is skipped. ``check_collectives`` still checks."""
+        return self._all_reduce(tensor, op, out, False, agreed)
 
     # Each grid call has one private body, ``_<op>(..., blocking)``: blocking, it runs the
     # backend's blocking primitive and returns the result; otherwise it returns a `Work`.
 
     def _all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
+        self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool, agreed: bool
     ) -> Any:
         red = ReduceOp.parse(op)
         self._check("all_reduce", tensor)
@@ -404,7 +292,7 @@ class Communicator(abc.ABC):
         if solo and buf is target:
             return target if blocking else CompletedWork(target)
         start = self._all_reduce_now if blocking else self._all_reduce_start
-        inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, start, (buf, backend_op), red)
+        inner = CompletedWork(buf) if solo else self._issue("all_reduce", tensor, start, (buf, backend_op), red, None, agreed)
         if not avg_here and buf is target:
             return _finish(inner, lambda: target, blocking)
         size = self.size
@@ -419,16 +307,25 @@ class Communicator(abc.ABC):
         return _finish(inner, finish, blocking)
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> torch.Tensor:
         """Reduce ``tensor`` over all ranks; every rank gets the result. See `all_reduce_async`."""
-        return self._all_reduce(tensor, op, out, True)
+        return self._all_reduce(tensor, op, out, True, agreed)
 
-    def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> Work:
+    def broadcast_async(
+        self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None, agreed: bool = False
+    ) -> Work:
         """Start copying ``root``'s tensor to every rank (into ``out`` when given)."""
-        return self._broadcast(tensor, root, out, False)
+        return self._broadcast(tensor, root, out, False, agreed)
 
-    def _broadcast(self, tensor: torch.Tensor, root: int, out: torch.Tensor | None, blocking: bool) -> Any:
+    def _broadcast(
+        self, tensor: torch.Tensor, root: int, out: torch.Tensor | None, blocking: bool, agreed: bool
+    ) -> Any:
         self._check("broadcast", tensor)
         self._check_root("broadcast", root)
         target = tensor if out is None else out
@@ -442,13 +339,15 @@ class Communicator(abc.ABC):
             buf = target.contiguous() if out is None else tensor.contiguous().clone()
         self._record("broadcast", buf.nbytes)
         start = self._broadcast_now if blocking else self._broadcast_start
-        inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, start, (buf, root), root=root)
+        inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, start, (buf, root), None, root, agreed)
         if buf is target:
             return _finish(inner, lambda: target, blocking)
         return _finish(inner, lambda: target.copy_(buf), blocking)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._broadcast(tensor, root, out, True)
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = 0, *, out: torch.Tensor | None = None, agreed: bool = False
+    ) -> torch.Tensor:
+        return self._broadcast(tensor, root, out, True, agreed)
 
     def reduce_async(
         self,
@@ -457,12 +356,19 @@ class Communicator(abc.ABC):
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> Work:
         """Start a reduction to ``root``. Non-root ranks' ``tensor`` and ``out`` are unchanged."""
-        return self._reduce(tensor, root, op, out, False)
+        return self._reduce(tensor, root, op, out, False, agreed)
 
     def _reduce(
-        self, tensor: torch.Tensor, root: int, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        op: ReduceOp | str,
+        out: torch.Tensor | None,
+        blocking: bool,
+        agreed: bool,
     ) -> Any:
         red = ReduceOp.parse(op)
         self._check("reduce", tensor)
@@ -485,6 +391,7 @@ class Communicator(abc.ABC):
                 (buf, root, ReduceOp.SUM if avg_here else red),
                 red,
                 root,
+                agreed,
             )
         )
         is_root = self.rank == root
@@ -506,16 +413,20 @@ class Communicator(abc.ABC):
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> torch.Tensor:
-        return self._reduce(tensor, root, op, out, True)
+        return self._reduce(tensor, root, op, out, True, agreed)
 
-    def all_gather_flat_async(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> Work:
+    def all_gather_flat_async(
+        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, agreed: bool = False
+    ) -> Work:
         """Start gathering every rank's ``tensor`` into one flat tensor of ``size * numel``.
 
-        The in-place form passes ``tensor = out.chunk(size)[rank]``: no copy is made."""
-        return self._all_gather_flat(tensor, out, False)
+        The in-place form passes ``tensor = out.chunk(size)[rank]``: no copy is made. Every
+        rank passes the same number of elements; for ragged data use `all_gather_ragged`."""
+        return self._all_gather_flat(tensor, out, False, agreed)
 
-    def _all_gather_flat(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool) -> Any:
+    def _all_gather_flat(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool, agreed: bool) -> Any:
         self._check("all_gather", tensor)
         n = tensor.numel()
         if out is None:
@@ -536,26 +447,34 @@ class Communicator(abc.ABC):
             inner: Work = CompletedWork(None)
         else:
             start = self._all_gather_now if blocking else self._all_gather_start
-            inner = self._issue("all_gather", chunk, start, (_flat(flat_out), _flat(chunk)))
+            inner = self._issue("all_gather", chunk, start, (_flat(flat_out), _flat(chunk)), None, None, agreed)
         if flat_out is out:
             return _finish(inner, lambda: out, blocking)
         return _finish(inner, lambda: out.copy_(flat_out), blocking)
 
-    def all_gather_flat(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._all_gather_flat(tensor, out, True)
+    def all_gather_flat(
+        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, agreed: bool = False
+    ) -> torch.Tensor:
+        return self._all_gather_flat(tensor, out, True, agreed)
 
-    def all_gather_async(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> Work:
-        """Start gathering every rank's ``tensor``; the result is a list of ``size`` tensors."""
-        return self._all_gather(tensor, out, False)
+    def all_gather_async(
+        self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None, agreed: bool = False
+    ) -> Work:
+        """Start gathering every rank's ``tensor``; the result is a list of ``size`` tensors.
 
-    def _all_gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None, blocking: bool) -> Any:
+        Every rank passes the same shape; for ragged data use `all_gather_ragged`."""
+        return self._all_gather(tensor, out, False, agreed)
+
+    def _all_gather(
+        self, tensor: torch.Tensor, out: list[torch.Tensor] | None, blocking: bool, agreed: bool
+    ) -> Any:
         self._check("all_gather", tensor)
         if out is not None:
             if len(out) != self.size:
                 raise ValueError(f"all_gather: out has {len(out)} tensors; it needs {self.size}")
             for i, o in enumerate(out):
                 self._check_same("all_gather", tensor, o, what=f"out[{i}]")
-        started = self._all_gather_flat(tensor, None, blocking)  # the flat result when blocking
+        started = self._all_gather_flat(tensor, None, blocking, agreed)  # the flat result when blocking
         shape = tensor.shape
         size = self.size
 
@@ -572,19 +491,26 @@ class Communicator(abc.ABC):
 
         return _finish(_DONE, finish, blocking)
 
-    def all_gather(self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        return self._all_gather(tensor, out, True)
+    def all_gather(
+        self, tensor: torch.Tensor, *, out: list[torch.Tensor] | None = None, agreed: bool = False
+    ) -> list[torch.Tensor]:
+        return self._all_gather(tensor, out, True, agreed)
 
     def reduce_scatter_async(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> Work:
         """Start reducing the flat ``tensor`` (``size`` equal chunks) and keep chunk ``rank``.
 
         The in-place form passes ``out = tensor.chunk(size)[rank]``."""
-        return self._reduce_scatter(tensor, op, out, False)
+        return self._reduce_scatter(tensor, op, out, False, agreed)
 
     def _reduce_scatter(
-        self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool
+        self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool, agreed: bool
     ) -> Any:
         red = ReduceOp.parse(op)
         self._check("reduce_scatter", tensor)
@@ -619,7 +545,9 @@ class Communicator(abc.ABC):
             inner: Work = CompletedWork(None)
         else:
             start = self._reduce_scatter_now if blocking else self._reduce_scatter_start
-            inner = self._issue("reduce_scatter", tensor, start, (_flat(res), buf, ReduceOp.SUM if avg_here else red), red)
+            inner = self._issue(
+                "reduce_scatter", tensor, start, (_flat(res), buf, ReduceOp.SUM if avg_here else red), red, None, agreed
+            )
         if not avg_here and res is out:
             return _finish(inner, lambda: out, blocking)
         size = self.size
@@ -634,21 +562,26 @@ class Communicator(abc.ABC):
         return _finish(inner, finish, blocking)
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, out: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+        agreed: bool = False,
     ) -> torch.Tensor:
-        return self._reduce_scatter(tensor, op, out, True)
+        return self._reduce_scatter(tensor, op, out, True, agreed)
 
     def barrier_async(self) -> Work:
         if self._closed:
             raise CommError(f"barrier on communicator {self.name!r}, which was closed")
-        return CompletedWork(None) if self._solo() else self._issue("barrier", None, self._barrier_start)
+        return CompletedWork(None) if self._solo() else self._issue("barrier", None, self._barrier_start, (), None, None, True)
 
     def barrier(self) -> None:
         """All members meet: returns once every rank of the group has called it."""
         if self._closed:
             raise CommError(f"barrier on communicator {self.name!r}, which was closed")
         if not self._solo():
-            self._issue("barrier", None, self._barrier_now).wait()
+            self._issue("barrier", None, self._barrier_now, (), None, None, True).wait()
 
     def split(self, color: int | None, key: int | None = None, *, name: str | None = None) -> Communicator | None:
         """Collective: ranks passing the same ``color`` form a new communicator.
@@ -661,6 +594,7 @@ class Communicator(abc.ABC):
         if sub is not None:
             sub.timeout = self.timeout
             sub.check_collectives = self.check_collectives
+            sub.check_sizes = self.check_sizes
             if name is not None:
                 sub.name = name
         return sub
@@ -696,11 +630,16 @@ class Communicator(abc.ABC):
 #: Every open communicator, closed at interpreter exit: a gloo group torn down by the
 #: interpreter after its peers' store is gone aborts the process with a non-zero status.
 _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+#: WeakSet is not safe to add to while another thread iterates it (communicators are created
+#: in helper threads too); every access takes this lock.
+_LIVE_LOCK = threading.Lock()
 
 
 @atexit.register
 def _close_all() -> None:
-    for comm in sorted(_LIVE, key=lambda c: -len(c.name)):  # sub-groups before their parents
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for comm in sorted(live, key=lambda c: -len(c.name)):  # sub-groups before their parents
         comm.close()
 
 
@@ -719,5 +658,3 @@ def divide_(buf: torch.Tensor, n: int) -> None:
     else:
         buf.floor_divide_(n)
 
-
-from fleetlike.comm import guard as _guard  # noqa: E402 - guard builds on the classes above

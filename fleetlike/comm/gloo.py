@@ -27,7 +27,10 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
-from fleetlike.comm.base import Communicator, ReduceOp, Work
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.colors import split_order
+from fleetlike.comm.handles import Work
+from fleetlike.comm.ops import ReduceOp
 
 __all__ = ["GlooCommunicator"]
 
@@ -70,7 +73,7 @@ def _options(kind: str, op: ReduceOp | None = None, root: int | None = None) -> 
         if root is not None:
             opts.rootRank = root
             opts.rootTensor = 0
-        _OPTIONS[key] = opts
+        opts = _OPTIONS.setdefault(key, opts)  # atomic: threads racing here share one object
     return opts
 
 
@@ -136,14 +139,10 @@ class GlooCommunicator(Communicator):
     def _split(self, color: int | None, key: int) -> Communicator | None:
         seq = self._splits
         self._splits += 1
-        self._store.set(f"split{seq}/{self.rank}", f"{-1 if color is None else color}:{key}")
-        keys = [f"split{seq}/{r}" for r in range(self.size)]
-        self._store.wait(keys, datetime.timedelta(seconds=self._timeout))
-        entries = [tuple(int(x) for x in self._store.get(k).decode().split(":")) for k in keys]
-        if color is None:
+        order = split_order(self._store, seq=seq, rank=self.rank, size=self.size, color=color, key=key,
+                            timeout=self._timeout, name=self.name)
+        if order is None:
             return None
-        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
-        order = [r for _, r in members]
         sub_store = dist.PrefixStore(f"split{seq}/c{color}/", self._store)
         return GlooCommunicator(
             sub_store,

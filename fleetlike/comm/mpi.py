@@ -18,12 +18,16 @@ non-blocking schedules (a 1 MiB ``Ireduce_scatter_block`` + ``Wait`` takes ~16x 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fleetlike.comm.base import Communicator, CompletedWork, ReduceOp, Work
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.watchdog import WATCHDOG, InFlight
 
 __all__ = ["MPICommunicator", "mpi_available"]
@@ -39,26 +43,34 @@ def mpi_available() -> bool:
 
 
 class _Request:
-    """Adapts an MPI request to the `Work` protocol; ends its watchdog entry when done."""
+    """Adapts an MPI request to the `Work` protocol; ends its watchdog entry when done.
 
-    __slots__ = ("_req", "_watch", "_keep")
+    MPI forbids two threads completing one request at once (a ``Wait`` in the training thread
+    and a ``Test`` from a thread polling ``is_completed``), so both go through a lock."""
+
+    __slots__ = ("_req", "_watch", "_keep", "_lock", "_finished")
 
     def __init__(self, req: Any, watch: int | None, *keep: Any) -> None:
         self._req = req
         self._watch = watch
         self._keep = keep  # buffers MPI writes into must outlive the request
+        self._lock = threading.Lock()
+        self._finished = False
 
     def wait(self) -> None:
-        self._req.Wait()
-        self._done()
+        with self._lock:
+            if not self._finished:
+                self._req.Wait()
+                self._done()
 
     def is_completed(self) -> bool:
-        done = bool(self._req.Test())
-        if done:
-            self._done()
-        return done
+        with self._lock:
+            if not self._finished and self._req.Test():
+                self._done()
+            return self._finished
 
     def _done(self) -> None:
+        self._finished = True
         self._keep = ()
         if self._watch is not None:
             WATCHDOG.end(self._watch)
@@ -73,8 +85,6 @@ _ABORT_GRACE = 1.0
 
 def _abort_job(item: InFlight) -> None:
     """The watchdog's expiry action: MPI cannot cancel a collective, so end the whole job."""
-    import time
-
     from mpi4py import MPI
 
     time.sleep(_ABORT_GRACE)
@@ -83,7 +93,6 @@ def _abort_job(item: InFlight) -> None:
 
 #: What a blocking primitive returns: the call has finished when it returns.
 _DONE = CompletedWork(None)
-
 
 
 
@@ -134,7 +143,7 @@ class MPICommunicator(Communicator):
         """Start the watchdog on the collective being issued (``_seq`` is its number)."""
         if self.timeout is None:
             return None
-        return WATCHDOG.begin(self.timeout, f"{self.name!r} (mpi)", op, self._seq,
+        return WATCHDOG.begin(self.timeout, f"{self.name!r} (mpi)", self._check_label or op, self._seq,
                               rank=self.ranks[self.rank], expire=_abort_job)
 
     def _blocking(self, op: str, call: Any, *args: Any) -> Work:

@@ -53,15 +53,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetlike.comm.base import (
-    SUPPORTED_DTYPES,
-    CommError,
-    Communicator,
-    CompletedWork,
-    ReduceOp,
-    Work,
-    divide_,
-)
+from fleetlike.comm.base import Communicator, divide_
+from fleetlike.comm.colors import split_order
+from fleetlike.comm.dtypes import SUPPORTED_DTYPES
+from fleetlike.comm.errors import CommError
+from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.watchdog import WATCHDOG, InFlight
 from fleetlike.roles.role import Role
 
@@ -298,6 +295,11 @@ class NcclCommunicator(Communicator):
         self._device = device
         self._timeout = timeout
         self.timeout = timeout  # the watchdog's deadline for each collective
+        # The watchdog thread aborts the NCCL communicator (`_expire`) while the training thread
+        # may be closing it (`_close`): the lock orders them, so it is aborted or destroyed once.
+        self._life = threading.Lock()
+        self._closing: Any = None  # the NCCL comm `_close` is draining (abortable meanwhile)
+        self._aborted = False
         self._splits = 0
         self.nccl_version: int = int(nccl.get_version())
         self._stream = torch.cuda.Stream(device=device)
@@ -460,10 +462,16 @@ class NcclCommunicator(Communicator):
                 work._launched()
         return work
 
+    def _can_check_now(self) -> bool:
+        # Inside a group nothing completes before ncclGroupEnd: the size check would wait on
+        # itself. Callers in a group (the gradient buckets) pass sizes agreed by construction.
+        return _GROUP.depth == 0
+
     def _watcher(self, what: str) -> Callable[[torch.cuda.Event], None] | None:
         """What registers a launched collective with the watchdog (None: no timeout)."""
         if self.timeout is None:
             return None
+        what = self._check_label or what
         timeout, seq, name, rank = self.timeout, self._seq, f"{self.name!r} (nccl)", self.ranks[self.rank]
 
         def watch(event: torch.cuda.Event) -> None:
@@ -476,8 +484,11 @@ class NcclCommunicator(Communicator):
         the process, as torch's NCCL watchdog does: the CUDA context is not trustworthy after
         an abort, and the launcher stops the rest of the job when a worker dies."""
         try:
-            if self._comm is not None:
-                self._comm.abort()
+            with self._life:
+                comm = self._comm if self._comm is not None else self._closing
+                self._aborted = comm is not None
+            if comm is not None:
+                comm.abort()
         finally:
             _exit_process(1)
 
@@ -582,19 +593,10 @@ class NcclCommunicator(Communicator):
     def _split(self, color: int | None, key: int) -> Communicator | None:
         seq = self._splits
         self._splits += 1
-        self._store.set(f"split{seq}/{self.rank}", f"{-1 if color is None else color}:{key}")
-        keys = [f"split{seq}/{r}" for r in range(self.size)]
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=self._timeout))
-        except Exception as exc:  # noqa: BLE001
-            raise CommError(
-                f"split of {self.name!r}: not every rank called split within {self._timeout:g}s"
-            ) from exc
-        entries = [tuple(int(x) for x in self._store.get(k).decode().split(":")) for k in keys]
-        if color is None:
+        order = split_order(self._store, seq=seq, rank=self.rank, size=self.size, color=color, key=key,
+                            timeout=self._timeout, name=self.name)
+        if order is None:
             return None
-        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
-        order = [r for _, r in members]
         return NcclCommunicator._connect(
             self._nccl,
             dist.PrefixStore(f"split{seq}/c{color}/", self._store),
@@ -607,9 +609,15 @@ class NcclCommunicator(Communicator):
         )
 
     def _close(self) -> None:
-        comm, self._comm = self._comm, None
+        with self._life:
+            comm, self._comm = self._comm, None
+            self._closing = comm
         try:
+            # Not under the lock: a stuck kernel blocks here until the watchdog aborts it.
             self._stream.synchronize()
-            comm.destroy()
+            with self._life:
+                if comm is not None and not self._aborted:
+                    comm.destroy()
+                self._closing = None
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fleetlike.comm.base import CompletedWork, Communicator, ReduceOp, Work
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.ops import ReduceOp
 
 __all__ = ["SingleCommunicator"]
 

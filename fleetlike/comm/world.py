@@ -22,6 +22,11 @@ import enum
 import torch
 
 from fleetlike.comm.base import Communicator
+from fleetlike.comm.dtypes import parse_choice
+from fleetlike.comm.gloo import GlooCommunicator
+from fleetlike.comm.mpi import MPICommunicator, mpi_available
+from fleetlike.comm.nccl import NcclCommunicator
+from fleetlike.comm.rendezvous import connect
 from fleetlike.comm.single import SingleCommunicator
 from fleetlike.roles.role import Role
 
@@ -42,15 +47,8 @@ class Backend(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"backend={value!r} is not a backend; choose one of {choices}")
+        """The member for ``value``; a ValueError listing the backends otherwise."""
+        return parse_choice(cls, value, what="backend", noun="backend")
 
 
 def resolve_backend(requested: Backend | str, role: Role, device: torch.device | None = None) -> Backend:
@@ -59,8 +57,6 @@ def resolve_backend(requested: Backend | str, role: Role, device: torch.device |
     if choice is not Backend.AUTO:
         return choice
     if role.source == "mpi":
-        from fleetlike.comm.mpi import mpi_available
-
         if mpi_available():
             return Backend.MPI
     if role.world_size == 1:
@@ -90,23 +86,15 @@ def create_world(
         return SingleCommunicator("world", role.rank)
     if choice is Backend.MPI:
         return _mpi_world(role, timeout)
-    from fleetlike.comm.rendezvous import connect
-
     store = connect(role, timeout)
     if choice is Backend.GLOO:
-        from fleetlike.comm.gloo import GlooCommunicator
-
         return GlooCommunicator(
             store, role.rank, role.world_size, range(role.world_size), "world", role.host, timeout
         )
-    from fleetlike.comm.nccl import NcclCommunicator
-
     return NcclCommunicator.create(store, role, device=device, timeout=timeout)
 
 
 def _mpi_world(role: Role, timeout: float) -> Communicator:
-    from fleetlike.comm.mpi import MPICommunicator, mpi_available
-
     if not mpi_available():
         raise RuntimeError(
             "backend='mpi' needs mpi4py and an MPI library; install them with "
