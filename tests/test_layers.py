@@ -17,7 +17,8 @@ collectives           buckets, reducer, flat / hierarchical / compressed averagi
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
 fleet                 the facade of API.md (everything below)
-launch                the launcher: roles only, and only the package's public names
+launch                the launcher: the public names of roles, and of comm (the launcher hosts
+                      the rendezvous store with --started_port=auto)
 top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
                       helper that builds roles and worlds); nothing in the package imports them
 ====================  =========================================================================
@@ -45,45 +46,12 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
-    ("launch", ("fleetlike.launch",), {"roles"}),
+    ("launch", ("fleetlike.launch",), {"roles", "comm"}),
     ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
 ]
 
 #: layers whose modules others may import only through the package (its public names)
-PUBLIC_ONLY: dict[str, set[str]] = {"launch": {"roles"}}
-
-#: Import circles that their owners are removing right now. Each entry is a set of modules that
-#: form one circle; imports among them are ignored here. When you break a circle, delete its
-#: entry: the test fails while an entry no longer describes a circle, so the list cannot go stale.
-_KNOWN_BEING_FIXED: list[frozenset[str]] = [
-    # comm engineer: splitting handles/errors/stats out of comm/base
-    frozenset({"fleetlike.comm.base", "fleetlike.comm.guard"}),
-    # the lead's facade rewrite
-    frozenset({"fleetlike.fleet.facade", "fleetlike.fleet.optimizer"}),
-    # the lead's engine rewrite: compose imports the passes, the passes import compose.Build
-    frozenset({
-        "fleetlike.strategies.compose",
-        "fleetlike.strategies.amp",
-        "fleetlike.strategies.data_parallel",
-        "fleetlike.strategies.gradient_merge",
-        "fleetlike.strategies.health",
-        "fleetlike.strategies.localsgd",
-        "fleetlike.strategies.recompute",
-    }),
-]
-
-#: Imports against the layering that their owners are removing right now, as (importer,
-#: imported) module pairs; the same rule: delete an entry when you fix it, the test fails while
-#: an entry no longer occurs.
-_KNOWN_BREACHES_BEING_FIXED: set[tuple[str, str]] = {
-    # launch engineer: launch takes roles' public names (parse_endpoint)
-    ("fleetlike.launch.env", "fleetlike.roles.role"),
-    # open question for the lead: the launcher hosts the rendezvous store (--started_port=auto,
-    # 3cea222); either launch may use comm's public rendezvous (add "comm" to launch's layers,
-    # package names only) or the store moves below launch
-    ("fleetlike.launch.ports", "fleetlike.comm.rendezvous"),
-}
-
+PUBLIC_ONLY: dict[str, set[str]] = {"launch": {"roles", "comm"}}
 
 # ------------------------------------------------------------------------------ reading
 
@@ -256,41 +224,13 @@ def _breaches() -> list[tuple[str, str, str]]:
 
 
 def test_imports_point_down_the_layers() -> None:
-    wrong = [why for module, target, why in _breaches()
-             if (module, target) not in _KNOWN_BREACHES_BEING_FIXED]
+    wrong = [why for _, _, why in _breaches()]
     assert wrong == [], "imports against the layering:\n  " + "\n  ".join(wrong)
 
 
-@pytest.mark.parametrize("known", sorted(_KNOWN_BREACHES_BEING_FIXED), ids="->".join)
-def test_known_breaches_still_exist(known: tuple[str, str]) -> None:
-    """An entry of `_KNOWN_BREACHES_BEING_FIXED` must still occur: delete it once it is fixed."""
-    assert known in {(m, t) for m, t, _ in _breaches()}, (
-        f"{known[0]} no longer imports {known[1]} against the layering: delete this "
-        "_KNOWN_BREACHES_BEING_FIXED entry"
-    )
-
-
 def test_no_import_circles_between_modules() -> None:
-    pruned = {
-        m: {t: line for t, line in targets.items()
-            if not any(m in known and t in known for known in _KNOWN_BEING_FIXED)}
-        for m, targets in GRAPH.items()
-    }
-    circles = [_describe(pruned, c) for c in _cycles(pruned)]
+    circles = [_describe(GRAPH, c) for c in _cycles(GRAPH)]
     assert circles == [], "import circles between fleetlike modules:\n  " + "\n  ".join(circles)
-
-
-@pytest.mark.parametrize("known", _KNOWN_BEING_FIXED, ids=lambda k: "+".join(sorted(k))[:60])
-def test_known_circles_still_exist(known: frozenset[str]) -> None:
-    """An entry of `_KNOWN_BEING_FIXED` must still be one circle: delete it once it is fixed."""
-    missing = sorted(known - set(MODULES))
-    assert missing == [], f"{missing} no longer exist: remove or update this _KNOWN_BEING_FIXED entry"
-    within = {m: {t: line for t, line in GRAPH[m].items() if t in known} for m in known}
-    components = _cycles(within)
-    assert [set(c) for c in components] == [set(known)], (
-        f"{sorted(known)} is no longer one import circle (circles among them now: {components}); "
-        "delete or shrink its _KNOWN_BEING_FIXED entry"
-    )
 
 
 def test_the_checker_sees_what_it_must() -> None:

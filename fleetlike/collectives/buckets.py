@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fleetlike.comm import dtype_name
+
 __all__ = ["Bucket", "plan_buckets"]
 
 
@@ -94,5 +96,5 @@ class Bucket:
             "grads": len(self.params),
             "numel": self.numel,
             "size": size,
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": dtype_name(self.dtype),
         }

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from fleetlike.comm import dtype_name
+
 __all__ = ["HalfCodec"]
 
 _HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,7 +37,7 @@ class HalfCodec:
 
     def __init__(self, dtype: str | torch.dtype = "float16", grad_scale: float = 1.0) -> None:
         if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).replace("torch.", "")
+            dtype = dtype_name(dtype)
         dtype = str(dtype)
         if dtype not in _HALF:
             raise ValueError(f"dtype={dtype!r} is not a wire dtype; choose one of 'float16', 'bfloat16'")

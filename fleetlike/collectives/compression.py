@@ -39,7 +39,7 @@ from fleetlike.collectives.buckets import Bucket
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.flat import FlatAllReduce
 from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorkers
-from fleetlike.comm import Communicator, Work
+from fleetlike.comm import Communicator, Work, dtype_name
 
 __all__ = ["CompressedAllReduce"]
 
@@ -67,7 +67,7 @@ class CompressedAllReduce:
         if isinstance(self.inner, HierarchicalAllReduce):  # compressed segment by segment
             return self.inner.run(tensor, index, "avg", codec=self.codec)
         ring = self.inner.rings[index % len(self.inner.rings)]
-        return self.codec.all_reduce_(tensor, lambda t: ring.all_reduce(t, "sum"), lambda t: ring.all_reduce(t, "max"),
+        return self.codec.all_reduce_(tensor, lambda t: ring.all_reduce(t, "sum", agreed=True), lambda t: ring.all_reduce(t, "max", agreed=True),
                                       summands=n, divide=n)
 
     def start(self, bucket: Bucket) -> Work:
@@ -86,7 +86,7 @@ class CompressedAllReduce:
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
         d = dict(self.inner.describe(bucket))
-        dtype = str(bucket.dtype).replace("torch.", "")
+        dtype = dtype_name(bucket.dtype)
         if self.codec.applies_to(bucket.dtype):
             d["op"] = "c_fp16_" + d.get("op", "c_allreduce_avg").removeprefix("c_")
             d["wire"] = self.codec.name

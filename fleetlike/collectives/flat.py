@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from fleetlike.collectives.buckets import Bucket
-from fleetlike.comm import Communicator, Work
+from fleetlike.comm import Communicator, Work, dtype_name
 
 __all__ = ["BucketCollective", "FlatAllReduce"]
 
@@ -54,7 +54,7 @@ class FlatAllReduce:
         return self.rings[bucket.index % len(self.rings)]
 
     def start(self, bucket: Bucket) -> Work:
-        return self.comm_for(bucket).all_reduce_async(bucket.buffer, "avg")
+        return self.comm_for(bucket).all_reduce_async(bucket.buffer, "avg", agreed=True)
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
-        return {"comm": self.comm_for(bucket).name, "wire": str(bucket.dtype).replace("torch.", "")}
+        return {"comm": self.comm_for(bucket).name, "wire": dtype_name(bucket.dtype)}

@@ -47,7 +47,7 @@ import torch
 from fleetlike.collectives.buckets import Bucket
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
-from fleetlike.comm import CommGroups, Communicator, Work
+from fleetlike.comm import CommGroups, Communicator, Work, dtype_name
 from fleetlike.comm.base import divide_
 
 __all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
@@ -147,7 +147,7 @@ class HierarchicalAllReduce:
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
         intra, inter = self.pair_for(bucket.index)
-        dtype = str(bucket.dtype).replace("torch.", "")
+        dtype = dtype_name(bucket.dtype)
         wire = dtype
         if self.inter_codec is not None and self.inter_codec.applies_to(bucket.dtype):
             wire = f"{dtype} intra, {self.inter_codec.name} inter"
@@ -204,11 +204,11 @@ class HierarchicalAllReduce:
         intra.reduce(flat, 0, "sum")
         if intra.rank == 0:
             if codec is None:
-                inter.all_reduce(flat, "sum")
+                inter.all_reduce(flat, "sum", agreed=True)
             else:  # the division happens before the cast, as DDP's fp16 hook
-                codec.all_reduce_(flat, lambda t: inter.all_reduce(t, "sum"), lambda t: inter.all_reduce(t, "max"),
+                codec.all_reduce_(flat, lambda t: inter.all_reduce(t, "sum", agreed=True), lambda t: inter.all_reduce(t, "max", agreed=True),
                                   summands=inter.size, divide=divide)
-        intra.broadcast(flat, 0)
+        intra.broadcast(flat, 0, agreed=True)
         if codec is None:
             divide_(flat, divide)
 

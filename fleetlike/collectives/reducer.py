@@ -1,9 +1,11 @@
 """The data-parallel machinery: gradient hooks start each bucket's collective during backward.
 
-`GradReducer` is shared by the program style (the data-parallel pass arms it in
-``main_program``'s backward and waits for it before the update) and the eager style
-(``fleet.distributed_model`` arms it on the first gradient of an iteration and
-``opt.synchronize()`` waits). One implementation, two ways in.
+`GradReducer` is armed before a communicating backward (``prepare``): by the program style in
+``main_program``'s backward op, by the eager style at the end of the wrapped model's training
+forward. Unarmed, the hooks do nothing, which is how ``no_sync``, gradient-merge micro-steps and
+``_origin_program`` stay local. Once armed, the first gradient queues a callback at the end of
+the backward that waits for every bucket (as DDP does), so whatever reads ``.grad`` after
+``loss.backward()`` sees averaged gradients, a plain torch optimizer included.
 
 Buckets launch strictly in index order on every rank (a bucket that is ready early waits for
 its predecessors), as DDP does: gloo and NCCL match collectives by the order they are issued,
@@ -22,7 +24,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +38,15 @@ from fleetlike.comm import Communicator, Work
 __all__ = ["GradReducer", "make_reducer", "unused_parameters"]
 
 
-def unused_parameters(loss: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """Parameters that ``loss`` does not depend on, found by walking its autograd graph."""
+def unused_parameters(
+    roots: torch.Tensor | Sequence[torch.Tensor], params: Iterable[torch.nn.Parameter]
+) -> list[torch.nn.Parameter]:
+    """Parameters that ``roots`` (the loss, or a model's outputs) do not depend on, found by
+    walking their autograd graph."""
     seen: set[int] = set()
     reached: set[int] = set()
-    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    tops = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+    stack: list[Any] = [t.grad_fn for t in tops if t.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
@@ -59,7 +67,6 @@ class GradReducer:
         collective: how a bucket is combined (`FlatAllReduce` or a hierarchical/compressed one).
         cap_bytes: bucket size cap (``fuse_grad_size_in_MB``); None = one bucket per gradient.
         find_unused: look for parameters without gradient before each backward.
-        auto_arm: eager style: a gradient arriving while idle starts a new iteration.
     """
 
     def __init__(
@@ -69,7 +76,6 @@ class GradReducer:
         *,
         cap_bytes: int | None,
         find_unused: bool = False,
-        auto_arm: bool = False,
         check_nan_inf: bool = False,
         names: dict[int, str] | None = None,
     ) -> None:
@@ -78,7 +84,10 @@ class GradReducer:
         self._names = names or {}
         self.collective = collective
         self.find_unused = find_unused
-        self.auto_arm = auto_arm
+        #: seconds this process spent inside communication calls (starting buckets, waiting for
+        #: them): the slow-rank report leaves them out of a rank's own work
+        self.wait_seconds = 0.0
+        self._callback_queued = False
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -97,17 +106,19 @@ class GradReducer:
 
     # ------------------------------------------------------------------ lifecycle of a step
 
-    def prepare(self, loss: torch.Tensor | None = None) -> None:
-        """Arm the hooks for one communicating backward (call right before it)."""
+    def prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
+        """Arm the hooks for one communicating backward (call right before it, or after the
+        forward: ``roots`` are the loss or the model's outputs, walked for unused parameters)."""
         for b in self.buckets:
             b.attach()
         self._begin()
-        if self.find_unused and loss is not None:
-            for p in unused_parameters(loss, self.params):
+        if self.find_unused and roots is not None:
+            for p in unused_parameters(roots, self.params):
                 self._mark(p)
 
     def _begin(self) -> None:
         self.armed = True
+        self._callback_queued = False
         self._pending = [len(b.params) for b in self.buckets]
         self._seen = [[False] * len(b.params) for b in self.buckets]
         self._works = [None] * len(self.buckets)
@@ -115,9 +126,12 @@ class GradReducer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
-            if not self.auto_arm:
-                return
-            self._begin()
+            return  # a local backward (no_sync, a gradient-merge micro-step, _origin_program)
+        if not self._callback_queued:
+            # As DDP: the end of this backward waits for every bucket, so a plain optimizer (or
+            # anything reading .grad) after loss.backward() sees averaged gradients.
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         bucket, j = self._where[id(p)]
         view = bucket.views[j]
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
@@ -140,7 +154,9 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if self.check_nan_inf and not bool(torch.isfinite(bucket.buffer).all()):
             self._raise_non_finite(bucket)
+        started = time.perf_counter()
         self._works[bucket.index] = self.collective.start(bucket)
+        self.wait_seconds += time.perf_counter() - started
         self.collectives_issued += 1
         self.bytes_issued += bucket.nbytes
         self._next += 1
@@ -165,9 +181,11 @@ class GradReducer:
             return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
+        started = time.perf_counter()
         for w in self._works:
             if w is not None:
                 w.wait()
+        self.wait_seconds += time.perf_counter() - started
         self.armed = False
 
     def zero_grad(self) -> None:
@@ -197,19 +215,17 @@ def make_reducer(
     cap_bytes: int | None,
     find_unused: bool = False,
     check_nan_inf: bool = False,
-    auto_arm: bool = False,
 ) -> GradReducer:
     """The `GradReducer` for ``model``'s parameters, named for error messages.
 
-    The one way both styles build it (the data-parallel pass with ``auto_arm=False``, the eager
-    ``fleet.distributed_model`` with ``auto_arm=True``), so they bucket and report alike.
+    The one way it is built (by `fleetlike.strategies.data_parallel`, for both styles), so
+    buckets and names are alike everywhere.
     ``cap_bytes`` is ``DistributedStrategy.bucket_cap_bytes()``."""
     return GradReducer(
         model.parameters(),
         collective,
         cap_bytes=cap_bytes,
         find_unused=find_unused,
-        auto_arm=auto_arm,
         check_nan_inf=check_nan_inf,
         names={id(p): n for n, p in model.named_parameters()},
     )

@@ -49,8 +49,8 @@ _SCOPES = ("all", "inter")
 def agree_max(t: torch.Tensor, intra: Communicator, inter: Communicator) -> None:
     """``t <- max over intra x inter`` in place (two small blocking MAX allreduces): how a
     two-level chain agrees on the compression scale."""
-    intra.all_reduce(t, "max")
-    inter.all_reduce(t, "max")
+    intra.all_reduce(t, "max", agreed=True)
+    inter.all_reduce(t, "max", agreed=True)
 
 
 def segmented_all_reduce(
@@ -118,23 +118,23 @@ def segmented_all_reduce(
     def start_scatter(i: int) -> None:
         buf = bufs[i] = encode(segs[i])
         chunk = chunks[i] = buf.view(width, -1)[intra.rank]
-        scatters[i] = intra.reduce_scatter_async(buf, "sum", out=chunk)
+        scatters[i] = intra.reduce_scatter_async(buf, "sum", out=chunk, agreed=True)
 
     def start_crossing(i: int) -> None:
         chunk = chunks[i]
         if inter_codec is not None:
             w = torch.empty(chunk.numel(), dtype=inter_codec.dtype, device=chunk.device)
             inter_codec.encode_(chunk, pre, w)
-            crossings[i] = (inter.all_reduce_async(w, "sum"), w)
+            crossings[i] = (inter.all_reduce_async(w, "sum", agreed=True), w)
         else:
-            crossings[i] = (inter.all_reduce_async(chunk, "sum"), None)
+            crossings[i] = (inter.all_reduce_async(chunk, "sum", agreed=True), None)
 
     def start_gather(i: int) -> None:
         work, w = crossings.pop(i)
         work.wait()
         if w is not None and inter_codec is not None:
             inter_codec.decode_(w, factor, chunks[i])
-        gathers[i] = intra.all_gather_flat_async(chunks.pop(i), out=bufs[i])
+        gathers[i] = intra.all_gather_flat_async(chunks.pop(i), out=bufs[i], agreed=True)
 
     def finish(i: int) -> None:
         gathers.pop(i).wait()

@@ -18,7 +18,7 @@ from fleetlike.comm.errors import (
 from fleetlike.comm.handles import CompletedWork, Work
 from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.ragged import all_gather_ragged
-from fleetlike.comm.rendezvous import JobMismatchError, RendezvousError
+from fleetlike.comm.rendezvous import JobMismatchError, RendezvousError, host_store
 from fleetlike.comm.single import SingleCommunicator
 from fleetlike.comm.stats import CommStats
 from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_world, resolve_backend
@@ -39,6 +39,7 @@ __all__ = [
     "JobMismatchError",
     "ReduceOp",
     "RendezvousError",
+    "host_store",
     "SingleCommunicator",
     "Work",
     "all_gather_ragged",

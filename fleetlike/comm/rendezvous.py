@@ -5,6 +5,11 @@ key, and every peer compares it with its own before doing anything else: two job
 port refuse each other with a message instead of silently forming one wrong world. All further
 keys live under ``job/<id>/`` so nothing of one job can collide with another.
 
+A process may meet its job more than once (``fleet.shutdown()`` then ``fleet.init()``): rank 0
+keeps serving the store it hosts, and each meeting of a job in a process gets its own key space
+(``job/<id>/<n>/``, n counting the meetings, which every rank makes in the same order), so keys
+of an earlier world never answer a later one.
+
 When peers do not arrive the error names the store's ``host:port``, how long it waited and which
 ranks are missing, because "it hangs at init" is the most common report in this field.
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -27,6 +33,12 @@ from fleetlike.roles.role import Role, parse_endpoint
 __all__ = ["RendezvousError", "JobMismatchError", "connect", "host_store", "JOB_KEY"]
 
 JOB_KEY = "fleetlike/job_id"
+
+_LOCK = threading.Lock()
+#: stores this process hosts, by (host, port): a later meeting of the job reuses the server
+_HOSTED: dict[tuple[str, int], dist.TCPStore] = {}
+#: meetings so far per job id in this process
+_MEETINGS: dict[str, int] = {}
 
 
 class RendezvousError(CommError):
@@ -50,7 +62,10 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     start = time.monotonic()
     if role.rank == 0 and not role.master_hosted:
         try:
-            raw = host_store(host, role.job_id, timeout, port=port)
+            with _LOCK:
+                raw = _HOSTED.get((host, port))
+                if raw is None:
+                    raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=port)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
@@ -67,7 +82,10 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                 "running and that every worker was given the same master endpoint."
             ) from exc
         _check_job(raw, role, host, port, timeout, start)
-    store = dist.PrefixStore(f"job/{role.job_id}/", raw)
+    with _LOCK:
+        meeting = _MEETINGS.get(role.job_id, 0)
+        _MEETINGS[role.job_id] = meeting + 1
+    store = dist.PrefixStore(f"job/{role.job_id}/{meeting}/", raw)
     # The prefix store holds a reference to the raw one, so rank 0's server lives as long.
     _meet(store, role, host, port, timeout, start)
     return store

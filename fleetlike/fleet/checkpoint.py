@@ -1,5 +1,11 @@
 """Checkpoints written atomically: a kill during a save leaves the previous one loadable.
 
+`save_training` / `load_training` are ``fleet.save_persistables`` / ``load_persistables`` for
+both styles: the models, the optimizers (whose state includes the strategy's: loss scale, local
+SGD counters and snapshots, the gradient-merge window), any object with ``state_dict`` the user
+registered (an LR scheduler), and the program run counters. A checkpoint that does not fit the
+job (world size, strategy, number of models) is refused with the list of differences.
+
 A checkpoint is a directory. It is written in full to a temporary sibling, every file and the
 directory are fsync'ed, and only then swapped in by renames. The one moment when ``dirname``
 does not exist (between moving the old one aside and moving the new one in) is covered by
@@ -13,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +28,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_dir", "resolve", "write_json", "read_json", "CheckpointError"]
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "TrainingState",
+    "atomic_dir",
+    "load_inference_model",
+    "load_training",
+    "read_json",
+    "resolve",
+    "save_inference_model",
+    "save_training",
+    "write_json",
+]
+
+_FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -94,3 +116,88 @@ def write_json(path: Path, data: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """What one job saves and restores (see the module docstring)."""
+
+    models: list[torch.nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    extras: dict[str, Any]
+    world_size: int
+    rank: int
+    strategy: dict[str, Any]
+    #: program name -> runs (program style; restored so schedules keyed on runs continue)
+    program_runs: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def save_training(dirname: str | os.PathLike[str], state: TrainingState) -> None:
+    with atomic_dir(dirname) as tmp:
+        torch.save([m.state_dict() for m in state.models], tmp / "models.pt")
+        torch.save([o.state_dict() for o in state.optimizers], tmp / "optimizers.pt")
+        torch.save({k: v.state_dict() for k, v in state.extras.items()}, tmp / "extras.pt")
+        write_json(tmp / "fleet.json", {
+            "format": _FORMAT,
+            "world_size": state.world_size,
+            "saved_by_rank": state.rank,
+            "strategy": state.strategy,
+            "models": len(state.models),
+            "optimizers": len(state.optimizers),
+            "extras": sorted(state.extras),
+            "program_runs": state.program_runs,
+        })
+
+
+def load_training(dirname: str | os.PathLike[str], state: TrainingState, device: torch.device) -> dict[str, int]:
+    """Restore into ``state``'s objects; returns the saved program run counters."""
+    path = resolve(dirname)
+    meta = read_json(path / "fleet.json")
+    problems = []
+    if meta.get("format") != _FORMAT:
+        problems.append(f"format: saved {meta.get('format')!r}, this fleetlike reads {_FORMAT}")
+    if meta["world_size"] != state.world_size:
+        problems.append(f"world size: saved {meta['world_size']}, now {state.world_size}")
+    for key in ("models", "optimizers"):
+        now = len(getattr(state, key))
+        if meta.get(key) != now:
+            problems.append(f"{key}: saved {meta.get(key)}, now {now}")
+    if meta.get("extras", []) != sorted(state.extras):
+        problems.append(f"registered objects: saved {meta.get('extras')}, now {sorted(state.extras)}")
+    for key in sorted(set(state.strategy) | set(meta["strategy"])):
+        if state.strategy.get(key) != meta["strategy"].get(key):
+            problems.append(f"strategy.{key}: saved {meta['strategy'].get(key)!r}, now {state.strategy.get(key)!r}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this job:\n  " + "\n  ".join(problems)
+            + "\nrestart with the saved world size, strategy and models (DistributedStrategy.from_dict)"
+        )
+    for model, saved in zip(state.models, torch.load(path / "models.pt", map_location=device, weights_only=True)):
+        model.load_state_dict(saved)
+    for opt, saved in zip(state.optimizers, torch.load(path / "optimizers.pt", map_location=device, weights_only=False)):
+        opt.load_state_dict(saved)
+    extras = torch.load(path / "extras.pt", map_location=device, weights_only=False)
+    for name, obj in state.extras.items():
+        obj.load_state_dict(extras[name])
+    return dict(meta.get("program_runs", {}))
+
+
+def save_inference_model(dirname: str | os.PathLike[str], model: torch.nn.Module,
+                         feeded_var_names: list[str], target_vars: list[str]) -> None:
+    with atomic_dir(dirname) as tmp:
+        torch.save(model, tmp / "model.pt")
+        torch.save(model.state_dict(), tmp / "state_dict.pt")
+        write_json(tmp / "inference.json", {
+            "feeded_var_names": list(feeded_var_names),
+            "target_vars": list(target_vars),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        })
+
+
+def load_inference_model(dirname: str | os.PathLike[str]) -> tuple[torch.nn.Module, list[str], list[str]]:
+    """Load what ``fleet.save_inference_model`` wrote: ``(model in eval mode, feeds, targets)``."""
+    path = resolve(dirname)
+    meta = read_json(path / "inference.json")
+    model = torch.load(path / "model.pt", weights_only=False)
+    model.eval()
+    return model, meta["feeded_var_names"], meta["target_vars"]

@@ -1,9 +1,10 @@
 """The `Fleet` facade of API.md section 4: thin, delegating to roles, comm and strategies.
 
-It holds what a process needs between calls (its role, communicators, the programs built by
-``minimize``) and no training logic of its own.
+It holds what a process needs between calls (its `FleetContext`, the wrapped models and
+optimizers, objects registered for checkpoints) and no training logic of its own: the strategy
+engine (`fleetlike.strategies.engine`) does the work in both styles.
 
-Example (the four steps):
+Example (the four steps, program style):
     >>> from fleetlike import fleet, DistributedStrategy, roles     # 1. import
     >>> fleet.init(roles.PaddleCloudRoleMaker(is_collective=True))  # 2. roles + strategy
     >>> opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
@@ -12,45 +13,47 @@ Example (the four steps):
     >>> exe.run(fleet.startup_program)
     >>> exe.run(fleet.main_program, feed=batch, fetch_list=["loss"])
     >>> if fleet.is_first_worker(): fleet.save_persistables(exe, "ckpt")   # 4. save
+
+Eager style (a plain PyTorch loop):
+    >>> with fleet.session(strategy=strategy):
+    ...     model = fleet.distributed_model(model)
+    ...     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ...     for x, y in loader:
+    ...         opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from fleetlike.collectives import GradReducer, broadcast_coalesced, make_reducer
+from fleetlike.collectives import broadcast_coalesced
 from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_world
+from fleetlike.config import DistributedStrategy, rules
 from fleetlike.fleet import checkpoint as ckpt
+from fleetlike.fleet.context import FleetContext
+from fleetlike.fleet.model import DistributedModel
 from fleetlike.fleet.optimizer import DistributedOptimizer
 from fleetlike.fleet.util import Util
 from fleetlike.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
-from fleetlike.roles.settings import env_settings
-from fleetlike.strategies import DistributedStrategy
-from fleetlike.strategies.compose import AppliedEntry, Build
-from fleetlike.strategies.data_parallel import gradient_collective
+from fleetlike.roles.settings import EnvSettings, env_settings
+from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
+from fleetlike.strategies.engine import Engine, build_engine
+from fleetlike.strategies.step import AppliedEntry
 
-__all__ = ["Fleet", "fleet"]
+__all__ = ["Fleet", "fleet", "load_inference_model"]
 
-_FORMAT = 1
-
-
-@dataclasses.dataclass
-class _Context:
-    role: Role
-    world: Communicator
-    groups: CommGroups
-    device: torch.device
-    strategy: DistributedStrategy
-    timeout: float
+load_inference_model = ckpt.load_inference_model
 
 
-def _device_for(role: Role) -> torch.device:
-    if torch.cuda.is_available() and (role.selected_gpus or os.environ.get("CUDA_VISIBLE_DEVICES")):
+def _device_for(role: Role, env: EnvSettings) -> torch.device:
+    if torch.cuda.is_available() and (role.selected_gpus or env.cuda_visible_devices):
         gpus = role.selected_gpus
         return torch.device("cuda", gpus[0] if gpus else role.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -60,11 +63,10 @@ class Fleet:
     """Process-wide entry point; use the module-level ``fleet`` instance."""
 
     def __init__(self) -> None:
-        self._ctx: _Context | None = None
-        self._build: Build | None = None
-        self._programs: dict[str, Program] = {}
-        self._eager: GradReducer | None = None
-        self._eager_optimizer: DistributedOptimizer | None = None
+        self._ctx: FleetContext | None = None
+        self._models: list[DistributedModel] = []
+        self._optimizers: list[DistributedOptimizer] = []
+        self._registered: dict[str, Any] = {}
         self.util = Util(self._util_comm)
 
     # ------------------------------------------------------------------ init and roles
@@ -79,32 +81,48 @@ class Fleet:
         *,
         backend: str | None = None,
     ) -> None:
-        """Set up this process's communicators. ``role_maker=None`` auto-detects the launch."""
+        """Set up this process's communicators. ``role_maker=None`` auto-detects the launch.
+
+        Calling it again needs `shutdown` first (or use `session`): the communicators of a
+        running job cannot be replaced under the models and optimizers that use them."""
         if is_collective is not True:
             raise ValueError(
                 "fleet.init(is_collective=False) asks for parameter-server mode, which fleetlike "
                 "does not provide; use is_collective=True (collective training)"
             )
+        if self._ctx is not None:
+            raise RuntimeError(
+                "fleet.init() was already called in this process; call fleet.shutdown() first to "
+                "re-initialise (or use `with fleet.session(...):`, which shuts down at the end)"
+            )
         env = env_settings()
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
-        device = _device_for(role)
+        device = _device_for(role, env)
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
-        self.shutdown()
         world = create_world(role, backend=backend or env.backend or "auto", timeout=limit, device=device)
         world.timeout = limit
         world.check_collectives = bool(check_collectives or env.check_collectives)
-        self._ctx = _Context(role, world, CommGroups(world, role), device, strategy or DistributedStrategy(), limit)
+        self._ctx = FleetContext(role, world, CommGroups(world, role), device, strategy or DistributedStrategy(), limit)
 
     def shutdown(self) -> None:
         """Close the communicators (also done at exit). ``init`` may be called again after."""
         if self._ctx is not None:
             self._ctx.groups.close()
-        self._ctx, self._build, self._programs, self._eager = None, None, {}, None
-        self._eager_optimizer = None
+        self._ctx = None
+        self._models, self._optimizers, self._registered = [], [], {}
 
-    def _context(self, what: str) -> _Context:
+    @contextlib.contextmanager
+    def session(self, role_maker: RoleMaker | Role | None = None, **init_kwargs: Any) -> Iterator[Fleet]:
+        """``init`` now, ``shutdown`` guaranteed at the end (an error inside included)."""
+        self.init(role_maker, **init_kwargs)
+        try:
+            yield self
+        finally:
+            self.shutdown()
+
+    def _context(self, what: str) -> FleetContext:
         if self._ctx is None:
             raise RuntimeError(f"{what} needs fleet.init() first (step 2 of the four steps)")
         return self._ctx
@@ -149,130 +167,208 @@ class Fleet:
         ctx = self._context("fleet.util")
         return ctx.world, ctx.role.rank, ctx.role.world_size, ctx.device
 
+    # ------------------------------------------------------------------ strategy
+
+    def _strategy(self, explicit: DistributedStrategy | None, what: str) -> DistributedStrategy:
+        """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY applied."""
+        ctx = self._context(what)
+        if explicit is not None and not isinstance(explicit, DistributedStrategy):
+            raise TypeError(f"{what}: strategy must be a DistributedStrategy, got {type(explicit).__name__}")
+        chosen = (explicit or ctx.strategy).copy()
+        override = env_settings().strategy_override
+        if override:
+            chosen.update_from_override(override)
+        rules.check(chosen)
+        return chosen
+
     # ------------------------------------------------------------------ optimizer and programs
 
     def distributed_optimizer(
         self, optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
     ) -> DistributedOptimizer:
+        """Wrap ``optimizer`` with ``strategy`` (default: the one given to ``fleet.init``)."""
         ctx = self._context("fleet.distributed_optimizer")
-        chosen = (strategy or ctx.strategy).copy()
+        amp_configs = None
         if isinstance(optimizer, DecoratedOptimizer):  # seed 003's mixed_precision.decorate
+            amp_configs, optimizer = optimizer.amp_configs, optimizer.optimizer
+        chosen = self._strategy(strategy, "fleet.distributed_optimizer")
+        if amp_configs is not None:
             chosen.amp = True
-            chosen.amp_configs = optimizer.amp_configs
-            optimizer = optimizer.optimizer
-        override = env_settings().strategy_override
-        if override:
-            chosen.update_from_override(override)
-        chosen.validate_combination()
-        self._eager_optimizer = DistributedOptimizer(optimizer, chosen, self)
-        return self._eager_optimizer
+            chosen.amp_configs = amp_configs
+        opt = DistributedOptimizer(optimizer, chosen, ctx)
+        opt.explicit_strategy = strategy is not None or amp_configs is not None
+        self._optimizers.append(opt)
+        for model in self._models:
+            if model.built and self._overlaps(model, opt):
+                self._check_same(model.engine, opt)
+                opt.bind(model.engine)
+        return opt
 
-    def _set_programs(self, build: Build, origin: Program, main: Program, startup: Program) -> None:
-        self._build = build
-        self._programs = {"origin": origin, "main": main, "startup": startup}
+    def _programs(self) -> tuple[Program, Program, Program] | None:
+        for opt in reversed(self._optimizers):
+            if opt.programs is not None:
+                return opt.programs
+        return None
 
-    def _program(self, name: str) -> Program:
-        if name not in self._programs:
+    def _program(self, index: int, name: str) -> Program:
+        programs = self._programs()
+        if programs is None:
             raise RuntimeError(f"fleet.{name}_program exists after distributed_optimizer(...).minimize(loss_fn, model)")
-        return self._programs[name]
+        return programs[index]
 
     @property
     def main_program(self) -> Program:
         """The training step with its communication."""
-        return self._program("main")
+        return self._program(1, "main")
 
     @property
     def _origin_program(self) -> Program:
         """The same step with no communication: a purely local step."""
-        return self._program("origin")
+        return self._program(0, "origin")
 
     origin_program = _origin_program
 
     @property
     def startup_program(self) -> Program:
         """Makes every rank start from rank 0's parameters and buffers."""
-        return self._program("startup")
+        return self._program(2, "startup")
+
+    def _engines(self) -> list[Engine]:
+        engines = [m.engine for m in self._models if m.built]
+        for opt in self._optimizers:
+            engines += [e for e in opt.engines if e not in engines]
+        return engines
 
     def applied_strategy(self) -> list[AppliedEntry]:
-        """What ``minimize`` applied, in order, and why anything was not."""
-        if self._build is None:
+        """What the strategy applied, in order, and why anything was not (the latest model's)."""
+        engines = self._engines()
+        if not engines:
             return []
-        notes = [AppliedEntry(s.name, False, s.reason) for s in self._build.strategy.inactive_settings()]
-        return [*self._build.applied, *notes]
+        engine = engines[-1]
+        notes = [AppliedEntry(s.name, False, s.reason) for s in engine.ctx.strategy.inactive_settings()]
+        return [*engine.applied, *notes]
 
     def get_loss_scaling(self) -> float:
         """The current AMP loss scale (1.0 when no loss scaling is on)."""
-        amp = self._build.states.get("amp") if self._build else None
-        if amp is None and self._eager_optimizer is not None:
-            amp = self._eager_optimizer.scaler
-        return float(amp.scale) if amp is not None else 1.0
+        for engine in reversed(self._engines()):
+            amp = engine.unit("amp")
+            if isinstance(amp, AmpUnit):
+                return float(amp.scaler.scale)
+        return 1.0
 
     # ------------------------------------------------------------------ eager style
 
     def distributed_model(
         self, model: torch.nn.Module, strategy: DistributedStrategy | None = None
-    ) -> torch.nn.Module:
-        """Broadcast rank 0's parameters and buffers, attach the gradient hooks; returns ``model``.
+    ) -> DistributedModel:
+        """Broadcast rank 0's parameters and buffers; return the model wrapped for training.
 
-        The bucketing follows ``strategy`` (default: the one given to ``fleet.init``)."""
+        The strategy is ``strategy``, else that of the `distributed_optimizer` holding the
+        model's parameters, else the one given to ``fleet.init``; it is applied at the first
+        forward (see `DistributedModel`). Two models (a GAN's) each get their own engine."""
         ctx = self._context("fleet.distributed_model")
-        s = strategy or ctx.strategy
+        if isinstance(model, DistributedModel):
+            raise TypeError("fleet.distributed_model got a model it already wrapped; wrap the plain module once")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"fleet.distributed_model wraps a torch.nn.Module, got {type(model).__name__}")
+        explicit = None if strategy is None else self._strategy(strategy, "fleet.distributed_model")
         broadcast_coalesced(ctx.world, [p.data for p in model.parameters()] + list(model.buffers()))
-        if self._eager is not None:
-            self._eager.remove()
-        collective, _ = gradient_collective(s, ctx.groups, ctx.role)  # as the data-parallel pass
-        self._eager = make_reducer(model, collective, cap_bytes=s.bucket_cap_bytes(),
-                                   find_unused=s.find_unused_parameters, check_nan_inf=s.check_nan_inf,
-                                   auto_arm=True)
-        return model
+        me = weakref.ref(self)
 
-    def _eager_reducer(self, required: bool = True) -> GradReducer | None:
-        if self._eager is None and required:
-            raise RuntimeError("eager style needs model = fleet.distributed_model(model) first")
-        return self._eager
+        def engine_for(wrapped: DistributedModel) -> Engine:
+            fleet_ = me()
+            if fleet_ is None:
+                raise RuntimeError("the fleet that wrapped this model is gone")
+            return fleet_._build_engine(wrapped, explicit)
+
+        wrapped = DistributedModel(model, engine_for)
+        self._models.append(wrapped)
+        return wrapped
+
+    def _overlaps(self, model: DistributedModel, opt: DistributedOptimizer) -> bool:
+        return bool({id(p) for p in model.module.parameters()} & opt.param_ids())
+
+    def _check_same(self, engine: Engine, opt: DistributedOptimizer) -> None:
+        if not opt.explicit_strategy:
+            return  # the optimizer took init's default; the model's own strategy rules
+        mine, theirs = engine.ctx.strategy.to_dict(), opt.user_defined_strategy.to_dict()
+        diff = [f"{k}: model {mine.get(k)!r}, optimizer {theirs.get(k)!r}"
+                for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diff:
+            raise ValueError(
+                "fleet.distributed_model and fleet.distributed_optimizer were given different strategies "
+                "for one model:\n  " + "\n  ".join(diff)
+                + "\ngive the strategy once (to fleet.init, or to distributed_optimizer), or the same to both"
+            )
+
+    def _build_engine(self, model: DistributedModel, explicit: DistributedStrategy | None) -> Engine:
+        ctx = self._context("the wrapped model's forward")
+        owners = [o for o in self._optimizers if self._overlaps(model, o)]
+        chosen = [o.user_defined_strategy for o in owners if o.explicit_strategy]
+        strategy = explicit or (chosen[0] if chosen else self._strategy(None, "the wrapped model's forward"))
+        engine = build_engine(ctx.step_context(model.module, strategy))
+        for opt in owners:
+            self._check_same(engine, opt)
+            opt.bind(engine)
+        return engine
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """AMP's autocast (dtype and op lists of the strategy) for code outside the wrapped
+        model's forward, such as a loss computed from its outputs; a no-op without AMP."""
+        engines = self._engines()
+        amp = next((e.unit("amp") for e in reversed(engines) if e.unit("amp") is not None), None)
+        if amp is None:
+            strategy = self._context("fleet.autocast()").strategy
+            if not strategy.amp:
+                yield
+                return
+            with amp_autocast(strategy.amp_configs, self.device().type):
+                yield
+            return
+        with amp.forward_context():
+            yield
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (anything with ``state_dict`` / ``load_state_dict``, such as
+        an LR scheduler) with `save_persistables` / `load_persistables`."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"fleet.register_state({name!r}, ...): {type(obj).__name__} has no state_dict/load_state_dict")
+        self._registered[name] = obj
 
     # ------------------------------------------------------------------ save / load
 
+    def _training_state(self, what: str) -> ckpt.TrainingState:
+        ctx = self._context(f"fleet.{what}")
+        if self._programs() is not None:
+            opt = next(o for o in reversed(self._optimizers) if o.programs is not None)
+            models: list[torch.nn.Module] = [opt.engines[0].ctx.model]
+            optimizers = [opt]
+            strategy = opt.user_defined_strategy
+        else:
+            if not self._models:
+                raise RuntimeError(
+                    f"fleet.{what} needs a model: minimize(loss_fn, model) (program style) or "
+                    "fleet.distributed_model(model) (eager style) first"
+                )
+            models = [m.module for m in self._models]
+            optimizers = list(self._optimizers)
+            strategy = self._models[0].engine.ctx.strategy
+        runs = {p.name: p.runs for p in (self._programs() or ())}
+        return ckpt.TrainingState(models, list(optimizers), dict(self._registered), ctx.role.world_size,
+                                  ctx.role.rank, strategy.to_dict(), runs)
+
     def save_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
         """Save everything needed to resume exactly; atomic. Not collective (rank 0 may call it alone)."""
-        build = self._need_build("save_persistables")
-        with ckpt.atomic_dir(dirname) as tmp:
-            torch.save(build.model.state_dict(), tmp / "model.pt")
-            torch.save(build.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save({k: v.state_dict() for k, v in build.states.items()}, tmp / "strategy_state.pt")
-            ckpt.write_json(tmp / "fleet.json", {
-                "format": _FORMAT,
-                "world_size": build.role.world_size,
-                "saved_by_rank": build.role.rank,
-                "strategy": build.strategy.to_dict(),
-                "program_runs": {k: p.runs for k, p in self._programs.items()},
-            })
+        ckpt.save_training(dirname, self._training_state("save_persistables"))
 
     def load_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
         """Restore what `save_persistables` wrote; checks the job fits and says what differs."""
-        build = self._need_build("load_persistables")
-        path = ckpt.resolve(dirname)
-        meta = ckpt.read_json(path / "fleet.json")
-        problems = []
-        if meta["world_size"] != build.role.world_size:
-            problems.append(f"world size: saved {meta['world_size']}, now {build.role.world_size}")
-        now = build.strategy.to_dict()
-        for key in sorted(set(now) | set(meta["strategy"])):
-            if now.get(key) != meta["strategy"].get(key):
-                problems.append(f"strategy.{key}: saved {meta['strategy'].get(key)!r}, now {now.get(key)!r}")
-        if problems:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} does not fit this job:\n  " + "\n  ".join(problems)
-                + "\nrestart with the saved world size and strategy (DistributedStrategy.from_dict)"
-            )
-        build.model.load_state_dict(torch.load(path / "model.pt", map_location=build.device, weights_only=True))
-        build.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=build.device, weights_only=True))
-        states = torch.load(path / "strategy_state.pt", map_location=build.device, weights_only=False)
-        for name, state in states.items():
-            build.states[name].load_state_dict(state)
-        for name, runs in meta.get("program_runs", {}).items():
-            if name in self._programs:
-                self._programs[name].runs = runs
+        state = self._training_state("load_persistables")
+        runs = ckpt.load_training(dirname, state, self.device())
+        for program in self._programs() or ():
+            if program.name in runs:
+                program.runs = runs[program.name]
 
     def save_inference_model(
         self,
@@ -284,29 +380,9 @@ class Fleet:
         export_for_deployment: bool = True,
     ) -> None:
         """Save the model for inference only (no optimizer, no communication); atomic."""
-        build = self._need_build("save_inference_model")
-        with ckpt.atomic_dir(dirname) as tmp:
-            torch.save(build.model, tmp / "model.pt")
-            torch.save(build.model.state_dict(), tmp / "state_dict.pt")
-            ckpt.write_json(tmp / "inference.json", {
-                "feeded_var_names": list(feeded_var_names or []),
-                "target_vars": [getattr(t, "name", t) for t in (target_vars or [])],
-                "model_class": f"{type(build.model).__module__}.{type(build.model).__qualname__}",
-            })
-
-    def _need_build(self, what: str) -> Build:
-        if self._build is None:
-            raise RuntimeError(f"fleet.{what} needs distributed_optimizer(...).minimize(loss_fn, model) first")
-        return self._build
-
-
-def load_inference_model(dirname: str) -> tuple[torch.nn.Module, list[str], list[str]]:
-    """Load what `Fleet.save_inference_model` wrote: ``(model in eval mode, feeds, targets)``."""
-    path = ckpt.resolve(dirname)
-    meta = ckpt.read_json(path / "inference.json")
-    model = torch.load(path / "model.pt", weights_only=False)
-    model.eval()
-    return model, meta["feeded_var_names"], meta["target_vars"]
+        state = self._training_state("save_inference_model")
+        ckpt.save_inference_model(dirname, state.models[0], list(feeded_var_names or []),
+                                  [getattr(t, "name", t) for t in (target_vars or [])])
 
 
 fleet = Fleet()

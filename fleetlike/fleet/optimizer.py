@@ -1,68 +1,127 @@
-"""`DistributedOptimizer`: wraps the user's optimizer by composition.
+"""`DistributedOptimizer`: the user's optimizer plus the strategy, and a real `torch.optim.Optimizer`.
 
-Program style: ``minimize(loss_fn, model)`` builds the three programs (strategies layer) and
-hands them to the fleet. Eager style: ``backward`` / ``synchronize`` / ``step`` /
-``skip_synchronize`` drive the same `GradReducer` that ``fleet.distributed_model`` armed.
+It is an ``Optimizer`` (as Horovod's is), sharing the wrapped optimizer's ``param_groups``,
+``state`` and ``defaults`` objects, so learning-rate schedulers, ``torch.amp.GradScaler``,
+``torch.optim.swa_utils`` and ``isinstance`` checks work on it and act on the wrapped optimizer.
+The update itself is the wrapped optimizer's ``step``; around it the strategy engine runs.
 
-Everything else (``param_groups``, ``state_dict``, ``load_state_dict``, ``add_param_group``,
-...) is the wrapped optimizer's, so learning-rate schedulers keep working on the wrapper.
+Program style: ``minimize(loss_fn, model)`` builds the engine and the three programs.
+Eager style: ``step()`` synchronizes (waits for the gradient buckets, unscales and checks under
+AMP), updates unless a unit skips the step (a non-finite AMP step, a gradient-merge micro-step),
+then runs the after-update hooks (local SGD's averaging, the loss-scale update); ``zero_grad()``
+clears unless a gradient-merge window is still accumulating. ``backward(loss)`` is
+``loss.backward()`` with the loss scaled explicitly; ``synchronize()`` and
+``skip_synchronize()`` allow gradient clipping between communication and update (as Horovod).
+
+``state_dict()`` is the wrapped optimizer's plus a ``"fleetlike"`` entry with what the strategy
+keeps (loss scale, local SGD counters and snapshots, the gradient-merge window), so a checkpoint
+of the optimizer alone resumes the strategy exactly.
 
 Example:
     >>> opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-    >>> opt.minimize(loss_fn, model)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad(); sched.step()
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from fleetlike.config import DistributedStrategy
+from fleetlike.fleet.context import FleetContext
 from fleetlike.program import Program
-from fleetlike.strategies import DistributedStrategy
-from fleetlike.strategies.amp import scaler_from_config, unscale_and_check
-from fleetlike.strategies.compose import Build, LossFn, build_programs
-
-if TYPE_CHECKING:
-    from fleetlike.fleet.facade import Fleet
+from fleetlike.strategies.engine import Engine, build_engine
+from fleetlike.strategies.programs import LossFn, build_programs
 
 __all__ = ["DistributedOptimizer"]
 
+_STATE_KEY = "fleetlike"
 
-class DistributedOptimizer:
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """The user's optimizer plus the strategy; see the module docstring."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: DistributedStrategy, fleet: Fleet) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: DistributedStrategy, context: FleetContext) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"distributed_optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("distributed_optimizer got an optimizer that is already a DistributedOptimizer; wrap the plain one once")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.__dict__["_scratch"] = {"param_groups": []}
+        super().__init__(params, dict(optimizer.defaults))
+        del self.__dict__["_scratch"]
+        # from here on param_groups / state / defaults are the wrapped optimizer's (properties)
         self.inner_optimizer = optimizer
         self.user_defined_strategy = strategy
-        self._fleet = fleet
+        #: the strategy was given to this call (not init's default): it must match the model's
+        self.explicit_strategy = True
+        self._context = context
+        self.engines: list[Engine] = []
+        self.programs: tuple[Program, Program, Program] | None = None
         self._skip_sync = False
-        #: eager-style loss scaling (program style keeps its scaler in the AMP pass)
-        scaler, dtype = scaler_from_config(strategy.amp_configs) if strategy.amp else (None, None)
-        self.scaler = scaler if dtype == torch.float16 else None  # bfloat16: no scaling at all
+        self._pending_state: dict[str, Any] | None = None
 
-    # ------------------------------------------------------------------ delegation
+    # One set of groups, state and defaults: the wrapped optimizer's, read through each time
+    # (its load_state_dict replaces the objects), so schedulers and scalers act on what steps.
+    # Optimizer.__init__ assigns them before the wrapped optimizer is known; those go nowhere.
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names not found on the wrapper: param_groups, state, defaults, ...
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["inner_optimizer"], name)
+    def _shared(self, name: str) -> Any:
+        inner = self.__dict__.get("inner_optimizer")
+        return getattr(inner, name) if inner is not None else self.__dict__["_scratch"][name]
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner_optimizer.state_dict()
+    def _share(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, name, value)
+        else:
+            self.__dict__.setdefault("_scratch", {})[name] = value
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner_optimizer.load_state_dict(state)
+    param_groups = property(lambda self: self._shared("param_groups"),  # type: ignore[assignment]
+                            lambda self, v: self._share("param_groups", v))
+    state = property(lambda self: self._shared("state"),  # type: ignore[assignment]
+                     lambda self, v: self._share("state", v))
+    defaults = property(lambda self: self._shared("defaults"),  # type: ignore[assignment]
+                        lambda self, v: self._share("defaults", v))
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.inner_optimizer!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names the wrapper lacks: the wrapped optimizer's own extras
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def param_ids(self) -> set[int]:
+        return {id(p) for g in self.param_groups for p in g["params"]}
+
+    # ------------------------------------------------------------------ engines
+
+    def bind(self, engine: Engine) -> None:
+        """Drive ``engine``'s model (called by the fleet when the two meet)."""
+        if engine in self.engines:
+            return
+        if engine.ctx.optimizer is not None and engine.ctx.optimizer is not self.inner_optimizer:
+            if engine.needs_optimizer:
+                raise RuntimeError(
+                    f"two fleetlike optimizers drive one model, but strategy.{engine.needs_optimizer[0]} "
+                    "acts at the optimizer step and needs exactly one: give the model's parameters to "
+                    "one distributed_optimizer (param groups can differ)"
+                )
+        else:
+            engine.ctx.optimizer = self.inner_optimizer
+            for unit in engine.units:
+                unit.bind(self.inner_optimizer)
+        self.engines.append(engine)
+        if self._pending_state is not None and len(self.engines) == len(self._pending_state):
+            self._load_engines(self._pending_state)
 
     # ------------------------------------------------------------------ program style
 
@@ -76,43 +135,46 @@ class DistributedOptimizer:
             raise TypeError(f"minimize: loss_fn must be callable (model, feed) -> loss, got {loss_fn!r}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"minimize: model must be a torch.nn.Module, got {type(model).__name__}")
-        ctx = self._fleet._context("distributed_optimizer(...).minimize")
-        build = Build(
-            model=model,
-            optimizer=self.inner_optimizer,
-            loss_fn=loss_fn,
-            strategy=self.user_defined_strategy,
-            groups=ctx.groups,
-            role=ctx.role,
-            device=ctx.device,
-        )
-        origin, main, startup = build_programs(build)
-        self._fleet._set_programs(build, origin, main, startup)
+        if self.engines:
+            raise RuntimeError(
+                "minimize: this optimizer already drives a model (an earlier minimize or "
+                "fleet.distributed_model); create a new fleet.distributed_optimizer for another program"
+            )
+        ctx = self._context.step_context(model, self.user_defined_strategy)
+        ctx.optimizer = self.inner_optimizer
+        engine = build_engine(ctx)
+        for unit in engine.units:
+            unit.bind(self.inner_optimizer)
+        self.engines.append(engine)
+        self.programs = build_programs(engine, loss_fn)
+        origin, main, startup = self.programs
         return main, startup
 
     # ------------------------------------------------------------------ eager style
 
-    def _reducer(self) -> Any:
-        return self._fleet._eager_reducer()
+    def _driven(self) -> list[Engine]:
+        if not self.engines:
+            raise RuntimeError(
+                "eager style needs the model wrapped before training: model = fleet.distributed_model(model), "
+                "then run its forward (the optimizer finds the model by its parameters)"
+            )
+        return self.engines
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the reducer armed (and, with AMP, the loss scaled)."""
-        reducer = self._reducer()
-        reducer.prepare(loss)
-        (loss.float() * self.scaler.scale).backward() if self.scaler is not None else loss.backward()
+        """``loss.backward()`` with the strategy's loss scaling (AMP) applied explicitly; also
+        records the loss for units that need it (adaptive local SGD)."""
+        engines = self._driven()
+        engines[0].backward(loss)
+        for engine in engines[1:]:
+            engine.begin().loss = loss
 
     def synchronize(self) -> bool:
         """Wait until every gradient is averaged over the ranks (before clipping, say).
 
         With AMP the gradients are also unscaled and checked; returns True when the step is
         finite on every rank (``step()`` then updates; otherwise it skips, on every rank)."""
-        reducer = self._reducer()
-        reducer.finalize()
-        if self.scaler is None:
-            return True
-        found = unscale_and_check([b.buffer for b in reducer.buckets], self.scaler.scale, reducer.collective_world)
-        self._found_inf = found
-        return not found
+        states = [engine.synchronize() for engine in self._driven()]
+        return not any(st.skip_update for st in states)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -123,21 +185,77 @@ class DistributedOptimizer:
         finally:
             self._skip_sync = False
 
-    def step(self, closure: Any = None) -> Any:
-        if not self._skip_sync:
-            self.synchronize()
-        if self.scaler is not None:
-            found = getattr(self, "_found_inf", False)
-            self.scaler.update(found)
-            self._found_inf = False
-            if found:
-                return None
-        return self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
+    def step(self, closure: Any = None, *, loss: torch.Tensor | float | None = None) -> Any:  # type: ignore[override]
+        """One update through the strategy (see the module docstring).
+
+        ``loss``: this step's loss, for adaptive local SGD (or call ``backward(loss)``); a
+        ``closure`` is evaluated first (with grad enabled) and its result is the loss."""
+        engines = self._driven()
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        result: list[Any] = []
+
+        def update() -> Any:
+            result.append(self.inner_optimizer.step())
+            return result[-1]
+
+        # several engines (one optimizer over two wrapped models): the update runs once, when
+        # every model's step agrees it should (their units run in model order)
+        for i, engine in enumerate(engines):
+            engine.update(update if i == len(engines) - 1 else (lambda: None), loss=loss)
+        return loss if closure is not None else (result[0] if result else None)
+
+    @property
+    def step_info(self) -> dict[str, Any]:
+        """What the strategy recorded in the last ``step()`` (the facts ``fetch_list`` offers in
+        the program style: ``found_inf``, ``loss_scale``, ``localsgd_k``, ``bytes_communicated``,
+        ``collectives``, ``merge_micro_step``, ``slow_ranks``, ...)."""
+        info: dict[str, Any] = {}
+        for engine in self.engines:
+            if engine.last is not None:
+                info.update(engine.last.info)
+        return info
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients; they are bucket views under data parallel, so in place."""
-        reducer = self._fleet._eager_reducer(required=False)
-        if reducer is not None:
-            reducer.zero_grad()
+        """Clear the gradients (in place where they are bucket views), except inside an
+        unfinished gradient-merge window."""
+        covered: set[int] = set()
+        for engine in self.engines:
+            engine.clear()
+            covered |= {id(p) for p in engine.ctx.model.parameters()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in covered and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.inner_optimizer.state_dict()
+        state[_STATE_KEY] = [engine.state_dict() for engine in self.engines]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        engines = state.pop(_STATE_KEY, None)
+        self.inner_optimizer.load_state_dict(state)
+        if engines is None:
+            return
+        if len(engines) == len(self.engines):
+            self._load_engines(engines)
+        elif not self.engines:
+            self._pending_state = engines  # eager style: applied when the model's engine is built
         else:
-            self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+            raise ValueError(
+                f"optimizer state holds the strategy state of {len(engines)} model(s), this optimizer "
+                f"drives {len(self.engines)}; load it into the job it was saved from"
+            )
+
+    def _load_engines(self, engines: list[dict[str, Any]]) -> None:
+        for engine, saved in zip(self.engines, engines):
+            engine.load_state_dict(saved)
+        self._pending_state = None

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 
 from fleetlike.launch.config import LaunchConfig
-from fleetlike.roles.role import parse_endpoint
+from fleetlike.roles import parse_endpoint
 
 __all__ = ["AGENT_STORE", "MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
 

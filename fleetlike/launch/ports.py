@@ -25,7 +25,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from fleetlike.comm.rendezvous import host_store
+from fleetlike.comm import host_store
 
 __all__ = ["HostedEndpoints", "host_endpoints", "reserve_port"]
 

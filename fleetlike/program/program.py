@@ -41,6 +41,11 @@ class StepState:
     #: set by gradient merge on all but the k-th run: gradients only accumulate (no
     #: communication, no update, no clearing)
     accumulate: bool = False
+    #: False inside ``model.no_sync()``: this backward's gradients stay local (they accumulate)
+    communicate: bool = True
+    #: tensors whose autograd graph the coming backward walks (the loss; in eager style the
+    #: model's outputs), for finding parameters that get no gradient
+    roots: list[torch.Tensor] = dataclasses.field(default_factory=list)
     #: free-form per-step facts (collectives issued, bytes, k, ...) for the stats record
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 

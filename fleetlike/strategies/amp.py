@@ -15,29 +15,37 @@ when only one of them overflowed. With ``use_dynamic_loss_scaling=False`` the sc
 (non-finite steps are still skipped). bfloat16 has float32's range: no scaling, no unscale, no
 finite check (and no extra collective) at all.
 
+Both faces run the same `AmpUnit`. Program style: ``loss_fn`` runs under autocast and the
+backward op scales the loss. Eager style: the wrapped model's forward runs under autocast (or the
+user's own code under ``fleet.autocast()``); ``optimizer.backward(loss)`` scales the loss, and a
+plain ``loss.backward()`` works too: a gradient hook on the model's outputs multiplies the
+gradient entering the model by the scale, which is the same as scaling the loss for every
+parameter the model owns. ``optimizer.step()`` unscales, checks, updates or skips, and moves
+the scale.
+
 Example:
     >>> s.amp = True; s.amp_configs = {"init_loss_scaling": 1024, "dtype": "float16"}
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fleetlike.comm import Communicator
-from fleetlike.program import Op, Program, StepState
+from fleetlike.comm import dtype_name
+from fleetlike.program import StepState
+from fleetlike.strategies.step import Hook, StepContext, Unit
 
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
-
-__all__ = ["LossScaler", "OpListMode", "amp_pass", "scaler_from_config", "check_op_names", "known_op_names", "unscale_and_check"]
+__all__ = ["AmpUnit", "LossScaler", "OpListMode", "autocast", "scaler_from_config", "check_op_names", "known_op_names", "unscale_and_check"]
 
 
 def known_op_names() -> set[str]:
@@ -136,7 +144,7 @@ def unscale_and_check(grads: Sequence[torch.Tensor], scale: float, world: Commun
             g.mul_(inv)
         if not torch.isfinite(g).all():
             flag.fill_(1.0)
-    world.all_reduce(flag, "max")
+    world.all_reduce(flag, "max", agreed=True)
     return bool(flag.item() > 0)
 
 
@@ -155,62 +163,89 @@ def scaler_from_config(cfg: Any) -> tuple[LossScaler, torch.dtype]:
     return scaler, dtype
 
 
-def amp_pass(program: Program, build: Build) -> Program:
-    """Autocast the forward, scale the loss, unscale + agreed finite check, update the scale."""
-    cfg = build.strategy.amp_configs
+@contextlib.contextmanager
+def autocast(cfg: Any, device_type: str) -> Iterator[None]:
+    """``torch.autocast`` in ``amp_configs.dtype`` plus the custom white/black op lists."""
+    dtype = torch.float16 if cfg["dtype"] == "float16" else torch.bfloat16
     white, black = list(cfg["custom_white_list"]), list(cfg["custom_black_list"])
-    check_op_names("custom_white_list", white)
-    check_op_names("custom_black_list", black)
-    scaler, dtype = scaler_from_config(cfg)
-    scaling = dtype == torch.float16
-    build.states["amp"] = scaler
-    device_type = build.device.type
-    main = program.clone()
+    with torch.autocast(device_type, dtype=dtype), OpListMode(dtype, white, black, device_type):
+        yield
 
-    i = main.index("forward")
-    plain_forward = main.ops[i].fn
-    assert plain_forward is not None
 
-    def forward(st: StepState) -> None:
-        with torch.autocast(device_type, dtype=dtype), OpListMode(dtype, white, black, device_type):
-            plain_forward(st)
+class AmpUnit(Unit):
+    """Autocast the forward, scale the loss, unscale + agreed finite check, update the scale."""
 
-    main.ops[i] = Op("forward", forward, {**main.ops[i].attrs, "autocast": str(dtype).replace("torch.", "")})
+    name = "amp"
 
-    def backward(st: StepState) -> None:
-        assert st.loss is not None
-        (st.loss.float() * scaler.scale).backward() if scaling else st.loss.backward()
+    def __init__(self, ctx: StepContext) -> None:
+        cfg = ctx.strategy.amp_configs
+        check_op_names("custom_white_list", list(cfg["custom_white_list"]))
+        check_op_names("custom_black_list", list(cfg["custom_black_list"]))
+        self.ctx = ctx
+        self.cfg = cfg
+        self.scaler, self.dtype = scaler_from_config(cfg)
+        #: float16 scales; bfloat16 has float32's range: no scale, nothing to unscale or skip
+        self.scaling = self.dtype == torch.float16
+        self.needs_optimizer = self.scaling  # the finite check and the scale act at the update
+        self.found_inf = False
+        ctx.record("amp", True, f"autocast {dtype_name(self.dtype)}, " + (
+            "dynamic loss scaling" if self.scaler.dynamic
+            else ("fixed loss scale" if self.scaling else "no loss scaling (bfloat16)")))
 
-    main.replace("backward", Op("backward", backward, {"loss_scale": lambda: scaler.scale} if scaling else {}))
-    found = {"inf": False}
+    def hooks(self) -> list[Hook]:
+        if not self.scaling:
+            return []
+        world = self.ctx.groups.world
+        return [
+            Hook("synchronize", "check_finite_and_unscale", self._check, {"agreed_on": world.name}),
+            Hook("after_update", "update_loss_scaling", self._update,
+                 {"dynamic": self.scaler.dynamic, "scale": lambda: self.scaler.scale}),
+        ]
 
-    def check(st: StepState) -> None:
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with autocast(self.cfg, self.ctx.device.type):
+            yield
+
+    def forward_attrs(self) -> dict[str, Any]:
+        return {"autocast": dtype_name(self.dtype)}
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.scaler.scale if self.scaling else loss
+
+    def backward_attrs(self) -> dict[str, Any]:
+        return {"loss_scale": lambda: self.scaler.scale} if self.scaling else {}
+
+    def outputs(self, st: StepState, outputs: list[torch.Tensor], explicit: Callable[[], bool]) -> None:
+        if not self.scaling:
+            return
+        scaler = self.scaler
+
+        def scale(grad: torch.Tensor) -> torch.Tensor:
+            return grad if explicit() else (grad.float() * scaler.scale).to(grad.dtype)
+
+        for t in outputs:
+            if t.is_floating_point():
+                t.register_hook(scale)
+
+    def _check(self, st: StepState) -> None:
         if st.accumulate:
             return
-        grads = (
-            [b.buffer for b in build.reducer.buckets]
-            if build.reducer is not None
-            else [p.grad for p in build.model.parameters() if p.grad is not None]
-        )
-        found["inf"] = unscale_and_check(grads, scaler.scale, build.groups.world)
-        st.skip_update = st.skip_update or found["inf"]
-        st.info["found_inf"] = found["inf"]
+        self.found_inf = unscale_and_check(self.ctx.grads(), self.scaler.scale, self.ctx.groups.world)
+        st.skip_update = st.skip_update or self.found_inf
+        st.info["found_inf"] = self.found_inf
 
-    def update_scale(st: StepState) -> None:
+    def _update(self, st: StepState) -> None:
         if not st.accumulate:
-            scaler.update(found["inf"])
-            st.info["loss_scale"] = scaler.scale
+            self.scaler.update(self.found_inf)
+            st.info["loss_scale"] = self.scaler.scale
 
-    if scaling:  # bfloat16 has float32's range: no scale, nothing to unscale or skip
-        main.insert_before(
-            "optimizer_update",
-            Op("check_finite_and_unscale", check, {"agreed_on": build.groups.world.name}),
-        )
-        main.insert_after(
-            "optimizer_update",
-            Op("update_loss_scaling", update_scale, {"dynamic": scaler.dynamic, "scale": lambda: scaler.scale}),
-        )
-    main.notes.append(lambda: f"amp {str(dtype).replace('torch.', '')}: loss scale {scaler.scale:g}, skipped {scaler.skipped_steps} steps")
-    build.record("amp", True, f"autocast {str(dtype).replace('torch.', '')}, " + (
-        "dynamic loss scaling" if scaler.dynamic else ("fixed loss scale" if scaling else "no loss scaling (bfloat16)")))
-    return main
+    def notes(self) -> list[Callable[[], str]]:
+        return [lambda: f"amp {dtype_name(self.dtype)}: loss scale {self.scaler.scale:g}, "
+                        f"skipped {self.scaler.skipped_steps} steps"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)

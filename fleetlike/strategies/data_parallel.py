@@ -1,19 +1,18 @@
-"""The data-parallel pass: bucketed gradient averaging that overlaps backward.
+"""Data parallel: bucketed gradient averaging that overlaps backward.
 
 `gradient_collective` turns the strategy (``use_hierarchical_allreduce``, ``fp16_allreduce``,
 ``nccl_comm_num``, ``hierarchical_allreduce_inter_nranks``) and the job's topology into one
-`BucketCollective` of `fleetlike.collectives`; `data_parallel_pass` builds the `GradReducer`
-around it and puts its ops into ``main_program``. The eager ``fleet.distributed_model`` asks
-`gradient_collective` too, so both styles communicate alike.
+`BucketCollective` of `fleetlike.collectives`; `DataParallelUnit` builds the `GradReducer`
+around it and hooks it into the step (armed before backward, waited for at synchronize), in
+both styles.
 
 Example:
     >>> collective, notes = gradient_collective(strategy, groups, role)
-    >>> main = data_parallel_pass(program, build)   # ... c_allreduce_avg bucket=0 ... c_wait_allreduce
+    >>> unit = DataParallelUnit(ctx, amp_skips_non_finite=False)   # c_allreduce_avg ... c_wait_allreduce
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from fleetlike.collectives import (
     BucketCollective,
@@ -26,13 +25,11 @@ from fleetlike.collectives import (
 )
 from fleetlike.comm import CommGroups
 from fleetlike.config import DistributedStrategy
-from fleetlike.program import Op, Program, StepState
+from fleetlike.program import Op, StepState
 from fleetlike.roles import Role
+from fleetlike.strategies.step import Hook, StepContext, Unit
 
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
-
-__all__ = ["data_parallel_pass", "gradient_collective"]
+__all__ = ["DataParallelUnit", "gradient_collective"]
 
 
 def gradient_collective(
@@ -112,52 +109,62 @@ def gradient_collective(
     return coll, notes
 
 
-def data_parallel_pass(program: Program, build: Build) -> Program:
-    """Bucketed, overlapped gradient averaging (see `GradReducer`)."""
-    s = build.strategy
-    collective, notes = gradient_collective(s, build.groups, build.role)
-    rings = build.groups.rings(s.nccl_comm_num)
-    cap = s.bucket_cap_bytes()
-    amp = build.states.get("amp")
-    nan_check = s.check_nan_inf and not (amp is not None and amp.dynamic)
-    reducer = make_reducer(build.model, collective, cap_bytes=cap, find_unused=s.find_unused_parameters,
-                           check_nan_inf=nan_check)
-    if s.check_nan_inf:
-        build.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
-                     else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
-    build.reducer = reducer
-    build.clear_grad = reducer.zero_grad
-    main = program.clone("main")
+class DataParallelUnit(Unit):
+    """Bucketed, overlapped gradient averaging (see `GradReducer`): both styles arm the same
+    reducer before backward and wait for it before the update."""
 
-    issued = {"collectives": 0, "bytes": 0}  # counters when this step's backward was armed
+    name = "data_parallel"
 
-    def arm(st: StepState) -> None:
-        issued["collectives"], issued["bytes"] = reducer.collectives_issued, reducer.bytes_issued
-        if not st.accumulate:
-            reducer.prepare(st.loss)
+    def __init__(self, ctx: StepContext, *, amp_skips_non_finite: bool) -> None:
+        s = ctx.strategy
+        collective, notes = gradient_collective(s, ctx.groups, ctx.role)
+        nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
+        self.ctx = ctx
+        self.reducer = make_reducer(ctx.model, collective, cap_bytes=s.bucket_cap_bytes(),
+                                    find_unused=s.find_unused_parameters, check_nan_inf=nan_check)
+        ctx.reducer = self.reducer
+        self._step: int | None = None  # id of the step whose counters are below
+        self._issued = (0, 0)
+        cap = s.bucket_cap_bytes()
+        rings = ctx.groups.rings(s.nccl_comm_num)
+        ctx.record("data_parallel", True, (
+            f"{len(self.reducer.buckets)} buckets "
+            + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
+            + f" over {len(rings)} communicator(s)"
+        ))
+        for name, applied, why in notes:
+            ctx.record(name, applied, why)
+        if s.check_nan_inf:
+            ctx.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
+                       else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
 
-    def wait(st: StepState) -> None:
+    def hooks(self) -> list[Hook]:
+        return [
+            Hook("before_backward", "arm", self._arm, {"overlap": "bucket allreduce starts as grads fill"},
+                 listed=False),
+            Hook("synchronize", "c_wait_allreduce", self._wait,
+                 {"buckets": len(self.reducer.buckets), "world": self.ctx.groups.world.size}),
+        ]
+
+    def _arm(self, st: StepState) -> None:
+        reducer = self.reducer
+        if self._step != id(st):  # count this step's traffic from its first arming
+            self._step, self._issued = id(st), (reducer.collectives_issued, reducer.bytes_issued)
+        if st.accumulate or not st.communicate or reducer.armed:
+            return
+        reducer.prepare(st.roots)
+
+    def _wait(self, st: StepState) -> None:
+        reducer = self.reducer
         reducer.finalize()
+        if self._step != id(st):  # nothing was armed this step
+            self._step, self._issued = id(st), (reducer.collectives_issued, reducer.bytes_issued)
         # buckets launch during backward, so count from the arming, not from this wait
-        st.info["collectives"] = reducer.collectives_issued - issued["collectives"]
-        st.info["bytes_communicated"] = reducer.bytes_issued - issued["bytes"]
+        st.info["collectives"] = reducer.collectives_issued - self._issued[0]
+        st.info["bytes_communicated"] = reducer.bytes_issued - self._issued[1]
 
-    described = [
-        Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
-        for d in reducer.describe()
-    ]
-    main.wrap("backward", before=arm, overlap="bucket allreduce starts as grads fill")
-    main.insert_after(
-        "backward",
-        *described,
-        Op("c_wait_allreduce", wait, {"buckets": len(reducer.buckets), "world": build.groups.world.size}),
-    )
-    detail = (
-        f"{len(reducer.buckets)} buckets "
-        + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
-        + f" over {len(rings)} communicator(s)"
-    )
-    build.record("data_parallel", True, detail)
-    for name, applied, why in notes:
-        build.record(name, applied, why)
-    return main
+    def described_ops(self) -> list[Op]:
+        return [
+            Op(d.pop("op", "c_allreduce_avg"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
+            for d in self.reducer.describe()
+        ]

@@ -1,9 +1,13 @@
 """Gradient merge: k local forward/backward passes, then one communication and one update.
 
-Runs 1..k-1 of ``main_program`` only accumulate gradients (``StepState.accumulate``: no
-collective, no update, no clearing); the k-th communicates the sum and updates, dividing by k
-first when ``avg`` is on, so merging k batches of b equals one step on a batch of k*b with a
+Micro-steps 1..k-1 only accumulate gradients (``StepState.accumulate``: no collective, no update,
+no clearing, as inside DDP's ``no_sync``); the k-th communicates the sum and updates, dividing by
+k first when ``avg`` is on, so merging k batches of b equals one step on a batch of k*b with a
 k-th of the collectives. The micro-step counter and the partial sums are saved and loaded.
+
+Program style: each run of ``main_program`` is one micro-step. Eager style: each
+``optimizer.step()`` is one micro-step (it updates on the k-th), and ``optimizer.zero_grad()``
+keeps the partial sums until the window is complete, so the user's loop stays unchanged.
 
 Example:
     >>> s.gradient_merge = True; s.gradient_merge_configs = {"k_steps": 4, "avg": True}
@@ -11,41 +15,68 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fleetlike.program import Op, Program, StepState
+from fleetlike.program import StepState
+from fleetlike.strategies.step import Hook, StepContext, Unit
 
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
-
-__all__ = ["MergeState", "gradient_merge_pass"]
+__all__ = ["GradientMergeUnit"]
 
 
-@dataclasses.dataclass
-class MergeState:
-    k_steps: int
-    avg: bool
-    micro_step: int = 0  # runs since the last update
-    build: Any = dataclasses.field(default=None, repr=False)
+class GradientMergeUnit(Unit):
+    """Counts micro-steps; the k-th communicates and updates (see the module docstring)."""
 
-    def grads(self) -> list[torch.Tensor]:
-        reducer = self.build.reducer
-        if reducer is not None:
-            return [b.buffer for b in reducer.buckets]
-        return [p.grad for p in self.build.model.parameters() if p.grad is not None]
+    name = "gradient_merge"
+    needs_optimizer = True
+
+    def __init__(self, ctx: StepContext, k_steps: int, avg: bool) -> None:
+        self.ctx = ctx
+        self.k_steps = k_steps
+        self.avg = avg
+        self.micro_step = 0  # micro-steps since the last update
+
+    @classmethod
+    def create(cls, ctx: StepContext) -> GradientMergeUnit | None:
+        cfg = ctx.strategy.gradient_merge_configs
+        k, avg = int(cfg["k_steps"]), bool(cfg["avg"])
+        if k == 1:
+            ctx.record("gradient_merge", False, "gradient_merge_configs.k_steps is 1: every step updates")
+            return None
+        ctx.record("gradient_merge", True, f"update every {k} micro-steps, {'averaged' if avg else 'summed'}")
+        return cls(ctx, k, avg)
+
+    def hooks(self) -> list[Hook]:
+        return [
+            Hook("begin", "gradient_merge_step", self._count,
+                 {"k_steps": self.k_steps, "micro_step": lambda: self.micro_step}),
+            Hook("before_update", "gradient_merge_average" if self.avg else "gradient_merge_sum", self._average,
+                 {"k_steps": self.k_steps}),
+        ]
+
+    def _count(self, st: StepState) -> None:
+        self.micro_step += 1
+        st.accumulate = self.micro_step < self.k_steps
+        st.info["merge_micro_step"] = self.micro_step
+
+    def _average(self, st: StepState) -> None:
+        if st.accumulate:
+            return
+        if self.avg:
+            for g in self.ctx.grads():
+                g.div_(self.k_steps)
+        self.micro_step = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "rank": self.build.role.rank,
+            "rank": self.ctx.role.rank,
             "micro_step": self.micro_step,
-            "partial": [g.detach().clone() for g in self.grads()],
+            "partial": [g.detach().clone() for g in self.ctx.grads()] if self.micro_step else [],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        rank = self.build.role.rank
+        rank = self.ctx.role.rank
         if state["micro_step"] and state.get("rank", rank) != rank:
             raise ValueError(
                 f"this checkpoint was saved by rank {state['rank']} in the middle of a gradient-merge "
@@ -54,39 +85,12 @@ class MergeState:
                 "Save on every rank into its own directory (dirname/<worker_index>), or save when "
                 "the window is complete"
             )
-        self.micro_step = state["micro_step"]
-        if self.build.reducer is None and state["partial"]:
-            for p in self.build.model.parameters():
+        self.micro_step = int(state["micro_step"])
+        if not state["partial"]:
+            return
+        if self.ctx.reducer is None:
+            for p in self.ctx.model.parameters():
                 if p.grad is None and p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        for g, saved in zip(self.grads(), state["partial"]):
+        for g, saved in zip(self.ctx.grads(), state["partial"]):
             g.copy_(saved)
-
-
-def gradient_merge_pass(program: Program, build: Build) -> Program:
-    cfg = build.strategy.gradient_merge_configs
-    k, avg = int(cfg["k_steps"]), bool(cfg["avg"])
-    if k == 1:
-        build.record("gradient_merge", False, "gradient_merge_configs.k_steps is 1: every step updates")
-        return program
-    state = MergeState(k, avg, build=build)
-    build.states["gradient_merge"] = state
-    main = program.clone()
-
-    def count(st: StepState) -> None:
-        state.micro_step += 1
-        st.accumulate = state.micro_step < k
-        st.info["merge_micro_step"] = state.micro_step
-
-    def average(st: StepState) -> None:
-        if st.accumulate:
-            return
-        if avg:
-            for g in state.grads():
-                g.div_(k)
-        state.micro_step = 0
-
-    main.ops.insert(0, Op("gradient_merge_step", count, {"k_steps": k, "micro_step": lambda: state.micro_step}))
-    main.insert_before("optimizer_update", Op("gradient_merge_average" if avg else "gradient_merge_sum", average, {"k_steps": k}))
-    build.record("gradient_merge", True, f"update every {k} runs, {'averaged' if avg else 'summed'}")
-    return main

@@ -1,12 +1,13 @@
 """Slow-rank report (AIACC's performance check): who makes everyone else wait.
 
-Each run of ``main_program`` times this rank's *own work*: from the start of the step to the
-moment it starts waiting for the gradient collectives. Whole-step times are useless here, since
-in synchronous training every rank waits for the slowest one and all steps take equally long.
-Every ``every_n_steps`` runs the ranks all-gather their mean over the window; ranks slower than
-the median by more than ``factor`` are logged by rank and host (on rank 0, through the
-``fleetlike`` logger) and put in the step's stats as ``slow_ranks``. One tiny collective per
-window; two clock reads per step.
+Each step times this rank's *own work*: from the start of the step to the moment it starts
+waiting for the gradient collectives (time spent waiting inside backward, where data parallel's
+buckets finish, is not counted). Whole-step times are useless here, since in synchronous
+training every rank waits for the slowest one and all steps take equally long. Every
+``every_n_steps`` steps the ranks all-gather their mean over the window; ranks slower than the
+median by more than ``factor`` are logged by rank and host (on rank 0, through the ``fleetlike``
+logger) and put in the step's stats as ``slow_ranks``. One tiny collective per window; two clock
+reads per step.
 
 Example:
     >>> s.slow_rank_check = True; s.slow_rank_check_configs = {"every_n_steps": 100, "factor": 1.5}
@@ -17,17 +18,14 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from fleetlike.program import Op, Program, StepState
+from fleetlike.program import StepState
 from fleetlike.roles import parse_endpoint
+from fleetlike.strategies.step import Hook, StepContext, Unit
 
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
-
-__all__ = ["slow_ranks", "slow_rank_pass"]
+__all__ = ["SlowRankUnit", "slow_ranks"]
 
 log = logging.getLogger("fleetlike")
 
@@ -38,39 +36,52 @@ def slow_ranks(times: list[float], factor: float) -> list[int]:
     return [r for r, t in enumerate(times) if t > factor * median]
 
 
-def slow_rank_pass(program: Program, build: Build) -> Program:
-    cfg = build.strategy.slow_rank_check_configs
-    every, factor = int(cfg["every_n_steps"]), float(cfg["factor"])
-    world = build.groups.world
-    hosts = [parse_endpoint(e)[0] for e in build.role.endpoints]
-    window = {"t0": 0.0, "busy": 0.0, "runs": 0}
-    main = program.clone()
+class SlowRankUnit(Unit):
+    """Times each step's own work; gathers and reports every ``every_n_steps`` steps."""
 
-    def start(st: StepState) -> None:
-        window["t0"] = time.perf_counter()
+    name = "slow_rank_check"
 
-    def stop(st: StepState) -> None:
-        window["busy"] += time.perf_counter() - window["t0"]
+    def __init__(self, ctx: StepContext) -> None:
+        cfg = ctx.strategy.slow_rank_check_configs
+        self.ctx = ctx
+        self.every, self.factor = int(cfg["every_n_steps"]), float(cfg["factor"])
+        self.hosts = [parse_endpoint(e)[0] for e in ctx.role.endpoints]
+        self.t0 = 0.0
+        self.waited0 = 0.0
+        self.busy = 0.0
+        self.runs = 0
+        ctx.record(self.name, True, f"step times gathered every {self.every} steps; slow = > {self.factor}x median")
 
-    def check(st: StepState) -> None:
-        window["runs"] += 1
-        if window["runs"] < every:
+    def hooks(self) -> list[Hook]:
+        return [
+            Hook("begin", "step_timer_start", self._start),
+            Hook("synchronize", "step_timer_stop", self._stop, {"measures": "compute before communication"}),
+            Hook("after_update", "slow_rank_check", self._check,
+                 {"every_n_steps": self.every, "factor": self.factor, "comm": self.ctx.groups.world.name}),
+        ]
+
+    def _waited(self) -> float:
+        return self.ctx.reducer.wait_seconds if self.ctx.reducer is not None else 0.0
+
+    def _start(self, st: StepState) -> None:
+        self.t0, self.waited0 = time.perf_counter(), self._waited()
+
+    def _stop(self, st: StepState) -> None:
+        self.busy += time.perf_counter() - self.t0 - (self._waited() - self.waited0)
+
+    def _check(self, st: StepState) -> None:
+        self.runs += 1
+        if self.runs < self.every:
             return
-        mean = window["busy"] / window["runs"]
-        window["busy"], window["runs"] = 0.0, 0
+        mean = self.busy / self.runs
+        self.busy, self.runs = 0.0, 0
+        world = self.ctx.groups.world
         times = [float(t) for t in world.all_gather_flat(torch.tensor([mean], dtype=torch.float64)).tolist()]
-        slow = [(r, hosts[r], times[r]) for r in slow_ranks(times, factor)]
+        slow = [(r, self.hosts[r], times[r]) for r in slow_ranks(times, self.factor)]
         st.info["step_times"] = times
         st.info["slow_ranks"] = slow
-        if slow and build.role.rank == 0:
+        if slow and self.ctx.role.rank == 0:
             median = statistics.median(times)
             for r, host, t in slow:
                 log.warning("slow rank %d on %s: %.4fs of own work per step, %.2fx the median %.4fs",
                             r, host, t, t / median, median)
-
-    main.ops.insert(0, Op("step_timer_start", start))
-    waits = "c_wait_allreduce" if main.has("c_wait_allreduce") else "optimizer_update"
-    main.insert_before(waits, Op("step_timer_stop", stop, {"measures": "compute before communication"}))
-    main.ops.append(Op("slow_rank_check", check, {"every_n_steps": every, "factor": factor, "comm": world.name}))
-    build.record("slow_rank_check", True, f"step times gathered every {every} steps; slow = > {factor}x median")
-    return main

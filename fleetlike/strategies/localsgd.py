@@ -1,12 +1,13 @@
 """Local SGD and adaptive local SGD: local updates, parameters averaged every k steps.
 
-These passes *replace* data parallel: ``main_program`` is the purely local step (forward,
-backward, update: no gradient communication) followed by ``c_localsgd_average``, which averages
-the parameters over the ranks when it is due. Communication drops from every step to every k-th,
+This unit *replaces* data parallel: the step is purely local (forward, backward, update: no
+gradient communication) followed by ``c_localsgd_average``, which averages the parameters over
+the ranks when it is due (program style: after the update op of ``main_program``; eager style:
+inside ``optimizer.step()``, after the inner update). Communication drops from every step to every k-th,
 which pays off when slow ranks or a slow network dominate a step.
 
 Schedule (Paddle 2.x's ``LocalSGDOptimizer``): a step counter starts at 1 and grows by one per run
-of ``main_program`` (``_origin_program`` never touches it). Parameters are averaged on every run
+of ``main_program`` or ``optimizer.step()`` (``_origin_program`` never touches it). Parameters are averaged on every run
 while ``step <= begin_step`` (warm-up) and afterwards whenever ``step - last_sync_step == k``,
 i.e. at steps ``{1..begin_step} ∪ {begin_step + j*k, j >= 1}``.
 
@@ -18,7 +19,8 @@ seed 003 work: ``_origin_program`` steps move the parameters away from the snaps
 ``main_program`` run averages them back. Snapshots are flat per-dtype buffers (capped by
 ``fuse_grad_size_in_MB``) spread round-robin over ``nccl_comm_num`` communicators, all started
 asynchronously and then waited for. They are taken by the startup program right after the
-broadcast from rank 0 (or lazily at the first run of ``main_program`` if startup never ran).
+broadcast from rank 0 (or lazily at the first step if startup never ran; in eager style the
+broadcast is ``fleet.distributed_model``'s).
 
 Adaptive local SGD (Paddle 2.x's ``AdaptiveLocalSGDOptimizer``, after Wang & Joshi,
 arXiv:1810.08313): k starts at ``init_k_steps``; at step 1 the loss averaged over the ranks and
@@ -26,7 +28,8 @@ the learning rate are recorded as ``loss0``/``lr0``; at each average after ``beg
 
     k = clip(ceil(sqrt(lr0 * loss / (lr * loss0) * init_k_steps)), 1, 16)
 
-with ``loss`` this step's loss averaged over the ranks and ``lr`` this step's learning rate. So k
+with ``loss`` this step's loss averaged over the ranks (eager style: pass it as
+``optimizer.step(loss=loss)``, or call ``optimizer.backward(loss)``, which records it) and ``lr`` this step's learning rate. So k
 *grows* when the learning rate falls faster than the loss (parameters settle: average less often)
 and *shrinks* when the loss falls faster than the learning rate. As in Paddle, warm-up averages
 (``step <= begin_step``) do not recompute k.
@@ -50,26 +53,23 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from fleetlike.comm import Communicator
-from fleetlike.program import Op, Program, StepState
 from fleetlike.collectives import plan_buckets
-
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
+from fleetlike.comm import Communicator, dtype_name
+from fleetlike.program import Op, StepState
+from fleetlike.strategies.step import Hook, StepContext, Unit
 
 __all__ = [
     "K_MIN",
     "K_MAX",
     "LocalSGDState",
+    "LocalSGDUnit",
     "ParamAverager",
     "adaptive_k",
-    "localsgd_pass",
-    "adaptive_localsgd_pass",
-    "snapshot_op",
 ]
 
 K_MIN, K_MAX = 1, 16
@@ -113,7 +113,7 @@ class ParamAverager:
     def average(self, snapshots: list[torch.Tensor]) -> int:
         """Average the parameters in place, refresh ``snapshots``; returns bytes sent."""
         diffs = [snap - self.flat(i) for i, snap in enumerate(snapshots)]
-        works = [self.rings[i % len(self.rings)].all_reduce_async(d, "avg") for i, d in enumerate(diffs)]
+        works = [self.rings[i % len(self.rings)].all_reduce_async(d, "avg", agreed=True) for i, d in enumerate(diffs)]
         for w in works:
             w.wait()
         sent = 0
@@ -132,7 +132,7 @@ class ParamAverager:
         for i, g in enumerate(self.groups):
             numel = sum(p.numel() for p in g)
             out.append(
-                f"buffer={i} params={len(g)} numel={numel} dtype={str(g[0].dtype).replace('torch.', '')} "
+                f"buffer={i} params={len(g)} numel={numel} dtype={dtype_name(g[0].dtype)} "
                 f"comm={self.rings[i % len(self.rings)].name}"
             )
         return out
@@ -231,63 +231,107 @@ def _check_adaptive_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _world_mean(comm: Communicator, value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    return float(comm.all_reduce(t, "avg").item())
+    return float(comm.all_reduce(t, "avg", agreed=True).item())
 
 
-def snapshot_op(build: Build) -> Op:
-    """The startup op that takes the snapshots after the broadcast from rank 0."""
-    state: LocalSGDState = build.states["localsgd"]
-    averager = state.averager
-    assert averager is not None  # set by the pass
+class LocalSGDUnit(Unit):
+    """Local steps; parameters averaged on Paddle's schedule, k adaptive or fixed."""
 
-    def take(_: StepState) -> None:
-        state.snapshots = averager.take_snapshots()
+    needs_optimizer = True
 
-    return Op("localsgd_snapshot", take, {"buffers": len(averager.groups)})
+    def __init__(self, ctx: StepContext, adaptive: bool) -> None:
+        s = ctx.strategy
+        self.name = "adaptive_localsgd" if adaptive else "localsgd"  # type: ignore[misc]
+        self.ctx = ctx
+        self.adaptive = adaptive
+        if adaptive:
+            cfg = s.adaptive_localsgd_configs
+            self.state = LocalSGDState(int(cfg["init_k_steps"]), int(cfg["begin_step"]), True, int(cfg["init_k_steps"]))
+        else:
+            cfg = s.localsgd_configs
+            self.state = LocalSGDState(int(cfg["k_steps"]), int(cfg["begin_step"]), False, 0)
+        self.rings = ctx.groups.rings(s.nccl_comm_num)
+        self.averager = ParamAverager([p for p in ctx.model.parameters() if p.requires_grad], self.rings,
+                                      s.bucket_cap_bytes())
+        self.state.averager = self.averager
+        detail = (
+            f"replaces data_parallel: {len(self.averager.groups)} parameter buffer(s) over {len(self.rings)} "
+            "communicator(s), "
+            + (f"k from loss and lr (init {self.state.k}, 1..{K_MAX})" if adaptive else f"k_steps={self.state.k}")
+            + f", every step until begin_step={self.state.begin_step}"
+        )
+        ctx.record(self.name, True, detail)
 
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.adaptive:
+            _check_adaptive_optimizer(optimizer)
 
-def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
-    s = build.strategy
-    if adaptive:
-        cfg = s.adaptive_localsgd_configs
-        _check_adaptive_optimizer(build.optimizer)
-        state = LocalSGDState(int(cfg["init_k_steps"]), int(cfg["begin_step"]), True, int(cfg["init_k_steps"]))
-    else:
-        cfg = s.localsgd_configs
-        state = LocalSGDState(int(cfg["k_steps"]), int(cfg["begin_step"]), False, 0)
-    rings = build.groups.rings(s.nccl_comm_num)
-    cap = s.bucket_cap_bytes()
-    averager = ParamAverager([p for p in build.model.parameters() if p.requires_grad], rings, cap)
-    state.averager = averager
-    build.states["localsgd"] = state
-    world = build.groups.world
-    device = build.device
-    main = program.clone("main")
+    def startup_ops(self) -> list[Op]:
+        """Take the snapshots right after the broadcast from rank 0."""
 
-    def lazy_snapshot(st: StepState) -> None:
-        if state.snapshots is None:  # startup did not run: snapshot before anything moves
-            state.snapshots = averager.take_snapshots()
+        def take(_: StepState) -> None:
+            self.state.snapshots = self.averager.take_snapshots()
 
-    def average(st: StepState) -> None:
+        return [Op("localsgd_snapshot", take, {"buffers": len(self.averager.groups)})]
+
+    def hooks(self) -> list[Hook]:
+        world = self.ctx.groups.world
+        st = self.state
+        return [
+            Hook("begin", "localsgd_init_snapshot", self._lazy_snapshot, {"when": "first step, if startup did not"}),
+            Hook("after_update", "c_localsgd_average", self._average, {
+                "k": lambda: st.k,
+                "begin_step": st.begin_step,
+                "next_step": lambda: st.step,
+                "averages": lambda: st.averages_done,
+                "bytes": lambda: st.bytes_sent,
+                "world": world.size,
+            }),
+        ]
+
+    def described_ops(self) -> list[Op]:
+        return [Op("c_allreduce_avg", None, {"what": f"snapshot-param {d}"}, parent="c_localsgd_average")
+                for d in self.averager.describe()]
+
+    def notes(self) -> list[Callable[[], str]]:
+        return [self.state.summary]
+
+    def _lazy_snapshot(self, _: StepState) -> None:
+        if self.state.snapshots is None:  # startup did not run: snapshot before anything moves
+            self.state.snapshots = self.averager.take_snapshots()
+
+    def _loss(self, st: StepState) -> float:
+        if st.loss is None:
+            raise ValueError(
+                f"strategy.adaptive_localsgd chooses k from the loss, but step {self.state.step} had none: "
+                "pass it as optimizer.step(loss=loss), or call optimizer.backward(loss) instead of "
+                "loss.backward() (program style: loss_fn returns it)"
+            )
+        return float(st.loss.detach()) if isinstance(st.loss, torch.Tensor) else float(st.loss)
+
+    def _average(self, st: StepState) -> None:
+        state, world, device = self.state, self.ctx.groups.world, self.ctx.device
         if st.accumulate:  # a gradient-merge micro-step: no update, no step
             st.info.update(localsgd_k=state.k, localsgd_averaged=False,
                            localsgd_averages=state.averages_done, bytes_communicated=0)
             return
+        optimizer = self.ctx.need_optimizer(f"strategy.{self.name}") if self.adaptive else None
         sent = 0
-        if adaptive and state.step == 1:
-            assert st.loss is not None
-            state.loss0 = _world_mean(world, float(st.loss.detach()), device)
-            state.lr0 = _global_lr(build.optimizer)
+        if optimizer is not None and state.step == 1:
+            state.loss0 = _world_mean(world, self._loss(st), device)
+            state.lr0 = _global_lr(optimizer)
             sent += 8
         averaged = state.due()
         if averaged:
-            assert state.snapshots is not None
-            sent += averager.average(state.snapshots)
-            if adaptive and state.step > state.begin_step:
-                assert st.loss is not None and state.loss0 is not None and state.lr0 is not None
-                loss = _world_mean(world, float(st.loss.detach()), device)
+            if state.snapshots is None:
+                raise RuntimeError("local SGD: no parameter snapshot was taken before the first average")
+            sent += self.averager.average(state.snapshots)
+            if optimizer is not None and state.step > state.begin_step:
+                if state.loss0 is None or state.lr0 is None:
+                    raise RuntimeError("adaptive local SGD: loss0/lr0 missing (a checkpoint without them?)")
+                loss = _world_mean(world, self._loss(st), device)
                 sent += 8
-                state.k = adaptive_k(state.loss0, state.lr0, loss, _global_lr(build.optimizer), state.init_k_steps)
+                state.k = adaptive_k(state.loss0, state.lr0, loss, _global_lr(optimizer), state.init_k_steps)
                 st.info["localsgd_avg_loss"] = loss
             state.last_sync_step = state.step
             state.averages_done += 1
@@ -300,36 +344,8 @@ def _make_pass(program: Program, build: Build, adaptive: bool) -> Program:
             bytes_communicated=sent,
         )
 
-    main.insert_before("forward", Op("localsgd_init_snapshot", lazy_snapshot, {"when": "first run, if startup did not"}))
-    main.insert_after(
-        "optimizer_update",
-        Op("c_localsgd_average", average, {
-            "k": lambda: state.k,
-            "begin_step": state.begin_step,
-            "next_step": lambda: state.step,
-            "averages": lambda: state.averages_done,
-            "bytes": lambda: state.bytes_sent,
-            "world": world.size,
-        }),
-        *[Op("c_allreduce_avg", None, {"what": f"snapshot-param {d}"}, parent="c_localsgd_average")
-          for d in averager.describe()],
-    )
-    main.notes.append(state.summary)
-    name = "adaptive_localsgd" if adaptive else "localsgd"
-    detail = (
-        f"replaces data_parallel: {len(averager.groups)} parameter buffer(s) over {len(rings)} communicator(s), "
-        + (f"k from loss and lr (init {state.k}, 1..{K_MAX})" if adaptive else f"k_steps={state.k}")
-        + f", every step until begin_step={state.begin_step}"
-    )
-    build.record(name, True, detail)
-    return main
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
 
-
-def localsgd_pass(program: Program, build: Build) -> Program:
-    """Local steps, parameters averaged at ``{1..begin_step} ∪ {begin_step + j*k_steps}``."""
-    return _make_pass(program, build, adaptive=False)
-
-
-def adaptive_localsgd_pass(program: Program, build: Build) -> Program:
-    """As `localsgd_pass`, with k recomputed from loss and learning rate at each average."""
-    return _make_pass(program, build, adaptive=True)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)

@@ -2,9 +2,15 @@
 
 Each checkpointed submodule's forward goes through non-reentrant ``torch.utils.checkpoint``
 with the RNG state preserved, so dropout draws the same masks when recomputed and gradients are
-unchanged: recompute trades compute for memory and never changes the result. ``"auto"`` picks
-the repeated blocks of the model (EPL's auto mode): the children of the largest
-``ModuleList``/``Sequential`` whose children are at least two modules of one class.
+unchanged: recompute trades compute for memory and never changes the result. That includes the
+module's buffers: a recomputed forward runs BatchNorm again, which would update its running
+statistics a second time (``num_batches_tracked`` would count every step twice), so the buffers
+of a checkpointed submodule are restored after its recomputation. ``"auto"`` picks the repeated
+blocks of the model (EPL's auto mode): the children of the largest ``ModuleList``/``Sequential``
+whose children are at least two modules of one class.
+
+Program and eager style patch the same model the same way (``minimize`` or the first training
+forward of ``fleet.distributed_model``'s wrapper), so ``_origin_program`` recomputes too.
 
 Example:
     >>> s.recompute = True; s.recompute_configs = {"checkpoints": ["encoder.0", "encoder.1"]}
@@ -12,20 +18,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fleetlike.program import Program
+from fleetlike.strategies.step import StepContext, Unit
 
-if TYPE_CHECKING:
-    from fleetlike.strategies.compose import Build
-
-__all__ = ["auto_checkpoints", "apply_recompute", "recompute_pass"]
+__all__ = ["RecomputeUnit", "apply_recompute", "auto_checkpoints"]
 
 
 def auto_checkpoints(model: torch.nn.Module) -> list[str]:
@@ -48,6 +52,18 @@ def auto_checkpoints(model: torch.nn.Module) -> list[str]:
     return best[1]
 
 
+@contextlib.contextmanager
+def _buffers_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Run a recomputation without leaving a trace in ``module``'s buffers."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
 def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
     """Make the forward of each named submodule recompute in backward; returns the names."""
     modules = dict(model.named_modules())
@@ -62,26 +78,39 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
             continue
         plain = module.forward
 
+        def contexts(_module: torch.nn.Module = module) -> tuple[Any, Any]:
+            return contextlib.nullcontext(), _buffers_kept(_module)
+
         @functools.wraps(plain)
-        def forward(*args: Any, _plain: Any = plain, **kwargs: Any) -> Any:
+        def forward(*args: Any, _plain: Any = plain, _contexts: Any = contexts, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _plain(*args, **kwargs)
-            return checkpoint(_plain, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=_contexts, **kwargs)
 
         module.forward = forward  # type: ignore[method-assign]
         module._fleetlike_recompute = True  # type: ignore[attr-defined]
     return list(names)
 
 
-def recompute_pass(program: Program, build: Build) -> Program:
-    """Checkpoint the configured submodules (both programs share the model: memory only)."""
-    wanted = build.strategy.recompute_configs["checkpoints"]
-    names = auto_checkpoints(build.model) if wanted == "auto" else list(wanted)
-    if not names:
-        build.record("recompute", False, "recompute is on but recompute_configs.checkpoints is empty")
-        return program
-    apply_recompute(build.model, names)
-    main = program.clone()
-    main.wrap("forward", recompute=f"{len(names)} segments")
-    build.record("recompute", True, f"checkpoints: {', '.join(names)}")
-    return main
+class RecomputeUnit(Unit):
+    """Checkpoints the configured submodules when built; nothing to do per step."""
+
+    name = "recompute"
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    @classmethod
+    def create(cls, ctx: StepContext) -> RecomputeUnit | None:
+        wanted = ctx.strategy.recompute_configs["checkpoints"]
+        names = auto_checkpoints(ctx.model) if wanted == "auto" else list(wanted)
+        if not names:
+            ctx.record("recompute", False, "recompute is on but recompute_configs.checkpoints is empty")
+            return None
+        apply_recompute(ctx.model, names)
+        ctx.record("recompute", True, f"checkpoints: {', '.join(names)}")
+        return cls(names)
+
+    def forward_attrs(self) -> dict[str, Any]:
+        return {"recompute": f"{len(self.names)} segments"}

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from fleetlike.comm import Communicator
+from fleetlike.program import Op
+from fleetlike.strategies.step import StepContext, Unit
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "sync_bn_pass"]
+__all__ = ["SyncBatchNorm", "SyncBatchNormUnit", "convert_sync_batchnorm"]
 
 
 class _SyncBNFunction(torch.autograd.Function):
@@ -36,7 +38,7 @@ class _SyncBNFunction(torch.autograd.Function):
         c = x.shape[1]
         xc = x.detach().transpose(0, 1).reshape(c, -1).double()
         stats = torch.cat([xc.sum(1), (xc * xc).sum(1), xc.new_full((1,), float(xc.shape[1]))])
-        comm.all_reduce(stats, "sum")
+        comm.all_reduce(stats, "sum", agreed=True)
         count = stats[-1]
         mean = stats[:c] / count
         var = (stats[c : 2 * c] / count - mean * mean).clamp_(min=0)
@@ -73,7 +75,7 @@ class _SyncBNFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             both = torch.cat([sum_dy, sum_dy_xmu]).double()
-            ctx.comm.all_reduce(both, "sum")
+            ctx.comm.all_reduce(both, "sum", agreed=True)
             shape = mean.shape
             mean_dy = (both[:c] / ctx.count).to(x.dtype).view(shape)
             mean_dy_xmu = (both[c:] / ctx.count).to(x.dtype).view(shape)
@@ -138,31 +140,41 @@ def convert_sync_batchnorm(module: torch.nn.Module, comm: Communicator, scope: s
     return out
 
 
-def sync_bn_pass(build: Any) -> dict[str, Any] | None:
-    """Convert ``build.model`` in place and record it in ``build.applied``.
+class SyncBatchNormUnit(Unit):
+    """Converts the model's BatchNorm layers when the engine is built (before any forward)."""
 
-    Returns the facts for the program listing, or None when nothing was converted."""
-    s, groups, role = build.strategy, build.groups, build.role
-    scope = str(s.sync_batch_norm_configs["scope"])
-    if isinstance(build.model, torch.nn.modules.batchnorm._BatchNorm):
-        raise ValueError(
-            "strategy.sync_batch_norm converts BatchNorm layers inside the model, but the model is "
-            "itself a BatchNorm layer; wrap it in a torch.nn.Sequential"
-        )
-    n = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in build.model.modules())
-    if n == 0:
-        build.record("sync_batch_norm", False, "the model has no BatchNorm layer")
-        return None
-    if scope == "local":
-        comm = groups.extra(f"sync_bn[node {role.node_index}]", role.node_index, role.local_rank)
-        where = f"within node {role.node_index} ({comm.size} ranks)"
-    else:
-        comm = groups.extra("sync_bn[world]", 0, role.rank)
-        where = f"over all {comm.size} ranks"
-    if comm.size == 1:
-        build.record("sync_batch_norm", False, f"scope {scope}: one rank {where.split('(')[0].strip()}, "
-                     "statistics are the local ones")
-        return None
-    convert_sync_batchnorm(build.model, comm, scope)
-    build.record("sync_batch_norm", True, f"{n} BatchNorm layer(s), scope {scope}: statistics {where} on {comm.name!r}")
-    return {"layers": n, "comm": comm.name, "scope": f"{scope} ({comm.size} ranks)"}
+    name = "sync_batch_norm"
+
+    def __init__(self, facts: dict[str, Any]) -> None:
+        self.facts = facts
+
+    @classmethod
+    def create(cls, ctx: StepContext) -> SyncBatchNormUnit | None:
+        """Convert ``ctx.model`` in place and record it; None when there is nothing to sync."""
+        s, groups, role = ctx.strategy, ctx.groups, ctx.role
+        scope = str(s.sync_batch_norm_configs["scope"])
+        if isinstance(ctx.model, torch.nn.modules.batchnorm._BatchNorm):
+            raise ValueError(
+                "strategy.sync_batch_norm converts BatchNorm layers inside the model, but the model is "
+                "itself a BatchNorm layer; wrap it in a torch.nn.Sequential"
+            )
+        n = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in ctx.model.modules())
+        if n == 0:
+            ctx.record("sync_batch_norm", False, "the model has no BatchNorm layer")
+            return None
+        if scope == "local":
+            comm = groups.extra(f"sync_bn[node {role.node_index}]", role.node_index, role.local_rank)
+            where = f"within node {role.node_index} ({comm.size} ranks)"
+        else:
+            comm = groups.extra("sync_bn[world]", 0, role.rank)
+            where = f"over all {comm.size} ranks"
+        if comm.size == 1:
+            ctx.record("sync_batch_norm", False, f"scope {scope}: one rank {where.split('(')[0].strip()}, "
+                       "statistics are the local ones")
+            return None
+        convert_sync_batchnorm(ctx.model, comm, scope)
+        ctx.record("sync_batch_norm", True, f"{n} BatchNorm layer(s), scope {scope}: statistics {where} on {comm.name!r}")
+        return cls({"layers": n, "comm": comm.name, "scope": f"{scope} ({comm.size} ranks)"})
+
+    def described_ops(self) -> list[Op]:
+        return [Op("c_sync_batch_norm", None, dict(self.facts), parent="forward")]

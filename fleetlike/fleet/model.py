@@ -1,0 +1,85 @@
+"""`DistributedModel`: what ``fleet.distributed_model(model)`` returns (the eager style's model).
+
+Like Paddle's ``paddle.DataParallel`` (and DDP), it wraps the user's module: ``model(x)`` runs the
+module's forward inside the strategy engine, so a plain PyTorch loop gets every strategy. A
+training forward (module in training mode, autograd on) starts the step, runs it under AMP's
+autocast when AMP is on, and arms the gradient buckets for the coming ``loss.backward()``; an
+evaluation forward only autocasts. ``state_dict`` / ``load_state_dict`` are the module's own (no
+``module.`` prefix, as Paddle), so checkpoints load into the unwrapped model and back; other
+attributes are looked up on the module (``model.fc1`` works).
+
+The engine is built at the first forward (or the first ``no_sync``), when the optimizer from
+``fleet.distributed_optimizer`` is usually known too, so the strategy can be given to either
+call, in either order.
+
+Example:
+    >>> model = fleet.distributed_model(Net())
+    >>> with model.no_sync():          # DDP's name: this backward's gradients stay local
+    ...     loss_fn(model(x0), y0).backward()
+    >>> loss_fn(model(x1), y1).backward()   # communicates the sum of both
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fleetlike.strategies.engine import Engine
+
+__all__ = ["DistributedModel"]
+
+
+class DistributedModel(torch.nn.Module):
+    """The user's module, driven by a strategy engine (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, engine_for: Callable[[DistributedModel], Engine]) -> None:
+        super().__init__()
+        self.module = module
+        self._engine_for = engine_for
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The strategy engine of this model (built on first use)."""
+        if self._engine is None:
+            self._engine = self._engine_for(self)
+        return self._engine
+
+    @property
+    def built(self) -> bool:
+        return self._engine is not None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        training = self.module.training and torch.is_grad_enabled()
+        with self.engine.forward(training) as record:
+            out = self.module(*args, **kwargs)
+            record(out)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: backward passes inside keep their gradients local (they accumulate);
+        the first backward after it communicates the sum."""
+        engine = self.engine
+        engine.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            engine.no_sync_depth -= 1
+
+    # the module's own state, without a "module." prefix (as paddle.DataParallel)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)

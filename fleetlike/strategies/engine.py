@@ -1,0 +1,228 @@
+"""The strategy engine: one chain of units per model, driven by both faces of fleetlike.
+
+`build_engine` turns a `DistributedStrategy` into units in one fixed order (docs/ARCHITECTURE.md,
+"One step, two faces")::
+
+    sync_batch_norm, recompute   model rewrites, done when the engine is built
+    slow_rank_check              times this rank's own work
+    gradient_merge               k micro-steps, then one communication and one update
+    data_parallel | localsgd     gradient buckets during backward | periodic parameter averaging
+    amp                          autocast, loss scaling, agreed finite check
+
+Each phase of a step runs the units' hooks for that phase in this order. The program style
+(`fleetlike.strategies.programs`) lays the hooks out as ops of ``fleet.main_program``; the eager
+style calls the `Engine` methods below from the wrapped model and optimizer. Both reach the same
+hook functions, so the two styles give the same parameters step for step.
+
+Example (eager style, what the wrappers in `fleetlike.fleet` do):
+    >>> engine = build_engine(ctx)
+    >>> with engine.forward(training=True) as record:   # the wrapped model's forward
+    ...     out = model(x); record(out)
+    >>> loss_fn(out, y).backward()                        # buckets allreduce as grads fill
+    >>> engine.update(optimizer.step)                      # synchronize, update, hooks
+    >>> engine.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fleetlike.config import rules
+from fleetlike.program import StepState
+from fleetlike.strategies.amp import AmpUnit
+from fleetlike.strategies.data_parallel import DataParallelUnit
+from fleetlike.strategies.gradient_merge import GradientMergeUnit
+from fleetlike.strategies.health import SlowRankUnit
+from fleetlike.strategies.localsgd import LocalSGDUnit
+from fleetlike.strategies.recompute import RecomputeUnit
+from fleetlike.strategies.step import PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
+from fleetlike.strategies.sync_bn import SyncBatchNormUnit
+
+__all__ = ["Engine", "build_engine"]
+
+
+def build_engine(ctx: StepContext) -> Engine:
+    """The units for ``ctx.strategy`` in their fixed order (model rewrites happen here)."""
+    s = ctx.strategy
+    rules.check(s)
+    units: list[Unit | None] = [
+        SyncBatchNormUnit.create(ctx) if s.sync_batch_norm else None,
+        RecomputeUnit.create(ctx) if s.recompute else None,
+    ]
+    amp = AmpUnit(ctx) if s.amp else None
+    merge = GradientMergeUnit.create(ctx) if s.gradient_merge else None
+    comm: Unit
+    if s.localsgd or s.adaptive_localsgd:
+        comm = LocalSGDUnit(ctx, adaptive=bool(s.adaptive_localsgd))
+        ctx.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
+        if s.check_nan_inf:
+            ctx.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
+    else:
+        comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
+    health = SlowRankUnit(ctx) if s.slow_rank_check else None
+    units += [health, merge, comm, amp]
+    return Engine(ctx, [u for u in units if u is not None])
+
+
+class Engine:
+    """Runs one model's units through the steps of an eager-style loop (see module docstring).
+
+    The program style uses `hooks`, `forward_context`, `scaled` and `clear` only: its ops carry
+    the step's order themselves."""
+
+    def __init__(self, ctx: StepContext, units: list[Unit]) -> None:
+        self.ctx = ctx
+        self.units = units
+        self._hooks: dict[Phase, list[Hook]] = {p: [h for u in units for h in u.hooks() if h.phase == p] for p in PHASES}
+        self.state: StepState | None = None  # the step in progress (eager style)
+        self.last: StepState | None = None  # the step the last update ended
+        self._synchronized = False
+        self._keep_grads = False  # the last update was a gradient-merge micro-step
+        self._explicit = False  # inside backward(loss): the loss is scaled already
+        self.no_sync_depth = 0
+
+    # ------------------------------------------------------------------ shared by both styles
+
+    @property
+    def applied(self) -> list[AppliedEntry]:
+        return self.ctx.applied
+
+    def hooks(self, phase: Phase) -> list[Hook]:
+        return self._hooks[phase]
+
+    def unit(self, name: str) -> Unit | None:
+        return next((u for u in self.units if u.name == name), None)
+
+    @property
+    def needs_optimizer(self) -> list[str]:
+        """Names of the units that act at the optimizer step."""
+        return [u.name for u in self.units if u.needs_optimizer]
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for u in self.units:
+                stack.enter_context(u.forward_context())
+            yield
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        for u in self.units:
+            loss = u.scale_loss(loss)
+        return loss
+
+    def clear(self, st: StepState | None = None) -> None:
+        """Zero the gradients, unless a gradient-merge window is still accumulating."""
+        if (st.accumulate if st is not None else self._keep_grads):
+            return
+        if self.ctx.reducer is not None:
+            self.ctx.reducer.zero_grad()
+        else:
+            for p in self.ctx.model.parameters():
+                p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {u.name: u.state_dict() for u in self.units}
+        return {name: st for name, st in states.items() if st is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = {u.name: u for u in self.units if u.state_dict() is not None}
+        if set(state) != set(mine):
+            raise ValueError(
+                f"the saved strategy state has units {sorted(state)}, this job's strategy keeps "
+                f"{sorted(mine)}; load it into a job with the strategy it was saved with"
+            )
+        for name, value in state.items():
+            mine[name].load_state_dict(value)
+
+    # ------------------------------------------------------------------ eager style
+
+    def _run(self, phase: Phase, st: StepState) -> None:
+        for hook in self._hooks[phase]:
+            hook.fn(st)
+
+    def begin(self) -> StepState:
+        """Start a step if none is in progress (the first training forward, or the update)."""
+        if self.state is None:
+            missing = self.needs_optimizer if self.ctx.optimizer is None else []
+            if missing:
+                raise RuntimeError(
+                    f"strategy.{missing[0]} acts at the optimizer step, but no fleetlike optimizer drives "
+                    "this model: wrap the optimizer with fleet.distributed_optimizer(optimizer, strategy) "
+                    "and call its step()"
+                )
+            self.state = StepState(feed=None)
+            self._synchronized = False
+            self._run("begin", self.state)
+        return self.state
+
+    @contextlib.contextmanager
+    def forward(self, training: bool) -> Iterator[Callable[[Any], None]]:
+        """Around the wrapped model's forward; the caller passes the outputs to the yielded
+        function. A training forward (module in training mode, grad enabled) starts the step,
+        arms the gradient collectives for the coming backward, and lets the units see the outputs."""
+        st = self.begin() if training else None
+        if st is not None:
+            st.communicate = self.no_sync_depth == 0
+
+        def record(outputs: Any) -> None:
+            if st is None:
+                return
+            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            st.roots = tensors
+            self._run("before_backward", st)
+            for u in self.units:
+                u.outputs(st, tensors, lambda: self._explicit)
+
+        with self.forward_context():
+            yield record
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the loss scaled by the units (``optimizer.backward(loss)``)."""
+        st = self.begin()
+        st.loss = loss
+        st.communicate = self.no_sync_depth == 0
+        if not st.roots:  # the forward did not go through the wrapped model
+            st.roots = [loss]
+            self._run("before_backward", st)
+        self._explicit = True
+        try:
+            self.scaled(loss).backward()
+        finally:
+            self._explicit = False
+
+    def synchronize(self) -> StepState:
+        """Wait for the gradient collectives and run the units' checks (once per step)."""
+        st = self.begin()
+        if not self._synchronized:
+            self._synchronized = True
+            self._run("synchronize", st)
+        return st
+
+    def update(self, step: Callable[[], Any], loss: torch.Tensor | float | None = None) -> Any:
+        """Synchronize, run the update unless a unit skips it, run the after-update hooks; ends
+        the step. ``loss`` is the step's loss for units that need it (adaptive local SGD)."""
+        st = self.synchronize()
+        if loss is not None:
+            st.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self._run("before_update", st)
+        result = None if (st.skip_update or st.accumulate) else step()
+        self._run("after_update", st)
+        self._keep_grads = st.accumulate
+        self.state, self.last = None, st
+        return result
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) model output: tensors, sequences, mappings, dataclass-likes."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
