@@ -1,12 +1,14 @@
-"""Data parallel training: fleetlike (program style) against PyTorch DDP, side by side on gloo.
+"""Data parallel training: fleetlike (program and eager style) against PyTorch DDP, on gloo.
 
-Each of the 2 rank processes builds the same model twice from the same seed, one copy trained by
-fleetlike (``fleet.distributed_optimizer(opt, s).minimize(loss_fn, model)`` then
-``exe.run(fleet.main_program, feed=...)``) and one by ``DistributedDataParallel`` over its own
-``torch.distributed`` gloo process group, with the same bucket size
+Each of the 2 rank processes builds the same model three times from the same seed: one copy
+trained by fleetlike's program style (``fleet.distributed_optimizer(opt, s).minimize(loss_fn,
+model)`` then ``exe.run(fleet.main_program, feed=...)``), one by fleetlike's eager style (a plain
+loop over ``fleet.distributed_model`` and ``fleet.distributed_optimizer``: ``zero_grad``,
+``loss.backward()``, ``step``), and one by ``DistributedDataParallel`` over its own
+``torch.distributed`` gloo process group (file rendezvous: no port), with the same bucket size
 (``fuse_grad_size_in_MB`` = ``bucket_cap_mb`` = 25), optimizer (SGD) and batches. After warm-up
-it alternates timed segments of ``--steps`` steps, fleetlike first on even rounds and DDP first on
-odd ones, so noise from the machine hits both alike; steps/s is the median over ``--rounds``.
+it alternates timed segments of ``--steps`` steps, rotating which framework goes first each
+round, so noise from the machine hits all alike; steps/s is the median over ``--rounds``.
 
 Models (per-rank batch):
 
@@ -126,6 +128,27 @@ def _fleet_stepper(role: Any, name: str, data: list[dict[str, Any]]) -> Any:
     return step
 
 
+def _eager_stepper(name: str, data: list[dict[str, Any]]) -> Any:
+    import torch
+
+    from fleetlike import DistributedStrategy, fleet
+
+    s = DistributedStrategy()
+    s.fuse_all_reduce_ops = True
+    s.fuse_grad_size_in_MB = BUCKET_MB
+    model = fleet.distributed_model(_make_model(name))
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), s)
+    i = [0]
+
+    def step() -> None:
+        opt.zero_grad()
+        _loss_fn(model, data[i[0] % len(data)]).backward()
+        opt.step()
+        i[0] += 1
+
+    return step
+
+
 def _ddp_stepper(name: str, data: list[dict[str, Any]]) -> Any:
     import torch
 
@@ -146,8 +169,11 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup: int,
-            frameworks: tuple[str, ...] = ("fleetlike", "ddp"), profile: bool = False) -> dict[str, Any]:
+FRAMEWORKS = ("fleetlike", "eager", "ddp")
+
+
+def _worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, warmup: int,
+            frameworks: tuple[str, ...] = FRAMEWORKS, profile: bool = False) -> dict[str, Any]:
     """One rank: build the steppers, warm up, then alternate timed segments. Returns steps/s lists."""
     import torch.distributed as dist
 
@@ -159,13 +185,16 @@ def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup
     rss_start = _peak_rss_mib()
     data = _batches(name, role.rank)
     steppers = {}
-    if "fleetlike" in frameworks:
+    if "fleetlike" in frameworks or "eager" in frameworks:
         fleet.init(role, timeout=120)
+    if "fleetlike" in frameworks:
         steppers["fleetlike"] = _fleet_stepper(role, name, data)
+    if "eager" in frameworks:
+        steppers["eager"] = _eager_stepper(name, data)
     # Barriers between segments: DDP's torch.distributed group when DDP runs, else fleetlike's
     # own world, so a fleetlike-only world (the RSS measurement) holds no second process group.
     if "ddp" in frameworks:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}",
+        dist.init_process_group("gloo", init_method=f"file://{ddp_file}",
                                 rank=role.rank, world_size=role.world_size)
         barrier = dist.barrier
     else:
@@ -209,19 +238,22 @@ def _worker(role: Any, name: str, ddp_port: int, rounds: int, steps: int, warmup
     finally:
         if "ddp" in frameworks:
             dist.destroy_process_group()
-        if "fleetlike" in frameworks:
+        if "fleetlike" in frameworks or "eager" in frameworks:
             fleet.shutdown()
 
 
 # ---------------------------------------------------------------------------- driver side
 
 
-def _run(name: str, rounds: int, steps: int, warmup: int, frameworks: tuple[str, ...] = ("fleetlike", "ddp"),
+def _run(name: str, rounds: int, steps: int, warmup: int, frameworks: tuple[str, ...] = FRAMEWORKS,
          profile: bool = False) -> list[dict[str, Any]]:
-    from fleetlike.testing import free_ports, run_ranks
+    import tempfile
 
-    return run_ranks(_worker, WORLD, name, free_ports(1)[0], rounds, steps, warmup, frameworks, profile,
-                     timeout=600)
+    from fleetlike.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:  # DDP's rendezvous file (no port to race for)
+        return run_ranks(_worker, WORLD, name, f"{tmp}/ddp", rounds, steps, warmup, frameworks, profile,
+                         timeout=900)
 
 
 def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
@@ -230,15 +262,18 @@ def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
     results = _run(name, rounds, steps, warmup)
     # Ranks are in lockstep (every step allreduces); a step's rate is the slower rank's.
     per_round = {fw: [min(res["rates"][fw][r] for res in results) for r in range(rounds)]
-                 for fw in ("fleetlike", "ddp")}
-    fl, dd = median(per_round["fleetlike"]), median(per_round["ddp"])
+                 for fw in FRAMEWORKS}
+    fl, ea, dd = median(per_round["fleetlike"]), median(per_round["eager"]), median(per_round["ddp"])
     return {
         "model": name, "description": desc, "batch_per_rank": batch, "steps_per_segment": steps,
         "rounds": rounds, "warmup_steps": warmup,
-        "fleetlike_steps_per_s": fl, "ddp_steps_per_s": dd, "ratio": fl / dd,
+        "fleetlike_steps_per_s": fl, "eager_steps_per_s": ea, "ddp_steps_per_s": dd,
+        "ratio": fl / dd, "eager_ratio": ea / dd,
         # Same-round ratios: robust to load that drifts between rounds (a shared machine).
         "paired_ratio_median": median([a / b for a, b in zip(per_round["fleetlike"], per_round["ddp"])]),
-        "fleetlike_rounds": per_round["fleetlike"], "ddp_rounds": per_round["ddp"],
+        "eager_paired_ratio_median": median([a / b for a, b in zip(per_round["eager"], per_round["ddp"])]),
+        "fleetlike_rounds": per_round["fleetlike"], "eager_rounds": per_round["eager"],
+        "ddp_rounds": per_round["ddp"],
     }
 
 
@@ -310,10 +345,15 @@ def _plot(path: Path, rows: list[dict[str, Any]], rss: dict[str, Any] | None) ->
                              gridspec_kw={"width_ratios": [3, 2]} if rss else None)
     ax = axes[0][0]
     names = [r["model"] for r in rows]
-    ratios = [r["ratio"] for r in rows]
-    colors = ["tab:green" if v >= TARGET_SPEED else "tab:red" for v in ratios]
-    bars = ax.bar(names, ratios, color=colors)
-    ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], fontsize=9)
+    xs = list(range(len(rows)))
+    for offset, key, label, hatch in ((-0.2, "ratio", "program style", ""), (0.2, "eager_ratio", "eager style", "//")):
+        ratios = [r[key] for r in rows]
+        colors = ["tab:green" if v >= TARGET_SPEED else "tab:red" for v in ratios]
+        bars = ax.bar([x + offset for x in xs], ratios, width=0.4, color=colors, hatch=hatch, label=label,
+                      edgecolor="black", linewidth=0.5)
+        ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], fontsize=8)
+    ax.set_xticks(xs, names)
+    ratios = [r[k] for r in rows for k in ("ratio", "eager_ratio")]
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="DDP (1.0x)")
     ax.set_ylabel("fleetlike / DDP steps/s")
     ax.set_title("training speed (target >= 1.0)")
@@ -344,10 +384,13 @@ _SPEED_COLS = [
     Column("model", "model"),
     Column("description", "layers"),
     Column("batch_per_rank", "batch/rank"),
-    Column("fleetlike_steps_per_s", "fleetlike steps/s", "{:.1f}"),
+    Column("fleetlike_steps_per_s", "program style steps/s", "{:.1f}"),
+    Column("eager_steps_per_s", "eager style steps/s", "{:.1f}"),
     Column("ddp_steps_per_s", "DDP steps/s", "{:.1f}"),
-    Column("ratio", "ratio", "{:.3f}"),
-    Column("paired_ratio_median", "same-round ratio (median)", "{:.3f}"),
+    Column("ratio", "program / DDP", "{:.3f}"),
+    Column("eager_ratio", "eager / DDP", "{:.3f}"),
+    Column("paired_ratio_median", "same-round program / DDP", "{:.3f}"),
+    Column("eager_paired_ratio_median", "same-round eager / DDP", "{:.3f}"),
 ]
 
 
@@ -373,10 +416,11 @@ _RSS_COLS = [
 def _verdict(rows: list[dict[str, Any]], rss: dict[str, Any] | None) -> str:
     lines = []
     for r in rows:
-        ok = r["ratio"] >= TARGET_SPEED
-        lines.append(f"- **{r['model']}**: fleetlike runs at {r['ratio']:.2f}x DDP's steps/s "
-                     f"({'meets' if ok else 'misses'} the >= {TARGET_SPEED:.1f}x target"
-                     + ("" if ok else f"; fleetlike is {100 * (1 - r['ratio']):.0f}% slower") + ").")
+        for key, style in (("ratio", "program style"), ("eager_ratio", "eager style")):
+            ok = r[key] >= TARGET_SPEED
+            lines.append(f"- **{r['model']}**, {style}: fleetlike runs at {r[key]:.2f}x DDP's steps/s "
+                         f"({'meets' if ok else 'misses'} the >= {TARGET_SPEED:.1f}x target"
+                         + ("" if ok else f"; fleetlike is {100 * (1 - r[key]):.0f}% slower") + ").")
     if rss:
         for st in rss["settings"]:
             ok = st["ratio"] <= TARGET_RSS
@@ -399,7 +443,8 @@ def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]],
         f"{WORLD} ranks on one machine, gloo over loopback, `torch.set_num_threads(1)` per rank.",
         "",
         f"Method: each rank process trains the same model (same seed) with fleetlike's program style "
-        f"(`minimize` + `Executor.run(fleet.main_program)`) and with `DistributedDataParallel` on its own "
+        f"(`minimize` + `Executor.run(fleet.main_program)`), with fleetlike's eager style (a plain loop "
+        f"over `fleet.distributed_model` / `fleet.distributed_optimizer`) and with `DistributedDataParallel` on its own "
         f"gloo process group, same SGD, same batches, same bucket size (`fuse_grad_size_in_MB` = "
         f"`bucket_cap_mb` = {BUCKET_MB}). After warm-up, timed segments alternate (order swapped each "
         f"round), {rounds} rounds; steps/s is the slower rank's, median over rounds. "

@@ -103,8 +103,9 @@ def _program(role, name: str) -> dict:
     return {"state": state(model), "params": weights(model), "losses": losses, "applied": applied}
 
 
-def _eager(role, name: str) -> dict:
-    """The user's plain loop: zero_grad, forward, loss.backward(), step."""
+def _eager(role, name: str, explicit: bool = False) -> dict:
+    """The user's plain loop: zero_grad, forward, loss.backward(), step (``explicit``: Horovod's
+    and Paddle's ``opt.backward(loss)`` instead, which scales the loss itself under AMP)."""
     fleet.init(role, timeout=60)
     model = fleet.distributed_model(Net(100 + role.rank))
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.2), _strategy(name))
@@ -112,8 +113,12 @@ def _eager(role, name: str) -> dict:
     for step in range(STEPS):
         opt.zero_grad()
         loss = loss_fn(model, batch(step, role.rank))
-        loss.backward()
-        opt.step(loss=loss)
+        if explicit:
+            opt.backward(loss)
+            opt.step()
+        else:
+            loss.backward()
+            opt.step(loss=loss)
         losses.append(float(loss.detach()))
     applied = [str(a) for a in fleet.applied_strategy()]
     fleet.shutdown()
@@ -141,6 +146,36 @@ def test_eager_loop_gives_the_program_styles_parameters(world, nodes, names):
             np.testing.assert_allclose(prog["losses"], eager["losses"], atol=max(tol, 1e-5) * 10, err_msg=name)
         if not name.startswith(("localsgd", "adaptive")):  # synchronous: every rank holds the same model
             assert max_diff(results[0]["eager"]["params"], results[-1]["eager"]["params"]) <= tol, name
+
+
+def _explicit_vs_plain(role, name: str) -> tuple[dict, dict]:
+    return _eager(role, name, explicit=True), _eager(role, name)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", ["amp_fp16", "adaptive_localsgd"])
+def test_opt_backward_scales_once_and_records_the_loss(name):
+    """``opt.backward(loss)`` scales the loss itself, so the output hook must not scale again;
+    it also hands adaptive local SGD its loss (no ``step(loss=...)`` needed)."""
+    for explicit, plain in run_ranks(_explicit_vs_plain, 2, name, timeout=60):
+        assert max_diff(explicit["state"], plain["state"]) <= TOL.get(name, 1e-6)
+
+
+def _autocast(role) -> tuple[str, str, str]:
+    with fleet.session(role, strategy=_strategy("amp_bf16")):
+        a = torch.randn(4, 4)
+        with fleet.autocast():
+            inside = (a @ a).dtype
+        outside = (a @ a).dtype
+    with fleet.session(role):
+        with fleet.autocast():
+            off = (a @ a).dtype
+    return str(inside), str(outside), str(off)
+
+
+@pytest.mark.timeout(60)
+def test_fleet_autocast_follows_the_strategy():
+    assert run_ranks(_autocast, 1, timeout=45) == [("torch.bfloat16", "torch.float32", "torch.float32")]
 
 
 def _plain(role, name: str) -> list[np.ndarray]:

@@ -47,8 +47,7 @@ import torch
 from fleetlike.collectives.buckets import Bucket
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
-from fleetlike.comm import CommGroups, Communicator, Work, dtype_name
-from fleetlike.comm.base import divide_
+from fleetlike.comm import CommGroups, Communicator, Work, divide_, dtype_name
 
 __all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
 

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import time
 
 from collections.abc import Iterable, Sequence
@@ -88,6 +89,10 @@ class GradReducer:
         #: them): the slow-rank report leaves them out of a rank's own work
         self.wait_seconds = 0.0
         self._callback_queued = False
+        #: hooks may run on autograd's device threads while the training thread prepares or
+        #: finalizes: the per-step state (pending counts, next bucket, handles, counters) is
+        #: changed under this lock only (re-entrant: finalize launches what is left)
+        self._lock = threading.RLock()
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -109,6 +114,10 @@ class GradReducer:
     def prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
         """Arm the hooks for one communicating backward (call right before it, or after the
         forward: ``roots`` are the loss or the model's outputs, walked for unused parameters)."""
+        with self._lock:
+            self._prepare(roots)
+
+    def _prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         for b in self.buckets:
             b.attach()
         self._begin()
@@ -125,6 +134,10 @@ class GradReducer:
         self._next = 0
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        with self._lock:
+            self._grad_ready(p)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
         if not self.armed:
             return  # a local backward (no_sync, a gradient-merge micro-step, _origin_program)
         if not self._callback_queued:
@@ -177,6 +190,10 @@ class GradReducer:
 
     def finalize(self) -> None:
         """Launch what is left (unused parameters), wait for every bucket, disarm."""
+        with self._lock:
+            self._finalize()
+
+    def _finalize(self) -> None:
         if not self.armed:
             return
         while self._next < len(self.buckets):

@@ -33,8 +33,7 @@ from __future__ import annotations
 import torch
 
 from fleetlike.collectives.codec import HalfCodec
-from fleetlike.comm import Communicator, Work
-from fleetlike.comm.base import divide_
+from fleetlike.comm import Communicator, Work, divide_
 
 __all__ = ["SEGMENT_BYTES", "agree_max", "segmented_all_reduce"]
 

@@ -6,7 +6,7 @@ Example:
     >>> world.all_reduce(torch.ones(4), op="avg")
 """
 
-from fleetlike.comm.base import Communicator
+from fleetlike.comm.base import Communicator, divide_
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES, dtype_name, parse_choice
 from fleetlike.comm.errors import (
     CollectiveError,
@@ -24,6 +24,7 @@ from fleetlike.comm.stats import CommStats
 from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_world, resolve_backend
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "SUPPORTED_DTYPES",
     "Backend",
     "CollectiveError",
@@ -35,16 +36,16 @@ __all__ = [
     "CommStats",
     "Communicator",
     "CompletedWork",
-    "DEFAULT_TIMEOUT",
     "JobMismatchError",
     "ReduceOp",
     "RendezvousError",
-    "host_store",
     "SingleCommunicator",
     "Work",
     "all_gather_ragged",
     "create_world",
+    "divide_",
     "dtype_name",
+    "host_store",
     "parse_choice",
     "resolve_backend",
 ]

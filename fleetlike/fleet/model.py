@@ -2,9 +2,10 @@
 
 Like Paddle's ``paddle.DataParallel`` (and DDP), it wraps the user's module: ``model(x)`` runs the
 module's forward inside the strategy engine, so a plain PyTorch loop gets every strategy. A
-training forward (module in training mode, autograd on) starts the step, runs it under AMP's
-autocast when AMP is on, and arms the gradient buckets for the coming ``loss.backward()``; an
-evaluation forward only autocasts. ``state_dict`` / ``load_state_dict`` are the module's own (no
+training forward (autograd on, as DDP decides; the module's train/eval mode does not matter)
+starts the step, runs it under AMP's
+autocast when AMP is on, and arms the gradient buckets for the coming ``loss.backward()``; a
+forward under ``torch.no_grad()`` only autocasts. ``state_dict`` / ``load_state_dict`` are the module's own (no
 ``module.`` prefix, as Paddle), so checkpoints load into the unwrapped model and back; other
 attributes are looked up on the module (``model.fc1`` works).
 
@@ -53,8 +54,9 @@ class DistributedModel(torch.nn.Module):
         return self._engine is not None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        training = self.module.training and torch.is_grad_enabled()
-        with self.engine.forward(training) as record:
+        # As DDP: a forward with autograd on prepares a backward (model.eval() with frozen
+        # BatchNorm still trains); one under torch.no_grad() (validation) only autocasts.
+        with self.engine.forward(torch.is_grad_enabled()) as record:
             out = self.module(*args, **kwargs)
             record(out)
         return out

@@ -162,7 +162,7 @@ class Engine:
     @contextlib.contextmanager
     def forward(self, training: bool) -> Iterator[Callable[[Any], None]]:
         """Around the wrapped model's forward; the caller passes the outputs to the yielded
-        function. A training forward (module in training mode, grad enabled) starts the step,
+        function. A training forward (autograd enabled) starts the step,
         arms the gradient collectives for the coming backward, and lets the units see the outputs."""
         st = self.begin() if training else None
         if st is not None:
