@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from examples_common import clean_env, costs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [
     "examples/quick_start/train_fleet.py",
     "examples/quick_start/train_eager.py",
+    "examples/quick_start/train_eager_clip.py",
     "examples/local_sgd/fixed_k.py",
     "examples/local_sgd/warmup_recipe.py",
     "examples/local_sgd/adaptive.py",
@@ -23,7 +25,7 @@ EXAMPLES = [
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_runs_under_the_launcher(script, tmp_path):
     (tmp_path / "model").mkdir()
-    env = {**os.environ, "STEPS": "6", "MODEL_PATH": str(tmp_path / "model")}
+    env = clean_env(STEPS="6", MODEL_PATH=str(tmp_path / "model"))
     proc = subprocess.run(
         [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=2",
          "--started_port=auto", "--log_dir", str(tmp_path / "log"), str(ROOT / script)],
@@ -39,9 +41,26 @@ def test_plain_script_runs_as_one_process(tmp_path):
     for script, saved in (("examples/quick_start/train.py", "model.pt"), ("examples/quick_start/train_fleet.py", "COMPLETE")):
         model_dir = tmp_path / Path(script).stem
         model_dir.mkdir()
-        env = {**os.environ, "STEPS": "3", "MODEL_PATH": str(model_dir)}
+        env = clean_env(STEPS="3", MODEL_PATH=str(model_dir))
         proc = subprocess.run([sys.executable, str(ROOT / script)], capture_output=True, text=True,
                               timeout=50, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "worker_index: 0, step2 cost" in proc.stdout
         assert (model_dir / saved).exists()  # step 4: the model was saved
+
+
+@pytest.mark.timeout(90)
+def test_clipping_sees_the_averaged_gradients(tmp_path):
+    """train_eager_clip.py clips after opt.synchronize(): both workers measure the same (averaged)
+    gradient norm at every step although their batches differ."""
+    env = clean_env(STEPS="4")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=2", "--started_port=auto",
+         "--log_dir", str(tmp_path / "log"), str(ROOT / "examples/quick_start/train_eager_clip.py")],
+        capture_output=True, text=True, timeout=80, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logs = [(tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2)]
+    norms = [re.findall(r"grad_norm = ([0-9.]+)", log) for log in logs]
+    assert len(norms[0]) == 4 and norms[0] == norms[1], norms
+    assert costs(logs[0], 0) != costs(logs[1], 1)  # different data on the two workers
