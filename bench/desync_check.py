@@ -5,9 +5,10 @@ isolate the checks:
 
 - ``off``: no check (``comm.check_sizes = False``, or callers passing ``agreed=True``, as the
   gradient buckets do; what every collective cost before the size check existed);
-- ``sizes``: the default size check (one MAX all-reduce of 12 int64 before the collective;
-  a mismatch raises `CollectiveMismatchError` instead of aborting the process inside gloo);
-- ``full``: ``check_collectives=True`` (an all-gather of a 16-int descriptor per rank).
+- ``sizes``: the default size check (an all-gather of a 16-int descriptor per rank before the
+  collective, comparing what decides the bytes on the wire; a mismatch raises
+  `CollectiveMismatchError` instead of aborting the process inside gloo);
+- ``full``: ``check_collectives=True`` (the same exchange, every field compared, shapes too).
 
 Usage (from the repository root)::
 

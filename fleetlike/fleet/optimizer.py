@@ -220,10 +220,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (in place where they are bucket views), except inside an
         unfinished gradient-merge window."""
-        covered: set[int] = set()
         for engine in self.engines:
             engine.clear()
-            covered |= {id(p) for p in engine.ctx.model.parameters()}
+        covered = self._covered()
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) not in covered and p.grad is not None:
@@ -231,6 +230,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
+
+    def _covered(self) -> set[int]:
+        """Ids of the parameters whose gradients an engine clears (cached per set of engines)."""
+        key = tuple(id(e) for e in self.engines)
+        if self.__dict__.get("_covered_key") != key:
+            self._covered_ids = {id(p) for e in self.engines for p in e.ctx.model.parameters()}
+            self._covered_key = key
+        return self._covered_ids
 
     # ------------------------------------------------------------------ state
 

@@ -78,6 +78,9 @@ class Engine:
         self.ctx = ctx
         self.units = units
         self._hooks: dict[Phase, list[Hook]] = {p: [h for u in units for h in u.hooks() if h.phase == p] for p in PHASES}
+        # the hot path of an eager step touches only the units that act there
+        self._contexts = [u for u in units if type(u).forward_context is not Unit.forward_context]
+        self._watchers = [u for u in units if type(u).outputs is not Unit.outputs]
         self.state: StepState | None = None  # the step in progress (eager style)
         self.last: StepState | None = None  # the step the last update ended
         self._synchronized = False
@@ -104,8 +107,11 @@ class Engine:
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
+        if not self._contexts:
+            yield
+            return
         with contextlib.ExitStack() as stack:
-            for u in self.units:
+            for u in self._contexts:
                 stack.enter_context(u.forward_context())
             yield
 
@@ -174,11 +180,14 @@ class Engine:
             tensors = [t for t in _tensors(outputs) if t.requires_grad]
             st.roots = tensors
             self._run("before_backward", st)
-            for u in self.units:
-                u.outputs(st, tensors, lambda: self._explicit)
+            for u in self._watchers:
+                u.outputs(st, tensors, self._explicitly_scaled)
 
         with self.forward_context():
             yield record
+
+    def _explicitly_scaled(self) -> bool:
+        return self._explicit
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scaled by the units (``optimizer.backward(loss)``)."""
