@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IN, HID, OUT, BATCH = 16, 24, 3, 8
@@ -53,3 +57,15 @@ def single_process(opt_name: str, world: int, steps: int, start: int = 0) -> lis
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def torch_group(role, rendezvous_file: str) -> Iterator[None]:
+    """torch.distributed's default gloo group over the same ranks (the DDP / SyncBatchNorm
+    references), joined through a file the test owns: no port is chosen and handed over."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous_file}", rank=role.rank,
+                            world_size=role.world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

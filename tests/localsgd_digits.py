@@ -40,31 +40,30 @@ def digits_run(role, mode: str, steps: int = STEPS, seed: int = 0) -> dict[str, 
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    fleet.init(role)
-    (x, y), (xt, yt) = digits_split(seed)
-    model = digits_model(seed + role.rank)  # startup broadcasts rank 0's
-    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0, steps), momentum=MOMENTUM)
-    fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(MODES[mode])).minimize(digits_loss, model)
-    exe = Executor()
-    exe.run(fleet.startup_program)
-    trace = []
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps)
-        st = fleet.main_program.run(shard_batch(x, y, step, role.rank, role.world_size, BATCH))
-        info = st.info
-        trace.append({
-            "loss": float(st.loss.detach()),
-            "k": info.get("localsgd_k"),
-            "averaged": bool(info.get("localsgd_averaged", True)),
-            "averages": info.get("localsgd_averages"),
-            "bytes": info.get("bytes_communicated"),
-        })
-    out = {
-        "trace": trace,
-        "acc": accuracy(model, xt, yt),
-        "nparams_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-    }
-    fleet.shutdown()
+    with fleet.session(role):
+        (x, y), (xt, yt) = digits_split(seed)
+        model = digits_model(seed + role.rank)  # startup broadcasts rank 0's
+        opt = torch.optim.SGD(model.parameters(), lr=lr_at(0, steps), momentum=MOMENTUM)
+        fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(MODES[mode])).minimize(digits_loss, model)
+        exe = Executor()
+        exe.run(fleet.startup_program)
+        trace = []
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps)
+            st = fleet.main_program.run(shard_batch(x, y, step, role.rank, role.world_size, BATCH))
+            info = st.info
+            trace.append({
+                "loss": float(st.loss.detach()),
+                "k": info.get("localsgd_k"),
+                "averaged": bool(info.get("localsgd_averaged", True)),
+                "averages": info.get("localsgd_averages"),
+                "bytes": info.get("bytes_communicated"),
+            })
+        out = {
+            "trace": trace,
+            "acc": accuracy(model, xt, yt),
+            "nparams_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        }
     return out

@@ -77,57 +77,75 @@ def test_op_lists_are_checked_and_applied():
         assert torch.exp(x).dtype == torch.bfloat16  # white: low precision
 
 
-def _scripted(role, bad_steps, bad_rank, dtype):
-    fleet.init(role, timeout=30)
-    try:
+def _scripted(role, bad_steps, bad_rank, dtype, style):
+    """8 steps; rank ``bad_rank`` multiplies its loss by inf at ``bad_steps``. Returns the scale and
+    found_inf after each step, the parameters, and the listing (program) / applied (eager)."""
+    s = DistributedStrategy()
+    s.amp = True
+    s.amp_configs = {"init_loss_scaling": 1024.0, "incr_every_n_steps": 2, "decr_every_n_nan_or_inf": 1, "dtype": dtype}
+
+    def lf(m, feed):
+        out = loss_fn(m, feed)
+        return out * feed["poison"]
+
+    with fleet.session(role, timeout=30):
         model = make_model(100 + role.rank)
-        s = DistributedStrategy()
-        s.amp = True
-        s.amp_configs = {"init_loss_scaling": 1024.0, "incr_every_n_steps": 2, "decr_every_n_nan_or_inf": 1, "dtype": dtype}
-
-        def lf(m, feed):
-            out = loss_fn(m, feed)
-            return out * feed["poison"]
-
-        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(lf, model)
-        exe = Executor()
-        exe.run(fleet.startup_program)
+        if style == "eager":
+            model = fleet.distributed_model(model)
+            opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s)
+        else:
+            fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(lf, model)
+            Executor().run(fleet.startup_program)
         scales, found = [], []
         for step in range(8):
             poison = float("inf") if step in bad_steps and role.rank == bad_rank else 1.0
-            state = fleet.main_program.run({**batch(step, role.rank), "poison": torch.tensor(poison)})
-            found.append(state.info.get("found_inf"))
+            feed = {**batch(step, role.rank), "poison": torch.tensor(poison)}
+            if style == "eager":  # the user's loop: plain loss.backward(), the strategy scales it
+                opt.zero_grad()
+                lf(model, feed).backward()
+                opt.step()
+                info = opt.step_info
+            else:
+                info = fleet.main_program.run(feed).info
+            found.append(info.get("found_inf"))
             scales.append(fleet.get_loss_scaling())
-        return scales, found, params(model), str(fleet.main_program)
-    finally:
-        fleet.shutdown()
+        text = str(fleet.main_program) if style == "program" else "\n".join(map(str, fleet.applied_strategy()))
+        return scales, found, params(model), text
 
 
 @pytest.mark.timeout(90)
-def test_overflow_on_one_rank_skips_everywhere():
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_overflow_on_one_rank_skips_everywhere(style):
     bad = {2, 5, 6}
-    results = run_ranks(_scripted, 2, bad, 1, "float16", timeout=60)
+    results = run_ranks(_scripted, 2, bad, 1, "float16", style, timeout=60)
     expect = paddle_rule([s in bad for s in range(8)], 1024.0, 2, 1, 2.0, 0.8)
     for scales, found, _, text in results:
         assert scales == expect
         assert found == [s in bad for s in range(8)]
-        assert "check_finite_and_unscale" in text and "update_loss_scaling" in text
+        if style == "program":
+            assert "check_finite_and_unscale" in text and "update_loss_scaling" in text
+        else:
+            assert "amp: applied" in text, text
     assert max_diff(results[0][2], results[1][2]) == 0.0  # both ranks skipped the same steps
 
 
 @pytest.mark.timeout(60)
-def test_bf16_runs_without_scaling():
-    results = run_ranks(_scripted, 2, set(), 0, "bfloat16", timeout=45)
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_bf16_runs_without_scaling(style):
+    results = run_ranks(_scripted, 2, set(), 0, "bfloat16", style, timeout=45)
     for scales, found, p, text in results:
         assert scales == [1.0] * 8 and found == [None] * 8  # no finite check, no extra collective
-        assert "autocast=bfloat16" in text and "loss_scale=" not in text
-        assert "check_finite_and_unscale" not in text
+        if style == "program":
+            assert "autocast=bfloat16" in text and "loss_scale=" not in text
+            assert "check_finite_and_unscale" not in text
+        else:
+            assert "amp: applied" in text, text
+    assert max_diff(results[0][2], results[1][2]) == 0.0  # synchronous: one model on every rank
 
 
 def _digits(role, mode):
     (xtr, ytr), (xte, yte) = digits_split()
-    fleet.init(role, timeout=60)
-    try:
+    with fleet.session(role, timeout=60):
         model = digits_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         s = DistributedStrategy()
@@ -142,8 +160,6 @@ def _digits(role, mode):
         for step in range(250):
             exe.run(fleet.main_program, feed=shard_batch(xtr, ytr, step, role.rank, role.world_size))
         return accuracy(model, xte, yte)
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -155,8 +171,7 @@ def test_amp_reaches_fp32_accuracy_on_digits():
 
 
 def _eager_amp(role):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         s = DistributedStrategy()
         s.amp = True
         s.amp_configs = {"init_loss_scaling": 256.0, "decr_every_n_nan_or_inf": 1}
@@ -173,8 +188,6 @@ def _eager_amp(role):
                 opt.step()
             opt.zero_grad()
         return fleet.get_loss_scaling(), params(model)
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(60)

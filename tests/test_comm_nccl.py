@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,13 +31,16 @@ from comm_cases import DTYPES, KINDS, OPS, Case, case_strategy, check_all, run_c
 from fleetlike.comm import CommError, SingleCommunicator, create_world
 from fleetlike.comm.nccl import NcclCommunicator, NcclUnavailableError, nccl_unavailable_reason
 from fleetlike.roles.role import Role
-from fleetlike.testing import free_ports
+from fleetlike.testing import hosted_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _one_rank_role(**kw) -> Role:
-    return Role.from_endpoints(0, [f"127.0.0.1:{free_ports(1)[0]}"], job_id="nccl-test", **kw)
+@contextlib.contextmanager
+def _one_rank_role() -> Iterator[Role]:
+    """The role of a world of one whose store this process hosts (no port picked and handed on)."""
+    with hosted_job(1, 1, job_id="nccl-test") as job:
+        yield job.role(0)
 
 
 # ------------------------------------------------------------------------- CPU: always run
@@ -59,8 +63,8 @@ def test_module_imports_without_cupy():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_create_world_nccl_without_gpu_says_why_and_what_to_do():
-    with pytest.raises(NcclUnavailableError) as info:
-        create_world(_one_rank_role(), backend="nccl", timeout=30)
+    with _one_rank_role() as role, pytest.raises(NcclUnavailableError) as info:
+        create_world(role, backend="nccl", timeout=30)
     msg = str(info.value)
     assert info.value.reason == "no_cuda"
     assert isinstance(info.value, CommError) and isinstance(info.value, RuntimeError)
@@ -356,11 +360,12 @@ needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"no usable NCCL here
 
 @pytest.fixture(scope="module")
 def world():
-    comm = create_world(_one_rank_role(), backend="nccl", timeout=60)
-    try:
-        yield comm
-    finally:
-        comm.close()
+    with _one_rank_role() as role:
+        comm = create_world(role, backend="nccl", timeout=60)
+        try:
+            yield comm
+        finally:
+            comm.close()
 
 
 def _cases(kind: str, dtype: str) -> list[Case]:

@@ -10,11 +10,10 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dp_common import batch, loss_fn, make_model, make_opt, max_diff, params, single_process
+from dp_common import batch, loss_fn, make_model, make_opt, max_diff, params, single_process, torch_group
 from fleetlike import DistributedStrategy, Executor, fleet
-from fleetlike.testing import free_ports, run_ranks
+from fleetlike.testing import run_ranks
 
 STEPS = 20
 OPTS = ("sgd", "momentum", "adam")
@@ -63,22 +62,19 @@ def _train_ddp(role, opt_name):
     return params(model.module)
 
 
-def _all_configs(role, ddp_port):
-    fleet.init(role, timeout=60)
-    out = {cfg: _train_fleet(role, *cfg) for cfg in CONFIGS}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=role.rank, world_size=role.world_size)
-    try:
-        ddp = {name: _train_ddp(role, name) for name in OPTS}
-    finally:
-        dist.destroy_process_group()
-        fleet.shutdown()
+def _all_configs(role, ddp_rendezvous):
+    with fleet.session(role, timeout=60):
+        out = {cfg: _train_fleet(role, *cfg) for cfg in CONFIGS}
+        with torch_group(role, ddp_rendezvous):
+            ddp = {name: _train_ddp(role, name) for name in OPTS}
     return out, ddp
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
-def test_equals_single_process_and_ddp(world):
-    results = run_ranks(_all_configs, world, free_ports(1)[0], timeout=200)
+def test_equals_single_process_and_ddp(world, tmp_path):
+    """Every configuration, program and eager style, against DDP on the same ranks and data."""
+    results = run_ranks(_all_configs, world, str(tmp_path / "ddp_rendezvous"), timeout=200)
     refs = {name: single_process(name, world, STEPS) for name in OPTS}
     for rank, (ours, ddp) in enumerate(results):
         for cfg, got in ours.items():
@@ -102,31 +98,40 @@ class _Branchy(torch.nn.Module):
 
 
 def _unused(role, find_unused):
-    torch.manual_seed(7)
-    model = _Branchy()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     s = DistributedStrategy()
     s.find_unused_parameters = find_unused
     s.fuse_grad_size_in_MB = 0.0005
-    fleet.init(role, timeout=30)
-    try:
-        def lf(m, feed):
-            return torch.nn.functional.cross_entropy(m(feed["x"], feed["step"] % 3 == 0), feed["y"])
 
-        fleet.distributed_optimizer(opt, s).minimize(lf, model)
-        exe = Executor()
-        exe.run(fleet.startup_program)
-        for step in range(6):
-            exe.run(fleet.main_program, feed={**batch(step, role.rank), "step": step})
-        return params(model)
-    finally:
-        fleet.shutdown()
+    def lf(m, feed):
+        return torch.nn.functional.cross_entropy(m(feed["x"], feed["step"] % 3 == 0), feed["y"])
+
+    out = {}
+    for style in ("program", "eager"):
+        torch.manual_seed(7)
+        model = _Branchy()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with fleet.session(role, timeout=30):
+            if style == "program":
+                fleet.distributed_optimizer(opt, s).minimize(lf, model)
+                exe = Executor()
+                exe.run(fleet.startup_program)
+                for step in range(6):
+                    exe.run(fleet.main_program, feed={**batch(step, role.rank), "step": step})
+            else:
+                wrapped = fleet.distributed_model(model)
+                dopt = fleet.distributed_optimizer(opt, s)
+                for step in range(6):
+                    dopt.zero_grad()
+                    lf(wrapped, {**batch(step, role.rank), "step": step}).backward()
+                    dopt.step()
+            out[style] = params(model)
+    return out
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("find_unused", [True, False])
 def test_unused_parameters_never_hang(find_unused):
-    got = run_ranks(_unused, 2, find_unused, timeout=60)
+    got = [g for rank in run_ranks(_unused, 2, find_unused, timeout=60) for g in rank.values()]
     torch.manual_seed(7)
     model = _Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

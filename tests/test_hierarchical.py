@@ -228,9 +228,8 @@ CONFIGS = {
 
 
 def _train(role, names):
-    fleet.init(role, timeout=60)
-    out = {}
-    try:
+    with fleet.session(role, timeout=60):
+        out = {}
         for name in names:
             model = make_model(100 + role.rank)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -242,8 +241,6 @@ def _train(role, names):
                 exe.run(fleet.main_program, feed=batch(step, role.rank))
             out[name] = (params(model), str(fleet.main_program), [str(a) for a in fleet.applied_strategy()])
         return out
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -306,8 +303,7 @@ def test_paddle_inter_nranks_values_mean_ranks_per_node(paddle_config):
 
 
 def _one_node_and_errors(role):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         model = make_model(100)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         s = DistributedStrategy.from_dict({"use_hierarchical_allreduce": True})
@@ -324,8 +320,6 @@ def _one_node_and_errors(role):
             except ValueError as e:
                 errors.append(str(e))
         return applied, applied_paddle, errors
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(60)
@@ -338,8 +332,7 @@ def test_one_node_not_applied_and_fleet_validation():
 
 
 def _uneven(role):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         model = make_model(100 + role.rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         s = DistributedStrategy.from_dict({"use_hierarchical_allreduce": True, "fp16_allreduce": True,
@@ -350,8 +343,6 @@ def _uneven(role):
         for step in range(4):
             exe.run(fleet.main_program, feed=batch(step, role.rank))
         return params(model), [str(a) for a in fleet.applied_strategy()]
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(60)

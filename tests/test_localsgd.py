@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fleetlike.strategies import DistributedStrategy, adaptive_local_step, get_local_sgd_steps
 from fleetlike.strategies.localsgd import K_MAX, K_MIN, adaptive_k
-from fleetlike.testing import free_ports, run_ranks
+from fleetlike.testing import run_ranks
 
 IN, HID, OUT, BATCH = 5, 7, 2, 6
 TOL = 1e-6
@@ -73,10 +73,33 @@ INFO = ["loss", "localsgd_k", "localsgd_averaged", "localsgd_averages", "bytes_c
 # ---------------------------------------------------------------------- rank functions
 
 
+def eager_step(model, opt, feed: dict[str, torch.Tensor], lr: float | None = None) -> float:
+    """The user's loop, one step: (a scheduler's lr,) zero_grad, forward, backward, step(loss=)."""
+    if lr is not None:
+        for g in opt.param_groups:
+            g["lr"] = lr
+    opt.zero_grad()
+    loss = loss_fn(model, feed)
+    loss.backward()
+    opt.step(loss=loss)  # adaptive k needs the loss; the fixed schedule ignores it
+    return float(loss.detach())
+
+
 def _train(role, cfg):
+    from fleetlike import fleet
+
+    with fleet.session(role):
+        if cfg.get("style") == "eager":
+            trace, text, errors = _eager_trace(role, cfg), None, {}
+        else:
+            trace, text, errors = _program_trace(role, cfg)
+        applied = [str(e) for e in fleet.applied_strategy()]
+    return {"trace": trace, "program": text, "applied": applied, "errors": errors}
+
+
+def _program_trace(role, cfg):
     from fleetlike import Executor, fleet
 
-    fleet.init(role)
     model = make_model(role.rank)  # the startup program makes it rank 0's
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     errors = {}
@@ -106,36 +129,57 @@ def _train(role, cfg):
         trace.append({**values, "step": step, "lr": opt.param_groups[0]["lr"], "params": params(model)})
         if cfg.get("save_at") == step + 1:
             fleet.save_persistables(exe, f"{cfg['save']}/{role.rank}")
-    text = str(fleet.main_program)
-    applied = [str(e) for e in fleet.applied_strategy()]
-    fleet.shutdown()
-    return {"trace": trace, "program": text, "applied": applied, "errors": errors}
+    return trace, str(fleet.main_program), errors
 
 
-def _vs_torch(role, port, cases):
+def _eager_trace(role, cfg):
+    """The same run as a plain PyTorch loop; step_info holds what fetch_list gives."""
+    from fleetlike import fleet
+
+    model = fleet.distributed_model(make_model(role.rank))  # broadcasts rank 0's parameters
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy(cfg))
+    trace = []
+    for step in range(cfg["steps"]):
+        loss = eager_step(model, opt, batch(step, role.rank), lr_at(step) if cfg.get("adaptive") else None)
+        values = {name: opt.step_info[name] for name in INFO[1:]}
+        trace.append({**values, "loss": loss, "step": step, "lr": opt.param_groups[0]["lr"],
+                      "params": params(model.module)})
+    return trace
+
+
+def _vs_torch(role, rendezvous, cases, style):
     """Fleet's local SGD next to torch's PeriodicModelAverager on the same ranks and data."""
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+    from dp_common import torch_group
     from fleetlike import Executor, fleet
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=role.rank,
-                            world_size=role.world_size)
-    fleet.init(role)
     out = []
-    try:
+    with torch_group(role, rendezvous), fleet.session(role):
         for k, begin, steps in cases:
             ours = make_model(role.rank)
-            opt = torch.optim.SGD(ours.parameters(), lr=0.1)
-            fleet.distributed_optimizer(opt, strategy({"k": k, "begin": begin})).minimize(loss_fn, ours)
-            exe = Executor()
-            exe.run(fleet.startup_program)
+            if style == "eager":
+                model = fleet.distributed_model(ours)
+                opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  strategy({"k": k, "begin": begin}))
+
+                def run_step(step, model=model, opt=opt):
+                    eager_step(model, opt, batch(step, role.rank))
+            else:
+                opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+                fleet.distributed_optimizer(opt, strategy({"k": k, "begin": begin})).minimize(loss_fn, ours)
+                exe = Executor()
+                exe.run(fleet.startup_program)
+
+                def run_step(step, exe=exe):
+                    exe.run(fleet.main_program, feed=batch(step, role.rank))
             theirs = make_model(0)
             topt = torch.optim.SGD(theirs.parameters(), lr=0.1)
             averager = PeriodicModelAverager(period=k, warmup_steps=begin - 1)
             worst = 0.0
             for step in range(steps):
-                exe.run(fleet.main_program, feed=batch(step, role.rank))
+                run_step(step)
                 loss_fn(theirs, batch(step, role.rank)).backward()
                 if step < begin - 1:  # torch's warm-up: DDP's gradient allreduce (PostLocalSGD)
                     for p in theirs.parameters():
@@ -147,9 +191,6 @@ def _vs_torch(role, port, cases):
                 topt.zero_grad()
                 worst = max(worst, max_diff(params(ours), params(theirs)))
             out.append(worst)
-    finally:
-        fleet.shutdown()
-        dist.destroy_process_group()
     return out
 
 
@@ -210,12 +251,13 @@ def check_against_simulation(results: list[dict], cfg: dict) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("style", ["program", "eager"])
 @pytest.mark.parametrize("world,cfg", [
     (2, {"k": 3, "begin": 3, "steps": 13}),
     (4, {"k": 2, "begin": 1, "steps": 8, "rings": 2, "fuse": False}),
 ])
-def test_fixed_k_averages_to_the_mean_on_schedule(world, cfg):
-    results = run_ranks(_train, world, cfg, timeout=100)
+def test_fixed_k_averages_to_the_mean_on_schedule(world, cfg, style):
+    results = run_ranks(_train, world, {**cfg, "style": style}, timeout=100)
     check_against_simulation(results, cfg)
     want = expected_steps(cfg["begin"], cfg["k"], cfg["steps"])
     got = {t["step"] + 1 for t in results[0]["trace"] if t["localsgd_averaged"]}
@@ -225,11 +267,13 @@ def test_fixed_k_averages_to_the_mean_on_schedule(world, cfg):
     nbytes = sum(p.size * 4 for p in last["params"])
     sent = [t["bytes_communicated"] for t in results[0]["trace"]]
     assert sent == [nbytes if t["localsgd_averaged"] else 0 for t in results[0]["trace"]]
+    assert any(a.startswith("localsgd: applied") for a in results[0]["applied"])
+    if style == "eager":  # no program to print; the rest is the program's listing
+        return
     text = results[0]["program"]
     assert f"k={cfg['k']}" in text and f"averages={len(want)}" in text
     assert f"bytes_communicated={nbytes * len(want)}" in text and "c_localsgd_average" in text
     assert "c_allreduce_avg" in text and "optimizer_update" in text
-    assert any(a.startswith("localsgd: applied") for a in results[0]["applied"])
     if not cfg.get("fuse", True):
         assert text.count("comm=ring 1") == 2  # 4 parameters round-robin over 2 communicators
 
@@ -245,11 +289,11 @@ def test_manual_recipe_averages_where_main_program_runs():
 
 
 @pytest.mark.timeout(120)
-def test_matches_torch_periodic_model_averager():
-    port = free_ports(1)[0]
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_matches_torch_periodic_model_averager(style, tmp_path):
     # begin_step 1: PeriodicModelAverager(period=k, warmup_steps=0) exactly; begin_step 3:
     # warmup_steps=2 with gradient allreduce during torch's warm-up (see the module docstring)
-    worst = run_ranks(_vs_torch, 2, port, [(3, 1, 10), (2, 3, 9)], timeout=100)
+    worst = run_ranks(_vs_torch, 2, str(tmp_path / "torch_rendezvous"), [(3, 1, 10), (2, 3, 9)], style, timeout=100)
     assert max(max(w) for w in worst) <= TOL
 
 
@@ -274,8 +318,9 @@ def test_adaptive_k_direction():
 
 
 @pytest.mark.timeout(120)
-def test_adaptive_k_follows_loss_and_lr_on_two_ranks():
-    cfg = {"adaptive": True, "k": 1, "begin": 2, "steps": 40}
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_adaptive_k_follows_loss_and_lr_on_two_ranks(style):
+    cfg = {"adaptive": True, "k": 1, "begin": 2, "steps": 40, "style": style}
     results = run_ranks(_train, 2, cfg, timeout=100)
     traces = [r["trace"] for r in results]
     loss0 = (traces[0][0]["loss"] + traces[1][0]["loss"]) / 2
@@ -294,6 +339,9 @@ def test_adaptive_k_follows_loss_and_lr_on_two_ranks():
             assert max_diff(traces[0][step]["params"], traces[1][step]["params"]) <= TOL
         assert all(t[step]["localsgd_k"] == k for t in traces), step
     assert all(1 <= x <= 16 for x in ks) and max(ks) > 1  # lr decays faster than the loss
+    assert any(a.startswith("adaptive_localsgd: applied") for a in results[0]["applied"]), results[0]["applied"]
+    if style == "eager":
+        return
     assert "adaptive_localsgd init_k_steps=1" in results[0]["program"]
     errors = results[0]["errors"]
     assert "Adam" in errors["adam"] and "meaningless" in errors["adam"]

@@ -18,8 +18,7 @@ def _local_grads(model, feed):
 
 
 def _alternate(role):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         model = make_model(100 + role.rank)
         opt = make_opt("sgd", model)
         fleet.distributed_optimizer(opt, DistributedStrategy()).minimize(loss_fn, model)
@@ -43,8 +42,6 @@ def _alternate(role):
             delta = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before)])
             checks.append((main, float((delta + 0.1 * used).abs().max()), world.stats.total_calls - calls))
         return checks, str(fleet.main_program), str(fleet._origin_program), params(model)
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(90)
@@ -63,8 +60,7 @@ def test_alternating_main_and_origin():
 
 
 def _train_with_checkpoint(role, opt_name, ckpt, phase):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         model = make_model(100 + role.rank)
         opt = make_opt(opt_name, model)
         fleet.distributed_optimizer(opt, DistributedStrategy()).minimize(loss_fn, model)
@@ -82,8 +78,6 @@ def _train_with_checkpoint(role, opt_name, ckpt, phase):
                 fleet.barrier_worker()
             exe.run(fleet.main_program, feed=batch(step, role.rank))
         return params(model), fleet.main_program.runs
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(120)
@@ -116,8 +110,7 @@ def test_program_editing_and_printing():
 def test_single_process_fleet_and_fetch(tmp_path):
     from fleetlike.roles import UserDefinedRoleMaker
 
-    fleet.init(UserDefinedRoleMaker(0, ["127.0.0.1:6170"]))
-    try:
+    with fleet.session(UserDefinedRoleMaker(0, ["127.0.0.1:6170"])):
         model = make_model(1)
         opt = make_opt("sgd", model)
 
@@ -145,8 +138,6 @@ def test_single_process_fleet_and_fetch(tmp_path):
         assert [e.name for e in fleet.applied_strategy()][0] == "data_parallel"
         assert fleet.util.get_file_shard(list("abcde")) == list("abcde")
         assert fleet.util.all_reduce(3, "sum") == 3 and fleet.util.all_reduce(2.5, "max") == 2.5
-    finally:
-        fleet.shutdown()
 
 
 def test_errors_name_the_fix():
@@ -197,13 +188,10 @@ def test_strategy_override_from_the_environment(monkeypatch):
     from fleetlike.roles import UserDefinedRoleMaker
 
     monkeypatch.setenv("FLEETLIKE_STRATEGY", '{"fuse_all_reduce_ops": false, "find_unused_parameters": true}')
-    fleet.init(UserDefinedRoleMaker(0, ["127.0.0.1:6170"]))
-    try:
+    with fleet.session(UserDefinedRoleMaker(0, ["127.0.0.1:6170"])):
         opt = fleet.distributed_optimizer(torch.optim.SGD(make_model(0).parameters(), lr=0.1), DistributedStrategy())
         assert opt.user_defined_strategy.fuse_all_reduce_ops is False
         assert opt.user_defined_strategy.find_unused_parameters is True
         monkeypatch.setenv("FLEETLIKE_STRATEGY", '{"nccl_comm_nun": 2}')
         with pytest.raises(KeyError, match="nccl_comm_num"):
             fleet.distributed_optimizer(torch.optim.SGD(make_model(0).parameters(), lr=0.1))
-    finally:
-        fleet.shutdown()

@@ -84,48 +84,82 @@ def test_recompute_names_are_checked():
         auto_checkpoints(torch.nn.Linear(2, 2))
 
 
-def test_recompute_through_the_strategy():
-    fleet.init(UserDefinedRoleMaker(0, ["127.0.0.1:6170"]))
-    try:
-        model = Stack()
-        s = DistributedStrategy()
-        s.recompute = True
-        s.recompute_configs = {"checkpoints": "auto"}
-        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s).minimize(
-            lambda m, f: m(f).pow(2).mean(), model
-        )
-        Executor().run(fleet.main_program, feed=torch.randn(4, 32))
-        assert "recompute=8 segments" in str(fleet.main_program)
-        assert any(e.name == "recompute" and e.applied for e in fleet.applied_strategy())
-    finally:
-        fleet.shutdown()
+def _recompute_run(recompute: bool, style: str) -> tuple[list, list[str], str | None]:
+    """Three steps of the Stack (dropout on) on a world of one, through the strategy."""
+    model = Stack()
+    s = DistributedStrategy()
+    s.recompute = recompute
+    s.recompute_configs = {"checkpoints": "auto"}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def lf(m, x):
+        return m(x).pow(2).mean()
+
+    torch.manual_seed(3)  # the dropout masks: a recomputed forward must draw the same
+    with fleet.session(UserDefinedRoleMaker(0, ["127.0.0.1:6170"])):  # one rank: no port is bound
+        if style == "program":
+            fleet.distributed_optimizer(opt, s).minimize(lf, model)
+            for step in range(3):
+                Executor().run(fleet.main_program, feed=torch.randn(4, 32))
+            listing = str(fleet.main_program)
+        else:
+            wrapped = fleet.distributed_model(model)
+            dopt = fleet.distributed_optimizer(opt, s)
+            for step in range(3):
+                dopt.zero_grad()
+                lf(wrapped, torch.randn(4, 32)).backward()
+                dopt.step()
+            listing = None
+        applied = [str(e) for e in fleet.applied_strategy()]
+    return params(model), applied, listing
+
+
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_recompute_through_the_strategy_changes_nothing_but_memory(style):
+    plain, _, _ = _recompute_run(False, style)
+    got, applied, listing = _recompute_run(True, style)
+    assert max_diff(got, plain) <= 1e-6
+    assert any(a.startswith("recompute: applied") for a in applied), applied
+    if style == "program":
+        assert "recompute=8 segments" in listing
 
 
 def _merge(role, k, opt_name, extra):
-    fleet.init(role, timeout=30)
-    try:
-        model = make_model(100 + role.rank)
-        s = DistributedStrategy()
-        for key, value in extra.items():
-            setattr(s, key, value)
-        if k > 1:
-            s.gradient_merge = True
-            s.gradient_merge_configs = {"k_steps": k, "avg": True}
-        fleet.distributed_optimizer(make_opt(opt_name, model), s).minimize(loss_fn, model)
-        exe = Executor()
-        exe.run(fleet.startup_program)
-        world = fleet._ctx.world
-        for step in range(12):
-            if k > 1:
-                for micro in range(k):  # k micro-batches of b: rows micro*b .. of the big batch
-                    big = batch(step, role.rank * 100 + 7)
-                    b = len(big["x"]) // k
-                    exe.run(fleet.main_program, feed={n: t[micro * b:(micro + 1) * b] for n, t in big.items()})
+    """12 updates of batch b*k per rank, in both styles: one big batch per update (k == 1), or
+    k micro-batches of b with gradient merge (the eager loop calls step() on every one)."""
+    s = DistributedStrategy()
+    for key, value in extra.items():
+        setattr(s, key, value)
+    if k > 1:
+        s.gradient_merge = True
+        s.gradient_merge_configs = {"k_steps": k, "avg": True}
+    out = {}
+    for style in ("program", "eager"):
+        with fleet.session(role, timeout=30):
+            model = make_model(100 + role.rank)
+            if style == "program":
+                fleet.distributed_optimizer(make_opt(opt_name, model), s).minimize(loss_fn, model)
+                exe = Executor()
+                exe.run(fleet.startup_program)
+
+                def run(feed, exe=exe):
+                    exe.run(fleet.main_program, feed=feed)
             else:
-                exe.run(fleet.main_program, feed=batch(step, role.rank * 100 + 7))
-        return params(model), world.stats.total_calls
-    finally:
-        fleet.shutdown()
+                wrapped = fleet.distributed_model(model)
+                opt = fleet.distributed_optimizer(make_opt(opt_name, model), s)
+
+                def run(feed, wrapped=wrapped, opt=opt):
+                    opt.zero_grad()  # kept inside the merge window
+                    loss_fn(wrapped, feed).backward()
+                    opt.step()  # updates on the k-th micro-batch only
+            world = fleet._ctx.world
+            for step in range(12):
+                big = batch(step, role.rank * 100 + 7)
+                b = len(big["x"]) // k
+                for micro in range(k):  # k micro-batches of b: rows micro*b .. of the big batch
+                    run({n: t[micro * b:(micro + 1) * b] for n, t in big.items()})
+            out[style] = params(model), world.stats.total_calls
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -133,18 +167,21 @@ def _merge(role, k, opt_name, extra):
 def test_gradient_merge_equals_bigger_batch_with_a_quarter_of_the_collectives(opt_name):
     merged = run_ranks(_merge, 2, 4, opt_name, {}, timeout=60)
     plain = run_ranks(_merge, 2, 1, opt_name, {}, timeout=60)
-    for (pm, calls_m), (pp, calls_p) in zip(merged, plain):
-        assert max_diff(pm, pp) <= 1e-6
-        assert calls_m == calls_p  # one bucket per update; 4x the runs of main_program
+    for style in ("program", "eager"):
+        for m, p in zip(merged, plain):
+            (pm, calls_m), (pp, calls_p) = m[style], p[style]
+            assert max_diff(pm, pp) <= 1e-6, style
+            assert calls_m == calls_p, style  # one bucket per update; 4x the micro-steps
+        assert max_diff(merged[0][style][0], merged[0]["program"][0]) <= 1e-6, style
     # with AMP (bf16, no scaling) and recompute-free composition: still merges and agrees across ranks
     amp = run_ranks(_merge, 2, 4, opt_name, {"amp": True, "amp_configs": {"dtype": "bfloat16"}}, timeout=60)
-    assert max_diff(amp[0][0], amp[1][0]) == 0.0
-    assert max_diff(amp[0][0], merged[0][0]) <= 5e-2
+    for style in ("program", "eager"):
+        assert max_diff(amp[0][style][0], amp[1][style][0]) == 0.0, style
+        assert max_diff(amp[0][style][0], merged[0][style][0]) <= 5e-2, style
 
 
 def _merge_ckpt(role, ckpt, phase):
-    fleet.init(role, timeout=30)
-    try:
+    with fleet.session(role, timeout=30):
         model = make_model(100 + role.rank)
         s = DistributedStrategy()
         s.gradient_merge = True
@@ -168,8 +205,6 @@ def _merge_ckpt(role, ckpt, phase):
                 fleet.save_persistables(exe, mine)
             exe.run(fleet.main_program, feed=batch(step, role.rank))
         return params(model)
-    finally:
-        fleet.shutdown()
 
 
 @pytest.mark.timeout(90)

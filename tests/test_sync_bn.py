@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dp_common import torch_group
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.comm import CommGroups
 from fleetlike.strategies.sync_bn import SyncBatchNorm, convert_sync_batchnorm
-from fleetlike.testing import free_ports, make_world, run_ranks
+from fleetlike.testing import make_world, run_ranks
 
 C = 3
 
@@ -78,31 +79,34 @@ def _run_layer(bn, x, gy, steps=2):
     return outs, bn.running_mean.numpy().copy(), bn.running_var.numpy().copy(), bn.weight.grad.numpy(), bn.bias.grad.numpy()
 
 
-def _compare(role, port, shape):
+def _compare(role, rendezvous, shape):
     world = make_world(role)
     groups = CommGroups(world, role)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=role.rank, world_size=role.world_size)
     try:
-        node_groups = [dist.new_group(role.node_ranks(i)) for i in range(role.node_num)]
-        x, gy = _inputs(role.rank, shape)
-        res = {}
-        for scope in ("global", "local"):
-            comm = world if scope == "global" else groups.intra
-            pg = None if scope == "global" else node_groups[role.node_index]
-            torch.manual_seed(0)
-            ours = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(C, momentum=0.3)), comm, scope)
-            assert isinstance(ours[0], SyncBatchNorm)
-            torch.manual_seed(0)
-            ref = torch.nn.Sequential(_GatheredBN(torch.nn.BatchNorm2d(C, momentum=0.3), pg))
-            with torch.no_grad():
-                for m in (ours[0], ref[0]):
-                    m.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
-                    m.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
-            res[scope] = (_run_layer(ours[0], x, gy), _run_layer(ref[0], x, gy))
-        return res
+        with torch_group(role, rendezvous):
+            return _compare_layers(role, world, groups, shape)
     finally:
-        dist.destroy_process_group()
         groups.close()
+
+
+def _compare_layers(role, world, groups, shape):
+    node_groups = [dist.new_group(role.node_ranks(i)) for i in range(role.node_num)]
+    x, gy = _inputs(role.rank, shape)
+    res = {}
+    for scope in ("global", "local"):
+        comm = world if scope == "global" else groups.intra
+        pg = None if scope == "global" else node_groups[role.node_index]
+        torch.manual_seed(0)
+        ours = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(C, momentum=0.3)), comm, scope)
+        assert isinstance(ours[0], SyncBatchNorm)
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(_GatheredBN(torch.nn.BatchNorm2d(C, momentum=0.3), pg))
+        with torch.no_grad():
+            for m in (ours[0], ref[0]):
+                m.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+                m.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+        res[scope] = (_run_layer(ours[0], x, gy), _run_layer(ref[0], x, gy))
+    return res
 
 
 def _assert_close(a, b, tol=1e-6):
@@ -115,8 +119,8 @@ def _assert_close(a, b, tol=1e-6):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("shape", [(4, C, 5, 3), (3, C, 2, 2)])
-def test_equals_torch_sync_batchnorm_global_and_local(shape):
-    results = run_ranks(_compare, 4, free_ports(1)[0], shape, nodes=2, timeout=60)
+def test_equals_torch_sync_batchnorm_global_and_local(shape, tmp_path):
+    results = run_ranks(_compare, 4, str(tmp_path / "torch_rendezvous"), shape, nodes=2, timeout=60)
     for res in results:
         for scope in ("global", "local"):
             ours, ref = res[scope]
@@ -141,21 +145,39 @@ def _loss(model, feed):
     return F.mse_loss(model(feed["x"]), feed["y"])
 
 
+def _strategy(scope):
+    return DistributedStrategy.from_dict({"sync_batch_norm": True, "sync_batch_norm_configs.scope": scope})
+
+
+def _eager_steps(model, opt, rank, steps=5):
+    """The user's loop: zero_grad, forward, loss.backward(), step."""
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, _feed(step, rank)).backward()
+        opt.step()
+
+
 def _train(role, scope):
-    fleet.init(role, timeout=30)
-    try:
-        model = _model(1 + role.rank)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        s = DistributedStrategy.from_dict({"sync_batch_norm": True, "sync_batch_norm_configs.scope": scope})
-        fleet.distributed_optimizer(opt, s).minimize(_loss, model)
-        exe = Executor()
-        exe.run(fleet.startup_program)
-        for step in range(5):
-            exe.run(fleet.main_program, feed=_feed(step, role.rank))
-        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        return state, str(fleet.main_program), [str(a) for a in fleet.applied_strategy()]
-    finally:
-        fleet.shutdown()
+    """Five steps in each style; per style the state, the listing (program) and applied."""
+    out = {}
+    for style in ("program", "eager"):
+        with fleet.session(role, timeout=30):
+            model = _model(1 + role.rank)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if style == "program":
+                fleet.distributed_optimizer(opt, _strategy(scope)).minimize(_loss, model)
+                exe = Executor()
+                exe.run(fleet.startup_program)
+                for step in range(5):
+                    exe.run(fleet.main_program, feed=_feed(step, role.rank))
+                listing = str(fleet.main_program)
+            else:
+                wrapped = fleet.distributed_model(model)
+                _eager_steps(wrapped, fleet.distributed_optimizer(opt, _strategy(scope)), role.rank)
+                listing = None
+            state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+            out[style] = state, listing, [str(a) for a in fleet.applied_strategy()]
+    return out
 
 
 @pytest.mark.timeout(90)
@@ -170,16 +192,62 @@ def test_global_sync_bn_training_equals_single_process():
         opt.step()
         opt.zero_grad()
     ref = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    for state, listing, applied in res:
-        for k, v in ref.items():
-            np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    for by_style in res:
+        for style, (state, listing, applied) in by_style.items():
+            for k, v in ref.items():
+                np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{style} {k}")
+            assert any(a.startswith("sync_batch_norm: applied") for a in applied), style
+        listing = by_style["program"][1]
         assert "c_sync_batch_norm" in listing and "sync_bn[world]" in listing
-        assert any(a.startswith("sync_batch_norm: applied") for a in applied)
 
 
 @pytest.mark.timeout(90)
 def test_local_scope_listing_and_one_rank_per_node():
     res = run_ranks(_train, 4, "local", nodes=2, timeout=60)
-    assert "sync_bn[node 0]" in res[0][1] and "sync_bn[node 1]" in res[2][1]
+    assert "sync_bn[node 0]" in res[0]["program"][1] and "sync_bn[node 1]" in res[2]["program"][1]
     res = run_ranks(_train, 2, "local", nodes=2, timeout=60)
-    assert any("sync_batch_norm: NOT applied" in a for a in res[0][2])
+    for style in ("program", "eager"):
+        assert any("sync_batch_norm: NOT applied" in a for a in res[0][style][2]), style
+
+
+def _bn_model_state(model, bn):
+    return [p.detach().numpy().copy() for p in model.parameters()] + [
+        bn.running_mean.numpy().copy(), bn.running_var.numpy().copy()]
+
+
+def _train_vs_torch(role, rendezvous):
+    """Eager style, global and per node: the user's loop under strategy.sync_batch_norm next to
+    the torch reference (BatchNorm over the batch gathered in the same torch.distributed group,
+    gradients averaged over the world as DDP does) on the same ranks and data."""
+    out = {}
+    with torch_group(role, rendezvous):
+        node_groups = [dist.new_group(role.node_ranks(i)) for i in range(role.node_num)]
+        for scope in ("global", "local"):
+            ref = _model(1)  # rank 0's start, which distributed_model broadcasts
+            ref[1] = _GatheredBN(ref[1], None if scope == "global" else node_groups[role.node_index])
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            for step in range(5):
+                ref_opt.zero_grad()
+                _loss(ref, _feed(step, role.rank)).backward()
+                for p in ref.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= role.world_size
+                ref_opt.step()
+            with fleet.session(role, timeout=30):
+                model = fleet.distributed_model(_model(1 + role.rank))
+                opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(scope))
+                _eager_steps(model, opt, role.rank)
+                assert isinstance(model.module[1], SyncBatchNorm)
+                out[scope] = (_bn_model_state(model.module, model.module[1]), _bn_model_state(ref, ref[1]))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_eager_sync_bn_training_equals_torch_reference_global_and_local(tmp_path):
+    results = run_ranks(_train_vs_torch, 4, str(tmp_path / "torch_rendezvous"), nodes=2, timeout=60)
+    for res in results:
+        for scope in ("global", "local"):
+            ours, ref = res[scope]
+            _assert_close(ours, ref, tol=1e-5)
+    # the nodes' data differ: per-node statistics really differ from the global ones
+    assert not np.allclose(results[0]["global"][0][-2], results[0]["local"][0][-2])
