@@ -123,7 +123,8 @@ class DataParallelUnit(Unit):
         self.reducer = make_reducer(ctx.model, collective, cap_bytes=s.bucket_cap_bytes(),
                                     find_unused=s.find_unused_parameters, check_nan_inf=nan_check)
         ctx.reducer = self.reducer
-        self._step: int | None = None  # id of the step whose counters are below
+        self._step: StepState | None = None  # the step whose counters are below (held, not its id:
+        # an id is reused once the object is freed, which once made two steps look like one)
         self._issued = (0, 0)
         cap = s.bucket_cap_bytes()
         rings = ctx.groups.rings(s.nccl_comm_num)
@@ -148,8 +149,8 @@ class DataParallelUnit(Unit):
 
     def _arm(self, st: StepState) -> None:
         reducer = self.reducer
-        if self._step != id(st):  # count this step's traffic from its first arming
-            self._step, self._issued = id(st), (reducer.collectives_issued, reducer.bytes_issued)
+        if self._step is not st:  # count this step's traffic from its first arming
+            self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
         if st.accumulate or not st.communicate or reducer.armed:
             return
         reducer.prepare(st.roots)
@@ -157,8 +158,8 @@ class DataParallelUnit(Unit):
     def _wait(self, st: StepState) -> None:
         reducer = self.reducer
         reducer.finalize()
-        if self._step != id(st):  # nothing was armed this step
-            self._step, self._issued = id(st), (reducer.collectives_issued, reducer.bytes_issued)
+        if self._step is not st:  # nothing was armed this step
+            self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
         # buckets launch during backward, so count from the arming, not from this wait
         st.info["collectives"] = reducer.collectives_issued - self._issued[0]
         st.info["bytes_communicated"] = reducer.bytes_issued - self._issued[1]
