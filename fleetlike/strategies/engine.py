@@ -153,13 +153,8 @@ class Engine:
     def begin(self) -> StepState:
         """Start a step if none is in progress (the first training forward, or the update)."""
         if self.state is None:
-            missing = self.needs_optimizer if self.ctx.optimizer is None else []
-            if missing:
-                raise RuntimeError(
-                    f"strategy.{missing[0]} acts at the optimizer step, but no fleetlike optimizer drives "
-                    "this model: wrap the optimizer with fleet.distributed_optimizer(optimizer, strategy) "
-                    "and call its step()"
-                )
+            for name in self.needs_optimizer:
+                self.ctx.need_optimizer(f"strategy.{name}")
             self.state = StepState(feed=None)
             self._synchronized = False
             self._run("begin", self.state)
