@@ -466,3 +466,32 @@ def test_a_strategy_that_cannot_act_says_why():
         assert "optimizer.step(loss=loss)" in msg
     for msg in run_ranks(_no_fleet_optimizer, 2, timeout=45):
         assert "strategy.gradient_merge" in msg and "fleet.distributed_optimizer" in msg
+
+
+def _one_optimizer_two_models(role, world: int) -> list[np.ndarray]:
+    """An encoder and a head wrapped separately, one optimizer over both (and, at world 1 with
+    both ranks' batches, the single-process reference)."""
+    fleet.init(role, timeout=30)
+    torch.manual_seed(11)
+    enc, head = torch.nn.Linear(IN, HID), torch.nn.Linear(HID, OUT)
+    if world > 1:
+        enc, head = fleet.distributed_model(enc), fleet.distributed_model(head)
+    params = [*enc.parameters(), *head.parameters()]
+    opt = torch.optim.SGD(params, lr=0.3)
+    opt = fleet.distributed_optimizer(opt, _strategy("amp_fp16")) if world > 1 else opt
+    for step in range(4):
+        opt.zero_grad()
+        parts = [batch(step, r) for r in range(2)] if world == 1 else [batch(step, role.rank)]
+        feed = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        F.cross_entropy(head(torch.tanh(enc(feed["x"]))).float(), feed["y"]).backward()
+        opt.step()
+    out = [p.detach().double().numpy().copy() for p in params]
+    fleet.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_one_optimizer_over_two_wrapped_models():
+    ref = run_ranks(_one_optimizer_two_models, 1, 1, timeout=45)[0]
+    for got in run_ranks(_one_optimizer_two_models, 2, 2, timeout=45):
+        assert max_diff(got, ref) <= 2e-3  # fp16 autocast in both wrapped forwards

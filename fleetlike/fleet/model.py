@@ -56,7 +56,7 @@ class DistributedModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # As DDP: a forward with autograd on prepares a backward (model.eval() with frozen
         # BatchNorm still trains); one under torch.no_grad() (validation) only autocasts.
-        with self.engine.forward(torch.is_grad_enabled()) as record:
+        with self.engine.forward(torch.is_grad_enabled(), (args, kwargs)) as record:
             out = self.module(*args, **kwargs)
             record(out)
         return out

@@ -200,10 +200,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             result.append(self.inner_optimizer.step())
             return result[-1]
 
-        # several engines (one optimizer over two wrapped models): the update runs once, when
-        # every model's step agrees it should (their units run in model order)
+        # several engines (one optimizer over two wrapped models): the update runs once, and
+        # only when no model's units skip it (a non-finite AMP step, a merge micro-step)
+        states = [engine.synchronize() for engine in engines]
+        skip = any(st.skip_update or st.accumulate for st in states)
         for i, engine in enumerate(engines):
-            engine.update(update if i == len(engines) - 1 else (lambda: None), loss=loss)
+            last = i == len(engines) - 1
+            engine.update(update if last and not skip else (lambda: None), loss=loss)
         return loss if closure is not None else (result[0] if result else None)
 
     @property

@@ -18,9 +18,9 @@ finite check (and no extra collective) at all.
 Both faces run the same `AmpUnit`. Program style: ``loss_fn`` runs under autocast and the
 backward op scales the loss. Eager style: the wrapped model's forward runs under autocast (or the
 user's own code under ``fleet.autocast()``); ``optimizer.backward(loss)`` scales the loss, and a
-plain ``loss.backward()`` works too: a gradient hook on the model's outputs multiplies the
-gradient entering the model by the scale, which is the same as scaling the loss for every
-parameter the model owns. ``optimizer.step()`` unscales, checks, updates or skips, and moves
+plain ``loss.backward()`` works too: gradient hooks multiply the gradient entering a wrapped
+model by the scale and divide the gradient leaving it through its inputs, which is the same as
+scaling the loss for every parameter the wrapped models own. ``optimizer.step()`` unscales, checks, updates or skips, and moves
 the scale.
 
 Example:
@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from fleetlike.comm import Communicator
 from fleetlike.comm import dtype_name
 from fleetlike.program import StepState
-from fleetlike.strategies.step import Hook, StepContext, Unit
+from fleetlike.strategies.step import EXPLICIT_SCALING, Hook, StepContext, Unit
 
 __all__ = ["AmpUnit", "LossScaler", "OpListMode", "autocast", "scaler_from_config", "check_op_names", "known_op_names", "unscale_and_check"]
 
@@ -216,17 +216,27 @@ class AmpUnit(Unit):
     def backward_attrs(self) -> dict[str, Any]:
         return {"loss_scale": lambda: self.scaler.scale} if self.scaling else {}
 
-    def outputs(self, st: StepState, outputs: list[torch.Tensor], explicit: Callable[[], bool]) -> None:
+    def outputs(self, st: StepState, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """Plain ``loss.backward()``: the gradient entering the model is multiplied by the scale
+        and the gradient leaving it through its inputs divided again, so every wrapped model's
+        parameters get exactly scale x their gradient whatever the graph between the models
+        (a chain, a GAN's D(G(z)), independent models), and what lies outside them stays true."""
         if not self.scaling:
             return
         scaler = self.scaler
 
         def scale(grad: torch.Tensor) -> torch.Tensor:
-            return grad if explicit() else (grad.float() * scaler.scale).to(grad.dtype)
+            return grad if EXPLICIT_SCALING else (grad.float() * scaler.scale).to(grad.dtype)
+
+        def unscale(grad: torch.Tensor) -> torch.Tensor:
+            return grad if EXPLICIT_SCALING else (grad.float() / scaler.scale).to(grad.dtype)
 
         for t in outputs:
             if t.is_floating_point():
                 t.register_hook(scale)
+        for t in inputs:
+            if t.is_floating_point():
+                t.register_hook(unscale)
 
     def _check(self, st: StepState) -> None:
         if st.accumulate:

@@ -39,7 +39,7 @@ from fleetlike.strategies.gradient_merge import GradientMergeUnit
 from fleetlike.strategies.health import SlowRankUnit
 from fleetlike.strategies.localsgd import LocalSGDUnit
 from fleetlike.strategies.recompute import RecomputeUnit
-from fleetlike.strategies.step import PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
+from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
 
 __all__ = ["Engine", "build_engine"]
@@ -85,7 +85,6 @@ class Engine:
         self.last: StepState | None = None  # the step the last update ended
         self._synchronized = False
         self._keep_grads = False  # the last update was a gradient-merge micro-step
-        self._explicit = False  # inside backward(loss): the loss is scaled already
         self.no_sync_depth = 0
 
     # ------------------------------------------------------------------ shared by both styles
@@ -161,7 +160,7 @@ class Engine:
         return self.state
 
     @contextlib.contextmanager
-    def forward(self, training: bool) -> Iterator[Callable[[Any], None]]:
+    def forward(self, training: bool, inputs: Any = ()) -> Iterator[Callable[[Any], None]]:
         """Around the wrapped model's forward; the caller passes the outputs to the yielded
         function. A training forward (autograd enabled) starts the step,
         arms the gradient collectives for the coming backward, and lets the units see the outputs."""
@@ -175,14 +174,13 @@ class Engine:
             tensors = [t for t in _tensors(outputs) if t.requires_grad]
             st.roots = tensors
             self._run("before_backward", st)
-            for u in self._watchers:
-                u.outputs(st, tensors, self._explicitly_scaled)
+            if self._watchers:
+                entering = [t for t in _tensors(inputs) if t.requires_grad]
+                for u in self._watchers:
+                    u.outputs(st, tensors, entering)
 
         with self.forward_context():
             yield record
-
-    def _explicitly_scaled(self) -> bool:
-        return self._explicit
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scaled by the units (``optimizer.backward(loss)``)."""
@@ -192,11 +190,8 @@ class Engine:
         if not st.roots:  # the forward did not go through the wrapped model
             st.roots = [loss]
             self._run("before_backward", st)
-        self._explicit = True
-        try:
+        with EXPLICIT_SCALING.active():
             self.scaled(loss).backward()
-        finally:
-            self._explicit = False
 
     def synchronize(self) -> StepState:
         """Wait for the gradient collectives and run the units' checks (once per step)."""

@@ -28,6 +28,7 @@ import torch
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.program import Op, Program, StepState
 from fleetlike.strategies.engine import Engine
+from fleetlike.strategies.step import EXPLICIT_SCALING
 
 __all__ = ["LossFn", "build_programs"]
 
@@ -100,7 +101,8 @@ def build_programs(engine: Engine, loss_fn: LossFn) -> tuple[Program, Program, P
     def backward(st: StepState) -> None:
         for hook in inline:
             hook.fn(st)
-        engine.scaled(_loss(st)).backward()
+        with EXPLICIT_SCALING.active():
+            engine.scaled(_loss(st)).backward()
 
     def update(st: StepState) -> None:
         if not (st.skip_update or st.accumulate):

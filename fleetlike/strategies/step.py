@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ from fleetlike.config import DistributedStrategy
 from fleetlike.program import Op, StepState
 from fleetlike.roles import Role
 
-__all__ = ["AppliedEntry", "Hook", "Phase", "PHASES", "StepContext", "Unit", "model_grads"]
+__all__ = ["AppliedEntry", "EXPLICIT_SCALING", "Hook", "Phase", "PHASES", "StepContext", "Unit", "model_grads"]
 
 Phase = Literal["begin", "before_backward", "synchronize", "before_update", "after_update"]
 #: the phases in the order a step passes them
@@ -111,6 +112,33 @@ class StepContext:
         return model_grads(self.model)
 
 
+class ExplicitScaling:
+    """Whether a backward is running whose loss the units scaled themselves (program style's
+    backward op, ``optimizer.backward(loss)``). Process-wide, not per model: the graph of one
+    loss may pass through several wrapped models, whose gradient hooks must then all stand back.
+    Read from autograd's threads, so the count is changed under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+
+    def __bool__(self) -> bool:
+        return self._depth > 0
+
+
+EXPLICIT_SCALING = ExplicitScaling()
+
+
 def model_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
@@ -148,11 +176,10 @@ class Unit:
     def backward_attrs(self) -> dict[str, Any]:
         return {}
 
-    def outputs(self, st: StepState, outputs: list[torch.Tensor], explicit: Callable[[], bool]) -> None:
-        """Eager style: the wrapped model's forward produced ``outputs`` (those needing grad).
-
-        ``explicit()`` tells, during backward, whether the loss was scaled explicitly (through
-        ``optimizer.backward(loss)``), so gradient hooks on the outputs must not scale again."""
+    def outputs(self, st: StepState, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """Eager style: the wrapped model's forward turned ``inputs`` into ``outputs`` (the
+        tensors of each that need grad). Gradient hooks placed here must stand back while
+        `EXPLICIT_SCALING` is on."""
 
     def described_ops(self) -> list[Op]:
         """Ops carried out by another op (bucket allreduces during backward), for the listing."""
