@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import random
-import socket
 import statistics
 from pathlib import Path
 
@@ -75,36 +73,21 @@ def test_train_eager_with_each_strategy(name: str, tmp_path: Path) -> None:
     assert (tmp_path / "model.pt").exists()  # saved on rank 0, loads into the plain module
 
 
-def _free_base(n: int, hosts: tuple[str, ...]) -> int:
-    """``n`` consecutive ports free on every host, below the ephemeral range (where port-0 binds
-    of other jobs land): several nodes must name their ports in advance (``auto`` is one node)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        base = random.randint(10000, low - n)
-        try:
-            for host in hosts:
-                for port in range(base, base + n):
-                    with socket.socket() as s:
-                        s.bind((host, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} free ports below {low} on {hosts}")
-
-
 @pytest.mark.timeout(120)
 def test_hierarchical_on_two_loopback_nodes(tmp_path: Path) -> None:
     """Two launchers, one per "node" (127.0.0.1 and 127.0.0.2), 2 workers each: the hierarchical
-    allreduce applies (intra-node reduce-scatter, cross-node allreduce, intra-node gather)."""
+    allreduce applies (intra-node reduce-scatter, cross-node allreduce, intra-node gather).
+    Each launcher chooses and holds its own ports (``--started_port=auto``); they meet through a
+    rendezvous file, as the launchers of real nodes would on a shared filesystem."""
     ips = ("127.0.0.1", "127.0.0.2")
     strategy = {"use_hierarchical_allreduce": True}
     env = clean_env(STEPS=str(STEPS), MODEL_PATH=str(tmp_path), FLEETLIKE_STRATEGY=json.dumps(strategy))
-    base = _free_base(2, ips)
 
     procs = [
         subprocess.Popen(
             [PY, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(ips)}", f"--node_ip={ip}",
-             f"--started_port={base}", "--nproc_per_node=2", f"--log_dir={tmp_path / f'log{node}'}", SCRIPT],
+             "--started_port=auto", f"--rendezvous_file={tmp_path / 'rdzv'}", "--nproc_per_node=2",
+             f"--log_dir={tmp_path / f'log{node}'}", SCRIPT],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         for node, ip in enumerate(ips)

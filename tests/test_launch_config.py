@@ -42,7 +42,9 @@ def test_help_shows_the_two_node_example(capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0
     for text in ("--cluster_node_ips=192.168.1.2,192.168.1.3", "--node_ip=192.168.1.2",
                  "--started_port=6170", "--selected_gpus=0,1,2,3", "train_with_fleet.py",
-                 "--ips", "--gpus", "--start_port", "--nproc_per_node", "--log_dir", "--job_id"):
+                 "--ips", "--gpus", "--start_port", "--nproc_per_node", "--log_dir", "--job_id",
+                 "--rendezvous_file", "--rendezvous_timeout", "--started_port=auto \\",
+                 "--rendezvous_file=/shared/jobs/resnet.rdzv"):
         assert text in out
 
 
@@ -136,9 +138,27 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
          "each node's launcher with its own IP"),
         (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be >= 0 seconds"),
         (["--ips=127.0.0.1,127.0.0.2", "--start_port=auto", "train.py"], 0,
-         "--started_port=auto chooses free ports on this machine only, but "
-         "--cluster_node_ips=127.0.0.1,127.0.0.2 lists 2 nodes, whose launchers must agree on the "
-         "ports in advance; give every node the same number, e.g. --started_port=6170"),
+         "--started_port=auto with --cluster_node_ips=127.0.0.1,127.0.0.2 (2 nodes) needs "
+         "--rendezvous_file=PATH, where the first node's launcher writes the address of the store "
+         "it hosts for the others; add it, the same path on every node, on a filesystem they all "
+         "share (or give every node the same port number, e.g. --started_port=6170)"),
+        (["--ips=127.0.0.1,127.0.0.2", "--started_port=7000", "--rendezvous_file=r", "train.py"], 0,
+         "--rendezvous_file=r is used only with --started_port=auto, but --started_port=7000 "
+         "already fixes every port; drop --rendezvous_file, or use --started_port=auto"),
+        (["--ips=127.0.0.1,127.0.0.2", "--started_port=auto", "--rendezvous_file= ", "train.py"], 0,
+         "--rendezvous_file is empty; give a path on a filesystem every node shares"),
+        (["--ips=127.0.0.1,127.0.0.2", "--started_port=auto", "--rendezvous_file=no/dir/r",
+          "--node_ip=127.0.0.2", "train.py"], 0,
+         "--rendezvous_file=no/dir/r: its directory {cwd}/no/dir does not exist on this node; give "
+         "a path in a directory that exists on a filesystem every node shares"),
+        (["--ips=127.0.0.1,127.0.0.2", "--started_port=auto", "--rendezvous_file=.", "train.py"], 0,
+         "--rendezvous_file=. is a directory; give a path in a directory that exists on a "
+         "filesystem every node shares, plus a file name"),
+        (["--ips=127.0.0.1,127.0.0.2", "--started_port=auto", "--rendezvous_file=r",
+          "--rendezvous_timeout=0", "train.py"], 0,
+         "--rendezvous_timeout=0 must be a finite number of seconds > 0"),
+        (["--rendezvous_timeout=soon", "train.py"], 0,
+         "--rendezvous_timeout='soon' is not a number of seconds"),
         (["--ips=192.0.2.1", "--started_port=auto", "train.py"], 0,
          "--node_ip=192.0.2.1 is not an address of this machine (cannot bind a port on it for "
          "--started_port=auto); give one of this machine's IPs"),
@@ -306,7 +326,7 @@ def test_public_names_are_documented() -> None:
         assert getattr(launch, name).__doc__, name
 
 
-@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "ports", "workers"])
+@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "meeting", "ports", "workers"])
 def test_every_launch_module_curates_its_exports(module: str) -> None:
     import importlib
 

@@ -1,16 +1,15 @@
 """The launcher with real processes on the loopback "cluster" (127.0.0.1 and 127.0.0.2).
 
 Each test records every process it caused (workers write pid files, their children too) and ends
-by asserting that none is left running.
+by asserting that none is left running. No test chooses a port: every job runs with
+``--started_port=auto``, the two-node ones meeting through a ``--rendezvous_file`` under tmp_path.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,29 +58,6 @@ def assert_all_gone(out: Path, within: float = 5.0) -> None:
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     assert leftovers == []
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def unassigned_base(n: int, hosts: tuple[str, ...]) -> int:
-    """For the two-node test only, which must name its ports in advance (``auto`` is one node):
-    ``n`` ports free on every host, below the OS's ephemeral range, where no port-0 bind (every
-    other test, gloo's connections) can land. A collision with a job that names its own ports
-    stays possible, which is why every other test uses ``--started_port=auto``."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        base = random.randint(10000, low - n)
-        if all(port_free(h, base + i) for h in hosts for i in range(n)):
-            return base
-    raise RuntimeError(f"no {n} free ports below {low} on {hosts}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -143,13 +119,16 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, 
 
 
 def expected_env(ips: list[str], node: int, per: int, local: int, ports: list[int], job: str,
-                 auto: bool = False) -> dict[str, str]:
+                 auto: bool = False, endpoints: list[str] | None = None) -> dict[str, str]:
     """The contract of API.md §5, written out independently of fleetlike.launch.worker_env.
 
     ``ports`` are the local ranks' ports (the same on every node): ``started_port + i``, or with
-    ``--started_port=auto`` the ones the launcher chose (read back from the workers)."""
+    ``--started_port=auto`` the ones the launcher chose (read back from the workers). On several
+    nodes with ``auto`` each node's ports differ: give every rank's ``endpoints`` instead."""
     rank = node * per + local
-    endpoints = [f"{ip}:{port}" for ip in ips for port in ports]
+    if endpoints is None:
+        endpoints = [f"{ip}:{port}" for ip in ips for port in ports]
+    ports = [int(endpoints[0].rsplit(":", 1)[1])]
     env = {
         "PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(len(endpoints)),
         "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints), "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
@@ -162,6 +141,31 @@ def expected_env(ips: list[str], node: int, per: int, local: int, ports: list[in
     if auto:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
+
+
+def met_endpoints(out: Path, ips: list[str], per: int) -> list[str]:
+    """Every rank's endpoint in a two-node ``auto`` job, as rank 0 saw them: node by node, each
+    node's ports distinct and chosen by its own launcher."""
+    listed = json.loads((out / "env.0.json").read_text())["env"]["PADDLE_TRAINER_ENDPOINTS"].split(",")
+    assert [e.rsplit(":", 1)[0] for e in listed] == [ip for ip in ips for _ in range(per)]
+    for node in range(len(ips)):
+        ports = {int(e.rsplit(":", 1)[1]) for e in listed[node * per:(node + 1) * per]}
+        assert len(ports) == per and all(1 <= p <= 65535 for p in ports)
+    return listed
+
+
+def start_two_nodes(launchers: Launchers, out: Path, rdzv: Path, *flags: str,
+                    script: str = "env_allreduce.py", log: str = "log",
+                    env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """One launcher per loopback "node", ports chosen by the launchers, meeting through ``rdzv``."""
+    return [
+        launchers.start(
+            "--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}", "--started_port=auto",
+            f"--rendezvous_file={rdzv}", "--nproc_per_node=2", f"--log_dir={log}{node}", *flags,
+            str(WORKERS / script), str(out), "--flag", "x y", env=env,
+        )
+        for node, ip in enumerate(("127.0.0.1", "127.0.0.2"))
+    ]
 
 
 def chosen_ports(out: Path, per: int) -> list[int]:
@@ -207,28 +211,89 @@ def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) 
 
 
 def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    """Each node's launcher chooses and holds its own ports; node 0's hosts the store and writes
+    its address to the rendezvous file, and both publish their endpoints there before any worker
+    starts, so every worker of both nodes gets the same endpoint list."""
     ips = ["127.0.0.1", "127.0.0.2"]
-    base = unassigned_base(2, tuple(ips))
-    procs = [
-        launchers.start(
-            f"--cluster_node_ips={','.join(ips)}", f"--node_ip={ip}", f"--started_port={base}",
-            "--nproc_per_node=2", f"--log_dir=log{node}",
-            str(WORKERS / "env_allreduce.py"), str(out), "--flag", "x y",
-            env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES),
-        )
-        for node, ip in enumerate(ips)
-    ]
+    procs = start_two_nodes(launchers, out, tmp_path / "rdzv",
+                            env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES))
     results = [finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
     jobs = {json.loads((out / f"env.{r}.json").read_text())["env"]["FLEETLIKE_JOB_ID"] for r in range(4)}
     assert len(jobs) == 1  # both launchers derived the same id
     job = jobs.pop()
+    endpoints = met_endpoints(out, ips, 2)
     for node in range(2):
         for local in range(2):
             rank = node * 2 + local
-            check_worker(out, rank, expected_env(ips, node, 2, local, [base, base + 1], job), 4)
+            want = expected_env(ips, node, 2, local, [], job, auto=True, endpoints=endpoints)
+            check_worker(out, rank, want, 4)
             assert (tmp_path / f"log{node}" / f"workerlog.{local}").exists()
     assert "[rank 0] worker 0 ready" in results[0][1] and "[rank 2] worker 2 ready" in results[1][1]
+    assert [r[2] for r in results] == ["", ""]
+    assert not (tmp_path / "rdzv").exists()  # node 0 removed it once both nodes had joined
+
+
+@pytest.mark.timeout(180)
+def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
+    """Issue 13 on several nodes: two 2-node jobs (4 launchers) on the same two loopback nodes,
+    started at the same moment with the same flags but their own rendezvous files, each choosing
+    its ports as it binds them: neither can take the other's, and neither joins the other."""
+    outs = [tmp_path / f"out{j}" for j in range(2)]
+    procs = []
+    for j, o in enumerate(outs):
+        o.mkdir()
+        procs += start_two_nodes(launchers, o, tmp_path / f"rdzv{j}", log=f"job{j}-log")
+    results = [finish(p, timeout=150) for p in procs]
+    assert [r[0] for r in results] == [0] * 4, [r[2] for r in results]
+    met = []
+    for o in outs:
+        met.append(met_endpoints(o, ["127.0.0.1", "127.0.0.2"], 2))
+        for rank in range(4):
+            dump = json.loads((o / f"env.{rank}.json").read_text())["env"]
+            assert dump["PADDLE_TRAINER_ENDPOINTS"] == ",".join(met[-1])
+            assert float((o / f"sum.{rank}").read_text()) == 10.0
+        assert_all_gone(o)
+    assert not set(met[0]) & set(met[1])
+    assert not any(tmp_path.glob("rdzv*"))
+
+
+def test_a_rendezvous_file_that_never_appears(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    """Node 1 alone: no node 0 ever writes the file. One line names the file and the timeout,
+    exit code 1 within the timeout (plus start-up), and no worker was ever started."""
+    rdzv = tmp_path / "rdzv"
+    started = time.monotonic()
+    proc = launchers.start("--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.2",
+                           "--started_port=auto", f"--rendezvous_file={rdzv}",
+                           "--rendezvous_timeout=2", "--nproc_per_node=2",
+                           str(WORKERS / "behave.py"), str(out), "--ok")
+    code, stdout, stderr = finish(proc, timeout=30)
+    assert code == 1 and time.monotonic() - started < 15
+    assert stderr == (
+        f"fleetlike.launch: node 1 (127.0.0.2): --rendezvous_file={rdzv} does not exist after "
+        "waiting 2s (--rendezvous_timeout). Node 0's launcher (127.0.0.1) writes it once it hosts "
+        "the store: start it with the same --cluster_node_ips, --nproc_per_node and "
+        "--rendezvous_file, at a path on a filesystem every node shares\n"
+    )
+    assert stdout == "" and recorded_pids(out) == []
+
+
+def test_signal_while_waiting_for_the_other_node(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    """Node 0 waits for a node 1 that never comes; SIGTERM ends it at once, file removed."""
+    rdzv = tmp_path / "rdzv"
+    proc = launchers.start("--cluster_node_ips=127.0.0.1,127.0.0.2", "--started_port=auto",
+                           f"--rendezvous_file={rdzv}", "--nproc_per_node=2",
+                           str(WORKERS / "behave.py"), str(out), "--ok")
+    deadline = time.monotonic() + 20
+    while not rdzv.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rdzv.exists() and proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    code, _, stderr = finish(proc, timeout=15)
+    assert code == 128 + signal.SIGTERM
+    assert stderr == ("fleetlike.launch: received SIGTERM; stopped while waiting for the other "
+                      "nodes; no worker was started\n")
+    assert not rdzv.exists() and recorded_pids(out) == []
 
 
 @pytest.mark.gpu

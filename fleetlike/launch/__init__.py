@@ -2,7 +2,9 @@
 
 Starts one worker per selected GPU (or ``--nproc_per_node`` on CPU) on this node, gives each the
 environment of `worker_env`, logs worker i to ``log_dir/workerlog.i`` (local rank 0 also to the
-console), and stops the whole job when one worker fails. See ``docs/launching.md``.
+console), and stops the whole job when one worker fails. With ``--started_port=auto`` the ports
+are chosen by the OS and held by the launchers; on several nodes the launchers meet through
+``--rendezvous_file`` (`fleetlike.launch.meeting`). See ``docs/launching.md``.
 
 Example (in-process, returns the exit code)::
 
@@ -12,6 +14,7 @@ Example (in-process, returns the exit code)::
 
 from fleetlike.launch.config import (
     AUTO_PORT,
+    DEFAULT_RENDEZVOUS_TIMEOUT,
     DEFAULT_STARTED_PORT,
     LaunchConfig,
     LaunchInputError,
@@ -22,23 +25,28 @@ from fleetlike.launch.config import (
 )
 from fleetlike.launch.env import AGENT_STORE, MALLOC_TUNABLE, PROXY_VARIABLES, tuned_glibc_tunables, worker_env
 from fleetlike.launch.main import launch, main, worker_command
-from fleetlike.launch.ports import HostedEndpoints, host_endpoints
+from fleetlike.launch.meeting import MeetingError, meet
+from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 
 __all__ = [
     "AGENT_STORE",
     "AUTO_PORT",
+    "DEFAULT_RENDEZVOUS_TIMEOUT",
     "DEFAULT_STARTED_PORT",
     "HostedEndpoints",
     "LaunchConfig",
     "LaunchInputError",
     "MALLOC_TUNABLE",
+    "MeetingError",
     "PROXY_VARIABLES",
     "build_parser",
     "default_job_id",
     "format_config",
+    "hold_endpoints",
     "host_endpoints",
     "launch",
     "main",
+    "meet",
     "parse_config",
     "tuned_glibc_tunables",
     "worker_command",

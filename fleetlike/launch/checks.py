@@ -13,9 +13,11 @@ import os
 import socket
 
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
-from fleetlike.launch.ports import HostedEndpoints, host_endpoints
+from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 
-__all__ = ["cuda_device_count", "check_machine", "check_ports", "host_ports"]
+__all__ = [
+    "cuda_device_count", "check_machine", "check_ports", "check_rendezvous_file", "host_ports"
+]
 
 
 def cuda_device_count() -> int:
@@ -67,7 +69,8 @@ def check_ports(node_ip: str, ports: range) -> None:
 
 
 def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> None:
-    """Script present, GPUs visible, ports free on node_ip, log directory writable."""
+    """Script present, GPUs visible, ports free on node_ip, log directory writable, the
+    rendezvous file's directory present (several nodes with ``auto``)."""
     if not config.module and not os.path.isfile(config.training_script):
         where = os.path.abspath(config.training_script)
         raise LaunchInputError(
@@ -86,6 +89,8 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
             )
     if not config.auto_ports:
         check_ports(config.node_ip, range(config.local_ports[0], config.local_ports[-1] + 1))
+    if config.meets_through_file:
+        check_rendezvous_file(config)
     try:
         os.makedirs(config.log_dir, exist_ok=True)
     except OSError as exc:
@@ -96,13 +101,40 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
         raise LaunchInputError(f"--log_dir={config.log_dir} is not writable; choose another directory")
 
 
+def check_rendezvous_file(config: LaunchConfig) -> None:
+    """``--rendezvous_file``: its directory exists here (and is writable on node 0, which writes
+    the file); the path itself is not a directory."""
+    path = config.rendezvous_file or ""
+    folder = os.path.dirname(os.path.abspath(path))
+    shared = "give a path in a directory that exists on a filesystem every node shares"
+    if os.path.isdir(path):
+        raise LaunchInputError(
+            f"--rendezvous_file={path} is a directory; {shared}, plus a file name"
+        )
+    if not os.path.isdir(folder):
+        raise LaunchInputError(
+            f"--rendezvous_file={path}: its directory {folder} does not exist on this node; "
+            f"{shared}"
+        )
+    if config.node_index == 0 and not os.access(folder, os.W_OK | os.X_OK):
+        raise LaunchInputError(
+            f"--rendezvous_file={path}: this launcher (node 0, {config.node_ip}) writes it, but "
+            f"its directory {folder} is not writable; {shared} and this user may write to"
+        )
+
+
 def host_ports(config: LaunchConfig) -> tuple[LaunchConfig, HostedEndpoints]:
-    """``--started_port=auto``: bind this node's ports and host the store; the config with them.
+    """``--started_port=auto``: bind this node's ports and, on the first node, host the store
+    on rank 0's; the config with them.
 
     The returned `HostedEndpoints` must stay open until the workers are gone.
     """
+    hosts = [config.node_ip] * config.nproc_per_node
     try:
-        hosted = host_endpoints([config.node_ip] * config.nproc_per_node, config.job_id)
+        if config.node_index == 0:
+            hosted = host_endpoints(hosts, config.job_id)
+        else:
+            hosted = hold_endpoints(hosts)
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
             raise LaunchInputError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import math
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,7 @@ from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
     "AUTO_PORT",
+    "DEFAULT_RENDEZVOUS_TIMEOUT",
     "DEFAULT_STARTED_PORT",
     "LaunchConfig",
     "LaunchInputError",
@@ -29,8 +31,12 @@ __all__ = [
 
 DEFAULT_STARTED_PORT = 6170
 
-#: ``--started_port=auto``: the launcher lets the OS choose free ports and holds them (one node).
+#: ``--started_port=auto``: the launcher lets the OS choose free ports and holds them; on several
+#: nodes the launchers meet through ``--rendezvous_file`` (`fleetlike.launch.meeting`).
 AUTO_PORT = "auto"
+
+#: ``--rendezvous_timeout``: seconds the launchers of several nodes wait for each other.
+DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 
 _EXAMPLES = """\
 examples:
@@ -52,8 +58,15 @@ examples:
   one machine, ports chosen by the launcher (several jobs or test runs side by side):
     python -m fleetlike.launch --nproc_per_node=2 --started_port=auto train.py
 
+  two machines, ports chosen by the launchers, meeting through a file on a filesystem both
+  machines share (NFS, ...); run on each with its own --node_ip:
+    python -m fleetlike.launch --cluster_node_ips=192.168.1.2,192.168.1.3 \\
+        --node_ip=192.168.1.2 --started_port=auto \\
+        --rendezvous_file=/shared/jobs/resnet.rdzv --selected_gpus=0,1,2,3 train.py
+
 Ranks are numbered node by node in --cluster_node_ips order; local process i listens at
-node_ip:(started_port + i). Worker i logs to LOG_DIR/workerlog.i; local rank 0 is also echoed here.
+node_ip:(started_port + i), or with auto at a port its launcher chose. Worker i logs to
+LOG_DIR/workerlog.i; local rank 0 is also echoed here.
 """
 
 
@@ -103,9 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "else 127.0.0.1)")
     p.add_argument("--started_port", "--start_port", default=str(DEFAULT_STARTED_PORT),
                    help="port of local process 0; process i uses started_port+i (default: 6170). "
-                   "'auto' (one node only): the launcher binds free ports chosen by the OS and "
-                   "hosts the rendezvous store on rank 0's itself, so no other process can take "
-                   "a port between its choice and its use")
+                   "'auto': the launcher binds free ports chosen by the OS and holds them, and "
+                   "the first node's launcher hosts the rendezvous store on rank 0's itself, so no "
+                   "other process can take a port between its choice and its use (several nodes "
+                   "also need --rendezvous_file)")
+    p.add_argument("--rendezvous_file", default=None, metavar="PATH",
+                   help="--started_port=auto on several nodes: a file on a filesystem every node "
+                   "shares (NFS, ...), the same path on every node. The first node's launcher "
+                   "writes the address of the store it hosts there (atomically, replacing any "
+                   "earlier file); the others wait for it, check its job id and join. Not needed "
+                   "on one node")
+    p.add_argument("--rendezvous_timeout", default=str(DEFAULT_RENDEZVOUS_TIMEOUT),
+                   metavar="SECONDS",
+                   help="with --rendezvous_file: how long a launcher waits for the file and for "
+                   f"every node to join before giving up (default: {DEFAULT_RENDEZVOUS_TIMEOUT:g})")
     p.add_argument("--selected_gpus", "--gpus", default=None,
                    help="comma-separated GPU ids, one process each (default: all visible GPUs; "
                    "with --nproc_per_node=N, GPUs 0..N-1 if at least N are visible, else CPU)")
@@ -152,8 +176,9 @@ class LaunchConfig:
     """Everything the launcher needs, resolved. Endpoints and ranks are derived, not stored.
 
     ``started_port=None`` is ``--started_port=auto``: the ports are unknown until the launcher
-    binds them (`fleetlike.launch.ports.host_endpoints`), which then fills ``ports`` with the
-    port of each local rank.
+    binds them (`fleetlike.launch.checks.host_ports`), which then fills ``ports`` with the
+    port of each local rank. On several nodes the other nodes' ports differ and are learnt when
+    the launchers meet (`fleetlike.launch.meeting.meet`), which fills ``cluster_endpoints``.
     """
 
     training_script: str
@@ -169,7 +194,10 @@ class LaunchConfig:
     kill_grace: float = 3.0
     print_config: bool = False
     malloc_tuning: bool = True
+    rendezvous_file: str | None = None
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     ports: tuple[int, ...] = ()
+    cluster_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -199,14 +227,25 @@ class LaunchConfig:
                 f"({len(self.selected_gpus)} GPUs, one process each); drop --nproc_per_node or "
                 "make them agree"
             )
+        if self.rendezvous_file is not None and not self.rendezvous_file.strip():
+            raise LaunchInputError(
+                "--rendezvous_file is empty; give a path on a filesystem every node shares"
+            )
         if self.started_port is None:
-            if self.node_num > 1:
+            if self.node_num > 1 and not self.rendezvous_file:
                 raise LaunchInputError(
-                    f"--started_port={AUTO_PORT} chooses free ports on this machine only, but "
-                    f"--cluster_node_ips={ips} lists {self.node_num} nodes, whose launchers must "
-                    "agree on the ports in advance; give every node the same number, e.g. "
-                    f"--started_port={DEFAULT_STARTED_PORT}"
+                    f"--started_port={AUTO_PORT} with --cluster_node_ips={ips} ({self.node_num} "
+                    "nodes) needs --rendezvous_file=PATH, where the first node's launcher writes "
+                    "the address of the store it hosts for the others; add it, the same path on "
+                    "every node, on a filesystem they all share (or give every node the same "
+                    f"port number, e.g. --started_port={DEFAULT_STARTED_PORT})"
                 )
+        elif self.rendezvous_file is not None:
+            raise LaunchInputError(
+                f"--rendezvous_file={self.rendezvous_file} is used only with "
+                f"--started_port={AUTO_PORT}, but --started_port={self.started_port} already fixes "
+                f"every port; drop --rendezvous_file, or use --started_port={AUTO_PORT}"
+            )
         elif not 1 <= self.started_port <= 65535:
             raise LaunchInputError(f"--started_port={self.started_port} is outside 1..65535")
         elif self.started_port + self.nproc_per_node - 1 > 65535:
@@ -219,6 +258,16 @@ class LaunchConfig:
             raise ValueError(
                 f"ports={self.ports} has {len(self.ports)} entries for nproc_per_node="
                 f"{self.nproc_per_node}; give one port per local rank"
+            )
+        if not 0 < self.rendezvous_timeout < math.inf:
+            raise LaunchInputError(
+                f"--rendezvous_timeout={self.rendezvous_timeout:g} must be a finite number of "
+                "seconds > 0"
+            )
+        if self.cluster_endpoints and len(self.cluster_endpoints) != self.world_size:
+            raise ValueError(
+                f"cluster_endpoints has {len(self.cluster_endpoints)} entries for world_size="
+                f"{self.world_size}; give one endpoint per rank"
             )
         if self.kill_grace < 0:
             raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
@@ -243,6 +292,19 @@ class LaunchConfig:
         return self.started_port is None
 
     @property
+    def meets_through_file(self) -> bool:
+        """``--started_port=auto`` on several nodes: the launchers meet through
+        ``--rendezvous_file`` before starting workers (`fleetlike.launch.meeting`)."""
+        return self.auto_ports and self.node_num > 1
+
+    @property
+    def ports_settled(self) -> bool:
+        """Every rank's endpoint is known (always, unless ``auto`` has not bound or met yet)."""
+        if not self.auto_ports:
+            return True
+        return bool(self.cluster_endpoints) if self.meets_through_file else bool(self.ports)
+
+    @property
     def local_ports(self) -> tuple[int, ...]:
         """The port of each local rank: ``ports`` once chosen, else ``started_port + i``."""
         if self.ports:
@@ -257,6 +319,14 @@ class LaunchConfig:
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Every rank's ``ip:port``, node by node in ``cluster_node_ips`` order."""
+        if self.cluster_endpoints:
+            return self.cluster_endpoints
+        if self.meets_through_file:
+            raise ValueError(
+                f"--started_port={AUTO_PORT} on {self.node_num} nodes: the other nodes' ports are "
+                "known once the launchers have met; ask a config returned by "
+                "fleetlike.launch.meeting.meet"
+            )
         return tuple(f"{ip}:{port}" for ip in self.cluster_node_ips for port in self.local_ports)
 
     @property
@@ -316,6 +386,12 @@ def parse_config(
         grace = float(args.kill_grace)
     except ValueError:
         raise LaunchInputError(f"--kill_grace={args.kill_grace!r} is not a number") from None
+    try:
+        rdzv_timeout = float(args.rendezvous_timeout)
+    except ValueError:
+        raise LaunchInputError(
+            f"--rendezvous_timeout={args.rendezvous_timeout!r} is not a number of seconds"
+        ) from None
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc)
     return LaunchConfig(
         training_script=args.training_script,
@@ -331,6 +407,8 @@ def parse_config(
         kill_grace=grace,
         print_config=args.print_config,
         malloc_tuning=args.malloc_tuning == "on",
+        rendezvous_file=args.rendezvous_file,
+        rendezvous_timeout=rdzv_timeout,
     )
 
 
@@ -338,7 +416,10 @@ def _port_text(config: LaunchConfig) -> str:
     if not config.auto_ports:
         return str(config.started_port)
     chosen = ",".join(map(str, config.ports)) if config.ports else "not yet chosen"
-    return f"{AUTO_PORT} ({chosen}; store hosted by the launcher)"
+    if not config.meets_through_file:
+        return f"{AUTO_PORT} ({chosen}; store hosted by the launcher)"
+    host = "this launcher" if config.node_index == 0 else "node 0's launcher"
+    return f"{AUTO_PORT} ({chosen} here; store hosted by {host})"
 
 
 def format_config(config: LaunchConfig) -> str:
@@ -354,12 +435,15 @@ def format_config(config: LaunchConfig) -> str:
         ("device", "gpu " + ",".join(map(str, config.selected_gpus)) if config.selected_gpus else "cpu"),
         ("world_size", str(config.world_size)),
         ("ranks on this node", f"{config.rank(0)}..{config.rank(config.nproc_per_node - 1)}"),
-        ("master_endpoint", config.master_endpoint if not config.auto_ports or config.ports else "chosen at start"),
+        ("master_endpoint", config.master_endpoint if config.ports_settled else "chosen at start"),
         ("log_dir", config.log_dir),
         ("job_id", config.job_id),
         ("kill_grace", f"{config.kill_grace:g} s"),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
     ]
+    if config.meets_through_file:
+        rows.insert(5, ("rendezvous_file",
+                        f"{config.rendezvous_file} (timeout {config.rendezvous_timeout:g} s)"))
     width = max(len(k) for k, _ in rows)
     lines = ["fleetlike.launch configuration", "-" * (width + 24)]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -57,7 +57,9 @@ def worker_env(
     PADDLE_TRAINERS_NUM   world size (nodes * nproc_per_node)
     PADDLE_TRAINER_ENDPOINTS  every rank's ip:port, comma separated, in rank order
     PADDLE_CURRENT_ENDPOINT   this worker's node_ip:(started_port + local_rank), or with
-                          ``--started_port=auto`` node_ip and the port chosen for it
+                          ``--started_port=auto`` node_ip and the port its launcher chose
+                          (on several nodes the nodes' ports differ; every node's
+                          launcher learnt the others' through ``--rendezvous_file``)
     PADDLE_NODE_NUM       number of nodes
     FLAGS_selected_gpus   this worker's GPU id ("" on CPU)
     RANK                  = PADDLE_TRAINER_ID (torchrun name)
@@ -66,11 +68,11 @@ def worker_env(
     LOCAL_WORLD_SIZE      nproc_per_node
     GROUP_RANK            node index (torchrun name)
     MASTER_ADDR           rank 0's IP: the fleetlike rendezvous store is hosted there
-    MASTER_PORT           rank 0's port (started_port, or the port the launcher chose)
+    MASTER_PORT           rank 0's port (started_port, or the port node 0's launcher chose)
     TORCHELASTIC_USE_AGENT_STORE  ``--started_port=auto`` only: ``True``, as under torchrun:
-                          the store at MASTER_ADDR:MASTER_PORT is hosted by the launcher, so
-                          rank 0 (fleetlike, or torch's ``env://``) joins it instead of
-                          binding the port; removed otherwise
+                          the store at MASTER_ADDR:MASTER_PORT is hosted by the (first
+                          node's) launcher, so rank 0 (fleetlike, or torch's ``env://``)
+                          joins it instead of binding the port; removed otherwise
     FLEETLIKE_JOB_ID      the job id (--job_id, see `default_job_id`)
     FLEETLIKE_NODE_IP     this node's IP (--node_ip)
     CUDA_VISIBLE_DEVICES  GPU runs only: the launcher's own visible devices, unchanged in

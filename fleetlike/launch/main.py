@@ -8,7 +8,8 @@ then lose their peers and fail, which ends their launchers the same way.
 
 Exit codes: 0 all workers succeeded; 2 bad input (nothing was started); the failed worker's exit
 code, or 128 + signal number when it was killed; 128 + signal number when the launcher itself
-was stopped by SIGINT/SIGTERM; 1 when a worker could not be started.
+was stopped by SIGINT/SIGTERM; 1 when a worker could not be started, or when the launchers of a
+several-node ``--started_port=auto`` job did not meet (`fleetlike.launch.meeting`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fleetlike.launch.config import (
     parse_config,
 )
 from fleetlike.launch.env import worker_env
+from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.launch.workers import Worker, close_logs, describe_exit, start_worker, stop_workers
 
@@ -100,20 +102,32 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     if config.auto_ports:
         # held until every worker is gone, so no other process can take the ports meanwhile
         config, hosted = host_ports(config)
+    stop = _StopRequest()
+    stop.install()
     try:
         check_machine(config, visible_gpus=visible_gpus)
-        return _run(config)
+        if config.meets_through_file and hosted is not None:
+            try:
+                config = meet(config, hosted, stop=stop.event)
+            except MeetingError as exc:
+                if stop.signum is not None:
+                    print(f"{_PREFIX} received {signal.Signals(stop.signum).name}; stopped while "
+                          "waiting for the other nodes; no worker was started",
+                          file=sys.stderr, flush=True)
+                    return 128 + stop.signum
+                print(f"{_PREFIX} {exc}", file=sys.stderr, flush=True)
+                return 1
+        return _run(config, stop)
     finally:
+        stop.restore()
         if hosted is not None:
             hosted.close()
 
 
-def _run(config: LaunchConfig) -> int:
+def _run(config: LaunchConfig, stop: _StopRequest) -> int:
     """Start, watch and stop the workers of a checked ``config`` whose ports are settled."""
     if config.print_config:
         print(format_config(config), flush=True)
-    stop = _StopRequest()
-    stop.install()
     workers: list[Worker] = []
     try:
         command = worker_command(config)
@@ -160,7 +174,6 @@ def _run(config: LaunchConfig) -> int:
         if any(w.process.poll() is None for w in workers):
             stop_workers(workers, grace=config.kill_grace)
         close_logs(workers)
-        stop.restore()
 
 
 def _stopped_by_signal(workers: list[Worker], config: LaunchConfig, signum: int) -> int:

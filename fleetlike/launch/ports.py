@@ -12,6 +12,10 @@ The other ranks' endpoints are only names (they tell nodes apart and appear in m
 name should not point at a port some other program owns: each is bound too (not listening, no
 ``SO_REUSEADDR``) and held as long as the job runs, so no other process can bind it meanwhile.
 
+On several nodes only the first node's launcher hosts the store (`host_endpoints`); the others
+hold all their ranks' ports (`hold_endpoints`) and learn the store's address from the rendezvous
+file (`fleetlike.launch.meeting`).
+
 Example:
     >>> with host_endpoints(["127.0.0.1", "127.0.0.1"], job_id="demo") as hosted:
     ...     hosted.endpoints          # ('127.0.0.1:41233', '127.0.0.1:39017'), say
@@ -27,7 +31,7 @@ import torch.distributed as dist
 
 from fleetlike.comm import host_store
 
-__all__ = ["HostedEndpoints", "host_endpoints", "reserve_port"]
+__all__ = ["HostedEndpoints", "hold_endpoints", "host_endpoints", "reserve_port"]
 
 
 def reserve_port(host: str) -> socket.socket:
@@ -47,13 +51,16 @@ def reserve_port(host: str) -> socket.socket:
 
 
 class HostedEndpoints:
-    """A job's endpoints whose ports this process holds: rank 0's is the store it hosts.
+    """A job's endpoints whose ports this process holds: rank 0's is the store it hosts, if
+    ``store`` is not None (`host_endpoints`); else every port is only held (`hold_endpoints`).
 
     Close it (or leave the ``with`` block) only once the job's processes are gone: that lets the
     ports go.
     """
 
-    def __init__(self, endpoints: tuple[str, ...], store: dist.TCPStore, held: list[socket.socket]) -> None:
+    def __init__(
+        self, endpoints: tuple[str, ...], store: dist.TCPStore | None, held: list[socket.socket]
+    ) -> None:
         self.endpoints = endpoints
         self.store: dist.TCPStore | None = store
         self._held = held
@@ -88,15 +95,32 @@ def host_endpoints(hosts: Sequence[str], job_id: str, timeout: float = 300.0) ->
     if not hosts:
         raise ValueError("hosts is empty: give one host per rank (at least one)")
     store = host_store(hosts[0], job_id, timeout)
+    held = _hold(hosts[1:])
+    ports = [int(store.port)] + [sock.getsockname()[1] for sock in held]
+    return HostedEndpoints(_endpoints(hosts, ports), store, held)
+
+
+def hold_endpoints(hosts: Sequence[str]) -> HostedEndpoints:
+    """Endpoints for ranks on ``hosts`` whose ports are all only held (no store): a node other
+    than the first of a several-node ``--started_port=auto`` job. Raises OSError as above."""
+    if not hosts:
+        raise ValueError("hosts is empty: give one host per rank (at least one)")
+    held = _hold(hosts)
+    return HostedEndpoints(_endpoints(hosts, [s.getsockname()[1] for s in held]), None, held)
+
+
+def _hold(hosts: Sequence[str]) -> list[socket.socket]:
     held: list[socket.socket] = []
     try:
-        ports = [int(store.port)]
-        for host in hosts[1:]:
+        for host in hosts:
             held.append(reserve_port(host))
-            ports.append(held[-1].getsockname()[1])
     except BaseException:
         for sock in held:
             sock.close()
         raise
+    return held
+
+
+def _endpoints(hosts: Sequence[str], ports: Sequence[int]) -> tuple[str, ...]:
     shown = [f"[{h}]" if ":" in h else h for h in hosts]
-    return HostedEndpoints(tuple(f"{h}:{p}" for h, p in zip(shown, ports)), store, held)
+    return tuple(f"{h}:{p}" for h, p in zip(shown, ports))

@@ -1,0 +1,161 @@
+"""``--started_port=auto`` on several nodes, in one process: the launchers of two loopback "nodes"
+(127.0.0.1 and 127.0.0.2) meet through a rendezvous file (`fleetlike.launch.meeting`), and a
+file left by another job or an earlier run is never joined. The same with real launcher processes
+is in test_launch_run.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetlike.launch import LaunchConfig, MeetingError, format_config, meet, worker_env
+from fleetlike.launch.checks import host_ports
+from fleetlike.launch.meeting import StoreAddress, read_address, remove_address, write_address
+from fleetlike.launch.ports import HostedEndpoints
+
+pytestmark = pytest.mark.timeout(60)
+
+IPS = ("127.0.0.1", "127.0.0.2")
+
+
+def node_config(node: int, rdzv: Path, timeout: float = 20.0, job: str = "jm") -> LaunchConfig:
+    return LaunchConfig("train.py", cluster_node_ips=IPS, node_ip=IPS[node], started_port=None,
+                        nproc_per_node=2, job_id=job, rendezvous_file=str(rdzv),
+                        rendezvous_timeout=timeout)
+
+
+@pytest.fixture()
+def held() -> Iterator[Callable[[LaunchConfig], tuple[LaunchConfig, HostedEndpoints]]]:
+    """host_ports, with everything it bound released when the test ends."""
+    opened: list[HostedEndpoints] = []
+
+    def bind(config: LaunchConfig) -> tuple[LaunchConfig, HostedEndpoints]:
+        config, hosted = host_ports(config)
+        opened.append(hosted)
+        return config, hosted
+
+    yield bind
+    for hosted in opened:
+        hosted.close()
+
+
+def meet_in_thread(config: LaunchConfig, hosted: HostedEndpoints) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["config"] = meet(config, hosted)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_two_nodes_meet_and_agree_on_every_endpoint(tmp_path: Path, held) -> None:
+    rdzv = tmp_path / "rdzv"
+    first, hosted0 = held(node_config(0, rdzv))
+    second, hosted1 = held(node_config(1, rdzv))
+    assert hosted0.store is not None and hosted1.store is None  # only node 0 hosts
+    with pytest.raises(ValueError, match="known once the launchers have met"):
+        second.endpoints  # noqa: B018
+    rows = format_config(second)
+    assert "master_endpoint     chosen at start" in rows
+    assert f"rendezvous_file     {rdzv} (timeout 20 s)" in rows
+    thread, result = meet_in_thread(second, hosted1)  # the other node may well start first
+    met0 = meet(first, hosted0)
+    thread.join(30)
+    met1 = result["config"]
+    assert met0.endpoints == met1.endpoints == hosted0.endpoints + hosted1.endpoints
+    assert met0.master_endpoint == f"127.0.0.1:{hosted0.store.port}"
+    assert not rdzv.exists()  # removed once every node had joined
+    env = worker_env(met1, 1, base={})
+    assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(met0.endpoints)
+    assert env["PADDLE_CURRENT_ENDPOINT"] == hosted1.endpoints[1]
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(hosted0.store.port))
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    here = ",".join(map(str, hosted1.ports))
+    assert f"auto ({here} here; store hosted by node 0's launcher)" in format_config(met1)
+
+
+def test_the_file_is_written_atomically_and_removed_only_by_its_writer(tmp_path: Path) -> None:
+    path = tmp_path / "rdzv"
+    mine = StoreAddress("127.0.0.1:4000", "j", "t1")
+    write_address(str(path), mine)
+    write_address(str(path), dataclasses.replace(mine, token="t2"))  # replaces, never appends
+    assert read_address(str(path)) == dataclasses.replace(mine, token="t2")
+    assert [p.name for p in tmp_path.iterdir()] == ["rdzv"]  # no temporary file left behind
+    assert not remove_address(str(path), "t1") and path.exists()  # a later job's file stays
+    assert remove_address(str(path), "t2") and not path.exists()
+    assert read_address(str(path)) is None
+    path.write_text("host=1.2.3.4\n")
+    with pytest.raises(ValueError, match="not JSON"):
+        read_address(str(path))
+
+
+def test_a_file_that_never_appears_fails_within_the_timeout(tmp_path: Path, held) -> None:
+    config, hosted = held(node_config(1, tmp_path / "rdzv", timeout=0.5))
+    with pytest.raises(MeetingError) as info:
+        meet(config, hosted)
+    assert str(info.value).startswith(
+        f"node 1 (127.0.0.2): --rendezvous_file={tmp_path / 'rdzv'} does not exist after waiting "
+        "0.5s (--rendezvous_timeout). Node 0's launcher (127.0.0.1) writes it")
+
+
+def test_a_stale_file_is_never_joined(tmp_path: Path, held) -> None:
+    """Left by an earlier run of the same job: its store is gone, or (the earlier run still
+    running) alive with another token; and a file of another job. Each makes the launcher wait
+    for node 0's own file, and says what it found if that never comes."""
+    rdzv = tmp_path / "rdzv"
+    earlier, hosted_earlier = held(node_config(0, tmp_path / "earlier"))
+    assert hosted_earlier.store is not None
+    live = StoreAddress(hosted_earlier.endpoints[0], "jm", "the-earlier-runs-token")
+    dead = dataclasses.replace(live, store="127.0.0.1:1")
+    other_job = dataclasses.replace(live, job_id="someone-else")
+    second, hosted1 = held(node_config(1, rdzv, timeout=0.6))
+    for stale, found in [
+        (dead, "names the store at 127.0.0.1:1, where nothing answers"),
+        (live, f"names the store at {live.store}, which belongs to another run"),
+        (other_job, "names job 'someone-else', not this launcher's 'jm'"),
+    ]:
+        write_address(str(rdzv), stale)
+        with pytest.raises(MeetingError, match=re.escape(found)):
+            meet(second, hosted1)
+    # the same stale file, replaced by node 0's launcher while node 1 waits: node 1 joins
+    write_address(str(rdzv), live)
+    slow = dataclasses.replace(second, rendezvous_timeout=20.0)
+    thread, result = meet_in_thread(slow, hosted1)
+    first, hosted0 = held(node_config(0, rdzv))
+    met0 = meet(first, hosted0)
+    thread.join(30)
+    assert result["config"].endpoints == met0.endpoints
+    assert result["config"].master_endpoint == hosted0.endpoints[0] != live.store
+
+
+def test_a_second_launcher_for_the_same_node_is_refused(tmp_path: Path, held) -> None:
+    rdzv = tmp_path / "rdzv"
+    first, hosted0 = held(node_config(0, rdzv, timeout=3))
+    twice = [held(node_config(1, rdzv, timeout=3)) for _ in range(2)]
+    threads = [meet_in_thread(config, hosted) for config, hosted in twice]
+    met0 = meet(first, hosted0)
+    for thread, _ in threads:
+        thread.join(30)
+    outcomes = sorted((("config" in r), str(r.get("error", ""))) for _, r in threads)
+    assert outcomes[1][0] and not outcomes[0][0]
+    assert "another launcher already joined job 'jm' as node 1" in outcomes[0][1]
+    assert met0.endpoints[2:] in {h.endpoints for _, h in twice}
+
+
+def test_node_0_reports_the_nodes_that_never_joined(tmp_path: Path, held) -> None:
+    config, hosted = held(node_config(0, tmp_path / "rdzv", timeout=0.5))
+    with pytest.raises(MeetingError) as info:
+        meet(config, hosted)
+    assert (f"at the store {hosted.endpoints[0]} of job 'jm', but node(s) 1 (127.0.0.2) did not "
+            "join") in str(info.value)
+    assert not (tmp_path / "rdzv").exists()  # node 0 leaves no file behind
