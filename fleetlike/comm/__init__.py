@@ -18,7 +18,7 @@ from fleetlike.comm.errors import (
 from fleetlike.comm.handles import CompletedWork, Work
 from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.ragged import all_gather_ragged
-from fleetlike.comm.rendezvous import JobMismatchError, RendezvousError, host_store
+from fleetlike.comm.rendezvous import JOB_KEY, JobMismatchError, RendezvousError, host_store
 from fleetlike.comm.single import SingleCommunicator
 from fleetlike.comm.stats import CommStats
 from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_world, resolve_backend
@@ -26,6 +26,7 @@ from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_wo
 __all__ = [
     "DEFAULT_TIMEOUT",
     "SUPPORTED_DTYPES",
+    "JOB_KEY",
     "Backend",
     "CollectiveError",
     "CollectiveFailedError",

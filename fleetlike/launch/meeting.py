@@ -44,7 +44,7 @@ import time
 
 import torch.distributed as dist
 
-from fleetlike.comm.rendezvous import JOB_KEY
+from fleetlike.comm import JOB_KEY
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.roles import parse_endpoint

@@ -81,6 +81,8 @@ class Engine:
         # the hot path of an eager step touches only the units that act there
         self._contexts = [u for u in units if type(u).forward_context is not Unit.forward_context]
         self._watchers = [u for u in units if type(u).outputs is not Unit.outputs]
+        #: names of the units that act at the optimizer step (checked at each step's begin)
+        self.needs_optimizer = [u.name for u in units if u.needs_optimizer]
         self.state: StepState | None = None  # the step in progress (eager style)
         self.last: StepState | None = None  # the step the last update ended
         self._synchronized = False
@@ -99,10 +101,6 @@ class Engine:
     def unit(self, name: str) -> Unit | None:
         return next((u for u in self.units if u.name == name), None)
 
-    @property
-    def needs_optimizer(self) -> list[str]:
-        """Names of the units that act at the optimizer step."""
-        return [u.name for u in self.units if u.needs_optimizer]
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -152,8 +150,8 @@ class Engine:
     def begin(self) -> StepState:
         """Start a step if none is in progress (the first training forward, or the update)."""
         if self.state is None:
-            for name in self.needs_optimizer:
-                self.ctx.need_optimizer(f"strategy.{name}")
+            if self.needs_optimizer and self.ctx.optimizer is None:
+                self.ctx.need_optimizer(f"strategy.{self.needs_optimizer[0]}")
             self.state = StepState(feed=None)
             self._synchronized = False
             self._run("begin", self.state)
