@@ -37,9 +37,12 @@ from fleetlike.config import fields, formats, options, recipes, rules, strategy,
 
 PADDLE_DEFAULTS: dict[str, Any] = {
     "localsgd": False,
-    "localsgd_configs": {"k_steps": 1, "begin_step": 1},
+    "localsgd_configs": {"k_steps": 1, "begin_step": 1, "outer_optimizer": "average", "outer_lr": 0.7,
+                         "outer_momentum": 0.9, "sync_dtype": "float32", "fragments": 1, "overlap": 0,
+                         "overlap_alpha": 0.5},
     "adaptive_localsgd": False,
-    "adaptive_localsgd_configs": {"init_k_steps": 1, "begin_step": 1},
+    "adaptive_localsgd_configs": {"init_k_steps": 1, "begin_step": 1, "outer_optimizer": "average",
+                                  "outer_lr": 0.7, "outer_momentum": 0.9, "sync_dtype": "float32"},
     "amp": False,
     "amp_configs": {
         "init_loss_scaling": 32768.0, "incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 2,
@@ -73,9 +76,25 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "localsgd": ("bool",),
     "localsgd_configs.k_steps": ("int", 1, None),
     "localsgd_configs.begin_step": ("int", 1, None),
+    "localsgd_configs.outer_optimizer": ("choice", ["average", "sgd", "nesterov"]),
+    "localsgd_configs.outer_lr": ("float", 0.0, None),
+    "localsgd_configs.sync_dtype": ("choice", ["float32", "bfloat16", "float16"]),
+    # keys whose valid values depend on others (checked across keys): values valid whatever the
+    # other keys hold, and invalid ones with their error type
+    "localsgd_configs.outer_momentum": ("values", [0.5, 0.9, 0.99],
+                                        [(-0.1, ValueError), (1.0, ValueError), ("0.9", TypeError)]),
+    "localsgd_configs.fragments": ("values", [1], [(0, ValueError), (1.5, TypeError), (True, TypeError)]),
+    "localsgd_configs.overlap": ("values", [0], [(-1, ValueError), ("1", TypeError)]),
+    "localsgd_configs.overlap_alpha": ("values", [0.0, 0.25, 0.5, 1],
+                                       [(-0.5, ValueError), (1.5, ValueError), (None, TypeError)]),
     "adaptive_localsgd": ("bool",),
     "adaptive_localsgd_configs.init_k_steps": ("int", 1, None),
     "adaptive_localsgd_configs.begin_step": ("int", 1, None),
+    "adaptive_localsgd_configs.outer_optimizer": ("choice", ["average", "sgd", "nesterov"]),
+    "adaptive_localsgd_configs.outer_lr": ("float", 0.0, None),
+    "adaptive_localsgd_configs.outer_momentum": ("values", [0.5, 0.9],
+                                                 [(-0.1, ValueError), (1.0, ValueError)]),
+    "adaptive_localsgd_configs.sync_dtype": ("choice", ["float32", "bfloat16", "float16"]),
     "amp": ("bool",),
     "amp_configs.init_loss_scaling": ("float", 0.0, None),
     "amp_configs.incr_every_n_steps": ("int", 1, None),
@@ -372,21 +391,22 @@ def test_section_is_a_live_validated_view() -> None:
     view["k_steps"] = 4
     assert s.localsgd_configs["k_steps"] == 4 and s.local_sgd_steps == 4
     view.begin_step = 30
-    assert s.to_dict()["localsgd_configs"] == {"k_steps": 4, "begin_step": 30}
+    assert s.to_dict()["localsgd_configs"] == {**PADDLE_DEFAULTS["localsgd_configs"], "k_steps": 4, "begin_step": 30}
     with pytest.raises(ValueError, match="localsgd_configs.k_steps"):
         view["k_steps"] = 0
     with pytest.raises(ValueError):
         view.update({"k_steps": 8, "begin_step": 0})  # atomic: k_steps stays 4
-    assert view == {"k_steps": 4, "begin_step": 30} and dict(view) == view.to_dict()
+    assert view == {**PADDLE_DEFAULTS["localsgd_configs"], "k_steps": 4, "begin_step": 30}
+    assert dict(view) == view.to_dict()
     with pytest.raises(TypeError, match="reset"):
         del view["k_steps"]
     with pytest.raises(KeyError, match="k_steps"):
         _ = view["k_step"]
     assert view.get("k_step", "missing") == "missing" and "k_steps" in view
-    assert len(view) == 2 and list(view) == ["k_steps", "begin_step"]
+    assert list(view) == list(PADDLE_DEFAULTS["localsgd_configs"]) and len(view) == len(list(view))
     with pytest.raises(AttributeError):
         s.amp_configs["custom_white_list"].append("x")  # a tuple: no silent copy edit
-    assert repr(view) == "{'k_steps': 4, 'begin_step': 30}"
+    assert repr(view) == repr({**PADDLE_DEFAULTS["localsgd_configs"], "k_steps": 4, "begin_step": 30})
 
 
 def test_reset() -> None:
@@ -429,7 +449,8 @@ def test_save_load_and_override(tmp_path: Path) -> None:
 
     t = s.copy()
     t.update_from_override('  {"amp": true, "localsgd_configs.k_steps": 8}  ')
-    assert t.amp is True and t.localsgd_configs == {"k_steps": 8, "begin_step": 30}
+    assert t.amp is True and t.localsgd_configs == {**PADDLE_DEFAULTS["localsgd_configs"], "k_steps": 8,
+                                                     "begin_step": 30}
     assert t.recompute_configs["checkpoints"] == "auto"
     before = t.copy()
     with pytest.raises(ValueError, match=STRATEGY_ENV_VAR):
@@ -541,7 +562,7 @@ def _valid(path: str) -> st.SearchStrategy[Any]:
                            exclude_max=lt is not None, allow_infinity=False, allow_nan=False)
         ints = st.integers(int(gt) + 1, int(lt) - 1 if lt is not None else 10**6)
         return floats | ints if lt is None or lt - gt > 2 else floats
-    if kind[0] == "choice":
+    if kind[0] in ("choice", "values"):
         return st.sampled_from(kind[1])
     if kind[0] == "names":  # white and black names differ by prefix, so the lists are disjoint
         return st.lists(_NAME.map(lambda n, p=kind[1]: f"{p}_{n}"), max_size=4)
@@ -574,6 +595,8 @@ def _invalid(path: str) -> st.SearchStrategy[tuple[Any, type[Exception]]]:
         if lt is not None:
             out |= valued(st.floats(min_value=lt))
         return out
+    if kind[0] == "values":
+        return st.sampled_from(kind[2])
     if kind[0] == "choice":
         return typed(junk | st.integers() | st.booleans()) | valued(
             st.text(max_size=8).filter(lambda t, ok=kind[1]: t not in ok))

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
+
 from fleetlike.collectives.buckets import Bucket
 from fleetlike.comm import Communicator, Work, dtype_name
 
@@ -55,6 +57,11 @@ class FlatAllReduce:
 
     def start(self, bucket: Bucket) -> Work:
         return self.comm_for(bucket).all_reduce_async(bucket.buffer, "avg", agreed=True)
+
+    def start_tensor(self, tensor: torch.Tensor, index: int) -> Work:
+        """Average ``tensor`` in place on ring ``index % len(rings)`` (the same call the two-level
+        and compressed collectives offer, so a caller need not know which one it holds)."""
+        return self.rings[index % len(self.rings)].all_reduce_async(tensor, "avg", agreed=True)
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
         return {"comm": self.comm_for(bucket).name, "wire": dtype_name(bucket.dtype)}

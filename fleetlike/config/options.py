@@ -36,6 +36,8 @@ __all__ = [
     "HalfDtype",
     "HierarchicalAlgorithm",
     "Mode",
+    "OuterOptimizer",
+    "SyncDtype",
     "SyncBatchNormScope",
 ]
 
@@ -66,6 +68,26 @@ class Fp16AllreduceMode(_StrEnum):
 
     ALL = "all"
     MIXED = "mixed"
+
+
+class OuterOptimizer(_StrEnum):
+    """How local SGD turns the averaged change since the last sync into the new parameters.
+
+    ``average`` takes the average as is (Paddle's local SGD); ``sgd`` and ``nesterov`` treat the
+    averaged change as a pseudo-gradient for an outer SGD / Nesterov-momentum step (DiLoCo,
+    Douillard et al. 2023)."""
+
+    AVERAGE = "average"
+    SGD = "sgd"
+    NESTEROV = "nesterov"
+
+
+class SyncDtype(_StrEnum):
+    """The wire dtype of local SGD's pseudo-gradients."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
 
 
 class SyncBatchNormScope(_StrEnum):
@@ -104,24 +126,103 @@ def _amp_lists_disjoint(section: str, merged: Mapping[str, Any]) -> None:
 
 _MS = "the step (counted from 1) from which it starts; before it every step is synchronous"
 
+
+def _outer_fields(extra: str = "") -> tuple[Field, ...]:
+    """The DiLoCo keys shared by ``localsgd_configs`` and ``adaptive_localsgd_configs``."""
+    return (
+        Field("outer_optimizer", Choice(OuterOptimizer), OuterOptimizer.AVERAGE, note=(
+            "'average' (Paddle's local SGD) takes the averaged parameters as they are; 'nesterov' "
+            "(DiLoCo) treats the averaged change since the last sync as a pseudo-gradient for a "
+            "Nesterov-momentum outer step, which lets k grow to hundreds of steps at the same "
+            "loss; 'sgd' is the plain outer step (momentum optional)" + extra)),
+        Field("outer_lr", Float(gt=0), 0.7, note=(
+            "outer learning rate (DiLoCo's 0.7 with nesterov); 'sgd' with outer_lr=1 and no "
+            "momentum equals 'average'; ignored by 'average'")),
+        Field("outer_momentum", Float(lt=1), 0.9, note=(
+            "outer momentum (DiLoCo's 0.9); nesterov needs it > 0")),
+        Field("sync_dtype", Choice(SyncDtype), SyncDtype.FLOAT32, note=(
+            "wire dtype of the averaged change (DiLoCo's pseudo-gradient): bfloat16 / float16 "
+            "halve the bytes; the outer step itself stays in the parameters' dtype")),
+    )
+
+
+def _localsgd_check(section: str, merged: Mapping[str, Any]) -> None:
+    """Fragments must split k evenly, the overlap must end before the fragment syncs again,
+    and Nesterov needs momentum."""
+    k, fragments, overlap = int(merged["k_steps"]), int(merged["fragments"]), int(merged["overlap"])
+    if k % fragments:
+        raise StrategyValueError(
+            f"{section}.fragments", fragments, f"a divisor of k_steps={k}",
+            "choose fragments that divides k_steps (each fragment syncs every k_steps, staggered "
+            "by k_steps/fragments)",
+            f"{section}.fragments={fragments} must divide {section}.k_steps={k}. Fix: choose a "
+            "divisor of k_steps, or change k_steps (update both keys in one assignment)")
+    if overlap >= k // fragments:
+        raise StrategyValueError(
+            f"{section}.overlap", overlap, f"< k_steps/fragments = {k // fragments}",
+            "a fragment's allreduce must land before the next fragment's starts",
+            f"{section}.overlap={overlap} must be below k_steps/fragments={k // fragments}: a "
+            "fragment's allreduce has to land before the next one is launched. Fix: lower "
+            "overlap, or raise k_steps (update both keys in one assignment)")
+    alpha = float(merged["overlap_alpha"])
+    if not 0.0 <= alpha <= 1.0:
+        raise StrategyValueError(
+            f"{section}.overlap_alpha", alpha, "a number in [0, 1]",
+            "use 0.5 (Streaming DiLoCo) or 0 (keep only the outer result)",
+            f"{section}.overlap_alpha={alpha!r} must be in [0, 1]. Fix: use 0.5 (Streaming "
+            "DiLoCo) or 0 (keep only the outer result)")
+    _outer_check(section, merged)
+
+
+def _outer_check(section: str, merged: Mapping[str, Any]) -> None:
+    momentum = float(merged["outer_momentum"])
+    if momentum < 0:
+        raise StrategyValueError(
+            f"{section}.outer_momentum", momentum, "a number in [0, 1)", "use 0 for none, 0.9 as DiLoCo",
+            f"{section}.outer_momentum={momentum!r} must be in [0, 1). Fix: use 0 for no momentum, "
+            "0.9 as DiLoCo")
+    if str(merged["outer_optimizer"]) == "nesterov" and not float(merged["outer_momentum"]) > 0:
+        raise StrategyValueError(
+            f"{section}.outer_momentum", merged["outer_momentum"], "> 0 with outer_optimizer='nesterov'",
+            "set outer_momentum (DiLoCo uses 0.9) or use outer_optimizer='sgd'",
+            f"{section}.outer_momentum={merged['outer_momentum']!r} must be > 0 with "
+            "outer_optimizer='nesterov'. Fix: set outer_momentum (DiLoCo uses 0.9) or use "
+            "outer_optimizer='sgd'")
+
 ENTRIES: tuple[Field | Section, ...] = (
     Field("localsgd", Bool(), False, feature=True, note=(
         "average parameters every k_steps instead of allreducing gradients every step; pays off "
         "when slow ranks or a slow network dominate")),
-    Section("localsgd_configs", requires="localsgd", note="local SGD schedule", fields=(
+    Section("localsgd_configs", requires="localsgd", note="local SGD schedule",
+            check=_localsgd_check, fields=(
         Field("k_steps", Int(min=1), 1, note=(
             "local steps between parameter averages: larger = less communication and lower "
-            "accuracy; Fleet's experience is 2 or 4")),
+            "accuracy; Fleet's experience is 2 or 4 with 'average', DiLoCo's is 50-500 with "
+            "'nesterov'")),
         Field("begin_step", Int(min=1), 1, note=(
             f"{_MS}; warm up until parameters settle, e.g. the first learning-rate decay")),
+        *_outer_fields(),
+        Field("fragments", Int(min=1), 1, note=(
+            "Streaming DiLoCo: split the model into this many fragments, each synced every "
+            "k_steps at staggered steps (k_steps/fragments apart), so each sync sends 1/fragments "
+            "of the model; must divide k_steps")),
+        Field("overlap", Int(min=0), 0, note=(
+            "Streaming DiLoCo's tau: a fragment's allreduce starts this many inner steps before "
+            "it is applied and runs while they compute (0 = blocking); must be below "
+            "k_steps/fragments")),
+        Field("overlap_alpha", Float(), 0.5, note=(
+            "with overlap: new parameters = outer result + alpha * (what the overlapped local "
+            "steps added); Streaming DiLoCo's mixing factor (torchft's fragment_update_alpha), "
+            "0 discards the overlapped local progress")),
     )),
     Field("adaptive_localsgd", Bool(), False, feature=True, note=(
         "local SGD whose k grows as loss and learning rate fall; needs an optimizer with one "
         "global learning rate (SGD, Momentum; not Adam)")),
     Section("adaptive_localsgd_configs", requires="adaptive_localsgd",
-            note="adaptive local SGD schedule", fields=(
+            note="adaptive local SGD schedule", check=_outer_check, fields=(
         Field("init_k_steps", Int(min=1), 1, note="initial k; 1 (fully synchronous) is safe"),
         Field("begin_step", Int(min=1), 1, note=_MS),
+        *_outer_fields(),
     )),
     Field("amp", Bool(), False, feature=True, note=(
         "automatic mixed precision with loss scaling; large speedups on tensor-core GPUs, "

@@ -15,7 +15,7 @@ Example:
     Traceback (most recent call last):
     ...
     fleetlike.config.fields.StrategyValueError: strategy.localsgd and strategy.fp16_allreduce \
-cannot both be True: ... Fix: turn one off
+cannot both be True: ... Fix: turn fp16_allreduce off ...
 """
 
 from __future__ import annotations
@@ -50,16 +50,13 @@ RULES: tuple[Conflict, ...] = (
              "localsgd uses the fixed localsgd_configs.k_steps"),
     Conflict("localsgd", "fp16_allreduce",
              "local SGD averages parameters, not gradients; fp16_allreduce compresses gradient "
-             "allreduces", "turn one off"),
+             "allreduces", "turn fp16_allreduce off and set localsgd_configs.sync_dtype to "
+             "'float16' or 'bfloat16' to compress local SGD's traffic"),
     Conflict("adaptive_localsgd", "fp16_allreduce",
              "adaptive local SGD averages parameters, not gradients; fp16_allreduce compresses "
-             "gradient allreduces", "turn one off"),
-    Conflict("localsgd", "use_hierarchical_allreduce",
-             "local SGD's parameter averaging uses flat allreduces",
-             "turn use_hierarchical_allreduce off"),
-    Conflict("adaptive_localsgd", "use_hierarchical_allreduce",
-             "adaptive local SGD's parameter averaging uses flat allreduces",
-             "turn use_hierarchical_allreduce off"),
+             "gradient allreduces", "turn fp16_allreduce off and set "
+             "adaptive_localsgd_configs.sync_dtype to 'float16' or 'bfloat16' to compress local "
+             "SGD's traffic"),
 )
 
 

@@ -58,17 +58,18 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives import plan_buckets
-from fleetlike.comm import Communicator, dtype_name
+from fleetlike.collectives import HalfCodec
+from fleetlike.comm import Communicator
 from fleetlike.program import Op, StepState
+from fleetlike.strategies.fragments import Fragment, OuterRule, split_fragments
 from fleetlike.strategies.step import Hook, StepContext, Unit
+from fleetlike.strategies.topology import averaging_collective, comm_label
 
 __all__ = [
     "K_MIN",
     "K_MAX",
     "LocalSGDState",
     "LocalSGDUnit",
-    "ParamAverager",
     "adaptive_k",
 ]
 
@@ -91,74 +92,62 @@ def adaptive_k(loss0: float, lr0: float, loss: float, lr: float, init_k_steps: i
     return int(min(max(math.ceil(math.sqrt(value)), K_MIN), K_MAX))
 
 
-class ParamAverager:
-    """Snapshot-based parameter averaging over flat per-dtype buffers (see the module docstring)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], rings: list[Communicator], cap_bytes: int | None) -> None:
-        if not rings:
-            raise ValueError("ParamAverager needs at least one communicator")
-        self.rings = rings
-        self.groups = plan_buckets(params, cap_bytes)
-        self.world = rings[0].size
-
-    def nbytes(self) -> int:
-        return sum(sum(p.numel() for p in g) * g[0].element_size() for g in self.groups)
-
-    def flat(self, i: int) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.groups[i]])
-
-    def take_snapshots(self) -> list[torch.Tensor]:
-        return [self.flat(i) for i in range(len(self.groups))]
-
-    def average(self, snapshots: list[torch.Tensor]) -> int:
-        """Average the parameters in place, refresh ``snapshots``; returns bytes sent."""
-        diffs = [snap - self.flat(i) for i, snap in enumerate(snapshots)]
-        works = [self.rings[i % len(self.rings)].all_reduce_async(d, "avg", agreed=True) for i, d in enumerate(diffs)]
-        for w in works:
-            w.wait()
-        sent = 0
-        with torch.no_grad():
-            for group, snap, diff in zip(self.groups, snapshots, diffs):
-                snap.sub_(diff)  # snapshot - mean drift: the new (identical) parameters
-                offset = 0
-                for p in group:
-                    p.copy_(snap[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                sent += diff.numel() * diff.element_size()
-        return sent
-
-    def describe(self) -> list[str]:
-        out = []
-        for i, g in enumerate(self.groups):
-            numel = sum(p.numel() for p in g)
-            out.append(
-                f"buffer={i} params={len(g)} numel={numel} dtype={dtype_name(g[0].dtype)} "
-                f"comm={self.rings[i % len(self.rings)].name}"
-            )
-        return out
-
-
 class LocalSGDState:
-    """Everything the schedule needs to resume exactly: counter, k, snapshots, loss0/lr0, stats."""
+    """Everything the schedule needs to resume exactly: counter, k, the fragments' anchors,
+    momentum and a sync in flight, loss0/lr0, stats."""
 
-    def __init__(self, k: int, begin_step: int, adaptive: bool, init_k_steps: int) -> None:
+    def __init__(self, k: int, begin_step: int, adaptive: bool, init_k_steps: int,
+                 fragments: list[Fragment], overlap: int = 0) -> None:
         self.step = 1
         self.k = k
         self.begin_step = begin_step
         self.adaptive = adaptive
         self.init_k_steps = init_k_steps
         self.last_sync_step = 0
-        self.snapshots: list[torch.Tensor] | None = None
         self.loss0: float | None = None
         self.lr0: float | None = None
         self.averages_done = 0
         self.bytes_sent = 0
-        #: the buffers' layout (rebuilt from the model, not saved)
-        self.averager: ParamAverager | None = None
+        self.overlap = overlap
+        #: the synced units (rebuilt from the model; their anchors and momentum are saved)
+        self.fragments = fragments
+
+    @property
+    def anchored(self) -> bool:
+        return all(f.anchors is not None for f in self.fragments)
+
+    def snapshot(self) -> None:
+        for f in self.fragments:
+            f.snapshot()
+
+    def warm(self) -> bool:
+        """Before (and at) ``begin_step`` every step averages the whole model."""
+        return self.step <= self.begin_step
 
     def due(self) -> bool:
-        """Average at this step? (Paddle: ``step <= begin_step or step - last_step == k``.)"""
-        return self.step <= self.begin_step or self.step - self.last_sync_step == self.k
+        """Average the whole model at this step? (Paddle: ``step <= begin_step or step -
+        last_step == k``; used with one fragment and no overlap.)"""
+        return self.warm() or self.step - self.last_sync_step == self.k
+
+    def _period(self) -> int:
+        return self.k // len(self.fragments)
+
+    def landing(self) -> int | None:
+        """The fragment whose sync lands at this step (fixed k, after warm-up), else None.
+
+        Fragment ``f`` lands at ``t = begin_step + j*k/F`` for ``j = f+1, f+1+F, ...``: F
+        fragments staggered k/F apart, each synced every k steps."""
+        t, p = self.step - self.begin_step, self._period()
+        if t < p or t % p:
+            return None
+        return (t // p - 1) % len(self.fragments)
+
+    def launching(self) -> int | None:
+        """The fragment whose sync starts at this step: ``overlap`` steps before it lands."""
+        t, p = self.step - self.begin_step + self.overlap, self._period()
+        if self.step <= self.begin_step or t < p or t % p:
+            return None
+        return (t // p - 1) % len(self.fragments)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -168,7 +157,7 @@ class LocalSGDState:
             "adaptive": self.adaptive,
             "init_k_steps": self.init_k_steps,
             "last_sync_step": self.last_sync_step,
-            "snapshots": None if self.snapshots is None else [s.clone() for s in self.snapshots],
+            "fragments": [f.state_dict() for f in self.fragments],
             "loss0": self.loss0,
             "lr0": self.lr0,
             "averages_done": self.averages_done,
@@ -182,16 +171,16 @@ class LocalSGDState:
                     f"local SGD state: saved {key}={state[key]!r} but this job has {getattr(self, key)!r}; "
                     "restart with the saved strategy"
                 )
-        snaps = state["snapshots"]
-        if snaps is not None and self.averager is not None:
-            want = [sum(p.numel() for p in g) for g in self.averager.groups]
-            got = [s.numel() for s in snaps]
-            if want != got:
-                raise ValueError(
-                    f"local SGD state: saved snapshot buffers have sizes {got}, this model's {want}; "
-                    "load a checkpoint of the same model, fuse_grad_size_in_MB and fuse_all_reduce_ops"
-                )
-        self.snapshots = None if snaps is None else [s.clone() for s in snaps]
+        frags = state.get("fragments")
+        if frags is None:  # format of checkpoints before fragments: one "snapshots" list
+            frags = [{"anchors": state["snapshots"], "momentum": None, "pending": None}]
+        if len(frags) != len(self.fragments):
+            raise ValueError(
+                f"local SGD state: saved {len(frags)} fragment(s) but this job has {len(self.fragments)}; "
+                "restart with the saved localsgd_configs.fragments"
+            )
+        for frag, saved in zip(self.fragments, frags):
+            frag.load_state_dict(saved)
         self.step, self.k, self.last_sync_step = int(state["step"]), int(state["k"]), int(state["last_sync_step"])
         self.loss0, self.lr0 = state["loss0"], state["lr0"]
         self.averages_done, self.bytes_sent = int(state["averages_done"]), int(state["bytes_sent"])
@@ -234,8 +223,12 @@ def _world_mean(comm: Communicator, value: float, device: torch.device) -> float
     return float(comm.all_reduce(t, "avg", agreed=True).item())
 
 
+_WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class LocalSGDUnit(Unit):
-    """Local steps; parameters averaged on Paddle's schedule, k adaptive or fixed."""
+    """Local steps; the model synced on Paddle's schedule (k adaptive or fixed), averaged or
+    stepped by an outer optimizer (DiLoCo), whole or in staggered, overlapped fragments."""
 
     needs_optimizer = True
 
@@ -244,61 +237,78 @@ class LocalSGDUnit(Unit):
         self.name = "adaptive_localsgd" if adaptive else "localsgd"  # type: ignore[misc]
         self.ctx = ctx
         self.adaptive = adaptive
-        if adaptive:
-            cfg = s.adaptive_localsgd_configs
-            self.state = LocalSGDState(int(cfg["init_k_steps"]), int(cfg["begin_step"]), True, int(cfg["init_k_steps"]))
-        else:
-            cfg = s.localsgd_configs
-            self.state = LocalSGDState(int(cfg["k_steps"]), int(cfg["begin_step"]), False, 0)
-        self.rings = ctx.groups.rings(s.nccl_comm_num)
-        self.averager = ParamAverager([p for p in ctx.model.parameters() if p.requires_grad], self.rings,
-                                      s.bucket_cap_bytes())
-        self.state.averager = self.averager
+        cfg = s.adaptive_localsgd_configs if adaptive else s.localsgd_configs
+        self.rule = OuterRule(str(cfg["outer_optimizer"]), float(cfg["outer_lr"]), float(cfg["outer_momentum"]))
+        sync_dtype = str(cfg["sync_dtype"])
+        codec = HalfCodec(sync_dtype) if sync_dtype in _WIRE else None
+        option = f"{self.name}_configs.sync_dtype"
+        self.collective, notes = averaging_collective(s, ctx.groups, ctx.role, codec=codec, codec_option=option)
+        count = 1 if adaptive else int(cfg["fragments"])
+        self.overlap = 0 if adaptive else int(cfg["overlap"])
+        self.alpha = 0.0 if adaptive else float(cfg["overlap_alpha"])
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        frags = split_fragments(params, count, self.collective, s.bucket_cap_bytes(), _WIRE.get(sync_dtype))
+        k = int(cfg["init_k_steps"] if adaptive else cfg["k_steps"])
+        self.state = LocalSGDState(k, int(cfg["begin_step"]), adaptive, k if adaptive else 0, frags, self.overlap)
+        rings = ctx.groups.rings(s.nccl_comm_num)
+        buffers = sum(len(f.groups) for f in frags)
+        outer = ("average (Paddle)" if self.rule.kind == "average" else
+                 f"{self.rule.kind} outer step lr={self.rule.lr:g} momentum={self.rule.momentum:g} (DiLoCo)")
         detail = (
-            f"replaces data_parallel: {len(self.averager.groups)} parameter buffer(s) over {len(self.rings)} "
-            "communicator(s), "
-            + (f"k from loss and lr (init {self.state.k}, 1..{K_MAX})" if adaptive else f"k_steps={self.state.k}")
-            + f", every step until begin_step={self.state.begin_step}"
+            f"replaces data_parallel: {buffers} parameter buffer(s) over {len(rings)} communicator(s), "
+            + (f"k from loss and lr (init {k}, 1..{K_MAX})" if adaptive else f"k_steps={k}")
+            + f", every step until begin_step={self.state.begin_step}; outer: {outer}"
+            + (f"; {count} fragments synced {k // count} steps apart" if count > 1 else "")
+            + (f", each overlapping {self.overlap} inner step(s) (alpha={self.alpha:g})" if self.overlap else "")
         )
         ctx.record(self.name, True, detail)
+        for name, applied, why in notes:
+            ctx.record(name, applied, why)
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         if self.adaptive:
             _check_adaptive_optimizer(optimizer)
 
     def startup_ops(self) -> list[Op]:
-        """Take the snapshots right after the broadcast from rank 0."""
+        """Take the anchors right after the broadcast from rank 0."""
 
         def take(_: StepState) -> None:
-            self.state.snapshots = self.averager.take_snapshots()
+            self.state.snapshot()
 
-        return [Op("localsgd_snapshot", take, {"buffers": len(self.averager.groups)})]
+        return [Op("localsgd_snapshot", take, {"fragments": len(self.state.fragments)})]
 
     def hooks(self) -> list[Hook]:
         world = self.ctx.groups.world
         st = self.state
+        attrs: dict[str, Any] = {
+            "k": lambda: st.k,
+            "begin_step": st.begin_step,
+            "next_step": lambda: st.step,
+            "averages": lambda: st.averages_done,
+            "bytes": lambda: st.bytes_sent,
+            "world": world.size,
+        }
+        if self.rule.kind != "average":
+            attrs["outer"] = f"{self.rule.kind}(lr={self.rule.lr:g}, momentum={self.rule.momentum:g})"
+        if len(st.fragments) > 1 or self.overlap:
+            attrs["fragments"] = len(st.fragments)
+            attrs["overlap"] = self.overlap
         return [
             Hook("begin", "localsgd_init_snapshot", self._lazy_snapshot, {"when": "first step, if startup did not"}),
-            Hook("after_update", "c_localsgd_average", self._average, {
-                "k": lambda: st.k,
-                "begin_step": st.begin_step,
-                "next_step": lambda: st.step,
-                "averages": lambda: st.averages_done,
-                "bytes": lambda: st.bytes_sent,
-                "world": world.size,
-            }),
+            Hook("after_update", "c_localsgd_average", self._average, attrs),
         ]
 
     def described_ops(self) -> list[Op]:
-        return [Op("c_allreduce_avg", None, {"what": f"snapshot-param {d}"}, parent="c_localsgd_average")
-                for d in self.averager.describe()]
+        op = "c_allreduce_avg" if self.rule.kind == "average" else "c_allreduce_avg_pseudograd"
+        return [Op(op, None, {"what": f"anchor-param {d}"}, parent="c_localsgd_average")
+                for f in self.state.fragments for d in f.describe(lambda i: comm_label(self.collective, i))]
 
     def notes(self) -> list[Callable[[], str]]:
         return [self.state.summary]
 
     def _lazy_snapshot(self, _: StepState) -> None:
-        if self.state.snapshots is None:  # startup did not run: snapshot before anything moves
-            self.state.snapshots = self.averager.take_snapshots()
+        if not self.state.anchored:  # startup did not run: anchor before anything moves
+            self.state.snapshot()
 
     def _loss(self, st: StepState) -> float:
         if st.loss is None:
@@ -309,23 +319,47 @@ class LocalSGDUnit(Unit):
             )
         return float(st.loss.detach()) if isinstance(st.loss, torch.Tensor) else float(st.loss)
 
+    def _sync_whole(self, rule: OuterRule) -> int:
+        """Every fragment launched, then landed (no overlap): the whole model in one sync."""
+        sent = sum(f.launch() for f in self.state.fragments)
+        for f in self.state.fragments:
+            f.land(rule, 0.0, overlapped=False)
+        return sent
+
     def _average(self, st: StepState) -> None:
         state, world, device = self.state, self.ctx.groups.world, self.ctx.device
         if st.accumulate:  # a gradient-merge micro-step: no update, no step
             st.info.update(localsgd_k=state.k, localsgd_averaged=False,
                            localsgd_averages=state.averages_done, bytes_communicated=0)
             return
+        if not state.anchored:
+            raise RuntimeError("local SGD: no parameter anchor was taken before the first sync")
         optimizer = self.ctx.need_optimizer(f"strategy.{self.name}") if self.adaptive else None
         sent = 0
         if optimizer is not None and state.step == 1:
             state.loss0 = _world_mean(world, self._loss(st), device)
             state.lr0 = _global_lr(optimizer)
             sent += 8
-        averaged = state.due()
+        averaged = False
+        if state.warm():  # warm-up: plain averages of the whole model, as Paddle's
+            sent += self._sync_whole(OuterRule("average"))
+            averaged = True
+        elif len(state.fragments) == 1 and not self.overlap:
+            if state.due():
+                sent += self._sync_whole(self.rule)
+                averaged = True
+        else:
+            landing = state.landing()
+            if landing is not None:
+                frag = state.fragments[landing]
+                if not frag.in_flight:  # overlap 0: launched and landed at once
+                    sent += frag.launch()
+                frag.land(self.rule, self.alpha, overlapped=self.overlap > 0)
+                averaged = True
+            launching = state.launching() if self.overlap else None
+            if launching is not None:
+                sent += state.fragments[launching].launch()
         if averaged:
-            if state.snapshots is None:
-                raise RuntimeError("local SGD: no parameter snapshot was taken before the first average")
-            sent += self.averager.average(state.snapshots)
             if optimizer is not None and state.step > state.begin_step:
                 if state.loss0 is None or state.lr0 is None:
                     raise RuntimeError("adaptive local SGD: loss0/lr0 missing (a checkpoint without them?)")
