@@ -9,11 +9,12 @@ from fleetlike import roles
 from fleetlike import mixed_precision, role_maker
 from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
-from fleetlike.strategies import DistributedStrategy
+from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveAmpPolicy",
     "CPUPlace",
     "CUDAPlace",
     "DistributedOptimizer",

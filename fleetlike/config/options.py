@@ -36,6 +36,7 @@ __all__ = [
     "HalfDtype",
     "HierarchicalAlgorithm",
     "Mode",
+    "AmpPolicy",
     "OuterOptimizer",
     "SyncDtype",
     "SyncBatchNormScope",
@@ -68,6 +69,15 @@ class Fp16AllreduceMode(_StrEnum):
 
     ALL = "all"
     MIXED = "mixed"
+
+
+class AmpPolicy(_StrEnum):
+    """When AMP is on: always, or by TI-ACC's adaptive policies (time, time + lr, loss)."""
+
+    ALWAYS = "always"
+    TIME = "time"
+    TIME_LR = "time_lr"
+    LOSS = "loss"
 
 
 class OuterOptimizer(_StrEnum):
@@ -122,6 +132,20 @@ def _amp_lists_disjoint(section: str, merged: Mapping[str, Any]) -> None:
             f"{field} must be disjoint, got {both!r} in both. Fix: remove each op from one of the "
             "lists (update both keys in one assignment to move an op from one list to the other).",
         )
+    start, end = int(merged["policy_start_time"]), int(merged["policy_end_time"])
+    if end and end < start:
+        raise StrategyValueError(
+            f"{section}.policy_end_time", end, f">= policy_start_time={start}, or 0 for no end",
+            "move the end after the start (update both keys in one assignment), or 0 for no end",
+            f"{section}.policy_end_time={end} is before {section}.policy_start_time={start}. Fix: "
+            "move the end after the start (update both keys in one assignment), or use 0 for no end")
+    slow, fast = float(merged["policy_loss_slow"]), float(merged["policy_loss_fast"])
+    if slow > fast:
+        raise StrategyValueError(
+            f"{section}.policy_loss_slow", slow, f"<= policy_loss_fast={fast:g}",
+            "the normal band is policy_loss_slow <= decrease <= policy_loss_fast",
+            f"{section}.policy_loss_slow={slow:g} is above {section}.policy_loss_fast={fast:g}. Fix: "
+            "the normal band is policy_loss_slow <= relative decrease <= policy_loss_fast")
 
 
 _MS = "the step (counted from 1) from which it starts; before it every step is synchronous"
@@ -247,6 +271,22 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("dtype", Choice(HalfDtype), HalfDtype.FLOAT16, note=(
             "float16 on V100/T4-class GPUs; bfloat16 on A100/H100 and CPU (float32 range, no "
             "overflow)")),
+        Field("policy", Choice(AmpPolicy), AmpPolicy.ALWAYS, note=(
+            "TI-ACC's adaptive mixed precision, time counted in optimizer steps: 'time' = AMP "
+            "only from policy_start_time to policy_end_time; 'time_lr' = the same, but off for "
+            "policy_hold_time steps after each learning-rate change; 'loss' = in windows of "
+            "policy_interval_hold_time steps every policy_interval_time steps, off while the loss "
+            "falls faster than policy_loss_fast or slower than policy_loss_slow (relative per "
+            "step). The loss scale survives the off stretches")),
+        Field("policy_start_time", Int(min=0), 10, note="first step of the AMP window ('time', 'time_lr')"),
+        Field("policy_end_time", Int(min=0), 0, note="last step of the AMP window; 0 = no end"),
+        Field("policy_hold_time", Int(min=0), 100, note="'time_lr': steps AMP stays off after an lr change"),
+        Field("policy_interval_time", Int(min=1), 1000, note="'loss': a check window starts every this many steps"),
+        Field("policy_interval_hold_time", Int(min=0), 100, note="'loss': length of each check window"),
+        Field("policy_loss_fast", Float(), 0.5, note=(
+            "'loss': a relative loss decrease per step above this is abnormal (AMP off)")),
+        Field("policy_loss_slow", Float(), 0.0, note=(
+            "'loss': a relative loss decrease per step below this (0: the loss rose) is abnormal")),
     )),
     Field("recompute", Bool(), False, feature=True, note=(
         "trade compute for memory: checkpointed submodules re-run their forward during backward; "

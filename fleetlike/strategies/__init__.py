@@ -13,5 +13,6 @@ comm, never another unit and never `fleetlike.fleet`.
 
 from fleetlike.config import *  # noqa: F401,F403  (the names users import from here)
 from fleetlike.config import __all__ as _config_all
+from fleetlike.strategies.amp_policy import AdaptiveAmpPolicy, MixedPrecision_TrainingPolicy
 
-__all__ = list(_config_all)
+__all__ = [*_config_all, "AdaptiveAmpPolicy", "MixedPrecision_TrainingPolicy"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -43,9 +44,12 @@ from torch.overrides import TorchFunctionMode
 from fleetlike.comm import Communicator
 from fleetlike.comm import dtype_name
 from fleetlike.program import StepState
-from fleetlike.strategies.step import EXPLICIT_SCALING, Hook, StepContext, Unit
+from fleetlike.strategies.amp_policy import AdaptiveAmpPolicy
+from fleetlike.strategies.step import EXPLICIT_SCALING, AppliedEntry, Hook, StepContext, Unit
 
-__all__ = ["AmpUnit", "LossScaler", "OpListMode", "autocast", "scaler_from_config", "check_op_names", "known_op_names", "unscale_and_check"]
+log = logging.getLogger("fleetlike")
+
+__all__ = ["AmpUnit", "policy_from_config", "LossScaler", "OpListMode", "autocast", "scaler_from_config", "check_op_names", "known_op_names", "unscale_and_check"]
 
 
 def known_op_names() -> set[str]:
@@ -163,6 +167,18 @@ def scaler_from_config(cfg: Any) -> tuple[LossScaler, torch.dtype]:
     return scaler, dtype
 
 
+def policy_from_config(cfg: Any) -> AdaptiveAmpPolicy | None:
+    """``amp_configs.policy`` as an `AdaptiveAmpPolicy` counting optimizer steps (None: always on)."""
+    if str(cfg["policy"]) == "always":
+        return None
+    end = int(cfg["policy_end_time"])
+    return AdaptiveAmpPolicy(
+        str(cfg["policy"]), start_time=int(cfg["policy_start_time"]), end_time=end or None,
+        hold_time=int(cfg["policy_hold_time"]), interval_time=int(cfg["policy_interval_time"]),
+        interval_hold_time=int(cfg["policy_interval_hold_time"]),
+        loss_fast=float(cfg["policy_loss_fast"]), loss_slow=float(cfg["policy_loss_slow"]))
+
+
 @contextlib.contextmanager
 def autocast(cfg: Any, device_type: str) -> Iterator[None]:
     """``torch.autocast`` in ``amp_configs.dtype`` plus the custom white/black op lists."""
@@ -186,24 +202,76 @@ class AmpUnit(Unit):
         self.scaler, self.dtype = scaler_from_config(cfg)
         #: float16 scales; bfloat16 has float32's range: no scale, nothing to unscale or skip
         self.scaling = self.dtype == torch.float16
-        self.needs_optimizer = self.scaling  # the finite check and the scale act at the update
+        self.policy = policy_from_config(cfg)
+        #: whether AMP acts in this step (the policy decides at each step's begin)
+        self.enabled = True
+        #: optimizer steps taken (the policy's time; micro-steps of gradient merge do not count)
+        self.steps = 0
+        self._last_loss: float | None = None
+        # the finite check and the scale act at the update; 'time_lr' reads the optimizer's lr
+        self.needs_optimizer = self.scaling or (self.policy is not None and self.policy.policy == "time_lr")
         self.found_inf = False
         ctx.record("amp", True, f"autocast {dtype_name(self.dtype)}, " + (
             "dynamic loss scaling" if self.scaler.dynamic
             else ("fixed loss scale" if self.scaling else "no loss scaling (bfloat16)")))
+        self.policy_entry: AppliedEntry | None = None
+        if self.policy is not None:
+            self.policy_entry = AppliedEntry("amp_configs.policy", True, f"{self.policy.policy}: not decided yet")
+            ctx.applied.append(self.policy_entry)
 
     def hooks(self) -> list[Hook]:
-        if not self.scaling:
-            return []
-        world = self.ctx.groups.world
-        return [
-            Hook("synchronize", "check_finite_and_unscale", self._check, {"agreed_on": world.name}),
-            Hook("after_update", "update_loss_scaling", self._update,
-                 {"dynamic": self.scaler.dynamic, "scale": lambda: self.scaler.scale}),
-        ]
+        hooks: list[Hook] = []
+        if self.policy is not None:
+            hooks.append(Hook("begin", "amp_policy", self._decide, {
+                "policy": self.policy.policy, "amp": lambda: "on" if self.enabled else "off"}))
+        if self.scaling:
+            world = self.ctx.groups.world
+            hooks += [
+                Hook("synchronize", "check_finite_and_unscale", self._check, {"agreed_on": world.name}),
+                Hook("after_update", "update_loss_scaling", self._update,
+                     {"dynamic": self.scaler.dynamic, "scale": lambda: self.scaler.scale}),
+            ]
+        if self.policy is not None:
+            hooks.append(Hook("after_update", "amp_policy_step", self._count, {
+                "time": "optimizer steps", **({"loss": "averaged over ranks"} if self.policy.policy == "loss" else {})}))
+        return hooks
+
+    def _decide(self, st: StepState) -> None:
+        """At each step's begin: AMP on or off for this step (every rank decides alike: time and
+        lr agree, and the loss the 'loss' policy reads is averaged over the ranks)."""
+        assert self.policy is not None
+        lr = None
+        if self.policy.policy == "time_lr":
+            lr = float(self.ctx.need_optimizer("amp_configs.policy='time_lr'").param_groups[0]["lr"])
+        before = len(self.policy.switches)
+        self.enabled, why = self.policy.decide(self.steps + 1, lr, self._last_loss)
+        if len(self.policy.switches) != before and self.policy_entry is not None:
+            n = len(self.policy.switches)
+            self.policy_entry.detail = (f"{self.policy.policy}: AMP {'on' if self.enabled else 'off'} since step "
+                                        f"{self.steps + 1} ({why}); {n} switch(es)")
+            log.info("amp policy %s: AMP %s at step %d (%s)", self.policy.policy,
+                     "on" if self.enabled else "off", self.steps + 1, why)
+        st.info["amp_enabled"] = self.enabled
+
+    def _count(self, st: StepState) -> None:
+        if st.accumulate:
+            return
+        self.steps += 1
+        if self.policy is not None and self.policy.policy == "loss":
+            if st.loss is None:
+                raise ValueError(
+                    "amp_configs.policy='loss' decides from the loss, but this step had none: pass it as "
+                    "optimizer.step(loss=loss), or call optimizer.backward(loss) (program style: loss_fn "
+                    "returns it)")
+            value = float(st.loss.detach()) if isinstance(st.loss, torch.Tensor) else float(st.loss)
+            t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
+            self._last_loss = float(self.ctx.groups.world.all_reduce(t, "avg", agreed=True).item())
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
         with autocast(self.cfg, self.ctx.device.type):
             yield
 
@@ -211,7 +279,7 @@ class AmpUnit(Unit):
         return {"autocast": dtype_name(self.dtype)}
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss.float() * self.scaler.scale if self.scaling else loss
+        return loss.float() * self.scaler.scale if self.scaling and self.enabled else loss
 
     def backward_attrs(self) -> dict[str, Any]:
         return {"loss_scale": lambda: self.scaler.scale} if self.scaling else {}
@@ -221,7 +289,7 @@ class AmpUnit(Unit):
         and the gradient leaving it through its inputs divided again, so every wrapped model's
         parameters get exactly scale x their gradient whatever the graph between the models
         (a chain, a GAN's D(G(z)), independent models), and what lies outside them stays true."""
-        if not self.scaling:
+        if not self.scaling or not self.enabled:
             return
         scaler = self.scaler
 
@@ -241,13 +309,18 @@ class AmpUnit(Unit):
     def _check(self, st: StepState) -> None:
         if st.accumulate:
             return
+        if not self.enabled:  # AMP off this step: nothing was scaled, the scaler waits
+            self.found_inf = False
+            st.info["found_inf"] = False
+            return
         self.found_inf = unscale_and_check(self.ctx.grads(), self.scaler.scale, self.ctx.groups.world)
         st.skip_update = st.skip_update or self.found_inf
         st.info["found_inf"] = self.found_inf
 
     def _update(self, st: StepState) -> None:
         if not st.accumulate:
-            self.scaler.update(self.found_inf)
+            if self.enabled:
+                self.scaler.update(self.found_inf)
             st.info["loss_scale"] = self.scaler.scale
 
     def notes(self) -> list[Callable[[], str]]:
@@ -255,7 +328,21 @@ class AmpUnit(Unit):
                         f"skipped {self.scaler.skipped_steps} steps"]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
+        state = self.scaler.state_dict()
+        if self.policy is not None:
+            state["policy"] = {**self.policy.state_dict(), "steps": self.steps, "enabled": self.enabled,
+                               "world_loss": self._last_loss}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        policy = state.pop("policy", None)
+        if (policy is None) != (self.policy is None):
+            raise ValueError(
+                "AMP state: the checkpoint was written " + ("with" if policy is not None else "without")
+                + " amp_configs.policy but this job runs " + ("with" if self.policy is not None else "without")
+                + " one; restart with the saved strategy")
         self.scaler.load_state_dict(state)
+        if policy is not None and self.policy is not None:
+            self.steps, self.enabled, self._last_loss = int(policy["steps"]), bool(policy["enabled"]), policy["world_loss"]
+            self.policy.load_state_dict(policy)
