@@ -242,9 +242,17 @@ class LocalSGDUnit(Unit):
         sync_dtype = str(cfg["sync_dtype"])
         codec = HalfCodec(sync_dtype) if sync_dtype in _WIRE else None
         option = f"{self.name}_configs.sync_dtype"
-        self.collective, notes = averaging_collective(s, ctx.groups, ctx.role, codec=codec, codec_option=option)
         count = 1 if adaptive else int(cfg["fragments"])
         self.overlap = 0 if adaptive else int(cfg["overlap"])
+        # an overlapped sync stays in flight while the main thread issues other collectives
+        # (barriers, AMP's finite flag, a loss mean): it gets communicators of its own
+        own = None
+        if self.overlap:
+            rank = ctx.groups.world.rank
+            own = [c for i in range(int(s.nccl_comm_num))
+                   if (c := ctx.groups.extra(f"localsgd ring {i}", 0, rank)) is not None]
+        self.collective, notes = averaging_collective(s, ctx.groups, ctx.role, codec=codec, codec_option=option,
+                                                      rings=own)
         self.alpha = 0.0 if adaptive else float(cfg["overlap_alpha"])
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         frags = split_fragments(params, count, self.collective, s.bucket_cap_bytes(), _WIRE.get(sync_dtype))

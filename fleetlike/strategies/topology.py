@@ -19,7 +19,7 @@ from fleetlike.collectives import (
     HierarchicalAllReduce,
     hierarchical_pairs,
 )
-from fleetlike.comm import CommGroups
+from fleetlike.comm import CommGroups, Communicator
 from fleetlike.config import DistributedStrategy
 from fleetlike.roles import Role
 
@@ -66,17 +66,20 @@ def averaging_collective(
     codec: HalfCodec | None,
     mixed: bool = False,
     codec_option: str = "fp16_allreduce",
+    rings: list[Communicator] | None = None,
 ) -> tuple[AveragingCollective, list[Note]]:
     """The collective averaging float buffers for strategy ``s``, and what to record in
     ``applied_strategy()``.
 
     ``codec`` compresses every hop (``mixed=False``) or only the hop across nodes
     (``mixed=True``, which needs the two-level form); ``codec_option`` names the option that
-    asked for it in the notes. Cases where the two levels cannot help or cannot be formed fall
+    asked for it in the notes. ``rings`` replaces ``groups.rings(nccl_comm_num)`` for the flat
+    form: communicators of the caller's own, for traffic that stays in flight while the main
+    thread issues other collectives (ring 0 is the world communicator itself). Cases where the two levels cannot help or cannot be formed fall
     back to the flat allreduce and are recorded as not applied with the reason: one node; one
     rank per node; nodes of unequal sizes (per-node grouping needs equal nodes: set
     inter_nranks > 1 to group consecutive ranks instead)."""
-    rings = groups.rings(s.nccl_comm_num)
+    rings = rings if rings is not None else groups.rings(s.nccl_comm_num)
     notes: list[Note] = []
     world = groups.world
     want_hier = bool(s.use_hierarchical_allreduce)
