@@ -13,6 +13,9 @@
     python -m bench.localsgd                       # both parts, ~2-4 minutes
     python -m bench.localsgd --skip-convergence --rate 1gbit --per-node 2 --steps 24 --rounds 2
 
+(c) DiLoCo: ``--diloco`` runs `bench.diloco` after (a) and (b) (sync DP, local SGD, DiLoCo and
+    Streaming DiLoCo on a small transformer over the same kind of link; see that module).
+
 Defaults (100mbit, one worker per node) make the link the bottleneck: on this loaded 2-core
 machine four ranks at 1gbit are compute-bound (see docs/BENCHMARKS.md, "Local SGD").
 """
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conv-steps", type=int, default=None, help="digits steps (default: the test's)")
     ap.add_argument("--skip-convergence", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--diloco", action="store_true", help="(c): also run bench.diloco at --rate")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -287,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"veth tx bytes: node A {sp['veth_tx_bytes'][0]}, node B {sp['veth_tx_bytes'][1]}")
             save_json(out_dir / "localsgd_netns.json", {**info, **sp})
             plot_speed(out_dir / "localsgd_netns.png", sp)
+    if args.diloco:
+        from bench import diloco
+
+        print(f"(c) DiLoCo, two netns nodes x 2, link tbf {args.rate}", flush=True)
+        diloco.main(["--rate", args.rate, "--out-dir", str(out_dir)])
     return 0
 
 
