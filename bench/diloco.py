@@ -19,8 +19,8 @@ AdamW with warm-up and cosine decay, batch 16 x 64 bytes per worker.
 
 Reports steps/s (timed steps only, evaluation excluded), validation loss every ``--eval-every``
 steps (rank 0's model; at multiples of H the DiLoCo and local SGD models are synced), bytes each
-rank sends per step (the largest step after step 1, whose warm-up average syncs the whole model
-once in every local SGD mode: the peak a link must carry) and in total. Saves
+rank sends per step (the largest step after the warm-up, whose steps <= ``--begin`` average the
+whole model in every local SGD mode: the peak a link must carry) and in total. Saves
 ``docs/benchmarks/diloco.json`` and ``.png`` (validation loss vs steps and vs wall time).
 
     python -m bench.diloco                       # 2 netns nodes x 2, 1gbit, H=50, 500 steps
@@ -44,15 +44,15 @@ OUT_DIR = ROOT / "docs" / "benchmarks"
 CTX, BATCH, D_MODEL, LAYERS, HEADS = 64, 16, 128, 2, 4
 
 
-def modes(h: int, fragments: int) -> dict[str, dict[str, Any]]:
+def modes(h: int, fragments: int, begin: int = 1) -> dict[str, dict[str, Any]]:
     local = {"localsgd": True}
     return {
         "sync": {},
-        f"localsgd_{h}": {**local, "localsgd_configs": {"k_steps": h}},
-        f"diloco_{h}": {**local, "localsgd_configs": {"k_steps": h, "outer_optimizer": "nesterov",
+        f"localsgd_{h}": {**local, "localsgd_configs": {"k_steps": h, "begin_step": begin}},
+        f"diloco_{h}": {**local, "localsgd_configs": {"k_steps": h, "begin_step": begin, "outer_optimizer": "nesterov",
                                                         "outer_lr": 0.7, "outer_momentum": 0.9}},
         f"streaming_{h}": {**local, "localsgd_configs": {
-            "k_steps": h, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+            "k_steps": h, "begin_step": begin, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
             "fragments": fragments, "overlap": 1, "overlap_alpha": 0.5, "sync_dtype": "bfloat16"}},
     }
 
@@ -92,7 +92,8 @@ def build_model() -> Any:
     return TinyLM()
 
 
-def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_every: int, out: str) -> None:
+def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_every: int, out: str,
+           begin: int = 1) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -107,7 +108,7 @@ def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_e
     vidx = torch.randint(0, len(vdata) - CTX - 1, (8, 32), generator=g)
     role = Role.from_endpoints(rank, eps, job_id="bench-diloco")
     results: dict[str, Any] = {}
-    for name, cfg in modes(h, fragments).items():
+    for name, cfg in modes(h, fragments, begin).items():
         fleet.init(role, timeout=600)
         model = fleet.distributed_model(build_model())
         inner = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
@@ -145,13 +146,13 @@ def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_e
                 fleet.barrier_worker()  # every rank reached this step: the slowest rank's pace
                 if rank == 0:
                     curve.append({"step": step, "val_loss": evaluate(), "wall_s": clock,
-                                  "train_loss": float(loss)})
+                                  "train_loss": float(loss.detach())})
                     print(f"  {name} step {step}: val {curve[-1]['val_loss']:.4f} "
                           f"({step / clock:.2f} steps/s)", flush=True)
                 fleet.barrier_worker()
-        # peak after step 1: local SGD's warm-up (begin_step=1) averages the whole model once
+        # peak after the warm-up: local SGD's warm-up steps (<= begin_step) average the whole model
         results[name] = {"strategy": cfg, "curve": curve, "steps_per_s": steps / clock,
-                         "peak_bytes_per_step": max(sent[1:]), "total_bytes": sum(sent),
+                         "peak_bytes_per_step": max(sent[begin:]), "total_bytes": sum(sent),
                          "applied": [str(e) for e in fleet.applied_strategy()]}
         fleet.shutdown()
     if rank == 0:
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         spec = {"steps": args.steps, "h": args.H, "fragments": args.fragments, "eval_every": args.eval_every,
-                "out": result}
+                "out": result, "begin": args.begin}
         argv = [sys.executable, "-m", "bench.diloco", "--worker"]
         if args.loopback:
             import subprocess
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         if any(codes):
             raise RuntimeError(f"workers failed: exit codes {codes}")
         data = json.loads(Path(result).read_text())
-    return {"link": link, "H": args.H, "fragments": args.fragments, "steps": args.steps,
+    return {"link": link, "H": args.H, "fragments": args.fragments, "steps": args.steps, "begin_step": args.begin,
             "model": f"byte-level transformer, {LAYERS} layers, d={D_MODEL}, ctx {CTX}, batch {BATCH}/worker",
             "modes": data}
 
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--H", type=int, default=50, help="inner steps between syncs (k_steps)")
     ap.add_argument("--fragments", type=int, default=5, help="Streaming DiLoCo's fragments (divides H)")
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--begin", type=int, default=1, help="local SGD's begin_step: synchronous warm-up steps")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
