@@ -146,6 +146,10 @@ class Engine:
             )
         for name, value in state.items():
             mine[name].load_state_dict(value)
+        # resumed inside a gradient-merge window: the loaded partial sums must survive the eager
+        # loop's zero_grad() before its next micro-step, as they would have without the restart
+        merge = self.unit("gradient_merge")
+        self._keep_grads = bool(getattr(merge, "micro_step", 0))
 
     # ------------------------------------------------------------------ eager style
 
