@@ -56,6 +56,7 @@ def _model(layers: int, width: int) -> Any:
 def _state_bytes(opt: Any) -> int:
     import torch
 
+    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                if isinstance(v, torch.Tensor))
 

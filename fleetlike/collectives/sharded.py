@@ -293,39 +293,15 @@ def two_level_positions(world: Communicator, intra: Communicator, inter: Communi
 
 
 
-class _GatherGroup:
-    """Consecutive segmented buckets of one dtype gathered by one all-gather: row ``r`` of the
-    ``N x width`` buffer (rank ``r``'s contribution) is the concatenation of rank ``r``'s
-    segments of the buckets."""
-
-    def __init__(self, buckets: list[ShardedBucket]) -> None:
-        self.buckets = buckets
-        self.width = sum(b.segment for b in buckets)
-        self.dtype = buckets[0].dtype
-        self.device = buckets[0].device
-        self.single = buckets[0].single if len(buckets) == 1 else None
-        # (param, element offset inside its row) for every parameter of the group
-        self.places: list[tuple[torch.nn.Parameter, int, int]] = []  # param, owner, offset
-        shift = 0
-        for b in buckets:
-            for p, r, off in zip(b.params, b.owners, b.offsets):
-                base = b.positions[r] * b.segment if b.single is None else 0
-                self.places.append((p, r, shift + off - base))
-            shift += b.segment
-
-    @property
-    def nbytes(self) -> int:
-        elem = self.buckets[0].buffer.element_size()
-        if self.single is not None:
-            return self.buckets[0].numel * elem
-        return self.width * self.buckets[0].world * elem
-
-
 class ParamGather:
-    """All-gathers the updated parameters from their owners in buckets of ``segment_bytes``
-    (Paddle's ``segment_broadcast_MB``): consecutive gradient buckets of one dtype are merged into
-    one all-gather up to that size; a packed bucket (one owner) is broadcast from its owner. At
-    most ``window`` gathers are in flight, so the temporary buffers stay small.
+    """All-gathers the updated parameters from their owners after the update, in place in the
+    gradient buckets' own buffers (their gradients are spent by then): each rank copies its
+    parameters into its row, one all-gather per bucket fills the others, and each parameter is
+    copied out of its owner's row; a packed bucket (one owner) is broadcast from its owner. No
+    buffer is allocated, so the step costs no new memory and no page faults. The buffers are
+    zeroed afterwards: the gradients read zero after a sharded update (as after ``zero_grad``).
+    At most ``window_bytes`` of all-gathers are in flight (Paddle's ``segment_broadcast_MB``:
+    the parameters travel in the gradient buckets, ``fuse_grad_size_in_MB``).
 
     Example:
         >>> gather = ParamGather(reducer.buckets, world.rank, [world], 32 << 20)
@@ -333,82 +309,65 @@ class ParamGather:
     """
 
     def __init__(self, buckets: Sequence[ShardedBucket], rank: int, rings: Sequence[Communicator],
-                 segment_bytes: int, window: int = 2) -> None:
+                 window_bytes: int) -> None:
         self.rank = rank
         self.rings = list(rings)
-        self.window = max(1, int(window))
-        self.groups: list[_GatherGroup] = []
-        current: list[ShardedBucket] = []
-        size = 0
-        for b in buckets:
-            seg_bytes = b.segment * b.world * b.buffer.element_size()
-            if b.single is not None:
-                self.groups.append(_GatherGroup([b]))
-                continue
-            if current and (current[0].dtype != b.dtype or size + seg_bytes > segment_bytes):
-                self.groups.append(_GatherGroup(current))
-                current, size = [], 0
-            current.append(b)
-            size += seg_bytes
-        if current:
-            self.groups.append(_GatherGroup(current))
+        self.window_bytes = max(1, int(window_bytes))
+        self.buckets = list(buckets)
+        # per bucket: (param, owner, offset inside the owner's row)
+        self._places = [[(p, r, off - (b.positions[r] * b.segment if b.single is None else 0))
+                         for p, r, off in zip(b.params, b.owners, b.offsets)] for b in self.buckets]
         self.collectives_issued = 0
         self.bytes_issued = 0
 
-    def _start(self, i: int, g: _GatherGroup) -> tuple[Work, torch.Tensor | None]:
+    @staticmethod
+    def _rows(b: ShardedBucket) -> torch.Tensor:
+        return b.buffer.view(b.world, -1) if b.single is None else b.buffer.view(1, -1)
+
+    def _start(self, i: int) -> Work:
+        b = self.buckets[i]
         ring = self.rings[i % len(self.rings)]
         self.collectives_issued += 1
-        self.bytes_issued += g.nbytes
-        if g.single is not None:  # broadcast the owner's parameters, packed
-            b = g.buckets[0]
-            buf = torch.empty(b.numel, dtype=g.dtype, device=g.device)
-            if g.single == self.rank:
-                for p, off in zip(b.params, b.offsets):
-                    buf[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            return ring.broadcast_async(buf, g.single, agreed=True), buf
-        world = g.buckets[0].world
-        buf = torch.empty(world * g.width, dtype=g.dtype, device=g.device)
-        row = buf[self.rank * g.width : (self.rank + 1) * g.width]
-        for p, r, off in g.places:
-            if r == self.rank:
-                row[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        return ring.all_gather_flat_async(row, out=buf, agreed=True), buf
-
-    def _finish(self, g: _GatherGroup, work: Work, buf: torch.Tensor) -> None:
-        work.wait()
+        self.bytes_issued += b.nbytes
+        mine = self.rank if b.single is None else 0
+        rows = self._rows(b)
         with torch.no_grad():
-            if g.single is not None:
-                if g.single != self.rank:
-                    b = g.buckets[0]
-                    for p, off in zip(b.params, b.offsets):
-                        p.copy_(buf[off : off + p.numel()].view_as(p))
-                return
-            for p, r, off in g.places:
+            if b.single is None or b.single == self.rank:
+                for p, r, off in self._places[i]:
+                    if r == self.rank:
+                        rows[mine, off : off + p.numel()].copy_(p.detach().reshape(-1))
+        if b.single is not None:
+            return ring.broadcast_async(b.buffer, b.single, agreed=True)
+        return ring.all_gather_flat_async(rows[self.rank], out=b.buffer, agreed=True)
+
+    def _finish(self, i: int, work: Work) -> None:
+        work.wait()
+        b = self.buckets[i]
+        rows = self._rows(b)
+        with torch.no_grad():
+            for p, r, off in self._places[i]:
                 if r != self.rank:
-                    start = r * g.width + off
-                    p.copy_(buf[start : start + p.numel()].view_as(p))
+                    p.copy_(rows[r if b.single is None else 0, off : off + p.numel()].view_as(p))
+        b.zero_()
 
     def run(self) -> None:
-        """Gather every parameter from its owner (blocking; ``window`` gathers in flight)."""
-        inflight: list[tuple[_GatherGroup, Work, torch.Tensor]] = []
-        for i, g in enumerate(self.groups):
-            work, buf = self._start(i, g)
-            inflight.append((g, work, buf))
-            if len(inflight) >= self.window:
-                self._finish(*inflight.pop(0))
-        for item in inflight:
-            self._finish(*item)
+        """Gather every parameter from its owner (blocking)."""
+        inflight: list[tuple[int, Work]] = []
+        size = 0
+        for i, b in enumerate(self.buckets):
+            if inflight and size + b.nbytes > self.window_bytes:
+                j, w = inflight.pop(0)
+                self._finish(j, w)
+                size -= self.buckets[j].nbytes
+            inflight.append((i, self._start(i)))
+            size += b.nbytes
+        for j, w in inflight:
+            self._finish(j, w)
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
-        for i, g in enumerate(self.groups):
-            kb = g.nbytes / 1024
-            size = f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
+        for i, b in enumerate(self.buckets):
             ring = self.rings[i % len(self.rings)].name
-            if g.single is not None:
-                out.append({"op": "c_broadcast", "root": g.single, "params": len(g.places), "size": size, "comm": ring})
-            else:
-                out.append({"op": "c_allgather", "buckets": [b.index for b in g.buckets],
-                            "params": len(g.places), "size": size, "comm": ring})
+            d = {"bucket": b.index, "params": len(b.params), "size": b.describe()["size"], "comm": ring}
+            out.append({"op": "c_broadcast", "root": b.single, **d} if b.single is not None else {"op": "c_allgather", **d})
         return out
-

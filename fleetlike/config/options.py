@@ -228,8 +228,8 @@ ENTRIES: tuple[Field | Section, ...] = (
             "ranks sharing one copy of the optimizer state; must be the world size (Paddle "
             "checks sharding_degree x dp_degree == world); 0 = the world size, whatever it is")),
         Field("segment_broadcast_MB", Float(gt=0, keep_int=True), 32.0, note=(
-            "size of the buckets in which updated parameters are all-gathered after the update: "
-            "larger amortises latency, smaller overlaps more")),
+            "MB of parameter all-gathers in flight after the update (the parameters travel in "
+            "the gradient buckets, fuse_grad_size_in_MB): larger overlaps more buckets")),
         Field("gradients_reduce_method", Choice(ReduceMethod), ReduceMethod.MEAN, note=(
             "'mean' averages the gradients over the ranks (data parallel's meaning), 'sum' adds "
             "them (scale the learning rate down by the world size)")),

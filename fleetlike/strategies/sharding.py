@@ -12,8 +12,9 @@ parameters, balanced by bytes inside every gradient bucket). A step then runs:
 3. the update is the user's own optimizer object: every ``torch.optim`` optimizer skips a
    parameter whose ``.grad`` is None, so it steps (and creates state for) the owned partition
    only, with its param groups, per-group hyper-parameters and any LR scheduler untouched;
-4. after the update the owners' parameters are **all-gathered** in buckets of
-   ``segment_broadcast_MB`` (`ParamGather`), and the gradient views are put back.
+4. after the update the owners' parameters are **all-gathered** in place in the gradient
+   buckets (`ParamGather`; at most ``segment_broadcast_MB`` in flight), which are zeroed after:
+   under sharding the gradients read zero after ``step()``, as after ``zero_grad()``.
 
 Using the user's optimizer rather than a copy over the shard is why nothing else changes: its
 ``state_dict()`` simply holds the owned parameters' state (a shard, in the ordinary format), and
@@ -99,8 +100,8 @@ class ShardingUnit(Unit):
         ctx.record("sharding", True, (
             f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
-            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding), {len(self.gather.groups)} "
-            f"all-gathers of <= {cfg['segment_broadcast_MB']} MB; gradients {cfg['gradients_reduce_method']}"
+            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding), all-gathered in place, "
+            f"<= {cfg['segment_broadcast_MB']} MB in flight; gradients {cfg['gradients_reduce_method']}"
             + (f", clipped to global norm {self.clip_norm:g} "
                + ("after the reduce-scatter" if self.clip_after else "per rank before communication")
                if self.clip_norm > 0 else "")
@@ -150,7 +151,7 @@ class ShardingUnit(Unit):
             Hook("before_update", "sharding_select_partition", self._select,
                  {"owned_params": len(self.mine), "of": len(self.mine) + len(self.others)}),
             Hook("after_update", "c_allgather_params", self._gather,
-                 {"gathers": len(self.gather.groups), "segment_broadcast_MB": self.ctx.strategy.sharding_configs["segment_broadcast_MB"]}),
+                 {"gathers": len(self.buckets), "in_flight_MB": self.ctx.strategy.sharding_configs["segment_broadcast_MB"]}),
         ]
         return hooks
 
@@ -201,10 +202,10 @@ class ShardingUnit(Unit):
         if not self._masked:
             return
         self._masked = False
-        for b in self.buckets:
-            b.attach()  # the gradient views are back (zeroed or kept by the engine's clear)
         started = self.gather.collectives_issued, self.gather.bytes_issued
-        self.gather.run()
+        self.gather.run()  # in the bucket buffers, zeroed after: the gradients read zero now
+        for b in self.buckets:
+            b.attach()  # the gradient views are back
         st.info["gathers"] = self.gather.collectives_issued - started[0]
         st.info["bytes_gathered"] = self.gather.bytes_issued - started[1]
 
