@@ -26,6 +26,7 @@ sharding" section of ``docs/BENCHMARKS.md``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import sys
@@ -120,6 +121,8 @@ def _time(role: Any, args: argparse.Namespace, rdv: str) -> dict[str, Any]:
         "param_bytes": sum(p.numel() * 4 for p in trainers["dp"][2].parameters()),
         "applied": [str(a) for a in fleet.applied_strategy()],
     }
+    del trainers
+    gc.collect()
     fleet.shutdown()
     torch.distributed.destroy_process_group()
     return result
@@ -130,6 +133,8 @@ def _rss(role: Any, kind: str, args: argparse.Namespace, rdv: str) -> float:
     for _ in range(args.steps):
         trainers[kind][0]()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    del trainers  # DDP and ZeroRedundancyOptimizer hang if freed after their group is destroyed
+    gc.collect()
     if kind != "torch_zero":
         from fleetlike import fleet
 
