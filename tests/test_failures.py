@@ -291,12 +291,13 @@ def _fit(role, ckpt, phase):
 
 
 @pytest.mark.timeout(60)
-def test_loading_checks_world_size_and_strategy(tmp_path):
+def test_loading_checks_the_strategy_not_the_world_size(tmp_path):
+    # issue 18: a checkpoint loads at another world size (state is replicated or resharded)
     ckpt = str(tmp_path / "c")
     run_ranks(_fit, 2, ckpt, "save", timeout=30)
     kind, msg = run_ranks(_fit, 1, ckpt, "load", timeout=30)[0]
     assert kind == "CheckpointError"
-    assert "world size: saved 2, now 1" in msg and "strategy.nccl_comm_num: saved 1, now 2" in msg
+    assert "world size" not in msg and "strategy.nccl_comm_num: saved 1, now 2" in msg
 
 
 def test_rendezvous_names_the_store_the_wait_and_the_missing_ranks():

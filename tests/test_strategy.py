@@ -64,6 +64,9 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "fuse_grad_size_in_MB": 32,
     "fp16_allreduce": False,
     "fp16_allreduce_configs": {"dtype": "float16", "mode": "all", "grad_scale": 1.0},
+    "sharding": False,
+    "sharding_configs": {"sharding_degree": 8, "segment_broadcast_MB": 32.0, "gradients_reduce_method": "mean",
+                         "clip_norm": 0.0, "clip_after_allreduce": False},
     "sync_batch_norm": False,
     "sync_batch_norm_configs": {"scope": "global"},
     "find_unused_parameters": False,
@@ -131,6 +134,12 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "fp16_allreduce_configs.dtype": ("choice", ["float16", "bfloat16"]),
     "fp16_allreduce_configs.mode": ("choice", ["all", "mixed"]),
     "fp16_allreduce_configs.grad_scale": ("float", 0.0, None),
+    "sharding": ("bool",),
+    "sharding_configs.sharding_degree": ("int", 0, None),
+    "sharding_configs.segment_broadcast_MB": ("float", 0.0, None),
+    "sharding_configs.gradients_reduce_method": ("choice", ["mean", "sum"]),
+    "sharding_configs.clip_norm": ("float_ge", 0.0),
+    "sharding_configs.clip_after_allreduce": ("bool",),
     "sync_batch_norm": ("bool",),
     "sync_batch_norm_configs.scope": ("choice", ["global", "local"]),
     "find_unused_parameters": ("bool",),
@@ -184,7 +193,9 @@ def test_defaults_are_paddle_2x() -> None:
 def test_registry_matches_the_restated_contract() -> None:
     assert DistributedStrategy.option_names() == list(flat(PADDLE_DEFAULTS))
     assert set(KINDS) == set(DistributedStrategy.option_names())
-    assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy"}
+    assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy", "zero.level",
+                                                  "communication.gradients_reduce_method",
+                                                  "communication.clip_after_allreduce"}
 
 
 @pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,
@@ -573,6 +584,9 @@ def _valid(path: str) -> st.SearchStrategy[Any]:
                            exclude_max=lt is not None, allow_infinity=False, allow_nan=False)
         ints = st.integers(int(gt) + 1, int(lt) - 1 if lt is not None else 10**6)
         return floats | ints if lt is None or lt - gt > 2 else floats
+    if kind[0] == "float_ge":  # a closed lower bound (0 = off)
+        return st.floats(min_value=kind[1], max_value=1e9, allow_infinity=False, allow_nan=False) | st.integers(
+            int(kind[1]), 10**6)
     if kind[0] in ("choice", "values"):
         return st.sampled_from(kind[1])
     if kind[0] == "names":  # white and black names differ by prefix, so the lists are disjoint
@@ -608,6 +622,9 @@ def _invalid(path: str) -> st.SearchStrategy[tuple[Any, type[Exception]]]:
         return out
     if kind[0] == "values":
         return st.sampled_from(kind[2])
+    if kind[0] == "float_ge":
+        return typed(junk | st.booleans() | st.text(max_size=3)) | valued(
+            st.floats(max_value=kind[1], exclude_max=True) | st.just(float("nan")) | st.just(float("inf")))
     if kind[0] == "choice":
         return typed(junk | st.integers() | st.booleans()) | valued(
             st.text(max_size=8).filter(lambda t, ok=kind[1]: t not in ok))

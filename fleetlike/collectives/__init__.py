@@ -24,6 +24,14 @@ from fleetlike.collectives.hierarchical import (
     hierarchical_pairs,
 )
 from fleetlike.collectives.reducer import GradReducer, make_reducer, unused_parameters
+from fleetlike.collectives.sharded import (
+    ParamGather,
+    ShardedBucket,
+    ShardReduceScatter,
+    assign_owners,
+    plan_shards,
+    two_level_positions,
+)
 from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
 
 __all__ = [
@@ -35,13 +43,19 @@ __all__ = [
     "GradReducer",
     "HalfCodec",
     "HierarchicalAllReduce",
+    "ParamGather",
     "RingWorkers",
+    "ShardReduceScatter",
+    "ShardedBucket",
     "agree_max",
+    "assign_owners",
     "broadcast_coalesced",
     "cross_node_bytes_flat",
     "hierarchical_pairs",
     "make_reducer",
     "plan_buckets",
+    "plan_shards",
     "segmented_all_reduce",
+    "two_level_positions",
     "unused_parameters",
 ]

@@ -51,7 +51,11 @@ def plan_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int | None) ->
 class Bucket:
     """One flat gradient buffer and the parameters whose ``.grad`` are views into it."""
 
-    def __init__(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(
+        self, index: int, params: Sequence[torch.nn.Parameter], layout: tuple[Sequence[int], int] | None = None
+    ) -> None:
+        """``layout`` = (offset of each parameter, buffer numel) places the gradients elsewhere
+        than back to back (the sharded buckets leave a segment per rank, zero-padded)."""
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
@@ -63,6 +67,8 @@ class Bucket:
         for p in self.params:
             self.offsets.append(total)
             total += p.numel()
+        if layout is not None:
+            self.offsets, total = list(layout[0]), int(layout[1])
         self.numel = total
         self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.views = [

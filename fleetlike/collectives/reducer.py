@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +79,8 @@ class GradReducer:
         find_unused: bool = False,
         check_nan_inf: bool = False,
         names: dict[int, str] | None = None,
+        buckets: Sequence[Bucket] | None = None,
+        hold: Callable[[], None] | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.check_nan_inf = check_nan_inf
@@ -93,7 +95,11 @@ class GradReducer:
         #: finalizes: the per-step state (pending counts, next bucket, handles, counters) is
         #: changed under this lock only (re-entrant: finalize launches what is left)
         self._lock = threading.RLock()
-        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
+        #: ``hold``: launch nothing during backward; at its end call ``hold()`` (it may change
+        #: the complete local gradients: clipping by the local norm), then launch every bucket
+        self.hold = hold
+        self.buckets = (list(buckets) if buckets is not None
+                        else [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))])
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for j, p in enumerate(b.params):
@@ -161,6 +167,8 @@ class GradReducer:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self.hold is not None:
+            return
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self.buckets[self._next])
 
@@ -196,6 +204,8 @@ class GradReducer:
     def _finalize(self) -> None:
         if not self.armed:
             return
+        if self.hold is not None and self._next == 0:
+            self.hold()
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         started = time.perf_counter()
@@ -232,17 +242,22 @@ def make_reducer(
     cap_bytes: int | None,
     find_unused: bool = False,
     check_nan_inf: bool = False,
+    buckets: Sequence[Bucket] | None = None,
+    hold: Callable[[], None] | None = None,
 ) -> GradReducer:
     """The `GradReducer` for ``model``'s parameters, named for error messages.
 
     The one way it is built (by `fleetlike.strategies.data_parallel`, for both styles), so
     buckets and names are alike everywhere.
-    ``cap_bytes`` is ``DistributedStrategy.bucket_cap_bytes()``."""
+    ``cap_bytes`` is ``DistributedStrategy.bucket_cap_bytes()``; ``buckets`` replaces the
+    default plan (sharding lays its buckets out per rank, `fleetlike.collectives.sharded`)."""
     return GradReducer(
         model.parameters(),
         collective,
         cap_bytes=cap_bytes,
         find_unused=find_unused,
         check_nan_inf=check_nan_inf,
+        buckets=buckets,
+        hold=hold,
         names={id(p): n for n, p in model.named_parameters()},
     )

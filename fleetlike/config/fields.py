@@ -220,7 +220,8 @@ class Int(Spec):
 
 @dataclasses.dataclass(frozen=True)
 class Float(Spec):
-    """A finite real number with open (``gt``/``lt``) bounds; ints are welcome.
+    """A finite real number with open (``gt``/``lt``) bounds, or a closed lower bound (``ge``,
+    for settings where 0 means "off"); ints are welcome.
 
     ``keep_int`` stores an int as an int (for sizes such as ``fuse_grad_size_in_MB`` that Paddle
     types as int but where a fraction is meaningful too); otherwise everything becomes a float.
@@ -229,8 +230,11 @@ class Float(Spec):
     gt: float | None = None
     lt: float | None = None
     keep_int: bool = False
+    ge: float | None = None
 
     def describe(self) -> str:
+        if self.ge is not None:
+            return f"number >= {self.ge:g}"
         if self.gt is not None and self.lt is not None:
             return f"number in ({self.gt:g}, {self.lt:g}), bounds excluded"
         if self.gt is not None:
@@ -249,12 +253,14 @@ class Float(Spec):
             raise value_error(field, value, f"a finite {self.describe()}", "use a finite number")
         if (self.gt is not None and not number > self.gt) or (
             self.lt is not None and not number < self.lt
-        ):
+        ) or (self.ge is not None and not number >= self.ge):
             raise value_error(field, value, f"a {self.describe()}",
                               f"choose a value {self._range_words()}")
         return number
 
     def _range_words(self) -> str:
+        if self.ge is not None:
+            return f"at or above {self.ge:g}"
         if self.gt is not None and self.lt is not None:
             return f"strictly between {self.gt:g} and {self.lt:g}"
         if self.gt is not None:

@@ -38,8 +38,10 @@ __all__ = [
     "Mode",
     "AmpPolicy",
     "OuterOptimizer",
+    "ReduceMethod",
     "SyncDtype",
     "SyncBatchNormScope",
+    "ZeroLevel",
 ]
 
 
@@ -105,6 +107,20 @@ class SyncBatchNormScope(_StrEnum):
 
     GLOBAL = "global"
     LOCAL = "local"
+
+
+class ReduceMethod(_StrEnum):
+    """How gradients combine over the ranks (EPL's ``communication.gradients_reduce_method``)."""
+
+    MEAN = "mean"
+    SUM = "sum"
+
+
+class ZeroLevel(_StrEnum):
+    """EPL's ``zero.level``: "" (off) or "v1" (optimizer state and gradients sharded)."""
+
+    OFF = ""
+    V1 = "v1"
 
 
 class Mode(_StrEnum):
@@ -344,6 +360,28 @@ ENTRIES: tuple[Field | Section, ...] = (
             "extra factor applied before the cast and undone after; lower it if gradients "
             "overflow in transit, raise it if small ones underflow to zero")),
     )),
+    Field("sharding", Bool(), False, feature=True, note=(
+        "ZeRO stage 1: each rank keeps the optimizer state of its partition of the parameters, "
+        "gradients are reduce-scattered and updated parameters all-gathered; with Adam it frees "
+        "up to 2(N-1)/N of the parameter memory per rank for the same traffic as data parallel")),
+    Section("sharding_configs", requires="sharding", note="optimizer-state sharding", fields=(
+        Field("sharding_degree", Int(min=0), 8, note=(
+            "ranks sharing one copy of the optimizer state; must be the world size (Paddle "
+            "checks sharding_degree x dp_degree == world); 0 = the world size, whatever it is")),
+        Field("segment_broadcast_MB", Float(gt=0, keep_int=True), 32.0, note=(
+            "MB of parameter all-gathers in flight after the update (the parameters travel in "
+            "the gradient buckets, fuse_grad_size_in_MB): larger overlaps more buckets")),
+        Field("gradients_reduce_method", Choice(ReduceMethod), ReduceMethod.MEAN, note=(
+            "'mean' averages the gradients over the ranks (data parallel's meaning), 'sum' adds "
+            "them (scale the learning rate down by the world size)")),
+        Field("clip_norm", Float(ge=0), 0.0, note=(
+            "clip the gradients by their global L2 norm (torch.nn.utils.clip_grad_norm_'s "
+            "max_norm) before the update; 0 = no clipping")),
+        Field("clip_after_allreduce", Bool(), False, note=(
+            "True clips the reduced gradient by its global norm over all shards (equals data "
+            "parallel then clip_grad_norm_); False (EPL's default) clips each rank's own gradient "
+            "before communication, which delays the reduce-scatter to the end of backward")),
+    )),
     Field("sync_batch_norm", Bool(), False, feature=True, note=(
         "BatchNorm statistics over the global batch; helps small per-GPU batches (detection) "
         "at the cost of one allreduce per layer")),
@@ -382,6 +420,16 @@ ENTRIES: tuple[Field | Section, ...] = (
 )
 
 
+def _read_zero_level(get: Callable[[str], Any]) -> ZeroLevel:
+    return ZeroLevel.V1 if get("sharding") else ZeroLevel.OFF
+
+
+def _write_zero_level(value: Any) -> dict[str, Any]:
+    if value is ZeroLevel.V1:  # EPL shards over all data-parallel workers
+        return {"sharding": True, "sharding_configs.sharding_degree": 0}
+    return {"sharding": False}
+
+
 def _read_collective_mode(get: Callable[[str], Any]) -> CollectiveMode:
     if get("localsgd") or get("adaptive_localsgd"):
         return CollectiveMode.LOCAL_SGD
@@ -406,6 +454,17 @@ ALIASES: tuple[Alias, ...] = (
     Alias("amp_loss_scaling", "amp_configs.init_loss_scaling",
           "Fleet 1.x name of the initial loss scale"),
     Alias("exec_strategy", "execution_strategy", "Fleet 1.x name of execution_strategy"),
+    Alias(
+        "zero.level", None,
+        "EPL's ZeRO switch (dotted-key form): 'v1' turns sharding on over every rank "
+        "(sharding_configs.sharding_degree = 0); '' turns it off; reads 'v1' when sharding is on",
+        spec=Choice(ZeroLevel), read=_read_zero_level, write=_write_zero_level,
+        touches=("sharding", "sharding_configs.sharding_degree"),
+    ),
+    Alias("communication.gradients_reduce_method", "sharding_configs.gradients_reduce_method",
+          "EPL's name of sharding_configs.gradients_reduce_method"),
+    Alias("communication.clip_after_allreduce", "sharding_configs.clip_after_allreduce",
+          "EPL's name of sharding_configs.clip_after_allreduce"),
     Alias(
         "collective_mode", None,
         "Fleet 1.x switch, derived from localsgd: reads 'local_sgd' when localsgd or "

@@ -20,11 +20,12 @@ cannot both be True: ... Fix: turn fp16_allreduce off ...
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from fleetlike.config.fields import StrategyValueError
 
-__all__ = ["RULES", "Conflict", "Options", "check"]
+__all__ = ["CLASHES", "RULES", "Clash", "Conflict", "Options", "check"]
 
 
 class Options(Protocol):
@@ -57,6 +58,41 @@ RULES: tuple[Conflict, ...] = (
              "gradient allreduces", "turn fp16_allreduce off and set "
              "adaptive_localsgd_configs.sync_dtype to 'float16' or 'bfloat16' to compress local "
              "SGD's traffic"),
+    Conflict("sharding", "localsgd",
+             "sharding gives each rank only its partition's optimizer state and reduces "
+             "gradients every step, while local SGD steps every parameter on every rank and "
+             "averages parameters every k steps",
+             "turn one off: sharding saves optimizer memory, local SGD saves communication"),
+    Conflict("sharding", "adaptive_localsgd",
+             "sharding gives each rank only its partition's optimizer state and reduces "
+             "gradients every step, while adaptive local SGD steps every parameter on every rank "
+             "and averages parameters", "turn one off"),
+)
+
+
+class Clash(NamedTuple):
+    """A combination that depends on settings, not just two switches: ``test`` says it is on."""
+
+    field: str
+    test: Callable[[Options], bool]
+    why: str
+    fix: str
+
+
+def _local_clip(s: Options) -> bool:
+    return bool(s.sharding) and float(s.sharding_configs["clip_norm"]) > 0 and not s.sharding_configs["clip_after_allreduce"]
+
+
+#: combinations judged on their settings, checked after `RULES`
+CLASHES: tuple[Clash, ...] = (
+    Clash("sharding_configs.clip_after_allreduce=False and amp",
+          lambda s: _local_clip(s) and bool(s.amp),
+          "clipping before communication sees the loss-scaled gradient, whose norm is the "
+          "scale times the true one", "set sharding_configs.clip_after_allreduce = True"),
+    Clash("sharding_configs.clip_after_allreduce=False and gradient_merge",
+          lambda s: _local_clip(s) and bool(s.gradient_merge) and int(s.gradient_merge_configs["k_steps"]) > 1,
+          "clipping before communication would clip the sum of the merged micro-steps, not their "
+          "average", "set sharding_configs.clip_after_allreduce = True"),
 )
 
 
@@ -72,3 +108,8 @@ def check(strategy: Options) -> None:
                 names, (True, True), "at most one of them True", rule.fix,
                 f"strategy.{rule.first} and strategy.{rule.second} cannot both be True: "
                 f"{rule.why}. Fix: {rule.fix}")
+    for clash in CLASHES:
+        if clash.test(strategy):
+            raise StrategyValueError(
+                clash.field, True, "not together", clash.fix,
+                f"strategy.{clash.field} (with a clip_norm) cannot work: {clash.why}. Fix: {clash.fix}")

@@ -109,6 +109,12 @@ def _expand(key: Any, value: Any, label: str | None = None, source: str | None =
     if not isinstance(key, str):
         raise type_error("option name", key, "a str", "use option names as strings")
     label, source = label or key, source or key
+    dotted = _ALIASES.get(key) if "." in key else None  # EPL's dotted names ("zero.level")
+    if dotted is not None and dotted.target is not None:
+        return _expand(dotted.target, value, f"{key} (= {dotted.target})", source)
+    if dotted is not None and dotted.spec is not None and dotted.write is not None:
+        chosen = dotted.spec.check(label, value)
+        return [_Update(p, v, f"{label} (-> {p})", source) for p, v in dotted.write(chosen).items()]
     head, dot, tail = key.partition(".")
     alias = _ALIASES.get(head)
     if alias is not None and alias.target is not None:

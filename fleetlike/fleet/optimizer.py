@@ -15,7 +15,9 @@ clears unless a gradient-merge window is still accumulating. ``backward(loss)`` 
 
 ``state_dict()`` is the wrapped optimizer's plus a ``"fleetlike"`` entry with what the strategy
 keeps (loss scale, local SGD counters and snapshots, the gradient-merge window), so a checkpoint
-of the optimizer alone resumes the strategy exactly.
+of the optimizer alone resumes the strategy exactly. Under ``strategy.sharding`` it holds this
+rank's partition only (a shard); ``load_state_dict`` accepts a full state and keeps the
+partition (`fleetlike.fleet.checkpoint.consolidate_optimizer_state` merges shards).
 
 Example:
     >>> opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
@@ -253,6 +255,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = dict(state_dict)
         engines = state.pop(_STATE_KEY, None)
         self.inner_optimizer.load_state_dict(state)
+        for engine in self.engines:  # a full (consolidated) state: keep this rank's partition
+            sharding = engine.unit("sharding")
+            if sharding is not None:
+                sharding.drop_foreign_state(self.inner_optimizer)  # type: ignore[attr-defined]
         if engines is None:
             return
         if len(engines) == len(self.engines):

@@ -6,7 +6,9 @@
     sync_batch_norm, recompute   model rewrites, done when the engine is built
     slow_rank_check              times this rank's own work
     gradient_merge               k micro-steps, then one communication and one update
-    data_parallel | localsgd     gradient buckets during backward | periodic parameter averaging
+    data_parallel | sharding | localsgd
+                                 gradient buckets during backward (allreduced | reduce-scattered,
+                                 partition stepped, parameters all-gathered) | parameter averaging
     amp                          autocast, loss scaling, agreed finite check
 
 Each phase of a step runs the units' hooks for that phase in this order. The program style
@@ -34,11 +36,12 @@ import torch
 from fleetlike.config import rules
 from fleetlike.program import StepState
 from fleetlike.strategies.amp import AmpUnit
-from fleetlike.strategies.data_parallel import DataParallelUnit
+from fleetlike.strategies.data_parallel import DataParallelUnit, gradient_collective
 from fleetlike.strategies.gradient_merge import GradientMergeUnit
 from fleetlike.strategies.health import SlowRankUnit
 from fleetlike.strategies.localsgd import LocalSGDUnit
 from fleetlike.strategies.recompute import RecomputeUnit
+from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
 
@@ -61,6 +64,9 @@ def build_engine(ctx: StepContext) -> Engine:
         ctx.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
         if s.check_nan_inf:
             ctx.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
+    elif s.sharding:
+        collective, notes = gradient_collective(s, ctx.groups, ctx.role)
+        comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
     else:
         comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
     health = SlowRankUnit(ctx) if s.slow_rank_check else None
@@ -140,6 +146,10 @@ class Engine:
             )
         for name, value in state.items():
             mine[name].load_state_dict(value)
+        # resumed inside a gradient-merge window: the loaded partial sums must survive the eager
+        # loop's zero_grad() before its next micro-step, as they would have without the restart
+        merge = self.unit("gradient_merge")
+        self._keep_grads = bool(getattr(merge, "micro_step", 0))
 
     # ------------------------------------------------------------------ eager style
 

@@ -68,11 +68,17 @@ class GradientMergeUnit(Unit):
                 g.div_(self.k_steps)
         self.micro_step = 0
 
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.ctx.model.parameters() if p.requires_grad]
+
     def state_dict(self) -> dict[str, Any]:
+        # per parameter, not per bucket: the bucket layout depends on the world size (sharding
+        # pads per rank), and a checkpoint may be loaded at another one
         return {
             "rank": self.ctx.role.rank,
             "micro_step": self.micro_step,
-            "partial": [g.detach().clone() for g in self.ctx.grads()] if self.micro_step else [],
+            "partial_params": [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+            if self.micro_step else [],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -86,7 +92,16 @@ class GradientMergeUnit(Unit):
                 "the window is complete"
             )
         self.micro_step = int(state["micro_step"])
-        if not state["partial"]:
+        if state.get("partial_params"):
+            for p, saved in zip(self._params(), state["partial_params"]):
+                if saved is None:
+                    continue
+                if p.grad is None:
+                    p.grad = saved.clone()
+                else:
+                    p.grad.copy_(saved)
+            return
+        if not state.get("partial"):  # checkpoints before per-parameter partial sums: per bucket
             return
         if self.ctx.reducer is None:
             for p in self.ctx.model.parameters():

@@ -1,0 +1,391 @@
+"""Sharded gradient buckets (ZeRO stage 1): reduce-scatter to the owner, all-gather back.
+
+Partitioning. Every parameter has exactly one owner rank, which alone keeps its optimizer state
+and updates it; a parameter is never split. The owners are chosen *per gradient bucket*
+(`plan_shards`): the bucket's parameters, largest first, each go to the rank with the fewest
+bytes in this bucket so far, ties broken by the fewest bytes overall. Balancing inside every
+bucket is what makes the reduce-scatter cheap; the tie-break keeps the whole partition within
+one largest parameter of ``total / N`` per rank, which bounds each rank's optimizer state.
+
+Layout. A `ShardedBucket`'s flat buffer is ``N`` equal segments, one per rank, each holding its
+owner's gradients back to back and zero-padded to the longest segment. One reduce-scatter of the
+buffer then leaves each rank exactly its own parameters' reduced gradients (``N - 1`` over ``N``
+of the bytes of an allreduce, and no parameter cut in two). A bucket whose parameters all belong
+to one rank (a parameter larger than the bucket cap) is packed without padding and allreduced
+instead: padding it would send ``N`` times its size. Segment order is rank order; for the
+two-level form, rank ``(node g, local j)`` sits at position ``j * K + g`` (``K`` nodes), so the
+intra-node reduce-scatter hands local rank ``j`` the ``K`` segments of the ranks it shares a
+local index with, and the reduce-scatter across nodes hands each its own.
+
+`ShardReduceScatter` is a `BucketCollective` (so `GradReducer`'s hooks launch it during
+backward, bucket by bucket, exactly as the allreduce of data parallel); `ParamGather` brings
+the updated parameters back to every rank in buckets of ``segment_bytes`` after the update.
+
+Example:
+    >>> buckets = plan_shards(list(model.parameters()), 32 << 20, world.size)
+    >>> coll = ShardReduceScatter(world.rank, [world])
+    >>> reducer = make_reducer(model, coll, cap_bytes=None, buckets=buckets)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fleetlike.collectives.buckets import Bucket, plan_buckets
+from fleetlike.collectives.codec import HalfCodec
+from fleetlike.collectives.compression import CompressedAllReduce
+from fleetlike.collectives.flat import FlatAllReduce
+from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorkers
+from fleetlike.comm import Communicator, Work, divide_, dtype_name
+
+__all__ = ["ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners", "plan_shards", "two_level_positions"]
+
+
+def assign_owners(sizes: Sequence[int], world: int, load: list[int]) -> list[int]:
+    """An owner for each size: largest first, to the rank with the least of this group, then
+    the least ``load`` (updated in place), then the lowest rank. Deterministic on every rank."""
+    owners = [0] * len(sizes)
+    here = [0] * world
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (here[r], load[r], r))
+        owners[i] = r
+        here[r] += sizes[i]
+        load[r] += sizes[i]
+    return owners
+
+
+class ShardedBucket(Bucket):
+    """A gradient bucket laid out as one zero-padded segment per rank (see module docstring).
+
+    ``owners[i]`` owns ``params[i]``; ``positions[r]`` is rank ``r``'s segment; ``segment`` the
+    elements per segment; ``single`` the one owner of a packed bucket (None when segmented)."""
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
+                 positions: Sequence[int]) -> None:
+        world = len(positions)
+        self.owners = list(owners)
+        self.positions = list(positions)
+        self.world = world
+        used = sorted(set(owners))
+        self.single: int | None = used[0] if len(used) == 1 else None
+        offsets: list[int] = []
+        if self.single is not None:
+            self.segment = 0
+            total = 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+        else:
+            fill = [0] * world
+            for p, r in zip(params, owners):
+                fill[r] += p.numel()
+            self.segment = max(fill)
+            total = self.segment * world
+            cursor = [positions[r] * self.segment for r in range(world)]
+            for p, r in zip(params, owners):
+                offsets.append(cursor[r])
+                cursor[r] += p.numel()
+        super().__init__(index, params, (offsets, total))
+
+    def owned(self, rank: int) -> list[int]:
+        """Indices into ``params`` of the parameters ``rank`` owns."""
+        return [i for i, r in enumerate(self.owners) if r == rank]
+
+    def segment_of(self, rank: int) -> torch.Tensor:
+        """``rank``'s segment of the buffer (what the reduce-scatter leaves there)."""
+        if self.single is not None:
+            return self.buffer
+        pos = self.positions[rank]
+        return self.buffer[pos * self.segment : (pos + 1) * self.segment]
+
+    @property
+    def padding(self) -> int:
+        return self.numel - sum(p.numel() for p in self.params)
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        if self.single is None:
+            d["segment"] = self.segment
+            d["padding"] = self.padding
+        else:
+            d["owner"] = self.single
+        return d
+
+
+def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, world: int,
+                positions: Sequence[int] | None = None) -> list[ShardedBucket]:
+    """The sharded gradient buckets of ``params``: `plan_buckets`' grouping (reverse order, one
+    dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`)."""
+    positions = list(positions) if positions is not None else list(range(world))
+    if sorted(positions) != list(range(world)):
+        raise ValueError(f"positions={positions} must order the ranks 0..{world - 1}")
+    load = [0] * world
+    out = []
+    for i, group in enumerate(plan_buckets(params, cap_bytes)):
+        owners = assign_owners([p.numel() * p.element_size() for p in group], world, load)
+        out.append(ShardedBucket(i, group, owners, positions))
+    return out
+
+
+def _op_name(op: str) -> str:
+    return "avg" if op == "avg" else "sum"
+
+
+class ShardReduceScatter:
+    """A `BucketCollective` leaving each rank its own segment's reduced gradients.
+
+    Args:
+        rank: this rank in ``rings[0]`` (the world).
+        rings: one or more world communicators; bucket ``i`` uses ring ``i % len(rings)``.
+        op: "avg" (``gradients_reduce_method = mean``) or "sum".
+        pairs: ``(intra, inter)`` communicator pairs for the two-level form (one per ring), or
+            None for the flat one. The buckets must use `two_level_positions`.
+        codec: 16-bit wire (`HalfCodec`), or None; ``codec_scope`` "all" compresses every hop,
+            "inter" only the hop across nodes (needs ``pairs``).
+    """
+
+    def __init__(self, rank: int, rings: Sequence[Communicator], *, op: str = "avg",
+                 pairs: Sequence[tuple[Communicator, Communicator]] | None = None,
+                 codec: HalfCodec | None = None, codec_scope: str = "all") -> None:
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op={op!r}: gradients are reduced by 'avg' or 'sum'")
+        if codec_scope not in ("all", "inter") or (codec_scope == "inter" and not pairs):
+            raise ValueError(f"codec_scope={codec_scope!r}: 'all', or 'inter' with (intra, inter) pairs")
+        self.rank = rank
+        self.rings = list(rings)
+        self.op = op
+        self.pairs = list(pairs) if pairs else None
+        self.codec = codec
+        self.codec_scope = codec_scope
+        # compressed and two-level chains are several blocking calls: one worker per ring issues
+        # them in bucket order (invariant 1), while backward goes on
+        lanes = len(self.pairs) if self.pairs else len(self.rings)
+        self.workers = RingWorkers(lanes, "fleetlike-shard") if (pairs or codec) else None
+
+    @classmethod
+    def from_allreduce(cls, allreduce: Any, op: str = "avg") -> ShardReduceScatter:
+        """The reduce-scatter counterpart of a data-parallel `BucketCollective`: the same rings,
+        the same (intra, inter) pairs for a hierarchical one (always the two-level
+        reduce-scatter form), the same 16-bit codec and scope for a compressed one. So the
+        choice of collective from the strategy and the topology is made in one place."""
+        codec, scope = None, "all"
+        if isinstance(allreduce, CompressedAllReduce):
+            codec, allreduce = allreduce.codec, allreduce.inner
+        if isinstance(allreduce, HierarchicalAllReduce):
+            if allreduce.inter_codec is not None and codec is None:
+                codec, scope = allreduce.inter_codec, "inter"
+            world = allreduce.world
+            return cls(world.rank, [world], op=op, pairs=allreduce.pairs, codec=codec, codec_scope=scope)
+        if isinstance(allreduce, FlatAllReduce):
+            return cls(allreduce.world.rank, allreduce.rings, op=op, codec=codec, codec_scope=scope)
+        raise TypeError(f"no reduce-scatter form of {type(allreduce).__name__}")
+
+    def positions(self) -> list[int]:
+        """Each rank's segment position (collective for the two-level form: call on every rank)."""
+        if self.pairs is None:
+            return list(range(self.world.size))
+        intra, inter = self.pairs[0]
+        return two_level_positions(self.world, intra, inter)
+
+    @property
+    def world(self) -> Communicator:
+        return self.rings[0]
+
+    @property
+    def divide(self) -> int:
+        return self.world.size if self.op == "avg" else 1
+
+    def ring(self, index: int) -> Communicator:
+        return self.rings[index % len(self.rings)]
+
+    def start(self, bucket: Bucket) -> Work:
+        if not isinstance(bucket, ShardedBucket):
+            raise TypeError("ShardReduceScatter reduces ShardedBuckets (plan_shards), got a plain Bucket")
+        if self.workers is None:
+            ring = self.ring(bucket.index)
+            if bucket.single is not None:
+                return ring.all_reduce_async(bucket.buffer, self.op, agreed=True)
+            return ring.reduce_scatter_async(bucket.buffer, self.op, out=bucket.segment_of(self.rank), agreed=True)
+        return self.workers.submit(bucket.index, lambda: self.run(bucket))
+
+    def run(self, bucket: ShardedBucket) -> None:
+        """The blocking chain for ``bucket`` (what a worker runs)."""
+        ring = self.ring(bucket.index)
+        codec = self.codec if self.codec is not None and self.codec.applies_to(bucket.dtype) else None
+        n, divide = self.world.size, self.divide
+        if bucket.single is not None and self.pairs is not None:  # packed, two levels: the
+            intra, inter = self.pairs[bucket.index % len(self.pairs)]  # bucket's own pair only
+            intra.all_reduce(bucket.buffer, "sum", agreed=True)
+            inter.all_reduce(bucket.buffer, "sum", agreed=True)
+            divide_(bucket.buffer, divide)
+            return
+        if bucket.single is not None:  # packed: one allreduce (compressed if asked)
+            if codec is None:
+                ring.all_reduce(bucket.buffer, self.op, agreed=True)
+            else:
+                codec.all_reduce_(bucket.buffer, lambda t: ring.all_reduce(t, "sum", agreed=True),
+                                  lambda t: ring.all_reduce(t, "max", agreed=True), summands=n, divide=divide)
+            return
+        own = bucket.segment_of(self.rank)
+        if self.pairs is None:
+            assert codec is not None  # the worker runs only compressed or two-level chains
+            pre, factor = codec.scales(bucket.buffer, lambda m: ring.all_reduce(m, "max", agreed=True),
+                                       summands=n, divide=divide)
+            wire = torch.empty(bucket.numel, dtype=codec.dtype, device=bucket.device)
+            codec.encode_(bucket.buffer, pre, wire)
+            mine = wire.view(n, -1)[bucket.positions[self.rank]]
+            ring.reduce_scatter(wire, "sum", out=mine, agreed=True)
+            codec.decode_(mine, factor, own)
+            return
+        intra, inter = self.pairs[bucket.index % len(self.pairs)]
+        buf = bucket.buffer
+        if codec is not None and self.codec_scope == "all":
+            pre, factor = codec.scales(buf, lambda m: (intra.all_reduce(m, "max", agreed=True),
+                                                       inter.all_reduce(m, "max", agreed=True)),
+                                       summands=n, divide=divide)
+            wire = torch.empty(bucket.numel, dtype=codec.dtype, device=bucket.device)
+            codec.encode_(buf, pre, wire)
+            chunk = wire.view(intra.size, -1)[intra.rank]
+            intra.reduce_scatter(wire, "sum", out=chunk, agreed=True)
+            mine = chunk.view(inter.size, -1)[inter.rank]
+            inter.reduce_scatter(chunk, "sum", out=mine, agreed=True)
+            codec.decode_(mine, factor, own)
+            return
+        chunk = buf.view(intra.size, -1)[intra.rank]
+        intra.reduce_scatter(buf, "sum", out=chunk, agreed=True)
+        if codec is not None:  # mixed: only the hop across nodes is 16-bit
+            pre, factor = codec.scales(chunk, lambda m: inter.all_reduce(m, "max", agreed=True),
+                                       summands=inter.size, divide=divide)
+            wire = torch.empty(chunk.numel(), dtype=codec.dtype, device=bucket.device)
+            codec.encode_(chunk, pre, wire)
+            mine = wire.view(inter.size, -1)[inter.rank]
+            inter.reduce_scatter(wire, "sum", out=mine, agreed=True)
+            codec.decode_(mine, factor, own)
+            return
+        inter.reduce_scatter(chunk, "sum", out=own, agreed=True)
+        divide_(own, divide)
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        assert isinstance(bucket, ShardedBucket)
+        dtype = dtype_name(bucket.dtype)
+        codec = self.codec if self.codec is not None and self.codec.applies_to(bucket.dtype) else None
+        wire = dtype if codec is None else (f"{dtype} intra, {codec.name} inter" if self.codec_scope == "inter"
+                                            else codec.name)
+        if bucket.single is not None:
+            return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name,
+                    "wire": wire, "why": f"one owner (rank {bucket.single}): padding would send {self.world.size}x"}
+        if self.pairs is not None:
+            intra, inter = self.pairs[bucket.index % len(self.pairs)]
+            return {"op": f"c_reducescatter_{_op_name(self.op)}", "algorithm": "intra reduce_scatter->inter reduce_scatter",
+                    "intra": intra.name, "inter": inter.name, "wire": wire}
+        return {"op": f"c_reducescatter_{_op_name(self.op)}", "comm": self.ring(bucket.index).name, "wire": wire}
+
+
+def two_level_positions(world: Communicator, intra: Communicator, inter: Communicator) -> list[int]:
+    """Each rank's segment position for the two-level form: ``j * K + g`` for rank ``(inter
+    rank g, intra rank j)``, agreed by one small all-gather (node grouping need not be by
+    consecutive ranks)."""
+    mine = torch.tensor([intra.rank * inter.size + inter.rank], dtype=torch.int64)
+    return [int(v) for v in world.all_gather_flat(mine, agreed=True)]
+
+
+
+class _AllWork:
+    """Waits for several handles."""
+
+    def __init__(self, works: list[Work]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class ParamGather:
+    """All-gathers the updated parameters from their owners after the update, in place in the
+    gradient buckets' own buffers (their gradients are spent by then): each rank copies its
+    parameters into its row, one all-gather per bucket fills the others, and each parameter is
+    copied out of its owner's row; a packed bucket (one owner) is broadcast from its owner. No
+    buffer is allocated, so the step costs no new memory and no page faults. The buffers are
+    zeroed afterwards: the gradients read zero after a sharded update (as after ``zero_grad``).
+    At most ``window_bytes`` of all-gathers are in flight (Paddle's ``segment_broadcast_MB``:
+    the parameters travel in the gradient buckets, ``fuse_grad_size_in_MB``).
+
+    Example:
+        >>> gather = ParamGather(reducer.buckets, world.rank, [world], 32 << 20)
+        >>> optimizer.step(); gather.run()        # every rank holds every updated parameter
+    """
+
+    def __init__(self, buckets: Sequence[ShardedBucket], rank: int, rings: Sequence[Communicator],
+                 window_bytes: int) -> None:
+        self.rank = rank
+        self.rings = list(rings)
+        self.window_bytes = max(1, int(window_bytes))
+        self.buckets = list(buckets)
+        # per bucket: (param, owner, offset inside the owner's row)
+        self._places = [[(p, r, off - (b.positions[r] * b.segment if b.single is None else 0))
+                         for p, r, off in zip(b.params, b.owners, b.offsets)] for b in self.buckets]
+        self.collectives_issued = 0
+        self.bytes_issued = 0
+
+    @staticmethod
+    def _rows(b: ShardedBucket) -> torch.Tensor:
+        return b.buffer.view(b.world, -1) if b.single is None else b.buffer.view(1, -1)
+
+    def _start(self, i: int) -> Work:
+        b = self.buckets[i]
+        ring = self.rings[i % len(self.rings)]
+        self.collectives_issued += 1
+        self.bytes_issued += b.nbytes
+        mine = self.rank if b.single is None else 0
+        rows = self._rows(b)
+        with torch.no_grad():
+            if b.single is None or b.single == self.rank:
+                for p, r, off in self._places[i]:
+                    if r == self.rank:
+                        rows[mine, off : off + p.numel()].copy_(p.detach().reshape(-1))
+        if b.single is not None:
+            return ring.broadcast_async(b.buffer, b.single, agreed=True)
+        # one broadcast per owner's row, not one all-gather: on gloo (torch 2.13, CPU) a 24 MiB
+        # all-gather of 2 ranks took 23 ms where the two 12 MiB broadcasts take a few (as
+        # torch's ZeroRedundancyOptimizer does); every rank issues them in the same order
+        return _AllWork([ring.broadcast_async(rows[r], r, agreed=True) for r in range(b.world)])
+
+    def _finish(self, i: int, work: Work) -> None:
+        work.wait()
+        b = self.buckets[i]
+        rows = self._rows(b)
+        with torch.no_grad():
+            for p, r, off in self._places[i]:
+                if r != self.rank:
+                    p.copy_(rows[r if b.single is None else 0, off : off + p.numel()].view_as(p))
+        b.zero_()
+
+    def run(self) -> None:
+        """Gather every parameter from its owner (blocking)."""
+        inflight: list[tuple[int, Work]] = []
+        size = 0
+        for i, b in enumerate(self.buckets):
+            if inflight and size + b.nbytes > self.window_bytes:
+                j, w = inflight.pop(0)
+                self._finish(j, w)
+                size -= self.buckets[j].nbytes
+            inflight.append((i, self._start(i)))
+            size += b.nbytes
+        for j, w in inflight:
+            self._finish(j, w)
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for i, b in enumerate(self.buckets):
+            ring = self.rings[i % len(self.rings)].name
+            d = {"bucket": b.index, "params": len(b.params), "size": b.describe()["size"], "comm": ring}
+            out.append({"op": "c_broadcast", "root": b.single, **d} if b.single is not None
+                       else {"op": "c_allgather", "as": f"{b.world} row broadcasts", **d})
+        return out

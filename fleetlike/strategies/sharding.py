@@ -1,0 +1,235 @@
+"""Optimizer-state sharding (ZeRO stage 1; Paddle's ``sharding``, EPL's ``zero.level = "v1"``).
+
+Each parameter has one owner rank (`fleetlike.collectives.sharded.plan_shards`: whole
+parameters, balanced by bytes inside every gradient bucket). A step then runs:
+
+1. backward: each bucket is **reduce-scattered** as soon as its gradients are ready (the same
+   overlapped `GradReducer` hooks as data parallel), leaving each rank only its own parameters'
+   averaged (or summed) gradients;
+2. before the update: optional clipping by the **global** norm (squares summed over the owned
+   shards, one scalar allreduce), then the gradients of the parameters this rank does not own
+   are set to None;
+3. the update is the user's own optimizer object: every ``torch.optim`` optimizer skips a
+   parameter whose ``.grad`` is None, so it steps (and creates state for) the owned partition
+   only, with its param groups, per-group hyper-parameters and any LR scheduler untouched;
+4. after the update the owners' parameters are **all-gathered** in place in the gradient
+   buckets (`ParamGather`; at most ``segment_broadcast_MB`` in flight), which are zeroed after:
+   under sharding the gradients read zero after ``step()``, as after ``zero_grad()``.
+
+Using the user's optimizer rather than a copy over the shard is why nothing else changes: its
+``state_dict()`` simply holds the owned parameters' state (a shard, in the ordinary format), and
+a consolidated checkpoint is the union of the shards (`fleetlike.fleet.checkpoint`).
+
+``clip_after_allreduce`` False (EPL's default) clips each rank's own gradient by its own norm
+before communication instead; the reduce-scatter then waits for the end of backward.
+
+Example:
+    >>> s = DistributedStrategy(sharding=True, sharding_configs={"sharding_degree": 0})
+    >>> unit = ShardingUnit(ctx, *gradient_collective(s, groups, role), amp_skips_non_finite=False)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fleetlike.collectives import BucketCollective, ParamGather, ShardReduceScatter, make_reducer, plan_shards
+from fleetlike.program import Op, StepState
+from fleetlike.strategies.step import Hook, StepContext, Unit
+
+__all__ = ["ShardingUnit"]
+
+#: optimizers that cannot step a partition: they need every parameter in one closure
+_WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
+
+
+def _mb(x: float) -> str:
+    kb = x / 1024
+    return f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
+
+
+class ShardingUnit(Unit):
+    """ZeRO stage 1 in both styles (see the module docstring)."""
+
+    name = "sharding"
+    needs_optimizer = True
+
+    def __init__(self, ctx: StepContext, allreduce: BucketCollective, notes: list[tuple[str, bool, str]], *,
+                 amp_skips_non_finite: bool) -> None:
+        s = ctx.strategy
+        cfg = s.sharding_configs
+        world = ctx.groups.world
+        degree = int(cfg["sharding_degree"])
+        if degree not in (0, world.size):
+            raise ValueError(
+                f"strategy.sharding_configs.sharding_degree={degree}, but this job has {world.size} ranks; "
+                f"fleetlike shards the optimizer state over every rank (Paddle checks sharding_degree x "
+                f"dp_degree == world size, and there is no dp_degree here): set it to {world.size}, or 0 "
+                "for whatever the world size is"
+            )
+        self.ctx = ctx
+        self.rank = world.rank
+        self.clip_norm = float(cfg["clip_norm"])
+        self.clip_after = bool(cfg["clip_after_allreduce"])
+        op = "avg" if str(cfg["gradients_reduce_method"]) == "mean" else "sum"
+        self.collective = ShardReduceScatter.from_allreduce(allreduce, op)
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        buckets = plan_shards(params, s.bucket_cap_bytes(), world.size, self.collective.positions())
+        nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
+        hold = self._clip_local if self.clip_norm > 0 and not self.clip_after else None
+        self.reducer = make_reducer(ctx.model, self.collective, cap_bytes=s.bucket_cap_bytes(),
+                                    find_unused=s.find_unused_parameters, check_nan_inf=nan_check,
+                                    buckets=buckets, hold=hold)
+        ctx.reducer = self.reducer
+        self.buckets = buckets
+        self.owner = {id(p): r for b in buckets for p, r in zip(b.params, b.owners)}
+        self.mine = [p for b in buckets for p, r in zip(b.params, b.owners) if r == self.rank]
+        self.others = [p for b in buckets for p, r in zip(b.params, b.owners) if r != self.rank]
+        rings = self.collective.rings
+        self.gather = ParamGather(buckets, self.rank, rings, int(float(cfg["segment_broadcast_MB"]) * (1 << 20)))
+        self._step: StepState | None = None
+        self._issued = (0, 0)
+        self._masked = False
+        loads = [0] * world.size
+        for b in buckets:
+            for p, r in zip(b.params, b.owners):
+                loads[r] += p.numel() * p.element_size()
+        padding = sum(b.padding * b.buffer.element_size() for b in buckets)
+        ctx.record("sharding", True, (
+            f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
+            f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
+            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding), all-gathered in place, "
+            f"<= {cfg['segment_broadcast_MB']} MB in flight; gradients {cfg['gradients_reduce_method']}"
+            + (f", clipped to global norm {self.clip_norm:g} "
+               + ("after the reduce-scatter" if self.clip_after else "per rank before communication")
+               if self.clip_norm > 0 else "")
+        ))
+        ctx.record("data_parallel", False, "replaced by sharding (gradients reduce-scattered, not allreduced)")
+        for name, applied, why in notes:
+            if name == "use_hierarchical_allreduce" and applied:
+                why = "two-level reduce-scatter (intra, then inter): " + why.split(": ", 1)[-1]
+            ctx.record(name, applied, why)
+        if s.check_nan_inf:
+            ctx.record("check_nan_inf", nan_check, "gradients checked before each bucket's reduce-scatter" if nan_check
+                       else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
+
+    # ------------------------------------------------------------------ binding
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        if type(optimizer).__name__ in _WHOLE_MODEL_OPTIMIZERS:
+            raise ValueError(
+                f"strategy.sharding cannot drive {type(optimizer).__name__}: it re-evaluates the whole model "
+                "in a closure and keeps one state for all parameters, so it cannot step one rank's "
+                "partition; use another optimizer or turn sharding off"
+            )
+        self.drop_foreign_state(optimizer)
+
+    def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget the state of parameters another rank owns (after loading a full state)."""
+        for p in [p for p in optimizer.state if self.owner.get(id(p), self.rank) != self.rank]:
+            del optimizer.state[p]
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return self.owner.get(id(p), self.rank) == self.rank
+
+    # ------------------------------------------------------------------ hooks
+
+    def hooks(self) -> list[Hook]:
+        hooks = [
+            Hook("before_backward", "arm", self._arm, {"overlap": "bucket reduce-scatter starts as grads fill"}
+                 if self.reducer.hold is None else {"overlap": "none: local clipping needs the whole gradient"},
+                 listed=False),
+            Hook("synchronize", "c_wait_reduce_scatter", self._wait,
+                 {"buckets": len(self.buckets), "world": self.ctx.groups.world.size}),
+        ]
+        if self.clip_norm > 0 and self.clip_after:
+            hooks.append(Hook("before_update", "clip_by_global_norm", self._clip_global,
+                              {"clip_norm": self.clip_norm, "over": "all shards (one scalar allreduce)"}))
+        hooks += [
+            Hook("before_update", "sharding_select_partition", self._select,
+                 {"owned_params": len(self.mine), "of": len(self.mine) + len(self.others)}),
+            Hook("after_update", "c_allgather_params", self._gather,
+                 {"gathers": len(self.buckets), "in_flight_MB": self.ctx.strategy.sharding_configs["segment_broadcast_MB"]}),
+        ]
+        return hooks
+
+    def _arm(self, st: StepState) -> None:
+        reducer = self.reducer
+        if self._step is not st:
+            self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
+        if st.accumulate or not st.communicate or reducer.armed:
+            return
+        reducer.prepare(st.roots)
+
+    def _wait(self, st: StepState) -> None:
+        reducer = self.reducer
+        reducer.finalize()
+        if self._step is not st:
+            self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
+        st.info["collectives"] = reducer.collectives_issued - self._issued[0]
+        st.info["bytes_communicated"] = reducer.bytes_issued - self._issued[1]
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.mine if p.grad is not None]
+
+    def _clip_global(self, st: StepState) -> None:
+        if st.accumulate or st.skip_update:
+            return
+        grads = self._owned_grads()
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        self.ctx.groups.world.all_reduce(sq, "sum", agreed=True)
+        norm = math.sqrt(float(sq.item()))
+        st.info["grad_norm"] = norm
+        _scale(grads, self.clip_norm, norm)
+
+    def _clip_local(self) -> None:
+        grads = [b.buffer for b in self.buckets]  # this rank's own complete gradient, padding is 0
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        _scale(grads, self.clip_norm, norm)
+
+    def _select(self, st: StepState) -> None:
+        if st.accumulate or st.skip_update:
+            return
+        for p in self.others:  # the user's optimizer skips these: it steps this rank's partition
+            p.grad = None
+        self._masked = True
+
+    def _gather(self, st: StepState) -> None:
+        if not self._masked:
+            return
+        self._masked = False
+        started = self.gather.collectives_issued, self.gather.bytes_issued
+        self.gather.run()  # in the bucket buffers, zeroed after: the gradients read zero now
+        for b in self.buckets:
+            b.attach()  # the gradient views are back
+        st.info["gathers"] = self.gather.collectives_issued - started[0]
+        st.info["bytes_gathered"] = self.gather.bytes_issued - started[1]
+
+    # ------------------------------------------------------------------ listing
+
+    def described_ops(self) -> list[Op]:
+        ops = [
+            Op(d.pop("op"), None, {**d.pop("bucket").describe(), **d}, parent="backward")
+            for d in self.reducer.describe()
+        ]
+        ops += [Op(d.pop("op"), None, d, parent="c_allgather_params") for d in self.gather.describe()]
+        return ops
+
+    def layout(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The partition in a checkpoint manifest: the owner of each optimizer parameter index."""
+        owners = []
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                owners.append(self.owner.get(id(p), -1))  # -1: not the model's, kept by every rank
+        return {"world_size": self.ctx.groups.world.size, "owners": owners}
+
+
+def _scale(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_``'s rule: multiply by ``min(1, max_norm / (norm + 1e-6))``."""
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
