@@ -5,10 +5,12 @@ Objects travel pickled as uint8 tensors (a size first, then the bytes), as Horov
 ``broadcast_parameters`` accepts a ``state_dict()``, ``named_parameters()`` (a generator or a
 list of ``(name, tensor)``) or a list of tensors, and moves them in one collective per dtype
 (fleetlike's coalesced broadcast) after one agreement, instead of one collective per tensor.
-``broadcast_optimizer_state`` first creates the state of an optimizer that has not stepped yet
-(Horovod's trick: a step with zero gradients; fleetlike puts the parameters back afterwards),
-then broadcasts every state tensor and the root's hyper-parameters (lr, betas, momentum, ...:
-any picklable value) so every rank resumes identically.
+``broadcast_optimizer_state`` broadcasts every state tensor and the root's hyper-parameters (lr,
+betas, momentum, ...: any picklable value) so every rank resumes identically. When the root's
+optimizer has not stepped yet, every rank's state is cleared and only the hyper-parameters move
+(Horovod instead steps once with zero gradients, which starts Adam's bias correction at step 1);
+a rank without state facing a root with state creates it first (Horovod's zero-gradient step,
+with the parameters put back afterwards).
 
 Example:
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -117,7 +119,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"hvd.broadcast_optimizer_state: expected a torch optimizer, got {type(optimizer).__name__}")
-    if not inner.state:
+    # Root's state still empty (no step yet): every rank drops its own, so all are empty and
+    # equal, and only the hyper-parameters travel (Horovod would take a zero-gradient step
+    # here, which leaves Adam's step counter at 1). Otherwise a rank without state creates
+    # it (Horovod's zero-gradient step, parameters put back) to receive the root's.
+    root_empty = broadcast_object(not inner.state, root_rank, name="optimizer.empty")
+    if root_empty:
+        inner.state.clear()
+    elif not inner.state:
         _create_state(inner)
     # hyper-parameters (lr, betas, momentum, ...) and non-tensor state entries travel pickled
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
