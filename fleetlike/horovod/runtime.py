@@ -3,7 +3,8 @@ communicator, and the in-flight names.
 
 ``init`` sits on ``fleet.init``: with no fleet yet it calls it (auto-detecting the launch:
 ``python -m fleetlike.launch``, ``mpiexec``/``mpirun``, ``torchrun``, Slurm), otherwise it uses
-the fleet's communicators, so a script may mix both faces. ``init(comm=[ranks])`` makes a
+the fleet's communicators, so a script may mix both faces. Under ``mpiexec``/``mpirun`` it runs
+on the MPI backend with MPI's host names (`MPIRoleMaker`), as Horovod does. ``init(comm=[ranks])`` makes a
 Horovod world of those world ranks (every process calls it; the others stay uninitialised).
 
 Topology follows Horovod: ``local_rank`` / ``local_size`` within the node, ``cross_rank`` /
@@ -29,7 +30,7 @@ from fleetlike.comm.nccl import nccl_unavailable_reason
 from fleetlike.comm.mpi import mpi_available
 from fleetlike.config import DistributedStrategy
 from fleetlike.fleet import fleet
-from fleetlike.roles import Role, RoleMaker, parse_endpoint
+from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_endpoint
 
 __all__ = [
     "Runtime",
@@ -140,6 +141,8 @@ def init(
         if _RUNTIME is not None:
             return
         if not fleet.initialized:
+            if role_maker is None and backend is None and detect_source() in ("openmpi", "mpich") and mpi_available():
+                role_maker = MPIRoleMaker()  # as Horovod under mpirun: the MPI backend, MPI's hosts
             fleet.init(role_maker, strategy=strategy, timeout=timeout, check_collectives=check_collectives,
                        backend=backend)
             _OWNS_FLEET = True
