@@ -87,6 +87,7 @@ TRAIN_CASES = [
     ("sgd_fp16", "sgd", 1, "fp16", "average", False),
     ("sgd_sum", "sgd", 1, "none", "sum", False),
     ("adam_scaler", "adam", 1, "none", "average", True),
+    ("sgd_noagree", "sgd", 1, "none", "average", False),  # agree=False: no per-step agreement
 ]
 STEPS = 3
 
@@ -97,7 +98,8 @@ def train_rank(hvd: Any, case: tuple, rank: int) -> list[np.ndarray]:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(make_opt(kind, model.parameters()), named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, comp), backward_passes_per_step=bpps,
-                                   op=op, gradient_predivide_factor=2.0 if name == "momentum" else 1.0)
+                                   op=op, gradient_predivide_factor=2.0 if name == "momentum" else 1.0,
+                                   agree=not name.endswith("noagree"))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if use_scaler else None
     for step in range(STEPS):

@@ -179,6 +179,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: Any = None,
     *,
     strategy: Any = None,
+    agree: bool = True,
 ) -> HorovodOptimizer | AdasumOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -204,4 +205,4 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                              "strategy (bucket settings) do not apply to it")
         return AdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step)
     return HorovodOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, red,
-                            gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy)
+                            gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy, agree=agree)

@@ -20,6 +20,12 @@ Horovod's rules, from ``horovod/torch/optimizer.py``:
 - ``op``: Average (default), Sum or Adasum (Adasum reduces the update, see `AdasumOptimizer`);
   ``gradient_predivide_factor`` f divides before the sum and multiplies by f / size after.
 
+Each reduction starts with one small agreement exchange (`negotiate`), so ranks that called
+``hvd.join()`` take part with zeros and ranks wrapping different models raise instead of
+meeting in the backend. It costs one small collective's latency per step (docs/BENCHMARKS.md,
+"Horovod API"); ``agree=False`` (fleetlike's keyword) skips it: DDP's speed on small models, but
+then ``hvd.join()`` must not run while other ranks still step, and models are not compared.
+
 The wrapper is a real ``torch.optim.Optimizer`` (fleetlike's `fleet.DistributedOptimizer` with
 Horovod's step), sharing ``param_groups`` and ``state`` with the wrapped optimizer, so LR
 schedulers and ``GradScaler`` act on it. Ranks that called ``hvd.join()`` answer its gradient
@@ -47,8 +53,8 @@ from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
-from fleetlike.horovod.collectives import OPS, _agree
-from fleetlike.horovod.negotiate import Kind
+from fleetlike.horovod.collectives import OP_NAMES, OPS
+from fleetlike.horovod.negotiate import Kind, check, describe, exchange
 from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
@@ -127,7 +133,7 @@ class HorovodOptimizer(FleetDistributedOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
                  compression: type[Compressor] | Compressor = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 sparse_as_dense: bool = False, *, strategy: Any = None) -> None:
+                 sparse_as_dense: bool = False, *, strategy: Any = None, agree: bool = True) -> None:
         rt = runtime("hvd.DistributedOptimizer")
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"hvd.DistributedOptimizer reduces gradients with Average, Sum or Adasum; got op={op.value!r}")
@@ -142,6 +148,8 @@ class HorovodOptimizer(FleetDistributedOptimizer):
         self._names = named_parameter_map(optimizer, named_parameters)
         self._rt: Runtime = rt
         self.op = op
+        #: agree with the other ranks before each reduction (join, model mismatch check)
+        self.agree = bool(agree)
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
         self.set_backward_passes_per_step(backward_passes_per_step)
@@ -213,11 +221,19 @@ class HorovodOptimizer(FleetDistributedOptimizer):
                 self.reducer.prepare()
                 self._communicated = True
 
+    def _row(self) -> torch.Tensor:
+        return describe(Kind.OPTIMIZER, op=OPS.index(self.op), root=self._join_id, numel=self._numel,
+                        name=f"DistributedOptimizer.{self._join_id}")
+
     def _agree(self) -> None:
+        """The ranks agree on this reduction (model size, op) and joined ranks learn of it."""
+        if not self.agree:
+            return
         rt = self._rt
         with rt.lock:
-            _agree(rt, Kind.OPTIMIZER, f"DistributedOptimizer.{self._join_id}", op=OPS.index(self.op),
-                   root=self._join_id, numel=self._numel)
+            ag = exchange(rt.comm, self._row())
+            rt.last_states = [r[0] for r in ag.rows]
+            check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
     def _fold(self) -> None:
         """Make every parameter's gradient its bucket view (zeros where it has none), so the
