@@ -5,8 +5,8 @@ The structure test reads the script with `ast` and compares it with Horovod's
 and command-line flags (plus ``--train-size`` / ``--test-size`` for the synthetic data), and
 function bodies identical to Horovod's. The fingerprints below are sha256 prefixes of
 ``ast.dump`` of Horovod's own definitions (horovod/horovod master, 2026), so any edit to those
-bodies fails here. The run tests start it as a Horovod user would, with the fleetlike launcher and
-with ``mpiexec -n 2``, and check that it learns (test accuracy far above the 10% of chance).
+bodies fails here. The run tests start it as a Horovod user would, with the fleetlike launcher,
+``mpiexec -n 2`` and torchrun, and check that it learns (test accuracy far above the 10% of chance).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from examples_common import ROOT, clean_env, launcher, mpi_missing, mpiexec, run
+from examples_common import ROOT, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
 SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--lr", "0.05"]
@@ -106,6 +106,14 @@ def test_example_learns_under_mpiexec(tmp_path: Path) -> None:
     if missing:
         pytest.skip(missing)
     proc = run(mpiexec(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(HYDRA_IFACE="lo"), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    acc = accuracy(proc.stdout)
+    assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_example_learns_under_torchrun(tmp_path: Path) -> None:
+    proc = run(torchrun(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(), timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     acc = accuracy(proc.stdout)
     assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
