@@ -302,6 +302,14 @@ def rank_suite(hvd: Any, spec: dict[str, Any]) -> dict[str, Any]:
     ada = hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), op=hvd.Adasum) if n & (n - 1) == 0 \
         else None
     out["opt.adasum_skip"] = _catch(lambda: ada.skip_synchronize().__enter__(), AssertionError) if ada else None
+    if n & (n - 1) == 0:  # Adasum's delta optimizer: one local SGD step, then adasum of the changes
+        am = Net()
+        aopt = hvd.DistributedOptimizer(torch.optim.SGD(am.parameters(), lr=0.1), op=hvd.Adasum,
+                                        named_parameters=am.named_parameters())
+        aopt.zero_grad()
+        torch.nn.functional.cross_entropy(am(batch(r, 0)[0]), batch(r, 0)[1]).backward()
+        aopt.step()
+        out["opt.adasum"] = [p.detach().numpy().copy() for p in am.parameters()]
     # sync batch norm: statistics of the global batch
     bn = hvd.SyncBatchNorm(3)
     xb = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(r)).requires_grad_(True)
@@ -386,3 +394,14 @@ def mpi_rank(spec: dict[str, Any]) -> dict[str, Any]:
         return rank_suite(hvd, spec)
     finally:
         hvd.shutdown()
+
+
+def adasum_optimizer_reference(world: int) -> list[np.ndarray]:
+    """start + adasum over ranks of each parameter's SGD change (-lr * its rank's gradient)."""
+    deltas = []
+    for r in range(world):
+        m = Net()
+        torch.nn.functional.cross_entropy(m(batch(r, 0)[0]), batch(r, 0)[1]).backward()
+        deltas.append([(-0.1 * p.grad).double().numpy() for p in m.parameters()])
+    start = [p.detach().double().numpy() for p in Net().parameters()]
+    return [s + adasum_reference([d[i] for d in deltas]).reshape(s.shape) for i, s in enumerate(start)]

@@ -20,6 +20,7 @@ from horovod_common import (
     TRAIN_CASES,
     _np_reduce,
     a2a_input,
+    adasum_optimizer_reference,
     adasum_reference,
     batch,
     inputs,
@@ -169,6 +170,8 @@ def check_suite(results: list[dict[str, Any]], world: int, nodes: int = 1) -> No
         assert any("skip_synchronize" in w for w in warned)
         if world & (world - 1) == 0:
             assert "Skipping synchronization is not supported when using Adasum" in res["opt.adasum_skip"]
+            for got, want in zip(res["opt.adasum"], adasum_optimizer_reference(world)):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     _check_bn(results, world)
     # every rank ends with the same trained parameters
     for case in TRAIN_CASES:

@@ -93,7 +93,8 @@ class Handle:
             finally:
                 self._done = True
                 if self._name is not None:
-                    self._rt.in_flight.pop(self._name, None)
+                    with self._rt.lock:
+                        self._rt.in_flight.pop(self._name, None)
         return self._result
 
 
