@@ -22,7 +22,6 @@ from horovod_common import (
     a2a_input,
     adasum_optimizer_reference,
     adasum_reference,
-    batch,
     inputs,
     key,
     reducescatter_rows,

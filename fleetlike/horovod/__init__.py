@@ -7,7 +7,8 @@ communicators underneath: the overlapped gradient reducer tuned by a `Distribute
 each rank's shape, and collective timeouts that name the missing ranks.
 
 Modules: `runtime` (init and topology), `collectives` (tensor collectives, handles, join),
-`negotiate` (the agreement before each collective), `adasum`, `objects` (objects, parameters,
+`scatter` (alltoall, reducescatter), `join` (barrier, join), `negotiate` (the agreement before
+each collective), `adasum`, `objects` (objects, parameters,
 optimizer state), `optimizer` / `adasum_optimizer` (DistributedOptimizer), `sync_bn`, `ops`.
 
 Example (Horovod's own lines):
@@ -35,9 +36,6 @@ from fleetlike.horovod.collectives import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
@@ -46,12 +44,10 @@ from fleetlike.horovod.collectives import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    join,
     poll,
-    reducescatter,
-    reducescatter_async,
     synchronize,
 )
+from fleetlike.horovod.join import barrier, join
 from fleetlike.horovod.negotiate import HorovodInternalError
 from fleetlike.horovod.objects import (
     allgather_object,
@@ -72,9 +68,9 @@ from fleetlike.horovod.ops import (
     Product,
     ReduceOp,
     Sum,
-    resolve_op,
 )
 from fleetlike.horovod.optimizer import HorovodOptimizer
+from fleetlike.horovod.scatter import alltoall, alltoall_async, reducescatter, reducescatter_async
 from fleetlike.horovod.runtime import (
     cross_rank,
     cross_size,

@@ -110,12 +110,12 @@ def adasum_allreduce_(
         send = work[lo + first : hi] if left else work[lo : lo + first]
         keep_lo, keep_hi = (lo, lo + first) if left else (lo + first, hi)
         width = max(first, second)
-        chunk = torch.zeros(width, dtype=torch.float64)
+        chunk = torch.zeros(width, dtype=torch.float64, device=buf.device)
         chunk[: send.numel()] = send
         both = pair.all_gather_flat(chunk, agreed=True).view(2, width)
         got = both[1 - pair.rank][: keep_hi - keep_lo]
         mine = work[keep_lo:keep_hi]
-        stats = torch.zeros(3 * len(counts), dtype=torch.float64)
+        stats = torch.zeros(3 * len(counts), dtype=torch.float64, device=buf.device)
         for t in range(len(counts)):
             s, e = max(bounds[t], keep_lo), min(bounds[t + 1], keep_hi)
             if s >= e:
@@ -126,11 +126,12 @@ def adasum_allreduce_(
             # slot 1: the left (lower) group's squared norm, slot 2: the right one's
             stats[3 * t + 1], stats[3 * t + 2] = (own, other) if left else (other, own)
         group.all_reduce(stats, "sum", agreed=True)
+        sums = stats.tolist()
         for t in range(len(counts)):
             s, e = max(bounds[t], keep_lo), min(bounds[t + 1], keep_hi)
             if s >= e:
                 continue
-            dot, lnorm, rnorm = (float(x) for x in stats[3 * t : 3 * t + 3])
+            dot, lnorm, rnorm = sums[3 * t : 3 * t + 3]
             own, other = (lnorm, rnorm) if left else (rnorm, lnorm)
             acoeff = 1.0 - dot / own * 0.5 if own >= _TINY else 1.0
             bcoeff = 1.0 - dot / other * 0.5 if other >= _TINY else 1.0
@@ -141,7 +142,7 @@ def adasum_allreduce_(
     # every rank holds one slice of the result: gather them back into place
     ranges = slices(buf.numel(), comm.size)
     width = max(h - l for l, h in ranges)
-    chunk = torch.zeros(width, dtype=torch.float64)
+    chunk = torch.zeros(width, dtype=torch.float64, device=buf.device)
     chunk[: hi - lo] = work[lo:hi]
     gathered = comm.all_gather_flat(chunk, agreed=True).view(comm.size, width)
     for r, (l, h) in enumerate(ranges):

@@ -1,6 +1,6 @@
 """Horovod's tensor collectives on fleetlike's communicators: allreduce (and grouped), allgather,
-broadcast, alltoall, reducescatter, barrier, join, with Horovod's in-place ``_`` and ``_async``
-forms, ``poll`` and ``synchronize``.
+broadcast, with Horovod's in-place ``_`` and ``_async`` forms, ``poll`` and ``synchronize``
+(alltoall and reducescatter: `scatter`; barrier and join: `join`).
 
 Every call first agrees with the other ranks (`negotiate`: shapes, dtypes, ops, names, and who
 has joined), then starts the data collective with ``agreed=True``. The async forms return a
@@ -36,7 +36,7 @@ import torch
 
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
-from fleetlike.horovod.negotiate import ACTIVE, JOINED, Agreement, Kind, check, describe, exchange
+from fleetlike.horovod.negotiate import Agreement, Kind, check, describe, exchange
 from fleetlike.horovod.ops import Compression, Compressor, ReduceOp, resolve_op
 from fleetlike.horovod.runtime import Runtime, runtime
 
@@ -48,9 +48,6 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
-    "alltoall",
-    "alltoall_async",
-    "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
@@ -59,10 +56,7 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "join",
     "poll",
-    "reducescatter",
-    "reducescatter_async",
     "synchronize",
 ]
 
@@ -131,7 +125,7 @@ def _claim(rt: Runtime, name: str | None, what: str) -> None:
 
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
     """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
-    ag = exchange(rt.comm, describe(kind, name=name or "", **fields))
+    ag = exchange(rt.comm, describe(kind, name=name or "", **fields), rt.device)
     rt.last_states = [r[0] for r in ag.rows]
     try:
         check(ag, rt.comm, f"hvd.{kind.label}", OP_NAMES)
@@ -148,14 +142,14 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def _identity(op: ReduceOp, dtype: torch.dtype, numel: int) -> torch.Tensor:
+def _identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
     """What a joined rank contributes: the identity of ``op`` (zeros for Sum/Average/Adasum)."""
     if op is ReduceOp.PRODUCT:
-        return torch.ones(numel, dtype=dtype)
+        return torch.ones(numel, dtype=dtype, device=device)
     if op in (ReduceOp.MIN, ReduceOp.MAX):
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        return torch.full((numel,), info.max if op is ReduceOp.MIN else info.min, dtype=dtype)
-    return torch.zeros(numel, dtype=dtype)
+        return torch.full((numel,), info.max if op is ReduceOp.MIN else info.min, dtype=dtype, device=device)
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post: float,
@@ -445,236 +439,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, pro
     """``root_rank``'s ``tensor`` on every rank (a new tensor)."""
     _no_process_set(process_set, "hvd.broadcast")
     return _BroadcastFn.apply(_tensor(tensor, "hvd.broadcast"), root_rank, name)
-
-
-# ------------------------------------------------------------------------------ alltoall
-
-
-def _splits_list(splits: Any, dim0: int, size: int, what: str) -> list[int]:
-    if splits is None:
-        if dim0 % size:
-            raise ValueError(f"{what}: without splits the first dimension ({dim0}) must divide evenly "
-                             f"over {size} ranks; pass splits=[rows for rank 0, rank 1, ...]")
-        return [dim0 // size] * size
-    values = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    if len(values) != size or any(s < 0 for s in values) or sum(values) != dim0:
-        raise ValueError(f"{what}: splits={values} must hold {size} non-negative row counts summing to "
-                         f"the first dimension {dim0}")
-    return values
-
-
-def _alltoall_data(rt: Runtime, t: torch.Tensor, out: torch.Tensor, matrix: list[list[int]], per_row: int) -> Work:
-    """Move the rows: ``matrix[i][j]`` rows go from rank i to rank j (agreed by every rank)."""
-    comm = rt.comm
-    n, me = comm.size, comm.rank
-    send = [matrix[me][j] * per_row for j in range(n)]
-    recv = [matrix[j][me] * per_row for j in range(n)]
-    src = t.reshape(-1).contiguous()
-    pg = getattr(comm, "process_group", None) if comm.backend == "gloo" else None
-    if pg is not None:  # gloo's own all-to-all
-        return pg.alltoall_base(out.view(-1), src, recv, send)
-    mpi = getattr(comm, "mpi_comm", None) if comm.backend == "mpi" else None
-    if mpi is not None and src.dtype not in (torch.bfloat16,):
-        # MPI's Alltoallv on raw bytes (every dtype moves; nothing is reduced)
-        size = src.element_size()
-        sb = [c * size for c in send]
-        rb = [c * size for c in recv]
-        mpi.Alltoallv([src.view(torch.uint8).numpy(), (sb, _offsets(sb))],
-                      [out.view(-1).view(torch.uint8).numpy(), (rb, _offsets(rb))])
-        return CompletedWork(out)
-    # other backends: every rank gathers every rank's padded rows and keeps what is sent to it
-    widest = max(sum(row) for row in matrix) * per_row
-    chunk = torch.zeros(widest, dtype=t.dtype, device=t.device)
-    chunk[: src.numel()] = src
-    everything = comm.all_gather_flat(chunk, agreed=True).view(n, widest)
-    flat_out, at = out.view(-1), 0
-    for j in range(n):
-        start = sum(matrix[j][:me]) * per_row
-        flat_out[at : at + recv[j]] = everything[j, start : start + recv[j]]
-        at += recv[j]
-    return CompletedWork(out)
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, at = [], 0
-    for c in counts:
-        out.append(at)
-        at += c
-    return out
-
-
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Handle:
-    """Start sending ``splits[i]`` rows of ``tensor`` to rank i; ``synchronize`` returns the rows
-    received (in rank order) and, when ``splits`` was given, the received splits."""
-    what = "hvd.alltoall_async"
-    _no_process_set(process_set, what)
-    rt = runtime(what)
-    t = _tensor(tensor, what).detach()
-    if t.dim() == 0:
-        raise ValueError(f"{what}: the tensor needs at least one dimension to split")
-    n = rt.comm.size
-    send = _splits_list(splits, t.shape[0], n, what)
-    with rt.lock:
-        _claim(rt, name, what)
-        _agree(rt, Kind.ALLTOALL, name, dtype=t.dtype, shape=tuple(t.shape))
-        matrix = rt.comm.all_gather_flat(torch.tensor(send, dtype=torch.int64), agreed=True).view(n, n).tolist()
-        recv = [matrix[j][rt.comm.rank] for j in range(n)]
-        trailing = tuple(t.shape[1:])
-        per_row = int(torch.Size(trailing).numel())
-        out = torch.empty((sum(recv), *trailing), dtype=t.dtype, device=t.device)
-        work = _alltoall_data(rt, t, out, matrix, per_row)
-    if isinstance(splits, torch.Tensor):
-        received = torch.tensor(recv, dtype=splits.dtype)
-    else:
-        received = torch.tensor(recv, dtype=torch.int32)
-    return Handle(rt, name, work, lambda: (out, received))
-
-
-class _AlltoallFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> Any:
-        out, received = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received = received
-        ctx.mark_non_differentiable(received)
-        return out, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        back, _ = alltoall(grad, splits=ctx.received)
-        return back, None, None
-
-
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
-    """Scatter slices of ``tensor`` to every rank and gather theirs (Horovod's alltoall).
-
-    Returns the received rows; with ``splits`` also the number of rows received from each rank.
-
-    Example:
-        >>> out, got = hvd.alltoall(torch.arange(3.0), splits=[1, 2])   # rank 0 of 2 keeps 1 row
-    """
-    _no_process_set(process_set, "hvd.alltoall")
-    out, received = _AlltoallFn.apply(_tensor(tensor, "hvd.alltoall"), splits, name)
-    return out if splits is None else (out, received)
-
-
-# ------------------------------------------------------------------------------ reducescatter
-
-
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | str = ReduceOp.AVERAGE,
-                        process_set: Any = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
-    """Start reducing ``tensor`` over all ranks, keeping this rank's rows of the first dimension."""
-    what = "hvd.reducescatter_async"
-    _no_process_set(process_set, what)
-    red = ReduceOp.parse(op)
-    if red not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"{what}: Reducescatter currently only supports AVERAGE and SUM (got op={red.value!r})")
-    rt = runtime(what)
-    t = _tensor(tensor, what).detach()
-    if t.dim() == 0:
-        raise ValueError(f"{what}: the tensor needs at least one dimension to scatter")
-    n, me = rt.comm.size, rt.comm.rank
-    dim0 = t.shape[0]
-    rows = [dim0 // n + (1 if r < dim0 % n else 0) for r in range(n)]
-    trailing = tuple(t.shape[1:])
-    per_row = int(torch.Size(trailing).numel())
-    widest = max(rows) * per_row
-    with rt.lock:
-        _claim(rt, name, what)
-        _agree(rt, Kind.REDUCESCATTER, name, op=OPS.index(red), dtype=t.dtype, shape=tuple(t.shape))
-        padded = torch.zeros(n, widest, dtype=t.dtype, device=t.device)
-        flat, start = t.reshape(-1), 0
-        for r in range(n):
-            padded[r, : rows[r] * per_row] = flat[start : start + rows[r] * per_row]
-            start += rows[r] * per_row
-        if prescale_factor != 1.0:
-            padded.mul_(prescale_factor)
-        mine = torch.empty(widest, dtype=t.dtype, device=t.device)
-        work = rt.comm.reduce_scatter_async(padded.view(-1), _COMM_OP[red], out=mine, agreed=True)
-
-    def finish() -> torch.Tensor:
-        out = mine[: rows[me] * per_row].view(rows[me], *trailing)
-        if postscale_factor != 1.0:
-            out.mul_(postscale_factor)
-        return out
-
-    return Handle(rt, name, work, finish)
-
-
-class _ReducescatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
-        ctx.op, ctx.scale = op, pre * post
-        return synchronize(reducescatter_async(tensor, name, op, None, pre, post))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        g = grad * ctx.scale
-        if ctx.op is ReduceOp.SUM:
-            g = g * runtime("hvd").comm.size
-        return allgather(g), None, None, None, None
-
-
-def reducescatter(tensor: torch.Tensor, name: str | None = None,
-                  compression: type[Compressor] | Compressor = Compression.none,
-                  op: ReduceOp | str = ReduceOp.AVERAGE, process_set: Any = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """This rank's rows of the reduction of ``tensor`` over all ranks (first ``dim0 % size``
-    ranks get one row more)."""
-    _no_process_set(process_set, "hvd.reducescatter")
-    compressed, ctx = compression.compress(_tensor(tensor, "hvd.reducescatter"))
-    out = _ReducescatterFn.apply(compressed, name, ReduceOp.parse(op), prescale_factor, postscale_factor)
-    return compression.decompress(out, ctx)
-
-
-# ------------------------------------------------------------------------------ barrier, join
-
-
-def barrier(process_set: Any = None) -> None:
-    """Every rank waits here until all have arrived."""
-    _no_process_set(process_set, "hvd.barrier")
-    rt = runtime("hvd.barrier()")
-    with rt.lock:
-        _agree(rt, Kind.BARRIER, None)
-
-
-def join(device: int = -1) -> int:
-    """This rank ran out of data: answer the other ranks' allreduces (and DistributedOptimizer
-    steps) with zeros until every rank has joined; return the rank that joined last."""
-    rt = runtime("hvd.join()")
-    with rt.lock:
-        while True:
-            before = rt.last_states
-            ag = exchange(rt.comm, describe(Kind.JOIN, state=JOINED))
-            states = [r[0] for r in ag.rows]
-            if all(s == JOINED for s in states):
-                newly = [i for i in range(rt.comm.size) if before is None or before[i] == ACTIVE]
-                rt.last_states = None
-                return max(newly) if newly else rt.comm.size - 1
-            rt.last_states = states
-            check(ag, rt.comm, "hvd.join", OP_NAMES)
-            _answer(rt, ag)
-
-
-def _answer(rt: Runtime, ag: Agreement) -> None:
-    """A joined rank's part in the collective the active ranks agreed on."""
-    i = ag.active[0]
-    kind = ag.kind(i)
-    if kind in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE):
-        op = OPS[ag.op(i)]
-        numel = ag.numel(i) if kind is Kind.ALLREDUCE else ag.shape(i)[0]
-        counts = [numel] + [0] * (ag.ntensors(i) - 1)
-        if op is ReduceOp.ADASUM:
-            check_adasum(rt.comm.size, ag.dtype(i))
-        work, finish = _reduce_start(rt, _identity(op, ag.dtype(i), numel), op, 1.0, 1.0, counts)
-        work.wait()
-        finish()
-    elif kind is Kind.OPTIMIZER:
-        opt = rt.optimizers.get(ag.root(i))
-        if opt is None:
-            raise RuntimeError(f"hvd.join: the other ranks reduce the gradients of DistributedOptimizer "
-                               f"#{ag.root(i)}, which this rank does not have; create the same optimizers on every rank")
-        opt._answer_join()
 
 
 def _no_process_set(process_set: Any, what: str) -> None:

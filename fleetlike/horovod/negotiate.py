@@ -185,14 +185,16 @@ class Agreement:
 _ALLREDUCE_TABLE_BYTES = 32 << 10
 
 
-def start_exchange(comm: Communicator, row: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """Start exchanging every rank's descriptor (sizes equal by construction: ``agreed=True``);
-    `finish_exchange` waits and decodes. Lets a caller overlap the exchange with its own work."""
+def start_exchange(comm: Communicator, row: torch.Tensor,
+                   device: torch.device | None = None) -> tuple[Any, torch.Tensor]:
+    """Start exchanging every rank's descriptor (sizes equal by construction: ``agreed=True``)
+    on ``device`` (the communicator's: CUDA for NCCL); `finish_exchange` waits and decodes."""
+    row = row.to(device) if device is not None else row
     if comm.size * WIDTH * 8 <= _ALLREDUCE_TABLE_BYTES:
-        table = torch.zeros(comm.size, WIDTH, dtype=torch.int64)
+        table = torch.zeros(comm.size, WIDTH, dtype=torch.int64, device=row.device)
         table[comm.rank] = row
         return comm.all_reduce_async(table, "sum", agreed=True), table
-    out = torch.empty(comm.size * WIDTH, dtype=torch.int64)
+    out = torch.empty(comm.size * WIDTH, dtype=torch.int64, device=row.device)
     return comm.all_gather_flat_async(row, out=out, agreed=True), out
 
 
@@ -202,9 +204,9 @@ def finish_exchange(work: Any, table: torch.Tensor, size: int) -> Agreement:
     return Agreement(rows, [i for i, r in enumerate(rows) if r[0] == JOINED])
 
 
-def exchange(comm: Communicator, row: torch.Tensor) -> Agreement:
+def exchange(comm: Communicator, row: torch.Tensor, device: torch.device | None = None) -> Agreement:
     """Every rank's descriptor, in rank order (blocking)."""
-    work, table = start_exchange(comm, row)
+    work, table = start_exchange(comm, row, device)
     return finish_exchange(work, table, comm.size)
 
 

@@ -54,12 +54,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
         raise ValueError("hvd.broadcast_object: fleetlike's Horovod face has only the global process set")
     rt = runtime("hvd.broadcast_object")
     name = name or type(obj).__name__
-    mine = _dumps(obj) if rt.comm.rank == root_rank else None
-    size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64)
+    dev = rt.device  # the communicator's (CUDA under NCCL)
+    mine = _dumps(obj).to(dev) if rt.comm.rank == root_rank else None
+    size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=dev)
     broadcast_(size, root_rank, name=f"{name}.sz")
-    data = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+    data = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     broadcast_(data, root_rank, name=f"{name}.t")
-    return obj if rt.comm.rank == root_rank else _loads(data)
+    return obj if rt.comm.rank == root_rank else _loads(data.cpu())
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
@@ -72,9 +73,9 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
         raise ValueError("hvd.allgather_object: fleetlike's Horovod face has only the global process set")
     rt = runtime("hvd.allgather_object")
     name = name or type(obj).__name__
-    data = _dumps(obj)
-    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sz").tolist()
-    gathered = allgather(data, name=f"{name}.t")
+    data = _dumps(obj).to(rt.device)
+    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64, device=rt.device), name=f"{name}.sz").tolist()
+    gathered = allgather(data, name=f"{name}.t").cpu()
     out, at = [], 0
     for n in sizes[: rt.comm.size]:
         out.append(_loads(gathered[at : at + n]))

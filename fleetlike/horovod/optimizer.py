@@ -231,7 +231,7 @@ class HorovodOptimizer(FleetDistributedOptimizer):
             return
         rt = self._rt
         with rt.lock:
-            ag = exchange(rt.comm, self._row())
+            ag = exchange(rt.comm, self._row(), rt.device)
             rt.last_states = [r[0] for r in ag.rows]
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
