@@ -138,8 +138,8 @@ def init(
             "set; use hvd.init(comm=[ranks]) for a subset of ranks"
         )
     with _INIT_LOCK:
-        if _RUNTIME is not None:
-            return
+        if _RUNTIME is not None or _EXCLUDED is not None:
+            return  # initialised already (or left out by comm=): nothing collective runs again
         if not fleet.initialized:
             if role_maker is None and backend is None and detect_source() in ("openmpi", "mpich") and mpi_available():
                 role_maker = MPIRoleMaker()  # as Horovod under mpirun: the MPI backend, MPI's hosts
