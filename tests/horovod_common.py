@@ -273,6 +273,8 @@ def rank_suite(hvd: Any, spec: dict[str, Any]) -> dict[str, Any]:
     h = hvd.allreduce_async(torch.ones(2), name="dup")
     out["err.dup"] = _catch(lambda: hvd.allreduce_async(torch.ones(3), name="dup"), ValueError)
     hvd.synchronize(h)
+    out["err.model"] = _catch(lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(torch.nn.Linear(3, 2 + r).parameters(), lr=0.1)), hvd.CollectiveMismatchError)
     out["err.rs_op"] = _catch(lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max), ValueError)
     # join: uneven allreduces, Sum and Average; then a collective join does not allow
     got = []

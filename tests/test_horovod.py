@@ -145,6 +145,8 @@ def check_suite(results: list[dict[str, Any]], world: int, nodes: int = 1) -> No
         assert "disagree on the root" in res["err.root"]
         assert "same name as another tensor that is currently being processed" in res["err.dup"]
         assert "only supports AVERAGE and SUM" in res["err.rs_op"]
+        assert res["err.model"].startswith("CollectiveMismatchError") and "optimizer_setup" in res["err.model"]
+        assert "disagree on the numel" in res["err.model"] and "the same model" in res["err.model"]
         got, last = res["join"]
         assert last == world - 1
         for k, value in enumerate(got):

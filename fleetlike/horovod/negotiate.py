@@ -72,6 +72,7 @@ class Kind(enum.IntEnum):
     BARRIER = 7
     OPTIMIZER = 8  # a DistributedOptimizer's gradient reduction (its buckets follow)
     JOIN = 9
+    OPTIMIZER_SETUP = 10  # a DistributedOptimizer is built (its bucket layout is compared)
 
     @property
     def label(self) -> str:
@@ -221,8 +222,8 @@ def _fields(kind: Kind) -> tuple[str, ...]:
         return common + ("dtype", "root", "shape")
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
         return common + ("dtype", "trailing")
-    if kind is Kind.OPTIMIZER:
-        return common + ("op", "numel")
+    if kind in (Kind.OPTIMIZER, Kind.OPTIMIZER_SETUP):
+        return common + ("op", "numel", "shape")
     return common
 
 
@@ -286,7 +287,8 @@ def _raise(agreement: Agreement, comm: Communicator, what: str, op_names: Sequen
         "dtype": "cast to one dtype on every rank",
         "root": "pass the same root_rank on every rank",
         "ntensors": "pass the same number of tensors on every rank",
-        "shape": "pass tensors of the same shape on every rank",
+        "shape": "pass tensors of the same shape on every rank (DistributedOptimizer: the same model, "
+                 "strategy and groups, so the gradient buckets match)",
         "numel": "every rank must wrap the same model's parameters",
         "trailing": "all dimensions but the first must be the same on every rank",
     }[field]

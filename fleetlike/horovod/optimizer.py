@@ -20,11 +20,12 @@ Horovod's rules, from ``horovod/torch/optimizer.py``:
 - ``op``: Average (default), Sum or Adasum (Adasum reduces the update, see `AdasumOptimizer`);
   ``gradient_predivide_factor`` f divides before the sum and multiplies by f / size after.
 
-Each reduction starts with one small agreement exchange (`negotiate`), so ranks that called
-``hvd.join()`` take part with zeros and ranks wrapping different models raise instead of
-meeting in the backend. It costs one small collective's latency per step (docs/BENCHMARKS.md,
-"Horovod API"); ``agree=False`` (fleetlike's keyword) skips it: DDP's speed on small models, but
-then ``hvd.join()`` must not run while other ranks still step, and models are not compared.
+The ranks agree once, when the optimizer is built, that they wrap the same model (bucket
+layout), else every rank raises. Each reduction then runs one small agreement exchange on the
+Horovod world at the end of the backward, while the buckets are in flight on communicators of
+their own, so that ranks that called ``hvd.join()`` take part with zeros. ``agree=False``
+(fleetlike's keyword) skips the per-step exchange (docs/BENCHMARKS.md, "Horovod API"); then
+``hvd.join()`` must not run while other ranks still step.
 
 The wrapper is a real ``torch.optim.Optimizer`` (fleetlike's `fleet.DistributedOptimizer` with
 Horovod's step), sharing ``param_groups`` and ``state`` with the wrapped optimizer, so LR
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,7 +159,9 @@ class HorovodOptimizer(FleetDistributedOptimizer):
         cap = chosen.bucket_cap_bytes()
         if groups is not None:
             cap = self._cap_for_groups(groups, params)
-        collective, self.notes = gradient_collective(chosen, rt.groups, rt.role)
+        # the buckets travel on communicators of their own, so the per-step agreement on the
+        # Horovod world overlaps them (each communicator keeps its own order)
+        collective, self.notes = gradient_collective(chosen, rt.optimizer_groups(), rt.role)
         n = rt.comm.size
         pre = 1.0 / gradient_predivide_factor
         post = gradient_predivide_factor * (n if op is ReduceOp.SUM else 1)
@@ -176,7 +180,11 @@ class HorovodOptimizer(FleetDistributedOptimizer):
         self._params = params
         self._numel = sum(p.numel() for p in params)
         self._join_id = len(rt.optimizers)
+        sizes = [b.numel for b in self.reducer.buckets]
+        self._layout = (len(sizes), zlib.crc32(repr(sizes).encode()) & 0x7FFFFFFF)
+        self._agree(Kind.OPTIMIZER_SETUP)  # once: every rank wraps the same model (bucket layout)
         rt.optimizers[self._join_id] = self
+        self._need_agreement = False
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
@@ -217,21 +225,17 @@ class HorovodOptimizer(FleetDistributedOptimizer):
             self._passes += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._passes == self.backward_passes_per_step:
-                self._agree()
-                self.reducer.prepare()
+                self.reducer.prepare()  # buckets start as they fill; the agreement runs at the end
+                self._need_agreement = self.agree
                 self._communicated = True
 
-    def _row(self) -> torch.Tensor:
-        return describe(Kind.OPTIMIZER, op=OPS.index(self.op), root=self._join_id, numel=self._numel,
-                        name=f"DistributedOptimizer.{self._join_id}")
-
-    def _agree(self) -> None:
-        """The ranks agree on this reduction (model size, op) and joined ranks learn of it."""
-        if not self.agree:
-            return
+    def _agree(self, kind: Kind = Kind.OPTIMIZER) -> None:
+        """The ranks agree on this reduction (model, op) and joined ranks learn of it."""
         rt = self._rt
+        row = describe(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
+                       name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
-            ag = exchange(rt.comm, self._row(), rt.device)
+            ag = exchange(rt.comm, row, rt.device)
             rt.last_states = [r[0] for r in ag.rows]
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
@@ -252,13 +256,17 @@ class HorovodOptimizer(FleetDistributedOptimizer):
     def _end_backward(self) -> None:
         with self._hvd_lock:
             self._in_backward = False
+            if self._need_agreement:  # while the buckets are in flight on their communicators
+                self._need_agreement = False
+                self._agree()
             if self.reducer.armed:
                 self._fold()  # parameters this backward did not reach: zeros, as Horovod sends
 
     def _reduce_now(self) -> None:
         """Reduce the current gradients outside a backward (Horovod's "missing" parameters)."""
         self._fold()
-        self._agree()
+        if self.agree:
+            self._agree()
         self.reducer.prepare()
         self.reducer.finalize()
 

@@ -79,6 +79,7 @@ class Runtime:
         #: DistributedOptimizers by their join id (a joined rank answers their reductions)
         self.optimizers: dict[int, Any] = {}
         self.adasum_comms: list[tuple[Communicator, Communicator]] | None = None
+        self._optimizer_groups: CommGroups | None = None
         #: states of the previous exchange (who was active), for join's "last rank to join"
         self.last_states: list[int] | None = None
         hosts = [parse_endpoint(e)[0] for e in role.endpoints]
@@ -86,6 +87,15 @@ class Runtime:
         same = [i for i, lr in enumerate(locals_) if lr == locals_[role.rank]]
         self.cross_rank = same.index(role.rank)
         self.cross_size = len(same)
+
+    def optimizer_groups(self) -> CommGroups:
+        """Communicators for DistributedOptimizer buckets: a split of the Horovod world (shared by
+        every optimizer), so bucket traffic never queues behind the agreement exchanges."""
+        if self._optimizer_groups is None:
+            sub = self.comm.split(0, self.comm.rank, name=f"{self.comm.name}.hvd-buckets")
+            assert sub is not None  # every rank takes part
+            self._optimizer_groups = CommGroups(sub, self.role)
+        return self._optimizer_groups
 
     def auto_name(self, kind: str) -> str:
         """Horovod's generated name for an unnamed collective (``allreduce.noname.3``)."""
@@ -195,6 +205,8 @@ def shutdown() -> None:
                 opt._detach()
             for c in rt.own_comms:
                 c.close()
+            if rt._optimizer_groups is not None:
+                rt._optimizer_groups.close()
             if rt.subset:
                 rt.groups.close()
         if owned and fleet.initialized:
