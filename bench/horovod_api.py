@@ -180,6 +180,40 @@ def measure_steps(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
             "rounds_steps_per_s": per_round}
 
 
+def _tables(bw: list[dict[str, Any]], steps: list[dict[str, Any]]) -> tuple[str, str]:
+    bw_table = format_table([
+        Column("size", "size", human_bytes), Column("hvd_busbw", "hvd GB/s", "{:.3f}"),
+        Column("fleetlike_busbw", "fleetlike GB/s", "{:.3f}"), Column("raw_busbw", "raw gloo GB/s", "{:.3f}"),
+        Column("ratio", "hvd/raw", "{:.2f}"), Column("paired_ratio_median", "paired", "{:.2f}"),
+        Column("fleetlike_ratio", "fleetlike/raw", "{:.2f}"),
+    ], bw, markdown=True)
+    step_table = format_table([
+        Column("model", "model"), Column("hvd_steps_per_s", "hvd steps/s", "{:.1f}"),
+        Column("hvd_noagree_steps_per_s", "hvd agree=False", "{:.1f}"),
+        Column("eager_steps_per_s", "eager steps/s", "{:.1f}"), Column("ddp_steps_per_s", "DDP steps/s", "{:.1f}"),
+        Column("ratio", "hvd/DDP", "{:.2f}"), Column("paired_ratio_median", "paired", "{:.2f}"),
+        Column("noagree_ratio", "agree=False/DDP", "{:.2f}"), Column("hvd_vs_eager", "hvd/eager", "{:.2f}"),
+    ], steps, markdown=True)
+    return bw_table, step_table
+
+
+def docs_section(payload: dict[str, Any]) -> str:
+    """The "## Horovod API" section of docs/BENCHMARKS.md for one run's JSON payload."""
+    bw_table, step_table = _tables(payload["allreduce"], payload["steps"])
+    load, load_after = payload["load_average_before"], payload["load_average_after"]
+    return (
+        f"{SECTION}\n\n`{payload['command']}` ({payload['date']}, {payload['world']} gloo ranks on "
+        f"{payload['machine']['cpus']} CPUs; load average {load[0]:.2f} before, {load_after[0]:.2f} after; "
+        "the machine is shared).\n\n"
+        "allreduce busbw, `hvd.allreduce_(t, op=hvd.Sum)` (agreement exchange included) and fleetlike's "
+        "`world.all_reduce` (size check included) against torch's `ProcessGroupGloo.allreduce` on the same "
+        f"group (target hvd/raw >= {TARGET_BUSBW}); `paired` is the median of per-rep ratios:\n\n"
+        f"{bw_table}\n\nTraining steps/s (models of `bench.dp_vs_ddp`, 25 MB buckets, SGD; "
+        f"target hvd/DDP >= {TARGET_STEP}):\n\n{step_table}\n\n"
+        "Data: `docs/benchmarks/horovod_api.json`, plot `docs/benchmarks/horovod_api.png`.\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-size", default="1M")
@@ -197,19 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     steps = [measure_steps(m, args.rounds, args.steps) for m in models]
     load_after = os.getloadavg()
-    bw_table = format_table([
-        Column("size", "size", human_bytes), Column("hvd_busbw", "hvd GB/s", "{:.3f}"),
-        Column("fleetlike_busbw", "fleetlike GB/s", "{:.3f}"), Column("raw_busbw", "raw gloo GB/s", "{:.3f}"),
-        Column("ratio", "hvd/raw", "{:.2f}"), Column("paired_ratio_median", "paired", "{:.2f}"),
-        Column("fleetlike_ratio", "fleetlike/raw", "{:.2f}"),
-    ], bw, markdown=True)
-    step_table = format_table([
-        Column("model", "model"), Column("hvd_steps_per_s", "hvd steps/s", "{:.1f}"),
-        Column("hvd_noagree_steps_per_s", "hvd agree=False", "{:.1f}"),
-        Column("eager_steps_per_s", "eager steps/s", "{:.1f}"), Column("ddp_steps_per_s", "DDP steps/s", "{:.1f}"),
-        Column("ratio", "hvd/DDP", "{:.2f}"), Column("paired_ratio_median", "paired", "{:.2f}"),
-        Column("noagree_ratio", "agree=False/DDP", "{:.2f}"), Column("hvd_vs_eager", "hvd/eager", "{:.2f}"),
-    ], steps, markdown=True)
+    bw_table, step_table = _tables(bw, steps)
     print(bw_table)
     print()
     print(step_table)
@@ -226,17 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     }], ratio_target=TARGET_BUSBW)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     if not args.no_docs:
-        section = (
-            f"{SECTION}\n\n`{info['command']}` ({info['date']}, {WORLD} gloo ranks on {info['machine']['cpus']} "
-            f"CPUs; load average {load[0]:.2f} before, {load_after[0]:.2f} after; the machine is shared).\n\n"
-            "allreduce busbw, `hvd.allreduce_(t, op=hvd.Sum)` (agreement exchange included) and fleetlike's "
-            "`world.all_reduce` (size check included) against torch's `ProcessGroupGloo.allreduce` on the same "
-            f"group (target hvd/raw >= {TARGET_BUSBW}); `paired` is the median of per-rep ratios:\n\n"
-            f"{bw_table}\n\nTraining steps/s (models of `bench.dp_vs_ddp`, 25 MB buckets, SGD; "
-            f"target hvd/DDP >= {TARGET_STEP}):\n\n{step_table}\n\n"
-            "Data: `docs/benchmarks/horovod_api.json`, plot `docs/benchmarks/horovod_api.png`.\n"
-        )
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section)
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, docs_section(payload))
     return 0
 
 
