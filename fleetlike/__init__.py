@@ -7,6 +7,8 @@ Example (step 1 of the four-step conversion):
 
 from fleetlike import roles
 from fleetlike import mixed_precision, role_maker
+from fleetlike import cc
+from fleetlike.cc import light_init
 from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
 from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
@@ -21,7 +23,9 @@ __all__ = [
     "DistributedStrategy",
     "Executor",
     "Program",
+    "cc",
     "fleet",
+    "light_init",
     "load_inference_model",
     "mixed_precision",
     "role_maker",

@@ -14,6 +14,8 @@ Tasks:
                    its `CommGroups` (intra, inter, rings)
     stall          rank 0 issues an allreduce rank 1 never joins (the watchdog's case)
     mismatch       each rank calls one collective with its own size; returns the error text
+    call           ``module:function`` of a test helper module, called with the data (the
+                   Horovod-face suite: ``horovod_common:mpi_rank``)
 """
 
 from __future__ import annotations
@@ -243,7 +245,16 @@ def _task_mismatch(spec: dict[str, Any]) -> Any:
         world.close()
 
 
-TASKS = {"mismatch": _task_mismatch, "cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
+def _task_call(spec: dict[str, Any]) -> Any:
+    """``spec["target"]`` ("module:function", importable from tests/) called with ``spec["data"]``."""
+    import importlib
+
+    sys.path.insert(0, str(RUNNER.parent))
+    module, _, name = spec["target"].partition(":")
+    return getattr(importlib.import_module(module), name)(spec["data"])
+
+
+TASKS = {"call": _task_call, "mismatch": _task_mismatch, "cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
 
 
 def main(spec_path: str, outdir: str) -> None:

@@ -122,6 +122,16 @@ class Fleet:
         finally:
             self.shutdown()
 
+    @property
+    def initialized(self) -> bool:
+        """Whether ``init`` was called in this process (and not shut down since)."""
+        return self._ctx is not None
+
+    def context(self) -> FleetContext:
+        """What ``init`` set up (role, world, groups, device, strategy), for the other faces
+        built on the same communicators (``fleetlike.horovod``)."""
+        return self._context("fleet.context()")
+
     def _context(self, what: str) -> FleetContext:
         if self._ctx is None:
             raise RuntimeError(f"{what} needs fleet.init() first (step 2 of the four steps)")
@@ -168,6 +178,12 @@ class Fleet:
         return ctx.world, ctx.role.rank, ctx.role.world_size, ctx.device
 
     # ------------------------------------------------------------------ strategy
+
+    def effective_strategy(self, explicit: DistributedStrategy | None = None, what: str = "fleet") -> DistributedStrategy:
+        """The strategy a wrapper built now runs: ``explicit`` or init's, with ``FLEETLIKE_STRATEGY``
+        applied and the combination checked (what `distributed_optimizer` uses; also the Horovod
+        face's `DistributedOptimizer`)."""
+        return self._strategy(explicit, what)
 
     def _strategy(self, explicit: DistributedStrategy | None, what: str) -> DistributedStrategy:
         """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY applied."""

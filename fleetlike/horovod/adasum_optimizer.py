@@ -1,0 +1,131 @@
+"""``hvd.DistributedOptimizer(..., op=hvd.Adasum)``: Horovod's Adasum "delta" optimizer.
+
+With Adasum Horovod reduces the update, not the gradient (``_DistributedAdasumOptimizer``):
+each rank steps its own optimizer on its own gradients, the change of every parameter
+(``delta = new - start``) is combined over the ranks with Adasum (each parameter with its own
+coefficients), and every rank lands on ``start + adasum(deltas)``. Gradients accumulate locally
+over ``backward_passes_per_step`` backward passes; the reduction happens in ``step()`` (one
+fused grouped allreduce of every delta, through the same agreement as ``hvd.grouped_allreduce``,
+so ranks that called ``hvd.join()`` contribute zero deltas). ``synchronize()`` does nothing and
+``skip_synchronize()`` raises, as in Horovod.
+
+Example:
+    >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    >>> loss.backward(); opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
+from fleetlike.fleet import fleet
+from fleetlike.horovod.adasum import check_adasum
+from fleetlike.horovod.collectives import grouped_allreduce_
+from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
+from fleetlike.horovod.optimizer import _TOO_MANY, _ZERO_GRAD_ERROR, named_parameter_map
+from fleetlike.horovod.runtime import runtime
+
+__all__ = ["AdasumOptimizer"]
+
+
+class AdasumOptimizer(FleetDistributedOptimizer):
+    """What ``hvd.DistributedOptimizer(op=hvd.Adasum)`` returns (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                 compression: type[Compressor] | Compressor = Compression.none,
+                 backward_passes_per_step: int = 1) -> None:
+        rt = runtime("hvd.DistributedOptimizer")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        for dtype in {p.dtype for p in params}:
+            check_adasum(rt.comm.size, dtype)
+        super().__init__(optimizer, fleet.effective_strategy(None, "hvd.DistributedOptimizer"), fleet.context())
+        self._names = named_parameter_map(optimizer, named_parameters)
+        self.compression = compression
+        self.op = ReduceOp.ADASUM
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+        self.backward_passes_per_step = backward_passes_per_step
+        self._params = params
+        self._passes = 0
+        self._in_backward = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def __repr__(self) -> str:
+        return f"hvd.DistributedOptimizer({self.inner_optimizer!r}, op=Adasum)"
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._in_backward:
+            return
+        if self._passes >= self.backward_passes_per_step:
+            raise AssertionError(_TOO_MANY)
+        self._in_backward = True
+        self._passes += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+
+    def _detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def synchronize(self) -> bool:  # type: ignore[override]
+        """Nothing to do: Adasum reduces the update inside ``step()``."""
+        return True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+        yield  # pragma: no cover
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Local step, then every rank moves to ``start + adasum(delta)``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        starts = [p.detach().clone() for p in self._params]
+        self.inner_optimizer.step()
+        with torch.no_grad():
+            deltas = [(p - s).reshape(-1) for p, s in zip(self._params, starts)]
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, p in enumerate(self._params):
+                by_dtype.setdefault(p.dtype, []).append(i)
+            for dtype, idx in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+                pairs = [self.compression.compress(deltas[i]) for i in idx]
+                wire = [q[0] for q in pairs]  # fresh tensors (p - start), reduced in place
+                grouped_allreduce_(wire, op=ReduceOp.ADASUM, name=f"adasum.delta.{dtype}")
+                for (_, ctx), t, i in zip(pairs, wire, idx):
+                    delta = self.compression.decompress(t, ctx)
+                    p = self._params[i]
+                    p.copy_(starts[i] + delta.view_as(p))
+        self._passes = 0
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._passes:
+            raise AssertionError(_ZERO_GRAD_ERROR)
+        self.inner_optimizer.zero_grad(set_to_none)
+
+    def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
+        loss.backward()
+
+    def minimize(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise TypeError("hvd.DistributedOptimizer is the eager-style Horovod wrapper; use fleet.distributed_optimizer "
+                        "for the program style")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.inner_optimizer.load_state_dict(state_dict)

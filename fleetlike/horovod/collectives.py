@@ -1,0 +1,447 @@
+"""Horovod's tensor collectives on fleetlike's communicators: allreduce (and grouped), allgather,
+broadcast, with Horovod's in-place ``_`` and ``_async`` forms, ``poll`` and ``synchronize``
+(alltoall and reducescatter: `scatter`; barrier and join: `join`).
+
+Every call first agrees with the other ranks (`negotiate`: shapes, dtypes, ops, names, and who
+has joined), then starts the data collective with ``agreed=True``. The async forms return a
+`Handle` once the data collective is started; ``synchronize(handle)`` waits and returns the
+result, exactly what the blocking form returns (the blocking form is async + synchronize).
+
+Semantics follow ``horovod/torch/mpi_ops.py``: ``op`` (default Average) or the deprecated
+``average``; ``prescale_factor`` / ``postscale_factor`` multiply before and after the
+reduction; ``compression`` (non-in-place forms) casts on the wire; allgather concatenates along
+the first dimension, which may differ between ranks; alltoall sends ``splits[i]`` first-dimension
+slices to rank i and, given ``splits``, also returns the received splits; reducescatter splits the
+first dimension over ranks (the first ``dim0 % size`` ranks get one row more; Average and Sum
+only). A name given to a collective still in flight raises, as in Horovod. Ranks that called
+``join()`` answer allreduces with the identity of the reduction (zeros for Sum, Average, Adasum),
+and ``join`` returns the last rank to join.
+
+The functions are autograd-aware as Horovod's (allreduce's gradient is the allreduce of the
+gradient; allgather's the averaged slice; broadcast's the averaged gradient on the root).
+
+Example:
+    >>> h = hvd.allreduce_async(torch.ones(4), name="x", op=hvd.Sum)
+    >>> hvd.poll(h)            # True once done
+    >>> hvd.synchronize(h)     # tensor([2., 2., 2., 2.]) on two ranks
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fleetlike.comm import CompletedWork, Work
+from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
+from fleetlike.horovod.negotiate import Agreement, Kind, check, describe, exchange
+from fleetlike.horovod.ops import Compression, Compressor, ReduceOp, resolve_op
+from fleetlike.horovod.runtime import Runtime, runtime
+
+__all__ = [
+    "Handle",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "poll",
+    "synchronize",
+]
+
+OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
+OP_NAMES = tuple(o.value for o in OPS)
+_COMM_OP = {ReduceOp.AVERAGE: "avg", ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
+            ReduceOp.PRODUCT: "prod"}
+
+
+class Handle:
+    """What an ``_async`` call returns: pass it to `poll` or `synchronize` (Horovod's handle)."""
+
+    __slots__ = ("_rt", "_name", "_work", "_finish", "_result", "_done")
+
+    def __init__(self, rt: Runtime, name: str | None, work: Work, finish: Callable[[], Any]) -> None:
+        self._rt, self._name, self._work, self._finish = rt, name, work, finish
+        self._result: Any = None
+        self._done = False
+
+    def poll(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> Any:
+        if not self._done:
+            try:
+                self._work.wait()
+                self._result = self._finish()
+            finally:
+                self._done = True
+                if self._name is not None:
+                    with self._rt.lock:
+                        self._rt.in_flight.pop(self._name, None)
+        return self._result
+
+
+def poll(handle: Handle) -> bool:
+    """True when the collective behind ``handle`` has completed (``synchronize`` will not block)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"hvd.poll: expected a handle from an _async call, got {type(handle).__name__}")
+    return handle.poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle``'s collective and return its result (the tensor, or a tuple)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"hvd.synchronize: expected a handle from an _async call, got {type(handle).__name__}")
+    return handle.wait()
+
+
+# ------------------------------------------------------------------------------ agreement
+
+
+def _claim(rt: Runtime, name: str | None, what: str) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
+    if name in rt.in_flight:
+        raise ValueError(
+            "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
+            f"tensor that is currently being processed ({name!r}). If you want to request another "
+            "tensor, use a different tensor name (or synchronize the first one's handle)."
+        )
+    rt.in_flight[name] = True
+
+
+def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
+    """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
+    ag = exchange(rt.comm, describe(kind, name=name or "", **fields), rt.device)
+    rt.last_states = [r[0] for r in ag.rows]
+    try:
+        check(ag, rt.comm, f"hvd.{kind.label}", OP_NAMES)
+    except Exception:
+        if name is not None:
+            rt.in_flight.pop(name, None)
+        raise
+    return ag
+
+
+def _tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+    """What a joined rank contributes: the identity of ``op`` (zeros for Sum/Average/Adasum)."""
+    if op is ReduceOp.PRODUCT:
+        return torch.ones(numel, dtype=dtype, device=device)
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        return torch.full((numel,), info.max if op is ReduceOp.MIN else info.min, dtype=dtype, device=device)
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post: float,
+                  counts: Sequence[int]) -> tuple[Work, Callable[[], torch.Tensor]]:
+    """Start reducing ``buf`` in place over the Horovod world (agreement already done)."""
+    if pre != 1.0:
+        buf.mul_(pre)
+    if op is ReduceOp.ADASUM:
+        if rt.adasum_comms is None:
+            rt.adasum_comms = adasum_comms(rt.comm)
+            rt.own_comms.extend(c for pair in rt.adasum_comms for c in pair if c is not rt.comm)
+        flat = buf if buf.is_contiguous() else buf.contiguous()
+        adasum_allreduce_(flat.view(-1), counts, rt.comm, rt.adasum_comms)
+        if flat is not buf:
+            buf.copy_(flat)
+        work: Work = CompletedWork(buf)
+    else:
+        work = rt.comm.all_reduce_async(buf, _COMM_OP[op], agreed=True)
+
+    def finish() -> torch.Tensor:
+        if post != 1.0:
+            buf.mul_(post)
+        return buf
+
+    return work, finish
+
+
+def _allreduce_in_place(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float,
+                        what: str) -> Handle:
+    rt = runtime(what)
+    _tensor(tensor, what)
+    with rt.lock:
+        _claim(rt, name, what)
+        _agree(rt, Kind.ALLREDUCE, name, op=OPS.index(op), dtype=tensor.dtype, shape=tuple(tensor.shape))
+        if op is ReduceOp.ADASUM:
+            check_adasum(rt.comm.size, tensor.dtype)
+        work, finish = _reduce_start(rt, tensor, op, pre, post, [tensor.numel()])
+    return Handle(rt, name, work, finish)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    """Start reducing ``tensor`` in place over all ranks; returns a handle."""
+    _no_process_set(process_set, "hvd.allreduce_async_")
+    return _allreduce_in_place(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                               "hvd.allreduce_async_")
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` in place over all ranks and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    """Start reducing a copy of ``tensor``; ``synchronize`` returns the reduced copy."""
+    _no_process_set(process_set, "hvd.allreduce_async")
+    out = _tensor(tensor, "hvd.allreduce_async").detach().clone()
+    return _allreduce_in_place(out, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                               "hvd.allreduce_async")
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return synchronize(allreduce_async(tensor, None, name, op, pre, post))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post), None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
+    """The reduction of ``tensor`` over all ranks (a new tensor; ``tensor`` is unchanged).
+
+    Example:
+        >>> hvd.allreduce(torch.tensor([hvd.rank()], dtype=torch.float32))   # the mean rank
+    """
+    _no_process_set(process_set, "hvd.allreduce")
+    red = resolve_op(op, average)
+    compressed, ctx = compression.compress(_tensor(tensor, "hvd.allreduce"))
+    out = _AllreduceFn.apply(compressed, name, red, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+# ------------------------------------------------------------------------------ grouped
+
+
+def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, pre: float, post: float,
+                      what: str) -> Handle:
+    rt = runtime(what)
+    tensors = [_tensor(t, what) for t in tensors]
+    if not tensors:
+        raise ValueError(f"{what}: the list of tensors is empty")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise TypeError(f"{what}: the tensors of one group must share a dtype; got {sorted(map(str, dtypes))}. "
+                        "Group them by dtype (one call per dtype)")
+    counts = [t.numel() for t in tensors]
+    shapes_crc = zlib.crc32(repr([tuple(t.shape) for t in tensors]).encode()) & 0x7FFFFFFF
+    with rt.lock:
+        _claim(rt, name, what)
+        _agree(rt, Kind.GROUPED_ALLREDUCE, name, op=OPS.index(op), dtype=tensors[0].dtype,
+               ntensors=len(tensors), shape=(sum(counts), shapes_crc))
+        if op is ReduceOp.ADASUM:
+            check_adasum(rt.comm.size, tensors[0].dtype)
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
+
+    def finish() -> list[torch.Tensor]:
+        done = finish_flat()
+        offset = 0
+        with torch.no_grad():
+            for t, c in zip(tensors, counts):
+                t.copy_(done[offset : offset + c].view_as(t))
+                offset += c
+        return list(tensors)
+
+    return Handle(rt, name, work, finish)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    """Start reducing every tensor of the list in place, fused into one buffer (one collective)."""
+    _no_process_set(process_set, "hvd.grouped_allreduce_async_")
+    return _grouped_in_place(tensors, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                             "hvd.grouped_allreduce_async_")
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
+    """Reduce every tensor of the list in place, in one fused collective."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+    """Start reducing copies of the tensors, fused; ``synchronize`` returns the list of results."""
+    _no_process_set(process_set, "hvd.grouped_allreduce_async")
+    copies = [_tensor(t, "hvd.grouped_allreduce_async").detach().clone() for t in tensors]
+    return _grouped_in_place(copies, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                             "hvd.grouped_allreduce_async")
+
+
+class _GroupedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = grouped_allreduce(list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post)
+        return (None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] | Compressor = Compression.none,
+                      op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
+    """Reductions of every tensor of the list (new tensors), fused into one collective."""
+    _no_process_set(process_set, "hvd.grouped_allreduce")
+    pairs = [compression.compress(_tensor(t, "hvd.grouped_allreduce")) for t in tensors]
+    outs = _GroupedFn.apply(name, resolve_op(op, average), prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
+
+
+# ------------------------------------------------------------------------------ allgather
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Handle:
+    """Start gathering every rank's ``tensor`` along the first dimension (sizes may differ)."""
+    what = "hvd.allgather_async"
+    _no_process_set(process_set, what)
+    rt = runtime(what)
+    t = _tensor(tensor, what).detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    with rt.lock:
+        _claim(rt, name, what)
+        ag = _agree(rt, Kind.ALLGATHER, name, dtype=t.dtype, shape=tuple(t.shape))
+        rows = [ag.shape(i)[0] for i in range(rt.comm.size)]
+        trailing = tuple(t.shape[1:])
+        per_row = int(torch.Size(trailing).numel())
+        width = max(rows) * per_row
+        chunk = torch.zeros(width, dtype=t.dtype, device=t.device)
+        chunk[: t.numel()] = t.reshape(-1)
+        flat = torch.empty(width * rt.comm.size, dtype=t.dtype, device=t.device)
+        work = rt.comm.all_gather_flat_async(chunk, out=flat, agreed=True)
+
+    def finish() -> torch.Tensor:
+        parts = flat.view(rt.comm.size, width)
+        return torch.cat([parts[i, : rows[i] * per_row] for i in range(rt.comm.size)]).view(sum(rows), *trailing)
+
+    return Handle(rt, name, work, finish)
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.dim = tensor.shape[0] if tensor.dim() else 1
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad, op=ReduceOp.AVERAGE)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64))
+        offset = int(dims[: rank_of_runtime()].sum())
+        return reduced.narrow(0, offset, ctx.dim), None
+
+
+def rank_of_runtime() -> int:
+    return runtime("hvd").comm.rank
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension (which may differ).
+
+    Example:
+        >>> hvd.allgather(torch.arange(hvd.rank() + 1))   # on 2 ranks: tensor([0, 0, 1])
+    """
+    _no_process_set(process_set, "hvd.allgather")
+    return _AllgatherFn.apply(_tensor(tensor, "hvd.allgather"), name)
+
+
+# ------------------------------------------------------------------------------ broadcast
+
+
+def _broadcast_in_place(tensor: torch.Tensor, root_rank: int, name: str | None, what: str) -> Handle:
+    rt = runtime(what)
+    _tensor(tensor, what)
+    with rt.lock:
+        _claim(rt, name, what)
+        _agree(rt, Kind.BROADCAST, name, dtype=tensor.dtype, root=int(root_rank), shape=tuple(tensor.shape))
+        if not 0 <= int(root_rank) < rt.comm.size:
+            rt.in_flight.pop(name or "", None)
+            raise ValueError(f"{what}: root_rank={root_rank} is not a rank of this job (0..{rt.comm.size - 1})")
+        buf = tensor.data
+        work = rt.comm.broadcast_async(buf, int(root_rank), agreed=True)
+    return Handle(rt, name, work, lambda: tensor)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Handle:
+    """Start overwriting ``tensor`` with ``root_rank``'s, in place."""
+    _no_process_set(process_set, "hvd.broadcast_async_")
+    return _broadcast_in_place(tensor, root_rank, name, "hvd.broadcast_async_")
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Handle:
+    """Start broadcasting a copy of ``tensor`` from ``root_rank``."""
+    _no_process_set(process_set, "hvd.broadcast_async")
+    out = _tensor(tensor, "hvd.broadcast_async").detach().clone()
+    return _broadcast_in_place(out, root_rank, name, "hvd.broadcast_async")
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+        ctx.root = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad, op=ReduceOp.AVERAGE)
+        if rank_of_runtime() != ctx.root:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every rank (a new tensor)."""
+    _no_process_set(process_set, "hvd.broadcast")
+    return _BroadcastFn.apply(_tensor(tensor, "hvd.broadcast"), root_rank, name)
+
+
+def _no_process_set(process_set: Any, what: str) -> None:
+    if process_set is not None:
+        raise ValueError(f"{what}: process_set={process_set!r}: fleetlike's Horovod face has only the global "
+                         "process set (use hvd.init(comm=[ranks]) for a subset)")

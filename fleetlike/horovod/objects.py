@@ -1,0 +1,168 @@
+"""Python objects and model state over the Horovod face: ``broadcast_object``,
+``allgather_object``, ``broadcast_parameters``, ``broadcast_optimizer_state``.
+
+Objects travel pickled as uint8 tensors (a size first, then the bytes), as Horovod does.
+``broadcast_parameters`` accepts a ``state_dict()``, ``named_parameters()`` (a generator or a
+list of ``(name, tensor)``) or a list of tensors, and moves them in one collective per dtype
+(fleetlike's coalesced broadcast) after one agreement, instead of one collective per tensor.
+``broadcast_optimizer_state`` broadcasts every state tensor and the root's hyper-parameters (lr,
+betas, momentum, ...: any picklable value) so every rank resumes identically. When the root's
+optimizer has not stepped yet, every rank's state is cleared and only the hyper-parameters move
+(Horovod instead steps once with zero gradients, which starts Adam's bias correction at step 1);
+a rank without state facing a root with state creates it first (Horovod's zero-gradient step,
+with the parameters put back afterwards).
+
+Example:
+    >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from fleetlike.collectives import broadcast_coalesced
+from fleetlike.horovod.collectives import _agree, allgather, broadcast_
+from fleetlike.horovod.negotiate import Kind
+from fleetlike.horovod.runtime import runtime
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
+
+
+def _dumps(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _loads(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
+    """``root_rank``'s ``obj`` on every rank (pickled; other ranks' ``obj`` is ignored).
+
+    Example:
+        >>> epoch = hvd.broadcast_object(epoch, root_rank=0)
+    """
+    if process_set is not None:
+        raise ValueError("hvd.broadcast_object: fleetlike's Horovod face has only the global process set")
+    rt = runtime("hvd.broadcast_object")
+    name = name or type(obj).__name__
+    dev = rt.device  # the communicator's (CUDA under NCCL)
+    mine = _dumps(obj).to(dev) if rt.comm.rank == root_rank else None
+    size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=dev)
+    broadcast_(size, root_rank, name=f"{name}.sz")
+    data = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    broadcast_(data, root_rank, name=f"{name}.t")
+    return obj if rt.comm.rank == root_rank else _loads(data.cpu())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled; sizes may differ).
+
+    Example:
+        >>> hvd.allgather_object({"rank": hvd.rank()})   # [{'rank': 0}, {'rank': 1}]
+    """
+    if process_set is not None:
+        raise ValueError("hvd.allgather_object: fleetlike's Horovod face has only the global process set")
+    rt = runtime("hvd.allgather_object")
+    name = name or type(obj).__name__
+    data = _dumps(obj).to(rt.device)
+    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64, device=rt.device), name=f"{name}.sz").tolist()
+    gathered = allgather(data, name=f"{name}.t").cpu()
+    out, at = [], 0
+    for n in sizes[: rt.comm.size]:
+        out.append(_loads(gathered[at : at + n]))
+        at += n
+    return out
+
+
+def _named(params: Any) -> list[tuple[str | None, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}; pass model.state_dict() or "
+                         "model.named_parameters()")
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hvd.broadcast_parameters: {name or 'an entry'} is a {type(t).__name__}, not a tensor")
+    return [(str(k) if k is not None else None, v) for k, v in items]
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every tensor of ``params`` with ``root_rank``'s (model start, resume).
+
+    ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors."""
+    rt = runtime("hvd.broadcast_parameters")
+    items = _named(params)
+    tensors = [t for _, t in items]
+    with rt.lock:
+        _agree(rt, Kind.BROADCAST, "broadcast_parameters", dtype=torch.uint8, root=int(root_rank),
+               ntensors=len(tensors), shape=(sum(t.numel() for t in tensors),))
+        if not 0 <= int(root_rank) < rt.comm.size:
+            raise ValueError(f"hvd.broadcast_parameters: root_rank={root_rank} is not a rank (0..{rt.comm.size - 1})")
+        with torch.no_grad():
+            broadcast_coalesced(rt.comm, [t.data for t in tensors], root=int(root_rank))
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make every rank's optimizer state (tensors and hyper-parameters) ``root_rank``'s."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"hvd.broadcast_optimizer_state: expected a torch optimizer, got {type(optimizer).__name__}")
+    # Root's state still empty (no step yet): every rank drops its own, so all are empty and
+    # equal, and only the hyper-parameters travel (Horovod would take a zero-gradient step
+    # here, which leaves Adam's step counter at 1). Otherwise a rank without state creates
+    # it (Horovod's zero-gradient step, parameters put back) to receive the root's.
+    root_empty = broadcast_object(not inner.state, root_rank, name="optimizer.empty")
+    if root_empty:
+        inner.state.clear()
+    elif not inner.state:
+        _create_state(inner)
+    # hyper-parameters (lr, betas, momentum, ...) and non-tensor state entries travel pickled
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    plain = {i: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+             for i, st in enumerate(_states(inner))}
+    root_groups, root_plain = broadcast_object((groups, plain), root_rank, name="optimizer.options")
+    if len(root_groups) != len(inner.param_groups):
+        raise ValueError(f"hvd.broadcast_optimizer_state: rank {root_rank} has {len(root_groups)} param groups, "
+                         f"this rank {len(inner.param_groups)}; build the same optimizer on every rank")
+    for g, options in zip(inner.param_groups, root_groups):
+        g.update(options)
+    tensors = []
+    for i, st in enumerate(_states(inner)):
+        st.update(root_plain.get(i, {}))
+        tensors += [v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+    broadcast_parameters(tensors, root_rank)
+
+
+def _states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The state dicts of the parameters, in param-group order (a missing one is created empty
+    only where the parameter has state: frozen parameters have none on any rank)."""
+    return [opt.state[p] for g in opt.param_groups for p in g["params"] if p in opt.state]
+
+
+def _create_state(opt: torch.optim.Optimizer) -> None:
+    """Horovod's trick for an optimizer that has not stepped: one step with zero gradients
+    creates its state; the parameters are put back so the step changes nothing else."""
+    saved = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.requires_grad:
+                saved.append((p, p.detach().clone(), p.grad))
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p, value, grad in saved:
+            p.copy_(value)
+            p.grad = grad

@@ -1,0 +1,133 @@
+"""Horovod's reduction names and gradient compressors (``hvd.Average``, ``hvd.Compression.fp16``).
+
+`ReduceOp` is a str enum (its error lists the valid choices); the module-level names
+``Average``, ``Sum``, ``Adasum``, ``Min``, ``Max``, ``Product`` are its members, so
+``op=hvd.Sum`` and ``op="sum"`` both work. A `Compressor` has Horovod's interface
+(``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``), so a user's own
+compressor plugs into `allreduce` as it does in Horovod.
+
+Example:
+    >>> import fleetlike.horovod as hvd
+    >>> hvd.allreduce(torch.ones(3), op=hvd.Sum, compression=hvd.Compression.fp16)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from fleetlike.comm import parse_choice
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "BF16Compressor",
+    "Compression",
+    "Compressor",
+    "FP16Compressor",
+    "Max",
+    "Min",
+    "NoneCompressor",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "resolve_op",
+]
+
+
+class ReduceOp(str, enum.Enum):
+    """Horovod's reductions. ``ADASUM`` is the adaptive summation of Maleki et al. (`adasum`)."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    ADASUM = "adasum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+    @classmethod
+    def parse(cls, value: ReduceOp | str) -> ReduceOp:
+        """The member for ``value``; a ValueError listing the reductions otherwise."""
+        return parse_choice(cls, value, what="op", noun="reduction")
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def resolve_op(op: ReduceOp | str | None, average: bool | None, default: ReduceOp = Average) -> ReduceOp:
+    """Horovod's rule for the deprecated ``average=`` flag: ``op`` wins, giving both is an error."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        return Average if average else Sum
+    return default if op is None else ReduceOp.parse(op)
+
+
+class Compressor:
+    """Horovod's compressor interface: what travels instead of the tensor, and how to undo it."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError("a Compressor subclass defines compress(tensor) -> (tensor, ctx)")
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError("a Compressor subclass defines decompress(tensor, ctx) -> tensor")
+
+
+class NoneCompressor(Compressor):
+    """No compression: the tensor travels as it is."""
+
+    #: the wire dtype of floating-point tensors (None: their own)
+    wire_dtype: torch.dtype | None = None
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class _CastCompressor(Compressor):
+    """Floating-point tensors travel in ``wire_dtype`` and come back in their own dtype."""
+
+    wire_dtype: torch.dtype = torch.float16
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        if tensor.dtype.is_floating_point:
+            return tensor.to(cls.wire_dtype), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point and tensor.dtype != ctx else tensor
+
+
+class FP16Compressor(_CastCompressor):
+    """Floating-point tensors travel as float16 (half the bytes; ~3 significant digits)."""
+
+    wire_dtype = torch.float16
+
+
+class BF16Compressor(_CastCompressor):
+    """Floating-point tensors travel as bfloat16 (float32's range, ~2 significant digits)."""
+
+    wire_dtype = torch.bfloat16
+
+
+class Compression:
+    """Horovod's namespace of compressors: ``Compression.none``, ``.fp16`` (and ``.bf16``)."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor

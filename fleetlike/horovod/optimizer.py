@@ -1,0 +1,347 @@
+"""``hvd.DistributedOptimizer``: Horovod's optimizer wrapper on fleetlike's gradient reducer.
+
+Gradients are averaged in fused buckets that start while ``loss.backward()`` is still running
+(`fleetlike.collectives.GradReducer`, the machinery of fleetlike's data parallel strategy), so
+the `DistributedStrategy` given to ``hvd.init(strategy=...)`` or ``fleet.init`` (or
+``FLEETLIKE_STRATEGY``) tunes it as it tunes Fleet: ``fuse_grad_size_in_MB``,
+``nccl_comm_num``, ``use_hierarchical_allreduce``, ``fp16_allreduce``. ``compression=
+hvd.Compression.fp16`` (or ``bf16``) turns on the 16-bit wire of ``fp16_allreduce``.
+
+Horovod's rules, from ``horovod/torch/optimizer.py``:
+
+- the k-th backward (``backward_passes_per_step=k``) communicates; the k-1 before accumulate
+  locally; one more before ``step()`` raises; the gradients are the sum of the k passes,
+  averaged over ranks (not divided by k);
+- ``step()`` synchronizes first (waits; reduces the current gradients if no backward did);
+  ``synchronize()`` then ``with optimizer.skip_synchronize(): optimizer.step()`` lets a loop
+  clip or unscale (``GradScaler``) the averaged gradients in between;
+- ``zero_grad()`` after ``backward()`` and before ``step()`` / ``synchronize()`` raises
+  Horovod's error (the reductions of that backward are not consumed yet);
+- ``op``: Average (default), Sum or Adasum (Adasum reduces the update, see `AdasumOptimizer`);
+  ``gradient_predivide_factor`` f divides before the sum and multiplies by f / size after.
+
+The ranks agree once, when the optimizer is built, that they wrap the same model (bucket
+layout), else every rank raises. Each reduction then runs one small agreement exchange on the
+Horovod world at the end of the backward, while the buckets are in flight on communicators of
+their own, so that ranks that called ``hvd.join()`` take part with zeros. ``agree=False``
+(fleetlike's keyword) skips the per-step exchange (docs/BENCHMARKS.md, "Horovod API"); then
+``hvd.join()`` must not run while other ranks still step.
+
+The wrapper is a real ``torch.optim.Optimizer`` (fleetlike's `fleet.DistributedOptimizer` with
+Horovod's step), sharing ``param_groups`` and ``state`` with the wrapped optimizer, so LR
+schedulers and ``GradScaler`` act on it. Ranks that called ``hvd.join()`` answer its gradient
+reductions with zeros.
+
+Example:
+    >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+    ...                                named_parameters=model.named_parameters())
+    >>> loss.backward(); opt.synchronize(); clip_grad_norm_(model.parameters(), 1.0)
+    >>> with opt.skip_synchronize(): opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fleetlike.collectives import Bucket, BucketCollective, GradReducer
+from fleetlike.comm import Communicator, Work
+from fleetlike.comm.handles import ChainedWork
+from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
+from fleetlike.fleet import fleet
+from fleetlike.horovod.collectives import OP_NAMES, OPS
+from fleetlike.horovod.negotiate import Kind, check, describe, exchange
+from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
+from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.strategies.data_parallel import gradient_collective
+
+__all__ = ["HorovodOptimizer", "named_parameter_map"]
+
+_ZERO_GRAD_ERROR = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+             "Increase backward_passes_per_step to accumulate gradients locally.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+def named_parameter_map(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
+    """Parameter id -> name, with Horovod's checks (tuples, unique names, every parameter named)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(p, tuple) for p in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    names = [k for k, _ in named]
+    dups = sorted({k for k in names if names.count(k) > 1})
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    given = {id(v) for _, v in named}
+    unnamed = [id(p) for p in params if id(p) not in given]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         f"Python object ids: {', '.join(map(str, unnamed))}")
+    return {id(v): k for k, v in named}
+
+
+class _Scaled:
+    """A `BucketCollective` scaling around another: Horovod's prescale (1/f) and postscale
+    (f for a predivided average, ``size`` for Sum, since the inner collective averages)."""
+
+    def __init__(self, inner: BucketCollective, pre: float, post: float) -> None:
+        self.inner, self.pre, self.post = inner, pre, post
+
+    @property
+    def world(self) -> Communicator:
+        return self.inner.world
+
+    def start(self, bucket: Bucket) -> Work:
+        if self.pre != 1.0:
+            bucket.buffer.mul_(self.pre)
+        work = self.inner.start(bucket)
+        post = self.post
+        return ChainedWork(work, lambda: bucket.buffer.mul_(post))
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        return {**self.inner.describe(bucket), "prescale": self.pre, "postscale": self.post}
+
+
+def _wire(compression: Any) -> str | None:
+    if compression is Compression.none or compression is None:
+        return None
+    if compression is Compression.fp16:
+        return "float16"
+    if compression is Compression.bf16:
+        return "bfloat16"
+    raise TypeError(
+        f"hvd.DistributedOptimizer(compression={compression!r}): the overlapped gradient buckets travel "
+        "compressed through fleetlike's 16-bit codec, which takes hvd.Compression.none, .fp16 or .bf16; "
+        "a custom Compressor works with hvd.allreduce(..., compression=...)"
+    )
+
+
+class HorovodOptimizer(FleetDistributedOptimizer):
+    """What ``hvd.DistributedOptimizer`` returns for Average and Sum (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                 compression: type[Compressor] | Compressor = Compression.none, backward_passes_per_step: int = 1,
+                 op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, groups: Any = None,
+                 sparse_as_dense: bool = False, *, strategy: Any = None, agree: bool = True) -> None:
+        rt = runtime("hvd.DistributedOptimizer")
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"hvd.DistributedOptimizer reduces gradients with Average, Sum or Adasum; got op={op.value!r}")
+        if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        chosen = fleet.effective_strategy(strategy or rt.strategy, "hvd.DistributedOptimizer").copy()
+        wire = _wire(compression)
+        if wire is not None:
+            chosen.fp16_allreduce = True
+            chosen.fp16_allreduce_configs = {"dtype": wire}
+        super().__init__(optimizer, chosen, fleet.context())
+        self._names = named_parameter_map(optimizer, named_parameters)
+        self._rt: Runtime = rt
+        self.op = op
+        #: agree with the other ranks before each reduction (join, model mismatch check)
+        self.agree = bool(agree)
+        self.compression = compression
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        cap = chosen.bucket_cap_bytes()
+        if groups is not None:
+            cap = self._cap_for_groups(groups, params)
+        # the buckets travel on communicators of their own, so the per-step agreement on the
+        # Horovod world overlaps them (each communicator keeps its own order)
+        collective, self.notes = gradient_collective(chosen, rt.optimizer_groups(), rt.role)
+        n = rt.comm.size
+        pre = 1.0 / gradient_predivide_factor
+        post = gradient_predivide_factor * (n if op is ReduceOp.SUM else 1)
+        if pre != 1.0 or post != 1.0:
+            collective = _Scaled(collective, pre, post)
+        self._hvd_lock = threading.RLock()
+        self._passes = 0
+        self._in_backward = False
+        self._communicated = False
+        self._synchronized = False
+        self._should_synchronize = True
+        # our hooks first: they count the backward passes and arm the reducer before its own run
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names)
+        self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
+        self._params = params
+        self._numel = sum(p.numel() for p in params)
+        self._join_id = len(rt.optimizers)
+        sizes = [b.numel for b in self.reducer.buckets]
+        self._layout = (len(sizes), zlib.crc32(repr(sizes).encode()) & 0x7FFFFFFF)
+        self._agree(Kind.OPTIMIZER_SETUP)  # once: every rank wraps the same model (bucket layout)
+        rt.optimizers[self._join_id] = self
+        self._need_agreement = False
+
+    def __repr__(self) -> str:
+        return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
+
+    @staticmethod
+    def _cap_for_groups(groups: Any, params: list[torch.nn.Parameter]) -> int:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(
+                f"hvd.DistributedOptimizer(groups={groups!r}): fleetlike fuses gradients into contiguous "
+                "buckets; give groups as a positive int (about that many fused buckets) or None (bucket "
+                "size from strategy.fuse_grad_size_in_MB); explicit lists of parameters are not supported"
+            )
+        total = sum(p.numel() * p.element_size() for p in params)
+        return max(1, -(-total // groups))
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's setter: communicate every ``passes`` backward passes."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes!r} must be an int >= 1")
+        self.backward_passes_per_step = passes
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        with self._hvd_lock:
+            if p.grad is not None and p.grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise ValueError(
+                        f"hvd.DistributedOptimizer: the gradient of {self._names.get(id(p), 'a parameter')} is "
+                        "sparse; fleetlike reduces dense buckets: pass sparse_as_dense=True"
+                    )
+                p.grad = p.grad.to_dense()
+            if self._in_backward:
+                return
+            if self._passes >= self.backward_passes_per_step:
+                raise AssertionError(_TOO_MANY)
+            self._in_backward = True
+            self._passes += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if self._passes == self.backward_passes_per_step:
+                self.reducer.prepare()  # buckets start as they fill; the agreement runs at the end
+                self._need_agreement = self.agree
+                self._communicated = True
+
+    def _agree(self, kind: Kind = Kind.OPTIMIZER) -> None:
+        """The ranks agree on this reduction (model, op) and joined ranks learn of it."""
+        rt = self._rt
+        row = describe(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
+                       name=f"DistributedOptimizer.{self._join_id}")
+        with rt.lock:
+            ag = exchange(rt.comm, row, rt.device)
+            rt.last_states = [r[0] for r in ag.rows]
+            check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
+
+    def _fold(self) -> None:
+        """Make every parameter's gradient its bucket view (zeros where it has none), so the
+        reducer's buckets hold exactly the current gradients."""
+        for p in self._params:
+            _, view = self._views[id(p)]
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g.to_dense() if g.is_sparse else g)
+            else:
+                continue
+            p.grad = view
+
+    def _end_backward(self) -> None:
+        with self._hvd_lock:
+            self._in_backward = False
+            if self._need_agreement:  # while the buckets are in flight on their communicators
+                self._need_agreement = False
+                self._agree()
+            if self.reducer.armed:
+                self._fold()  # parameters this backward did not reach: zeros, as Horovod sends
+
+    def _reduce_now(self) -> None:
+        """Reduce the current gradients outside a backward (Horovod's "missing" parameters)."""
+        self._fold()
+        if self.agree:
+            self._agree()
+        self.reducer.prepare()
+        self.reducer.finalize()
+
+    def _answer_join(self) -> None:
+        """A joined rank's part in the other ranks' gradient reduction: zeros."""
+        with self._hvd_lock:
+            for b in self.reducer.buckets:
+                b.zero_()
+            for p in self._params:
+                p.grad = self._views[id(p)][1]
+            self.reducer.prepare()
+            self.reducer.finalize()
+
+    def _detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.reducer.remove()
+
+    # ------------------------------------------------------------------ Horovod's optimizer API
+
+    def synchronize(self) -> bool:  # type: ignore[override]
+        """Finish reducing the gradients (reducing them now if no backward did)."""
+        with self._hvd_lock:
+            if self._communicated:
+                self.reducer.finalize()  # already waited at the end of the backward: a no-op
+            else:
+                self._reduce_now()
+            self._passes = 0
+            self._communicated = False
+            self._synchronized = True
+        return True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, ``step()`` uses the gradients as they are (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Synchronize (unless inside ``skip_synchronize``), then the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self.inner_optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (in place: they are bucket views); refused while a backward's
+        reductions are not consumed by ``step()`` / ``synchronize()``, as Horovod."""
+        if self._passes:
+            raise AssertionError(_ZERO_GRAD_ERROR)
+        self.reducer.zero_grad()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._views and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+    def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
+        """``loss.backward()`` (Horovod has no loss scaling of its own)."""
+        loss.backward()
+
+    def minimize(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise TypeError("hvd.DistributedOptimizer is the eager-style Horovod wrapper; for fleet's program style "
+                        "use fleet.distributed_optimizer(optimizer).minimize(loss_fn, model)")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.inner_optimizer.load_state_dict(state_dict)

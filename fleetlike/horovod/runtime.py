@@ -1,0 +1,298 @@
+"""``hvd.init()`` and the process-wide state of the Horovod face: who this rank is, its
+communicator, and the in-flight names.
+
+``init`` sits on ``fleet.init``: with no fleet yet it calls it (auto-detecting the launch:
+``python -m fleetlike.launch``, ``mpiexec``/``mpirun``, ``torchrun``, Slurm), otherwise it uses
+the fleet's communicators, so a script may mix both faces. Under ``mpiexec``/``mpirun`` it runs
+on the MPI backend with MPI's host names (`MPIRoleMaker`), as Horovod does. ``init(comm=[ranks])`` makes a
+Horovod world of those world ranks (every process calls it; the others stay uninitialised).
+
+Topology follows Horovod: ``local_rank`` / ``local_size`` within the node, ``cross_rank`` /
+``cross_size`` among the ranks with this local rank (one per node), ``is_homogeneous`` when every
+node has the same number of ranks.
+
+Example:
+    >>> import fleetlike.horovod as hvd
+    >>> hvd.init()
+    >>> hvd.rank(), hvd.size(), hvd.local_rank()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fleetlike.comm import CommGroups, Communicator
+from fleetlike.comm.nccl import nccl_unavailable_reason
+from fleetlike.comm.mpi import mpi_available
+from fleetlike.config import DistributedStrategy
+from fleetlike.fleet import fleet
+from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_endpoint
+
+__all__ = [
+    "Runtime",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "rocm_built",
+    "runtime",
+    "shutdown",
+    "size",
+]
+
+
+class Runtime:
+    """What ``hvd.init`` set up; one per process (see `runtime`)."""
+
+    def __init__(self, comm: Communicator, groups: CommGroups, role: Role, device: torch.device,
+                 strategy: DistributedStrategy | None, subset: bool) -> None:
+        self.comm = comm
+        self.groups = groups
+        self.role = role
+        self.device = device
+        #: the strategy given to ``hvd.init`` (None: the fleet's, with FLEETLIKE_STRATEGY applied)
+        self.strategy = strategy
+        #: ``comm`` is a comm= subset this face split off (closed with its groups by shutdown)
+        self.subset = subset
+        #: communicators this face created besides (Adasum's pairs and groups); closed by shutdown
+        self.own_comms: list[Communicator] = []
+        #: one hvd collective at a time agrees and starts (the exchange and the data keep the
+        #: same order on every rank even when hooks run on another thread)
+        self.lock = threading.RLock()
+        self.in_flight: dict[str, Any] = {}
+        self.counters: dict[str, int] = {}
+        #: DistributedOptimizers by their join id (a joined rank answers their reductions)
+        self.optimizers: dict[int, Any] = {}
+        self.adasum_comms: list[tuple[Communicator, Communicator]] | None = None
+        self._optimizer_groups: CommGroups | None = None
+        #: states of the previous exchange (who was active), for join's "last rank to join"
+        self.last_states: list[int] | None = None
+        hosts = [parse_endpoint(e)[0] for e in role.endpoints]
+        locals_ = [hosts[:i].count(h) for i, h in enumerate(hosts)]
+        same = [i for i, lr in enumerate(locals_) if lr == locals_[role.rank]]
+        self.cross_rank = same.index(role.rank)
+        self.cross_size = len(same)
+
+    def optimizer_groups(self) -> CommGroups:
+        """Communicators for DistributedOptimizer buckets: a split of the Horovod world (shared by
+        every optimizer), so bucket traffic never queues behind the agreement exchanges."""
+        if self._optimizer_groups is None:
+            sub = self.comm.split(0, self.comm.rank, name=f"{self.comm.name}.hvd-buckets")
+            assert sub is not None  # every rank takes part
+            self._optimizer_groups = CommGroups(sub, self.role)
+        return self._optimizer_groups
+
+    def auto_name(self, kind: str) -> str:
+        """Horovod's generated name for an unnamed collective (``allreduce.noname.3``)."""
+        n = self.counters.get(kind, 0) + 1
+        self.counters[kind] = n
+        return f"{kind}.noname.{n}"
+
+
+_RUNTIME: Runtime | None = None
+_INIT_LOCK = threading.Lock()
+_EXCLUDED: list[int] | None = None  # the comm= list this process is not part of
+_OWNS_FLEET = False  # init started the fleet, so shutdown ends it
+
+
+def runtime(what: str = "this call") -> Runtime:
+    """The runtime, or Horovod's error telling to call ``hvd.init()`` first."""
+    rt = _RUNTIME
+    if rt is None:
+        if _EXCLUDED is not None:
+            raise ValueError(
+                f"{what}: this process is not in comm={_EXCLUDED} given to hvd.init(), so it has no "
+                "Horovod communicator; call hvd collectives only on the listed ranks"
+            )
+        raise ValueError(f"Horovod has not been initialized; use hvd.init() before {what}.")
+    return rt
+
+
+def init(
+    comm: Sequence[int] | None = None,
+    process_sets: Any = None,
+    *,
+    role_maker: RoleMaker | Role | None = None,
+    strategy: DistributedStrategy | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    check_collectives: bool = False,
+) -> None:
+    """Initialise the Horovod face (idempotent: a second call does nothing).
+
+    ``comm``: a list of world ranks forming the Horovod world (every process calls ``init``
+    with the same list); None for all ranks. The keyword-only arguments are fleetlike's: the
+    role maker (default: detect the launch), the `DistributedStrategy` whose data-parallel
+    settings `DistributedOptimizer` uses (fuse_grad_size_in_MB, nccl_comm_num, hierarchical
+    and fp16 allreduce; also read from ``FLEETLIKE_STRATEGY``), backend and timeout as
+    ``fleet.init``. Horovod's ``process_sets`` are not provided: a non-None value raises."""
+    global _RUNTIME, _EXCLUDED, _OWNS_FLEET
+    if process_sets is not None:
+        raise ValueError(
+            f"hvd.init(process_sets={process_sets!r}): fleetlike's Horovod face has one global process "
+            "set; use hvd.init(comm=[ranks]) for a subset of ranks"
+        )
+    with _INIT_LOCK:
+        if _RUNTIME is not None or _EXCLUDED is not None:
+            return  # initialised already (or left out by comm=): nothing collective runs again
+        if not fleet.initialized:
+            if role_maker is None and backend is None and detect_source() in ("openmpi", "mpich") and mpi_available():
+                role_maker = MPIRoleMaker()  # as Horovod under mpirun: the MPI backend, MPI's hosts
+            fleet.init(role_maker, strategy=strategy, timeout=timeout, check_collectives=check_collectives,
+                       backend=backend)
+            _OWNS_FLEET = True
+        ctx = fleet.context()
+        if strategy is not None and not isinstance(strategy, DistributedStrategy):
+            raise TypeError(f"hvd.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
+        if comm is None:
+            _RUNTIME = Runtime(ctx.world, ctx.groups, ctx.role, ctx.device, strategy, False)
+            return
+        members = _members(comm, ctx.role.world_size)
+        me = ctx.role.rank
+        sub = ctx.world.split(0 if me in members else None, members.index(me) if me in members else 0,
+                              name=f"hvd[{','.join(map(str, members))}]")
+        if sub is None:
+            _EXCLUDED = members
+            return
+        role = Role.from_endpoints(members.index(me), [ctx.role.endpoints[r] for r in members],
+                                   job_id=ctx.role.job_id, source=ctx.role.source,
+                                   selected_gpus=ctx.role.selected_gpus)
+        _RUNTIME = Runtime(sub, CommGroups(sub, role), role, ctx.device, strategy, True)
+
+
+def _members(comm: Any, world_size: int) -> list[int]:
+    if hasattr(comm, "Get_rank"):
+        raise TypeError(
+            "hvd.init(comm=<mpi4py communicator>): fleetlike builds its own communicators; pass the "
+            "list of world ranks instead, e.g. hvd.init(comm=[0, 1])"
+        )
+    try:
+        members = [int(r) for r in comm]
+    except (TypeError, ValueError):
+        raise TypeError(f"hvd.init(comm={comm!r}): comm must be a list of world ranks") from None
+    bad = [r for r in members if not 0 <= r < world_size]
+    if not members or bad or len(set(members)) != len(members):
+        raise ValueError(
+            f"hvd.init(comm={members}): comm must list distinct world ranks in 0..{world_size - 1}"
+            + (f"; {bad} are out of range" if bad else "")
+        )
+    return members
+
+
+def shutdown() -> None:
+    """Close what ``init`` opened (the fleet too when ``init`` started it). ``init`` may follow."""
+    global _RUNTIME, _EXCLUDED, _OWNS_FLEET
+    with _INIT_LOCK:
+        rt, owned = _RUNTIME, _OWNS_FLEET
+        _RUNTIME, _EXCLUDED, _OWNS_FLEET = None, None, False
+        if rt is not None:
+            for opt in list(rt.optimizers.values()):
+                opt._detach()
+            for c in rt.own_comms:
+                c.close()
+            if rt._optimizer_groups is not None:
+                rt._optimizer_groups.close()
+            if rt.subset:
+                rt.groups.close()
+        if owned and fleet.initialized:
+            fleet.shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether ``hvd.init()`` has run in this process (and ``shutdown`` not since)."""
+    return _RUNTIME is not None
+
+
+def size() -> int:
+    """Number of Horovod processes."""
+    return runtime("hvd.size()").comm.size
+
+
+def rank() -> int:
+    """This process's Horovod rank."""
+    return runtime("hvd.rank()").comm.rank
+
+
+def local_size() -> int:
+    """Number of Horovod processes on this node."""
+    return runtime("hvd.local_size()").role.local_size
+
+
+def local_rank() -> int:
+    """This process's rank on its node (pick the GPU with it)."""
+    return runtime("hvd.local_rank()").role.local_rank
+
+
+def cross_size() -> int:
+    """Number of nodes with a process of this local rank."""
+    return runtime("hvd.cross_size()").cross_size
+
+
+def cross_rank() -> int:
+    """This process's rank among the processes of its local rank (its node's index, on equal nodes)."""
+    return runtime("hvd.cross_rank()").cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of processes."""
+    return runtime("hvd.is_homogeneous()").role.uniform_nodes()
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE (False when the backend is not MPI)."""
+    rt = runtime("hvd.mpi_threads_supported()")
+    if rt.comm.backend != "mpi":
+        return False
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def mpi_enabled() -> bool:
+    """Whether this job's collectives run over MPI."""
+    return runtime("hvd.mpi_enabled()").comm.backend == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """Whether this job's collectives run over gloo."""
+    return runtime("hvd.gloo_enabled()").comm.backend == "gloo"
+
+
+def mpi_built() -> bool:
+    """Whether the MPI backend can be used here (mpi4py imports)."""
+    return mpi_available()
+
+
+def gloo_built() -> bool:
+    """Always True: gloo comes with torch."""
+    return True
+
+
+def nccl_built() -> bool:
+    """Whether the NCCL backend can run here (a GPU and CuPy's NCCL)."""
+    return nccl_unavailable_reason() is None
+
+
+def cuda_built() -> bool:
+    """Whether torch sees a CUDA device."""
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    """Whether torch is a ROCm build."""
+    return bool(getattr(torch.version, "hip", None))

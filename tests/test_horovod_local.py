@@ -1,0 +1,156 @@
+"""The Horovod face in this process: errors before ``init``, a world of one (no launcher), bad
+arguments with their messages, the Adasum slice layout (hypothesis), and ``init(comm=[...])``
+on a subset of three gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fleetlike.horovod as hvd
+from fleetlike.horovod.adasum import slices
+from fleetlike.testing import run_ranks
+
+
+@pytest.fixture(autouse=True)
+def _no_hvd():  # type: ignore[no-untyped-def]
+    hvd.shutdown()
+    yield
+    hvd.shutdown()
+
+
+@pytest.fixture
+def one(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for var in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID",
+                "PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "FLEETLIKE_STRATEGY"):
+        monkeypatch.delenv(var, raising=False)
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def test_calls_before_init_say_to_call_init() -> None:
+    for call in (hvd.size, hvd.rank, hvd.local_rank, lambda: hvd.allreduce(torch.ones(1)), hvd.barrier,
+                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1))):
+        with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
+            call()
+    assert not hvd.is_initialized()
+
+
+def test_world_of_one(one: Any) -> None:
+    assert (hvd.size(), hvd.rank(), hvd.local_size(), hvd.local_rank(), hvd.cross_size(), hvd.cross_rank()) == (
+        1, 0, 1, 0, 1, 0)
+    assert hvd.is_initialized() and hvd.is_homogeneous() and not hvd.mpi_enabled()
+    hvd.init()  # idempotent
+    x = torch.randn(5)
+    for op in (hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product, hvd.Adasum):
+        assert torch.equal(hvd.allreduce(x, op=op), x)
+    assert torch.equal(hvd.allgather(x), x) and torch.equal(hvd.broadcast(x, 0), x)
+    out, got = hvd.alltoall(x, splits=[5])
+    assert torch.equal(out, x) and got.tolist() == [5]
+    assert hvd.join() == 0
+    # one rank: DistributedOptimizer == the plain optimizer, bit for bit
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    b.load_state_dict(a.state_dict())
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9))
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        xb = torch.randn(8, 4)
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            m(xb).pow(2).mean().backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert isinstance(opt_a, torch.optim.Optimizer) and opt_a.param_groups is opt_a.inner_optimizer.param_groups
+
+
+def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
+    with pytest.raises(ValueError, match="op='mean' is not a reduction"):
+        hvd.allreduce(torch.ones(1), op="mean")
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="process set"):
+        hvd.allreduce(torch.ones(1), process_set=object())
+    with pytest.raises(ValueError, match="splits=.* must hold 1"):
+        hvd.alltoall(torch.ones(4), splits=[1, 3])
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        hvd.allreduce([1.0])
+    with pytest.raises(TypeError, match="must share a dtype"):
+        hvd.grouped_allreduce([torch.ones(1), torch.ones(1, dtype=torch.float64)])
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="Compression.none, .fp16 or .bf16"):
+        hvd.DistributedOptimizer(sgd, compression=object())
+    with pytest.raises(ValueError, match="groups as a positive int"):
+        hvd.DistributedOptimizer(sgd, groups=[[p] for p in model.parameters()])
+    with pytest.raises(ValueError, match="backward_passes_per_step=0"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="Found duplicates: w"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[("w", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="were not named"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[("w", model.weight)])
+    with pytest.raises(ValueError, match="should be a sequence of tuples"):
+        hvd.DistributedOptimizer(sgd, named_parameters=list(model.parameters()))
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="Average, Sum or Adasum"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Max)
+    with pytest.raises(ValueError, match="invalid params of type"):
+        hvd.broadcast_parameters(3, root_rank=0)
+    with pytest.raises(ValueError, match="LBFGS"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+
+
+def test_init_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="one global process set"):
+        hvd.init(process_sets=[1])
+    assert not hvd.is_initialized()
+
+
+@given(st.integers(0, 200), st.sampled_from([1, 2, 4, 8, 16]))
+def test_adasum_slices_partition_the_vector(count: int, size: int) -> None:
+    """After the halvings the ranks' slices are disjoint, cover the vector, and differ in length
+    by at most one: rank r's slice is number bit-reverse(r) in order (vector halving)."""
+    got = slices(count, size)
+    bits = size.bit_length() - 1
+    order = sorted(range(size), key=lambda r: int(format(r, f"0{bits}b")[::-1] or "0", 2))
+    at = 0
+    for r in order:
+        lo, hi = got[r]
+        assert lo == at and hi >= lo
+        at = hi
+    assert at == count
+    lengths = [h - l for l, h in got]
+    assert max(lengths) - min(lengths) <= max(1, bits)
+
+
+@pytest.mark.timeout(90)
+def test_init_with_a_subset_of_ranks() -> None:
+    results = run_ranks(_subset_rank, 3, timeout=80)
+    assert results[1] == "excluded: this process is not in comm=[2, 0]"
+    assert results[0] == (1, 2, 2.0, 10.0) and results[2] == (0, 2, 2.0, 10.0)
+
+
+def _subset_rank(role: Any) -> Any:
+    import torch
+
+    import fleetlike.horovod as hvd
+
+    hvd.init(comm=[2, 0], role_maker=role)
+    try:
+        if not hvd.is_initialized():
+            try:
+                hvd.size()
+            except ValueError as exc:
+                return "excluded: " + str(exc).split(" given")[0].split(": ", 1)[1]
+            return "no error"
+        total = hvd.allreduce(torch.tensor([float(role.rank) * 5]), op=hvd.Sum).item()
+        return hvd.rank(), hvd.size(), hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item(), total
+    finally:
+        hvd.shutdown()
