@@ -17,6 +17,8 @@ collectives           buckets, reducer, flat / hierarchical / compressed averagi
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
 fleet                 the facade of API.md (everything below)
+io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
+                      size and device; records data waits into strategies.health)
 launch                the launcher: the public names of roles, and of comm (the launcher hosts
                       the rendezvous store with --started_port=auto)
 top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
@@ -46,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
+    ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"roles", "comm"}),
     ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
 ]

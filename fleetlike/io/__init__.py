@@ -1,0 +1,80 @@
+"""``fleetlike.io``: data input for distributed training (Light's ``io``, Paddle's image lists).
+
+API summary (everything defaults ``num_replicas``/``rank``/device to the fleet job's):
+
+===========================================================  ===================================
+``get_data_loader(dataset, batch_size, num_replicas=None,    torch DataLoader parameters plus a
+rank=None, shuffle=True, *, seed, tail, sampler,             resumable sampler, prefetch of
+num_workers, collate_fn, pin_memory, drop_last, timeout,     ``prefetch`` batches onto the
+worker_init_fn, multiprocessing_context, generator,          device, and the data-wait time;
+prefetch_factor, persistent_workers, prefetch=2, device)``   returns a `DistributedDataLoader`
+``DistributedDataLoader``                                    iterate; ``set_epoch(e)``;
+                                                             ``state_dict()`` /
+                                                             ``load_state_dict()``;
+                                                             ``last_wait`` / ``epoch_wait``
+                                                             (seconds waited on data: last step,
+                                                             this pass), ``steps``, ``skipped``
+``DistributedSampler(dataset, num_replicas=None, rank=None,  torch's, resumable:
+shuffle=True, seed=0, drop_last=False, *, tail, batch_size)  ``set_epoch``, ``state_dict()``,
+                                                             ``load_state_dict()`` (any world
+                                                             size); ``tail`` pad / drop / even
+``files_shard(files, size=None, rank=None, drop_last=False)``  this rank's contiguous block
+``worker_shard``, ``FileShardDataset(files, read)``          by rank and DataLoader worker
+``ImageListDataset(root, list_file, transform=None, ...)``   Paddle's ``path label`` lists
+``ImageFolder(root, transform=None, ...)``                   ``root/<class>/<image>``
+``Compose``, ``ToTensor``, ``Normalize``, ``Resize``,        torchvision's transforms on Pillow
+``CenterCrop``, ``RandomResizedCrop``, ``RandomHorizontalFlip``
+===========================================================  ===================================
+
+Every step's wait for its batch is also recorded for fleetlike's slow-rank report
+(``DistributedStrategy.slow_rank_check``), which names a rank whose input pipeline is slow.
+
+Example:
+    >>> from fleetlike import fleet, io
+    >>> fleet.init()
+    >>> ds = io.ImageListDataset("data", "data/train.txt", transform=io.ToTensor())
+    >>> loader = io.get_data_loader(ds, 32, num_workers=4)
+    >>> fleet.register_state("loader", loader)        # a restart continues the epoch
+    >>> for epoch in range(epochs):
+    ...     loader.set_epoch(epoch)
+    ...     for x, y in loader: ...
+"""
+
+from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
+from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, to_device
+from fleetlike.io.sampler import DistributedSampler, Tail
+from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
+from fleetlike.io.transforms import (
+    CenterCrop,
+    Compose,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToTensor,
+)
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "CenterCrop",
+    "Compose",
+    "DistributedDataLoader",
+    "DistributedSampler",
+    "FileShardDataset",
+    "ImageFolder",
+    "ImageListDataset",
+    "ImageReadError",
+    "Normalize",
+    "OnError",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "Resize",
+    "Skipped",
+    "Tail",
+    "ToTensor",
+    "files_shard",
+    "get_data_loader",
+    "read_image_list",
+    "to_device",
+    "worker_shard",
+]
