@@ -20,6 +20,12 @@ shuffle=True, seed=0, drop_last=False, *, tail, batch_size)  ``set_epoch``, ``st
                                                              size); ``tail`` pad / drop / even
 ``files_shard(files, size=None, rank=None, drop_last=False)``  this rank's contiguous block
 ``worker_shard``, ``FileShardDataset(files, read)``          by rank and DataLoader worker
+``FileCache(source, cache_dir, max_bytes=None, reader=None)``  raw files of a slow source, fetched
+``get_file(path, *, source, cache_dir, max_bytes=None)``       once per node (LRU by bytes, atomic,
+                                                             one fetch when processes race)
+``CachedDataset(dataset, cache_type="memory", cache_dir=None,  decoded samples in memory / on disk
+cache_size=None, transforms=None, *, disk_size=None)``         / auto; ``transforms`` (random
+                                                             augmentation) after the cache
 ``ImageListDataset(root, list_file, transform=None, ...)``   Paddle's ``path label`` lists
 ``ImageFolder(root, transform=None, ...)``                   ``root/<class>/<image>``
 ``Compose``, ``ToTensor``, ``Normalize``, ``Resize``,        torchvision's transforms on Pillow
@@ -40,10 +46,13 @@ Example:
     ...     for x, y in loader: ...
 """
 
+from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
 from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
+from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks
 from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, to_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
+from fleetlike.io.store import CacheFullError
 from fleetlike.io.transforms import (
     CenterCrop,
     Compose,
@@ -56,10 +65,14 @@ from fleetlike.io.transforms import (
 
 __all__ = [
     "IMAGE_EXTENSIONS",
+    "CacheFullError",
+    "CacheType",
+    "CachedDataset",
     "CenterCrop",
     "Compose",
     "DistributedDataLoader",
     "DistributedSampler",
+    "FileCache",
     "FileShardDataset",
     "ImageFolder",
     "ImageListDataset",
@@ -71,10 +84,14 @@ __all__ = [
     "Resize",
     "Skipped",
     "Tail",
+    "ThrottledReader",
     "ToTensor",
     "files_shard",
     "get_data_loader",
+    "get_file",
+    "read_chunks",
     "read_image_list",
+    "sample_bytes",
     "to_device",
     "worker_shard",
 ]
