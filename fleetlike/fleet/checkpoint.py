@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -32,6 +33,7 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "SERVED_FILE",
     "TrainingState",
     "atomic_dir",
     "load_inference_model",
@@ -44,6 +46,13 @@ __all__ = [
 ]
 
 _FORMAT = 2
+
+#: ``save_inference_model``'s served model: TorchScript in eval mode, loadable by a plain PyTorch
+#: process (``torch.jit.load(dirname + "/served.pt")``) that imports neither fleetlike nor the
+#: model's code, as a model server does.
+SERVED_FILE = "served.pt"
+
+log = logging.getLogger("fleetlike")
 
 
 class CheckpointError(ValueError):
@@ -182,15 +191,38 @@ def load_training(dirname: str | os.PathLike[str], state: TrainingState, device:
     return dict(meta.get("program_runs", {}))
 
 
+def _script_for_serving(model: torch.nn.Module) -> tuple[Any, str | None]:
+    """``(TorchScript module in eval mode, None)``, or ``(None, why not)``."""
+    try:
+        scripted = torch.jit.script(model)
+    except Exception as exc:  # TorchScript rejects many Python constructs; say which and go on
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"
+    scripted.eval()
+    return scripted, None
+
+
 def save_inference_model(dirname: str | os.PathLike[str], model: torch.nn.Module,
-                         feeded_var_names: list[str], target_vars: list[str]) -> None:
+                         feeded_var_names: list[str], target_vars: list[str], served: bool = True) -> None:
+    """Write the model for inference; with ``served`` also `SERVED_FILE` (TorchScript, eval mode).
+
+    A model TorchScript cannot compile still gets ``model.pt`` and ``state_dict.pt``; the reason
+    is logged and kept in ``inference.json`` (``served_error``)."""
+    scripted, why = _script_for_serving(model) if served else (None, None)
+    if why is not None:
+        log.warning("fleet.save_inference_model: no %s (the model does not compile to TorchScript: %s); "
+                    "model.pt and state_dict.pt are written, which need the model's code to load. Make the "
+                    "model scriptable, or pass export_for_deployment=False to skip this", SERVED_FILE, why)
     with atomic_dir(dirname) as tmp:
         torch.save(model, tmp / "model.pt")
         torch.save(model.state_dict(), tmp / "state_dict.pt")
+        if scripted is not None:
+            torch.jit.save(scripted, str(tmp / SERVED_FILE))
         write_json(tmp / "inference.json", {
             "feeded_var_names": list(feeded_var_names),
             "target_vars": list(target_vars),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "served": SERVED_FILE if scripted is not None else None,
+            "served_error": why,
         })
 
 
