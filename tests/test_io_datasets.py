@@ -16,10 +16,12 @@ from PIL import Image
 from fleetlike.io import (
     CenterCrop,
     Compose,
+    ConvertImageDtype,
     ImageFolder,
     ImageListDataset,
     ImageReadError,
     Normalize,
+    PILToTensor,
     RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
@@ -117,6 +119,10 @@ def test_transforms_match_references():
     ref_crop = image.crop((left, top, left + w, top + h)).resize((16, 16), Image.BILINEAR)
     assert a.size == (16, 16) and np.array_equal(np.asarray(a), np.asarray(ref_crop))
     assert 0 <= left and left + w <= 40 and 0 <= top and top + h <= 30
+    u8 = PILToTensor()(image)
+    assert u8.dtype == torch.uint8 and torch.equal(u8, torch.from_numpy(array).permute(2, 0, 1))
+    assert torch.equal(ConvertImageDtype()(u8), t) and torch.equal(ToTensor()(u8), t)
+    assert torch.equal(RandomHorizontalFlip(1.0)(u8), u8.flip(-1))
     pipeline = Compose([Resize(20), CenterCrop(16), ToTensor()])
     assert pipeline(image).shape == (3, 16, 16)
     with pytest.raises(ValueError, match="size=0"):

@@ -29,7 +29,8 @@ cache_size=None, transforms=None, *, disk_size=None)``         / auto; ``transfo
 ``ImageListDataset(root, list_file, transform=None, ...)``   Paddle's ``path label`` lists
 ``ImageFolder(root, transform=None, ...)``                   ``root/<class>/<image>``
 ``Compose``, ``ToTensor``, ``Normalize``, ``Resize``,        torchvision's transforms on Pillow
-``CenterCrop``, ``RandomResizedCrop``, ``RandomHorizontalFlip``
+``CenterCrop``, ``RandomResizedCrop``, ``RandomHorizontalFlip``,  (any callable works as well)
+``PILToTensor``, ``ConvertImageDtype``
 ===========================================================  ===================================
 
 Every step's wait for its batch is also recorded for fleetlike's slow-rank report
@@ -56,7 +57,9 @@ from fleetlike.io.store import CacheFullError
 from fleetlike.io.transforms import (
     CenterCrop,
     Compose,
+    ConvertImageDtype,
     Normalize,
+    PILToTensor,
     RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
@@ -70,6 +73,7 @@ __all__ = [
     "CachedDataset",
     "CenterCrop",
     "Compose",
+    "ConvertImageDtype",
     "DistributedDataLoader",
     "DistributedSampler",
     "FileCache",
@@ -79,6 +83,7 @@ __all__ = [
     "ImageReadError",
     "Normalize",
     "OnError",
+    "PILToTensor",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "Resize",

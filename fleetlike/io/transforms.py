@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["CenterCrop", "Compose", "Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToTensor"]
+__all__ = ["CenterCrop", "Compose", "ConvertImageDtype", "Normalize", "PILToTensor", "RandomHorizontalFlip",
+           "RandomResizedCrop", "Resize", "ToTensor"]
 
 
 def _size(size: int | Sequence[int], what: str) -> tuple[int, int]:
@@ -46,14 +47,35 @@ class Compose:
         return x
 
 
-class ToTensor:
-    """PIL image (or HxWxC uint8 array) -> float tensor ``C x H x W`` in [0, 1]."""
+class PILToTensor:
+    """PIL image (or HxWxC array) -> tensor ``C x H x W`` of the same dtype (uint8 stays uint8:
+    a quarter of the float32 bytes, the compact form to keep in a `CachedDataset`)."""
 
     def __call__(self, image: Any) -> torch.Tensor:
-        array = np.asarray(image)
+        array = np.array(image)  # a writable copy torch may own
         if array.ndim == 2:
             array = array[:, :, None]
-        tensor = torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+        return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+class ConvertImageDtype:
+    """A uint8 image tensor to ``dtype`` in [0, 1] (a float tensor is only cast)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == torch.uint8 and self.dtype.is_floating_point:
+            return tensor.to(self.dtype).div_(255)
+        return tensor.to(self.dtype)
+
+
+class ToTensor:
+    """PIL image (or HxWxC uint8 array, or a uint8 ``C x H x W`` tensor) -> float tensor
+    ``C x H x W`` in [0, 1]."""
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        tensor = image if isinstance(image, torch.Tensor) else PILToTensor()(image)
         return tensor.float().div_(255) if tensor.dtype == torch.uint8 else tensor.float()
 
 
@@ -103,13 +125,15 @@ class CenterCrop:
 
 
 class RandomHorizontalFlip:
-    """Mirror with probability ``p``."""
+    """Mirror with probability ``p`` (a PIL image, or a tensor ``... x H x W``)."""
 
     def __init__(self, p: float = 0.5) -> None:
         self.p = p
 
-    def __call__(self, image: Image.Image) -> Image.Image:
-        return image.transpose(Image.FLIP_LEFT_RIGHT) if torch.rand(1).item() < self.p else image
+    def __call__(self, image: Any) -> Any:
+        if torch.rand(1).item() >= self.p:
+            return image
+        return image.flip(-1) if isinstance(image, torch.Tensor) else image.transpose(Image.FLIP_LEFT_RIGHT)
 
 
 class RandomResizedCrop:
