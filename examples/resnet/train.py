@@ -56,9 +56,9 @@ def main():
     rank, workers = 0, 1
 
     train_set, val_set = data.datasets(args)
-    order = torch.Generator()
-    train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, shuffle=True, generator=order,
-                                               drop_last=True, num_workers=args.num_workers)
+    order = torch.Generator()   # the epoch's order: randperm seeded with seed + epoch
+    train_loader = torch.utils.data.DataLoader(train_set, args.batch_size, drop_last=True, num_workers=args.num_workers,
+                                               sampler=torch.utils.data.RandomSampler(train_set, generator=order))
     val_loader = torch.utils.data.DataLoader(val_set, args.batch_size, num_workers=args.num_workers)
     scheduler = schedule.build(optimizer, args, len(train_loader))
     history = History()
