@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbps", type=float, default=50.0, help="throttled source, MB/s")
     p.add_argument("--latency", type=float, default=2.0, help="throttled source, ms per file")
     p.add_argument("--steps", type=int, default=40, help="training steps per data-wait run")
+    p.add_argument("--only-wait", action="store_true", help="only the data-wait share (a repeat); prints, saves nothing")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "io"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -220,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.images} JPEGs of {args.size}x{args.size}, {total / 2**20:.1f} MiB under {data} "
           f"({time.perf_counter() - t0:.1f}s); load average {os.getloadavg()[0]:.2f}", flush=True)
     n = args.images
+    if args.only_wait:
+        for row in wait_share(data, lst, args.steps, args.reps):
+            print(row)
+        print("load average (1, 5, 15 min): %.2f %.2f %.2f" % os.getloadavg())
+        return 0
     rows = [measure_loader(data, lst, args.workers, n, args.reps)]
     print(rows[-1], flush=True)
     flip = Compose([RandomHorizontalFlip(), ToTensor()])

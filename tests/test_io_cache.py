@@ -19,11 +19,13 @@ from fleetlike.io import (
     CacheFullError,
     CachedDataset,
     FileCache,
+    ImageFolder,
     ImageListDataset,
     RandomHorizontalFlip,
     ThrottledReader,
     ToTensor,
     get_file,
+    set_file_cache,
 )
 from test_io_datasets import make_images, write_list
 
@@ -207,3 +209,37 @@ def test_image_list_reads_a_slow_source_through_the_cache(tmp_path):
     flipped = CachedDataset(images, transforms=RandomHorizontalFlip(1.0))
     assert np.array_equal(np.asarray(flipped[0][0]), np.asarray(images[0][0])[:, ::-1])
     assert np.array_equal(np.asarray(flipped._memory[0][0]), np.asarray(images[0][0]))
+
+
+def test_image_datasets_keep_decoded_images_in_the_cache(tmp_path):
+    entries = make_images(tmp_path / "imgs", n=6)
+    lst = write_list(tmp_path / "l.txt", entries)
+    plain = ImageListDataset(tmp_path / "imgs", lst)
+    # the flip runs after the cache: cached images are the plain decode, outputs flipped each time
+    ds = ImageListDataset(tmp_path / "imgs", lst, transform=RandomHorizontalFlip(1.0), cache_type="memory")
+    for _ in range(2):
+        for i in range(6):
+            assert np.array_equal(np.asarray(ds[i][0]), np.asarray(plain[i][0])[:, ::-1]) and ds[i][1] == entries[i][1]
+    assert ds.cache.misses == 6 and ds.cache.hits == 18
+    assert np.array_equal(np.asarray(ds.cache._memory[0][0]), np.asarray(plain[0][0]))
+    # cache_transform: the transformed tensor is what is kept (disk), the folder layout read
+    folder = ImageFolder(tmp_path / "imgs", transform=ToTensor(), cache_type="disk",
+                         cache_dir=tmp_path / "decoded", cache_transform=True, target_transform=lambda y: y + 10)
+    x, y = folder[2]
+    assert isinstance(x, torch.Tensor) and y == folder.samples[2][1] + 10
+    assert len(list((tmp_path / "decoded").glob("*.pkl"))) == 1 and torch.equal(folder[2][0], x)
+
+
+def test_get_file_through_the_process_cache(tmp_path):
+    src = make_source(tmp_path / "src", {"a": 100})
+    set_file_cache(None)
+    with pytest.raises(RuntimeError, match="set_file_cache"):
+        get_file("a")
+    with pytest.raises(ValueError, match="both source and cache_dir"):
+        get_file("a", source=src)
+    cache = FileCache(src, tmp_path / "c")
+    set_file_cache(cache)
+    try:
+        assert get_file("a").read_bytes() == (src / "a").read_bytes() and cache.fetches == 1
+    finally:
+        set_file_cache(None)

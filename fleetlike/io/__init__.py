@@ -8,6 +8,7 @@ rank=None, shuffle=True, *, seed, tail, sampler,             resumable sampler, 
 num_workers, collate_fn, pin_memory, drop_last, timeout,     ``prefetch`` batches onto the
 worker_init_fn, multiprocessing_context, generator,          device, and the data-wait time;
 prefetch_factor, persistent_workers, prefetch=2, device)``   returns a `DistributedDataLoader`
+(alias ``get_dataloader``, Light's other spelling)
 ``DistributedDataLoader``                                    iterate; ``set_epoch(e)``;
                                                              ``state_dict()`` /
                                                              ``load_state_dict()``;
@@ -22,12 +23,15 @@ shuffle=True, seed=0, drop_last=False, *, tail, batch_size)  ``set_epoch``, ``st
 ``worker_shard``, ``FileShardDataset(files, read)``          by rank and DataLoader worker
 ``FileCache(source, cache_dir, max_bytes=None, reader=None)``  raw files of a slow source, fetched
 ``get_file(path, *, source, cache_dir, max_bytes=None)``       once per node (LRU by bytes, atomic,
-                                                             one fetch when processes race)
+``set_file_cache(cache)``, then ``get_file(path)`` (Light's)  one fetch when processes race)
 ``CachedDataset(dataset, cache_type="memory", cache_dir=None,  decoded samples in memory / on disk
 cache_size=None, transforms=None, *, disk_size=None)``         / auto; ``transforms`` (random
                                                              augmentation) after the cache
 ``ImageListDataset(root, list_file, transform=None, ...)``   Paddle's ``path label`` lists
-``ImageFolder(root, transform=None, ...)``                   ``root/<class>/<image>``
+``ImageFolder(root, transform=None, ...)``                   ``root/<class>/<image>``; both take
+                                                             ``file_cache=`` and ``cache_type=``,
+                                                             ``cache_dir``, ``cache_size``,
+                                                             ``cache_transform`` (decoded cache)
 ``Compose``, ``ToTensor``, ``Normalize``, ``Resize``,        torchvision's transforms on Pillow
 ``CenterCrop``, ``RandomResizedCrop``, ``RandomHorizontalFlip``,  (any callable works as well)
 ``PILToTensor``, ``ConvertImageDtype``
@@ -49,8 +53,8 @@ Example:
 
 from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
 from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
-from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks
-from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, to_device
+from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks, set_file_cache
+from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, get_dataloader, to_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
 from fleetlike.io.store import CacheFullError
@@ -93,10 +97,12 @@ __all__ = [
     "ToTensor",
     "files_shard",
     "get_data_loader",
+    "get_dataloader",
     "get_file",
     "read_chunks",
     "read_image_list",
     "sample_bytes",
+    "set_file_cache",
     "to_device",
     "worker_shard",
 ]

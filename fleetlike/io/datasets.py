@@ -3,8 +3,10 @@
 `ImageListDataset` reads seed 003's ImageNet layout: a ``train.txt`` / ``val.txt`` whose lines
 are ``relative/path label``; `ImageFolder` reads torchvision's ``root/class_name/image`` layout.
 Both return ``(transform(image), label)``, read the file bytes through a `FileCache` when one is
-given (a slow source such as a network mount is fetched once per node), and compose with
-`CachedDataset` for decoded samples.
+given (a slow source such as a network mount is fetched once per node), and keep decoded images
+in a `CachedDataset` when ``cache_type`` is given (as Light's ImageFolder): the transform then
+runs after the cache (random augmentation stays random), or before it with
+``cache_transform=True`` (for a deterministic transform such as a resize).
 
 Bad input is named where it is: a list line that does not parse (file, line number, the line),
 a label that is not an int or is outside ``[0, num_classes)``, a missing or undecodable image
@@ -30,6 +32,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
+from fleetlike.io.cached import CachedDataset, CacheType
 from fleetlike.io.loader import Skipped
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageListDataset", "ImageReadError", "OnError", "read_image_list"]
@@ -77,17 +80,36 @@ def read_image_list(list_file: str | os.PathLike[str], num_classes: int | None =
     return entries
 
 
+class _Decoded(Dataset[Any]):
+    """What the decoded cache holds: ``(image, label)``, transformed first with cache_transform."""
+
+    def __init__(self, images: _Images) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.images.read(index, self.images.cache_transform)
+
+
 class _Images(Dataset[Any]):
-    """Decoding, errors and the byte source shared by both datasets."""
+    """Decoding, errors, the byte source and the decoded cache shared by both datasets."""
 
     def __init__(self, root: str | os.PathLike[str], samples: list[tuple[str, int]],
                  transform: Callable[[Any], Any] | None, target_transform: Callable[[int], Any] | None,
-                 on_error: OnError | str, file_cache: ByteSource | None, mode: str) -> None:
+                 on_error: OnError | str, file_cache: ByteSource | None, mode: str,
+                 cache: dict[str, Any]) -> None:
         self.root = Path(root)
         self.samples = samples
         self.transform, self.target_transform = transform, target_transform
         self.on_error = parse_choice(OnError, on_error, what="on_error", noun="error policy")
         self.file_cache, self.mode = file_cache, mode
+        self.cache_transform = bool(cache.pop("cache_transform"))
+        self.cache: CachedDataset | None = None
+        if cache["cache_type"] is not None:
+            after = None if self.cache_transform else transform
+            self.cache = CachedDataset(_Decoded(self), transforms=after, **cache)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -112,19 +134,23 @@ class _Images(Dataset[Any]):
         except (OSError, ValueError, Image.DecompressionBombError) as error:
             raise ImageReadError(f"sample {index}: cannot read image {path}: {error}") from error
 
-    def __getitem__(self, index: int) -> Any:
+    def read(self, index: int, transform: bool) -> Any:
+        """``(image, label)`` (the image transformed if ``transform``), or a `Skipped`."""
         try:
             image: Any = self.load(index)
         except ImageReadError as error:
             if self.on_error is OnError.SKIP:
                 return Skipped(index, str(self.path(index)), str(error.__cause__ or error))
             raise
-        label: Any = self.samples[index][1]
-        if self.transform is not None:
+        if transform and self.transform is not None:
             image = self.transform(image)
-        if self.target_transform is not None:
-            label = self.target_transform(label)
-        return image, label
+        return image, self.samples[index][1]
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.read(index, True) if self.cache is None else self.cache[index]
+        if isinstance(sample, Skipped) or self.target_transform is None:
+            return sample
+        return sample[0], self.target_transform(sample[1])
 
 
 class ImageListDataset(_Images):
@@ -132,6 +158,8 @@ class ImageListDataset(_Images):
 
     ``num_classes`` bounds the labels; ``on_error`` in raise / skip; ``file_cache``: a
     `FileCache` over a slow ``root``; ``mode``: Pillow's mode to convert to.
+    Decoded cache (`CachedDataset`): ``cache_type`` None (none), memory, disk or auto, with
+    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image).
 
     Example:
         >>> ds = ImageListDataset("data", "data/val.txt", transform=Compose([Resize(256), CenterCrop(224), ToTensor()]))
@@ -141,24 +169,31 @@ class ImageListDataset(_Images):
                  transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[int], Any] | None = None, *, num_classes: int | None = None,
                  on_error: OnError | str = OnError.RAISE, file_cache: ByteSource | None = None,
-                 mode: str = "RGB") -> None:
+                 mode: str = "RGB", cache_type: CacheType | str | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_size: int | None = None,
+                 cache_transform: bool = False) -> None:
         self.list_file = Path(list_file)
         super().__init__(root, read_image_list(list_file, num_classes), transform, target_transform,
-                         on_error, file_cache, mode)
+                         on_error, file_cache, mode, {"cache_type": cache_type, "cache_dir": cache_dir,
+                                                      "cache_size": cache_size, "cache_transform": cache_transform})
 
 
 class ImageFolder(_Images):
     """torchvision's layout: ``root/<class>/<image>``, classes sorted by name, labels 0..n-1
     (``classes``, ``class_to_idx``, ``samples``, ``targets`` as torchvision's).
+    Decoded cache (`CachedDataset`): ``cache_type`` None (none), memory, disk or auto, with
+    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image).
 
     Example:
-        >>> ds = ImageFolder("data/train", transform=ToTensor(), file_cache=FileCache(...))
+        >>> ds = ImageFolder("data/train", transform=t, file_cache=FileCache(...), cache_type="memory")
     """
 
     def __init__(self, root: str | os.PathLike[str], transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[int], Any] | None = None, *,
                  extensions: tuple[str, ...] = IMAGE_EXTENSIONS, on_error: OnError | str = OnError.RAISE,
-                 file_cache: ByteSource | None = None, mode: str = "RGB") -> None:
+                 file_cache: ByteSource | None = None, mode: str = "RGB",
+                 cache_type: CacheType | str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 cache_size: int | None = None, cache_transform: bool = False) -> None:
         base = Path(root)
         if not base.is_dir():
             raise FileNotFoundError(f"ImageFolder: root {str(base)!r} is not a directory")
@@ -175,4 +210,6 @@ class ImageFolder(_Images):
                         samples.append((os.path.relpath(os.path.join(dirpath, f), base), self.class_to_idx[name]))
         if not samples:
             raise FileNotFoundError(f"ImageFolder: no file ending in {', '.join(extensions)} under {str(base)!r}")
-        super().__init__(root, samples, transform, target_transform, on_error, file_cache, mode)
+        super().__init__(root, samples, transform, target_transform, on_error, file_cache, mode,
+                         {"cache_type": cache_type, "cache_dir": cache_dir, "cache_size": cache_size,
+                          "cache_transform": cache_transform})

@@ -12,6 +12,7 @@ Example:
     >>> local = cache.get_file("train/n01440764/n01440764_10026.JPEG")
     >>> ds = ImageListDataset("/mnt/nfs/imagenet", "train.txt", file_cache=cache)   # reads through it
     >>> get_file("train/x.JPEG", source="/mnt/nfs/imagenet", cache_dir="/tmp/imagenet-cache")
+    >>> set_file_cache(cache); get_file("train/x.JPEG")       # Light's form: one process-wide cache
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from fleetlike.io.store import DiskStore
 
-__all__ = ["FileCache", "ThrottledReader", "get_file", "read_chunks"]
+__all__ = ["FileCache", "ThrottledReader", "get_file", "read_chunks", "set_file_cache"]
 
 Reader = Callable[[Path], Iterator[bytes]]
 _CHUNK = 1 << 20
@@ -129,13 +130,34 @@ class FileCache:
 
 
 _CACHES: dict[tuple[str, str, int | None], FileCache] = {}
+_DEFAULT: list[FileCache | None] = [None]
 _CACHES_LOCK = threading.Lock()
 
 
-def get_file(path: str | os.PathLike[str], *, source: str | os.PathLike[str],
-             cache_dir: str | os.PathLike[str], max_bytes: int | None = None) -> Path:
-    """Light's ``get_file``: the local copy of ``path`` from ``source`` cached in ``cache_dir``
-    (one `FileCache` per source and directory, reused by later calls)."""
+def set_file_cache(cache: FileCache | None) -> None:
+    """Make ``cache`` the one `get_file(path)` uses without ``source``/``cache_dir`` (Light's
+    form). DataLoader workers inherit it when they are forked (Linux's default); with the spawn
+    start method, set it in ``worker_init_fn`` too."""
+    if cache is not None and not isinstance(cache, FileCache):
+        raise TypeError(f"set_file_cache: expected a FileCache or None, got {type(cache).__name__}")
+    with _CACHES_LOCK:
+        _DEFAULT[0] = cache
+
+
+def get_file(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None, max_bytes: int | None = None) -> Path:
+    """Light's ``get_file``: the local copy of ``path``. With ``source`` and ``cache_dir``, from
+    the `FileCache` of that pair (made once, reused by later calls); without them, from the
+    cache given to `set_file_cache`."""
+    if source is None and cache_dir is None:
+        with _CACHES_LOCK:
+            cache = _DEFAULT[0]
+        if cache is None:
+            raise RuntimeError("get_file: no cache to read through; pass source= and cache_dir=, or call "
+                               "fleetlike.io.set_file_cache(FileCache(source, cache_dir, max_bytes)) first")
+        return cache.get_file(path)
+    if source is None or cache_dir is None:
+        raise ValueError(f"get_file: give both source and cache_dir (got source={source!r}, cache_dir={cache_dir!r})")
     key = (str(Path(source).resolve()), str(Path(cache_dir).resolve()), max_bytes)
     with _CACHES_LOCK:
         cache = _CACHES.get(key)

@@ -43,7 +43,7 @@ from fleetlike.io.job import current_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.strategies.health import DATA_WAIT
 
-__all__ = ["DistributedDataLoader", "Skipped", "get_data_loader", "to_device"]
+__all__ = ["DistributedDataLoader", "Skipped", "get_data_loader", "get_dataloader", "to_device"]
 
 log = logging.getLogger("fleetlike")
 
@@ -337,3 +337,6 @@ def get_data_loader(
     )
     return DistributedDataLoader(loader, sampler, batch_size, drop_last, prefetch, target)
 
+
+#: Light's other spelling (its feature table names ``light.io.get_dataloader``).
+get_dataloader = get_data_loader
