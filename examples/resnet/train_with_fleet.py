@@ -52,6 +52,17 @@ def build_strategy(args):
     return strategy
 
 
+def average_buffers(model):
+    """Every worker takes the workers' mean batch-norm statistics (each saw only its own
+    batches), so evaluation and the checkpoint (rank 0's) hold the same state on every worker."""
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    flat = torch.cat([b.detach().reshape(-1).double().cpu() for b in buffers]).numpy()
+    mean = torch.from_numpy(fleet.util.all_reduce(flat, mode="sum") / fleet.worker_num())
+    with torch.no_grad():
+        for b, value in zip(buffers, mean.split([b.numel() for b in buffers])):
+            b.copy_(value.view_as(b))
+
+
 def evaluate(model, loader, device):
     """Top-1 hits, top-5 hits and images over the validation images this worker reads."""
     model.eval()
@@ -113,6 +124,7 @@ def main():
             scale = fleet.get_loss_scaling() if args.amp == "fp16" else None
             bar.step(loss.item(), scheduler.get_last_lr()[0], scale, train_loader.last_wait)
         seconds = bar.seconds
+        average_buffers(model)
         counts = fleet.util.all_reduce(evaluate(model, val_loader, device).numpy(), mode="sum")
         top1, top5, seen = counts[0] / counts[2], counts[1] / counts[2], int(counts[2])
         history.add(epoch=epoch, train_loss=bar.mean_loss, top1=top1, top5=top5, seconds=seconds,

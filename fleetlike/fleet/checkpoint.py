@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from fleetlike.strategies.recompute import plain_forwards
+
 __all__ = [
     "CheckpointError",
     "SERVED_FILE",
@@ -207,6 +209,12 @@ def save_inference_model(dirname: str | os.PathLike[str], model: torch.nn.Module
 
     A model TorchScript cannot compile still gets ``model.pt`` and ``state_dict.pt``; the reason
     is logged and kept in ``inference.json`` (``served_error``)."""
+    with plain_forwards(model):  # recompute's wrappers are training machinery, not the model
+        _write_inference(dirname, model, feeded_var_names, target_vars, served)
+
+
+def _write_inference(dirname: str | os.PathLike[str], model: torch.nn.Module, feeded_var_names: list[str],
+                     target_vars: list[str], served: bool) -> None:
     scripted, why = _script_for_serving(model) if served else (None, None)
     if why is not None:
         log.warning("fleet.save_inference_model: no %s (the model does not compile to TorchScript: %s); "
