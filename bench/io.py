@@ -19,9 +19,10 @@ with a little noise, quality 90; made with Pillow under ``--data``, reused when 
    (``--mbps`` MB/s and ``--latency`` ms per file: a network mount), warm (every file local) vs
    cold (an empty cache: every file fetched), ``--workers`` workers.
 4. **data-wait share**: a small conv net trains on the images (batch 32, ``--steps`` steps,
-   ``num_workers=0``, torch on one thread) with ``prefetch=0`` (the training thread decodes) and
-   ``prefetch=2`` (a background thread decodes the next batches); the share of the wall time the
-   loop waited on data (``loader.epoch_wait / wall``) and the steps/s.
+   torch on one thread) with ``prefetch=0`` and ``prefetch=2``, with 0 DataLoader workers (the
+   training thread, or with prefetch the background thread, decodes) and with 1 worker (a
+   process decodes; the prefetch thread only hands batches over); the share of the wall time
+   the loop waited on data (``loader.epoch_wait / wall``) and the steps/s.
 
 Usage (from the repository root; CPU-heavy, run it alone)::
 
@@ -152,14 +153,18 @@ class SmallNet(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def wait_share(data: Path, lst: Path, steps: int, reps: int) -> list[dict[str, Any]]:
+def wait_share(data: Path, lst: Path, steps: int, reps: int, workers: tuple[int, ...] = (0, 1)) -> list[dict[str, Any]]:
+    """The loop with prefetch 0 and 2, for each DataLoader worker count: with 0 workers the
+    prefetch thread decodes, with 1 it only hands over the worker's batches."""
     ds = ImageListDataset(data, lst, transform=Compose([RandomHorizontalFlip(), ToTensor()]))
-    results: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+    configs = [(w, p) for w in workers for p in (0, 2)]
+    results: dict[tuple[int, int], list[tuple[float, float]]] = {c: [] for c in configs}
     model = SmallNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for rep in range(reps):
-        for prefetch in ((0, 2) if rep % 2 == 0 else (2, 0)):
-            loader = get_data_loader(ds, 32, 1, 0, seed=rep, prefetch=prefetch)
+        k = rep % len(configs)
+        for w, prefetch in configs[k:] + configs[:k]:
+            loader = get_data_loader(ds, 32, 1, 0, seed=rep, num_workers=w, prefetch=prefetch)
             t0 = time.perf_counter()
             for step, (x, y) in enumerate(loader):
                 opt.zero_grad()
@@ -168,12 +173,10 @@ def wait_share(data: Path, lst: Path, steps: int, reps: int) -> list[dict[str, A
                 if step + 1 == steps:
                     break
             wall = time.perf_counter() - t0
-            results[prefetch].append((loader.epoch_wait / wall, steps / wall))
-    rows = []
-    for prefetch, runs in results.items():
-        rows.append({"what": f"data-wait share, prefetch={prefetch}", "share": median([r[0] for r in runs]),
-                     "steps_per_s": median([r[1] for r in runs])})
-    return rows
+            results[(w, prefetch)].append((loader.epoch_wait / wall, steps / wall))
+    return [{"what": f"{w} workers, prefetch={p}", "workers": w, "prefetch": p,
+             "share": median([r[0] for r in runs]), "steps_per_s": median([r[1] for r in runs])}
+            for (w, p), runs in results.items()]
 
 
 def plot(path: Path, rows: list[dict[str, Any]], waits: list[dict[str, Any]]) -> None:
@@ -182,18 +185,20 @@ def plot(path: Path, rows: list[dict[str, Any]], waits: list[dict[str, Any]]) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw={"width_ratios": [3, 1.4]})
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["a_sps"] for r in rows], 0.4, label="fleetlike / warm")
     ax.bar(x + 0.2, [r["b_sps"] for r in rows], 0.4, label="torch / cold")
     for i, r in enumerate(rows):
         ax.text(i, max(r["a_sps"], r["b_sps"]) * 1.05, f"{r['ratio']:.2f}x", ha="center", fontsize=9)
-    ax.set_xticks(x, [r["what"] for r in rows], fontsize=8, rotation=10)
+    ax.set_xticks(x, [r["what"].replace(", ", "\n") for r in rows], fontsize=8)
     ax.set_ylabel("samples/s")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title("fleetlike.io: samples/s (ratio above)")
-    bx.bar([w["what"].split(", ")[1] for w in waits], [100 * w["share"] for w in waits], color=["tab:red", "tab:green"])
+    bx.bar([w["what"].replace(", ", "\n") for w in waits], [100 * w["share"] for w in waits],
+           color=["tab:red" if w["prefetch"] == 0 else "tab:green" for w in waits])
+    bx.tick_params(axis="x", labelsize=7)
     bx.set_ylabel("% of wall time waiting on data")
     bx.set_title("training loop")
     fig.tight_layout()
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("b", "b"), Column("b_sps", "b samples/s", "{:.0f}"), Column("ratio", "a/b", "{:.2f}x"),
             Column("target", "target", lambda v: f">= {v:g}x")]
     table = format_table(cols, rows, markdown=True)
-    wcols = [Column("what", "loop"), Column("share", "waiting on data", lambda v: f"{100 * v:.1f}%"),
+    wcols = [Column("what", "training loop"), Column("share", "waiting on data", lambda v: f"{100 * v:.1f}%"),
              Column("steps_per_s", "steps/s", "{:.1f}")]
     wtable = format_table(wcols, waits, markdown=True)
     print(table + "\n\n" + wtable)
