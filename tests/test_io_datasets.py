@@ -6,6 +6,9 @@ the transforms match numpy / Pillow references.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +131,21 @@ def test_transforms_match_references():
     with pytest.raises(ValueError, match="size=0"):
         CenterCrop(0)
     assert isinstance(pipeline(image), torch.Tensor)
+
+
+def test_io_imports_without_pillow_and_says_how_to_install_it(tmp_path):
+    """Pillow is an optional extra: the sampler and loader work without it; decoding names the extra."""
+    write_list(tmp_path / "l.txt", [("a.jpg", 0)])
+    code = (
+        "import sys; sys.modules['PIL'] = None\n"
+        "import torch\n"
+        "from fleetlike.io import get_data_loader, ImageListDataset\n"
+        "ds = torch.utils.data.TensorDataset(torch.arange(6))\n"
+        "assert [b[0].tolist() for b in get_data_loader(ds, 3, 1, 0, shuffle=False)] == [[0, 1, 2], [3, 4, 5]]\n"
+        f"images = ImageListDataset({str(tmp_path)!r}, {str(tmp_path / 'l.txt')!r})\n"
+        "try:\n    images[0]\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'fleetlike[vision]'" in out.stdout

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.loader import Skipped
+from fleetlike.io.pillow import is_image
 from fleetlike.io.store import CacheFullError, DiskStore, check_size
 
 __all__ = ["CacheType", "CachedDataset", "sample_bytes"]
@@ -54,7 +54,7 @@ def sample_bytes(sample: Any) -> int:
         return sample.element_size() * sample.nelement()
     if isinstance(sample, np.ndarray):
         return int(sample.nbytes)
-    if isinstance(sample, Image.Image):
+    if is_image(sample):
         return sample.width * sample.height * len(sample.getbands())
     if isinstance(sample, (list, tuple)):
         return sum(sample_bytes(s) for s in sample) + 8 * len(sample)

@@ -28,12 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from PIL import Image
 from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.cached import CachedDataset, CacheType
 from fleetlike.io.loader import Skipped
+from fleetlike.io.pillow import pil
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageListDataset", "ImageReadError", "OnError", "read_image_list"]
 
@@ -121,9 +121,10 @@ class _Images(Dataset[Any]):
     def path(self, index: int) -> Path:
         return self.root / self.samples[index][0]
 
-    def load(self, index: int) -> Image.Image:
-        """The decoded image of sample ``index`` (no transform); raises `ImageReadError`."""
+    def load(self, index: int) -> Any:
+        """The decoded PIL image of sample ``index`` (no transform); raises `ImageReadError`."""
         path = self.path(index)
+        Image = pil()
         try:
             if self.file_cache is not None:
                 image = Image.open(_io.BytesIO(self.file_cache.read_bytes(path)))

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+
+from fleetlike.io.pillow import BILINEAR, pil
 
 __all__ = ["CenterCrop", "Compose", "ConvertImageDtype", "Normalize", "PILToTensor", "RandomHorizontalFlip",
            "RandomResizedCrop", "Resize", "ToTensor"]
@@ -95,11 +96,11 @@ class Normalize:
 class Resize:
     """An int resizes the shorter side to it (aspect kept), as torchvision; ``(h, w)`` exactly."""
 
-    def __init__(self, size: int | Sequence[int], interpolation: int = Image.BILINEAR) -> None:
+    def __init__(self, size: int | Sequence[int], interpolation: int = BILINEAR) -> None:
         _size(size, "Resize")
         self.size, self.interpolation = size, interpolation
 
-    def __call__(self, image: Image.Image) -> Image.Image:
+    def __call__(self, image: Any) -> Any:
         w, h = image.size
         if isinstance(self.size, int):
             short = self.size
@@ -118,7 +119,7 @@ class CenterCrop:
     def __init__(self, size: int | Sequence[int]) -> None:
         self.height, self.width = _size(size, "CenterCrop")
 
-    def __call__(self, image: Image.Image) -> Image.Image:
+    def __call__(self, image: Any) -> Any:
         w, h = image.size
         left, top = int(round((w - self.width) / 2.0)), int(round((h - self.height) / 2.0))
         return image.crop((left, top, left + self.width, top + self.height))
@@ -133,7 +134,7 @@ class RandomHorizontalFlip:
     def __call__(self, image: Any) -> Any:
         if torch.rand(1).item() >= self.p:
             return image
-        return image.flip(-1) if isinstance(image, torch.Tensor) else image.transpose(Image.FLIP_LEFT_RIGHT)
+        return image.flip(-1) if isinstance(image, torch.Tensor) else image.transpose(pil().FLIP_LEFT_RIGHT)
 
 
 class RandomResizedCrop:
@@ -141,7 +142,7 @@ class RandomResizedCrop:
     (torchvision's algorithm: 10 tries, then the center crop)."""
 
     def __init__(self, size: int | Sequence[int], scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), interpolation: int = Image.BILINEAR) -> None:
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), interpolation: int = BILINEAR) -> None:
         self.height, self.width = _size(size, "RandomResizedCrop")
         self.scale, self.ratio, self.interpolation = scale, ratio, interpolation
 
@@ -167,7 +168,7 @@ class RandomResizedCrop:
             w, h = width, height
         return (width - w) // 2, (height - h) // 2, w, h
 
-    def __call__(self, image: Image.Image) -> Image.Image:
+    def __call__(self, image: Any) -> Any:
         left, top, w, h = self.box(*image.size)
         crop = image.crop((left, top, left + w, top + h))
         return crop.resize((self.width, self.height), self.interpolation)
