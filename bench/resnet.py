@@ -19,7 +19,7 @@ order rotating each round, and the table reports the median over ``--rounds``.
 
 Usage (from the repository root)::
 
-    python -m bench.resnet                     # 3 rounds, 2 epochs of 600 images, ~4 minutes
+    python -m bench.resnet                     # 3 rounds, 2 epochs of 1000 images, ~5 minutes
     python -m bench.resnet --rounds 1 --epochs 2 --train_per_class 30
 
 Writes ``docs/benchmarks/resnet.json`` and ``.png`` and (re)writes the "## ResNet example vs
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run (the last one is measured)")
-    p.add_argument("--train_per_class", type=int, default=60, help="training images per class (10 classes)")
+    p.add_argument("--train_per_class", type=int, default=100, help="training images per class (10 classes)")
     p.add_argument("--size", type=int, default=32, help="image side")
     p.add_argument("--batch_size", type=int, default=32, help="per worker")
     p.add_argument("--num_workers", type=int, default=1, help="DataLoader worker processes per rank (both sides)")
