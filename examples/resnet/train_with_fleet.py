@@ -110,6 +110,10 @@ def main():
     if args.resume and os.path.isdir(checkpoint):
         fleet.load_persistables(None, checkpoint)
         print(f"resumed from {checkpoint}: {history.next_epoch} epoch(s) done", flush=True)
+    done = [int(n) for n in fleet.util.all_gather(history.next_epoch)]
+    if len(set(done)) > 1:
+        raise RuntimeError(f"the workers found checkpoints of different epochs ({done} done, by rank): "
+                           f"--model_save_dir={args.model_save_dir} must be one directory every node shares")
 
     for epoch in range(history.next_epoch, args.num_epochs):
         train_set.set_epoch(epoch)
