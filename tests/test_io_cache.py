@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from fleetlike.io import (
     CacheFullError,
     CachedDataset,
+    DistributedSampler,
     FileCache,
     ImageFolder,
     ImageListDataset,
@@ -243,3 +245,21 @@ def test_get_file_through_the_process_cache(tmp_path):
         assert get_file("a").read_bytes() == (src / "a").read_bytes() and cache.fetches == 1
     finally:
         set_file_cache(None)
+
+
+@pytest.mark.timeout(90)
+def test_datasets_with_caches_pickle_for_spawned_workers(tmp_path):
+    """A DataLoader started with spawn pickles the dataset (its caches and their locks) for
+    each worker: the batches are those of the main process, read through both caches."""
+    entries = make_images(tmp_path / "nfs", n=5)
+    lst = write_list(tmp_path / "l.txt", entries)
+    cache = FileCache(tmp_path / "nfs", tmp_path / "local")
+    ds = ImageListDataset(tmp_path / "nfs", lst, transform=ToTensor(), file_cache=cache, cache_type="disk",
+                          cache_dir=tmp_path / "decoded")
+    loader = DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context="spawn")
+    (x, y), = list(loader)
+    plain = ImageListDataset(tmp_path / "nfs", lst, transform=ToTensor())
+    assert torch.equal(x, torch.stack([plain[i][0] for i in range(5)])) and y.tolist() == [e[1] for e in entries]
+    assert len(list((tmp_path / "decoded").glob("*.pkl"))) == 5 and len(list((tmp_path / "local").rglob("*.jpg"))) == 5
+    sampler = pickle.loads(pickle.dumps(DistributedSampler(range(9), 2, 1, shuffle=False)))
+    assert list(sampler) == [1, 3, 5, 7, 0]

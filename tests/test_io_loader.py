@@ -62,6 +62,7 @@ def test_batches_are_torch_dataloaders():
                     theirs.sampler.set_epoch(epoch)
                     assert labels(ours) == labels(theirs), (workers, prefetch, rank, epoch)
                 assert len(ours) == len(theirs)
+                assert ours.num_workers == workers and ours.dataset is ds  # DataLoader's attributes
 
 
 @pytest.mark.timeout(60)

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from fleetlike.comm import parse_choice
 from fleetlike.io.loader import Skipped
 from fleetlike.io.pillow import is_image
-from fleetlike.io.store import CacheFullError, DiskStore, check_size
+from fleetlike.io.store import CacheFullError, DiskStore, LockPickling, check_size
 
 __all__ = ["CacheType", "CachedDataset", "sample_bytes"]
 
@@ -65,7 +65,7 @@ def sample_bytes(sample: Any) -> int:
     return len(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-class CachedDataset(Dataset[Any]):
+class CachedDataset(LockPickling, Dataset[Any]):
     """``dataset`` with its samples cached; ``transforms`` applied after the cache (to the first
     element of a tuple/list sample, the input, or to the whole sample otherwise).
 

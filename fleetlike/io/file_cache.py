@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from fleetlike.io.store import DiskStore
+from fleetlike.io.store import DiskStore, LockPickling
 
 __all__ = ["FileCache", "ThrottledReader", "get_file", "read_chunks", "set_file_cache"]
 
@@ -61,7 +61,7 @@ class ThrottledReader:
                 yield chunk
 
 
-class FileCache:
+class FileCache(LockPickling):
     """Files of ``source`` (a directory) cached under ``cache_dir`` up to ``max_bytes`` (None:
     no limit). ``reader(path)`` yields a source file's bytes (default: plain reads).
 

@@ -194,6 +194,13 @@ class DistributedDataLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:
+        """The torch DataLoader's other attributes (``num_workers``, ``collate_fn``, ...)."""
+        loader = self.__dict__.get("loader")
+        if loader is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(loader, name)
+
     def set_epoch(self, epoch: int) -> None:
         """Pass the epoch to the sampler (reshuffles, as torch's ``set_epoch``)."""
         if hasattr(self.sampler, "set_epoch"):

@@ -35,6 +35,7 @@ from torch.utils.data import Sampler
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.job import replicas
+from fleetlike.io.store import LockPickling
 
 __all__ = ["DistributedSampler", "Tail", "deal"]
 
@@ -72,7 +73,7 @@ def deal(order: list[int], offset: int, world: int, tail: Tail, batch_size: int 
     return rest
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(LockPickling, Sampler[int]):
     """torch's ``DistributedSampler`` (same constructor, ``set_epoch``, indices) plus
     ``state_dict``/``load_state_dict`` and the ``tail`` choice; see the module docstring.
 

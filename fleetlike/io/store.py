@@ -24,13 +24,31 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["CacheFullError", "DiskStore", "check_size"]
+__all__ = ["CacheFullError", "DiskStore", "LockPickling", "check_size"]
 
 _META = ".fleetlike-cache"
+
+
+class LockPickling:
+    """For objects guarding their state with ``self._lock``: pickled without it (a DataLoader
+    started with spawn or forkserver pickles the dataset for its workers), given a new one when
+    unpickled."""
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
 
 class CacheFullError(ValueError):
