@@ -65,18 +65,18 @@ MNIST = EXAMPLES.parent / "pytorch_mnist"
 #: the documented conversion of main.py into main_fleet.py (its docstring lists the same steps)
 MNIST_REMOVED = [
     'device = torch.device("cuda" if use_cuda else "cpu")',
+    "train_loader = torch.utils.data.DataLoader(dataset1, **train_kwargs)",   # 3. read through fleetlike.io
     "if args.save_model:",
 ]
 MNIST_ADDED = [
-    "from torch.utils.data.distributed import DistributedSampler",            # 1. import
-    "from fleetlike import fleet",
+    "from fleetlike import fleet, io",                                        # 1. import
     "fleet.init()",                                                           # 2. init, device
     "device = fleet.device()",
-    # 3. this worker's shard of the training set
-    "train_kwargs.update(sampler=DistributedSampler(dataset1, fleet.worker_num(), fleet.worker_index()), shuffle=None)",
+    # 3. this worker's shard of the training set, prefetched, resumable
+    "train_loader = io.get_data_loader(dataset1, **train_kwargs)",
     "model = fleet.distributed_model(model)",                                 # 4. the model
     "optimizer = fleet.distributed_optimizer(optimizer)",                     # 5. the optimizer
-    "train_loader.sampler.set_epoch(epoch)",                                  # 3. reshuffled each epoch
+    "train_loader.set_epoch(epoch)",                                          # 3. reshuffled each epoch
     "if args.save_model and fleet.worker_index() == 0:",                      # 6. save on rank 0
 ]
 

@@ -19,6 +19,8 @@ strategies            one unit per feature (config, collectives, program, comm, 
 fleet                 the facade of API.md (everything below)
 horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
                       Horovod face over fleet's communicators and the reducer (everything below)
+io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
+                      size and device; records data waits into strategies.health)
 launch                the launcher: the public names of roles, and of comm (the launcher hosts
                       the rendezvous store with --started_port=auto)
 top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
@@ -49,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
+    ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"roles", "comm"}),
     ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
 ]

@@ -3,11 +3,13 @@
 The whole conversion (`diff main.py main_fleet.py`; tests/test_examples_diff.py checks that it is
 nothing more):
 
-1. import: `from fleetlike import fleet` and torch's `DistributedSampler`;
+1. import: `from fleetlike import fleet, io`;
 2. `fleet.init()` (roles auto-detected: the fleetlike launcher, torchrun, mpiexec, Slurm) and
    the device it chose for this worker (its GPU, else the CPU);
-3. a `DistributedSampler` over `fleet.worker_num()` shards, this worker's `fleet.worker_index()`
-   (`set_epoch` each epoch reshuffles);
+3. the training loader from `io.get_data_loader`: this worker's shard of the training set (a
+   resumable `DistributedSampler` over `fleet.worker_num()` shards, `set_epoch` each epoch
+   reshuffles), the next batches prefetched onto the device, the time each step waited on data
+   (`train_loader.epoch_wait`, and fleetlike's slow-rank report);
 4. `model = fleet.distributed_model(model)`: gradients averaged over the workers in `backward()`;
 5. `optimizer = fleet.distributed_optimizer(optimizer)`: still a torch optimizer (StepLR works);
 6. save on rank 0 only.
@@ -25,9 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data.distributed import DistributedSampler
 
-from fleetlike import fleet
+from fleetlike import fleet, io
 
 
 def synthetic_mnist(train, size):
@@ -153,8 +154,7 @@ def main():
 
     dataset1 = synthetic_mnist(train=True, size=args.train_size)
     dataset2 = synthetic_mnist(train=False, size=args.test_size)
-    train_kwargs.update(sampler=DistributedSampler(dataset1, fleet.worker_num(), fleet.worker_index()), shuffle=None)
-    train_loader = torch.utils.data.DataLoader(dataset1, **train_kwargs)
+    train_loader = io.get_data_loader(dataset1, **train_kwargs)
     test_loader = torch.utils.data.DataLoader(dataset2, **test_kwargs)
 
     model = Net().to(device)
@@ -164,7 +164,7 @@ def main():
 
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     for epoch in range(1, args.epochs + 1):
-        train_loader.sampler.set_epoch(epoch)
+        train_loader.set_epoch(epoch)
         train(args, model, device, train_loader, optimizer, epoch)
         test(model, device, test_loader)
         scheduler.step()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -33,8 +34,11 @@ from typing import Any
 
 import torch
 
+from fleetlike.strategies.recompute import plain_forwards
+
 __all__ = [
     "CheckpointError",
+    "SERVED_FILE",
     "TrainingState",
     "atomic_dir",
     "consolidate_optimizer_state",
@@ -52,6 +56,13 @@ _FORMAT = 2
 _ENGINE_KEY = "fleetlike"
 #: strategy options a checkpoint may be loaded across: the optimizer state is resharded
 _RESHARDABLE = frozenset({"sharding", "sharding_configs"})
+
+#: ``save_inference_model``'s served model: TorchScript in eval mode, loadable by a plain PyTorch
+#: process (``torch.jit.load(dirname + "/served.pt")``) that imports neither fleetlike nor the
+#: model's code, as a model server does.
+SERVED_FILE = "served.pt"
+
+log = logging.getLogger("fleetlike")
 
 
 class CheckpointError(ValueError):
@@ -372,17 +383,44 @@ def _optimizer_states(path: Path, meta: dict[str, Any], state: TrainingState,
             full[_ENGINE_KEY] = engines[state.rank] if same_world else _merge_ranks(engines)
         out.append(full)
     return out
+def _script_for_serving(model: torch.nn.Module) -> tuple[Any, str | None]:
+    """``(TorchScript module in eval mode, None)``, or ``(None, why not)``."""
+    try:
+        scripted = torch.jit.script(model)
+    except Exception as exc:  # TorchScript rejects many Python constructs; say which and go on
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"
+    scripted.eval()
+    return scripted, None
 
 
 def save_inference_model(dirname: str | os.PathLike[str], model: torch.nn.Module,
-                         feeded_var_names: list[str], target_vars: list[str]) -> None:
+                         feeded_var_names: list[str], target_vars: list[str], served: bool = True) -> None:
+    """Write the model for inference; with ``served`` also `SERVED_FILE` (TorchScript, eval mode).
+
+    A model TorchScript cannot compile still gets ``model.pt`` and ``state_dict.pt``; the reason
+    is logged and kept in ``inference.json`` (``served_error``)."""
+    with plain_forwards(model):  # recompute's wrappers are training machinery, not the model
+        _write_inference(dirname, model, feeded_var_names, target_vars, served)
+
+
+def _write_inference(dirname: str | os.PathLike[str], model: torch.nn.Module, feeded_var_names: list[str],
+                     target_vars: list[str], served: bool) -> None:
+    scripted, why = _script_for_serving(model) if served else (None, None)
+    if why is not None:
+        log.warning("fleet.save_inference_model: no %s (the model does not compile to TorchScript: %s); "
+                    "model.pt and state_dict.pt are written, which need the model's code to load. Make the "
+                    "model scriptable, or pass export_for_deployment=False to skip this", SERVED_FILE, why)
     with atomic_dir(dirname) as tmp:
         torch.save(model, tmp / "model.pt")
         torch.save(model.state_dict(), tmp / "state_dict.pt")
+        if scripted is not None:
+            torch.jit.save(scripted, str(tmp / SERVED_FILE))
         write_json(tmp / "inference.json", {
             "feeded_var_names": list(feeded_var_names),
             "target_vars": list(target_vars),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "served": SERVED_FILE if scripted is not None else None,
+            "served_error": why,
         })
 
 

@@ -395,10 +395,15 @@ class Fleet:
         main_program: Program | None = None,
         export_for_deployment: bool = True,
     ) -> None:
-        """Save the model for inference only (no optimizer, no communication); atomic."""
+        """Save the model for inference only (no optimizer, no communication); atomic.
+
+        ``export_for_deployment=True`` (Paddle's default) also writes ``served.pt``: the model
+        as TorchScript in eval mode, which a plain PyTorch process loads with
+        ``torch.jit.load`` without fleetlike or the model's code (a model server)."""
         state = self._training_state("save_inference_model")
         ckpt.save_inference_model(dirname, state.models[0], list(feeded_var_names or []),
-                                  [getattr(t, "name", t) for t in (target_vars or [])])
+                                  [getattr(t, "name", t) for t in (target_vars or [])],
+                                  served=export_for_deployment)
 
 
 fleet = Fleet()

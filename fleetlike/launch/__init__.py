@@ -12,6 +12,7 @@ Example (in-process, returns the exit code)::
     code = main(["--nproc_per_node=2", "train.py", "--lr", "0.1"])
 """
 
+from fleetlike.launch.cloud import CLOUD_VARIABLES, CloudCluster, CloudEnvError, read_cloud
 from fleetlike.launch.config import (
     AUTO_PORT,
     DEFAULT_RENDEZVOUS_TIMEOUT,
@@ -31,6 +32,9 @@ from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoin
 __all__ = [
     "AGENT_STORE",
     "AUTO_PORT",
+    "CLOUD_VARIABLES",
+    "CloudCluster",
+    "CloudEnvError",
     "DEFAULT_RENDEZVOUS_TIMEOUT",
     "DEFAULT_STARTED_PORT",
     "HostedEndpoints",
@@ -48,6 +52,7 @@ __all__ = [
     "main",
     "meet",
     "parse_config",
+    "read_cloud",
     "tuned_glibc_tunables",
     "worker_command",
     "worker_env",

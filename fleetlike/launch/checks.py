@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import os
 import socket
+from collections.abc import Sequence
 
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
@@ -38,7 +39,7 @@ def cuda_device_count() -> int:
         return 0
 
 
-def check_ports(node_ip: str, ports: range) -> None:
+def check_ports(node_ip: str, ports: Sequence[int]) -> None:
     """Bind each port on ``node_ip`` once, to prove it is free and that node_ip is local."""
     for local, port in enumerate(ports):
         try:
@@ -88,7 +89,7 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
                 "--selected_gpus and use --nproc_per_node to run on CPU"
             )
     if not config.auto_ports:
-        check_ports(config.node_ip, range(config.local_ports[0], config.local_ports[-1] + 1))
+        check_ports(config.node_ip, config.local_ports)
     if config.meets_through_file:
         check_rendezvous_file(config)
     try:

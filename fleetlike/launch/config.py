@@ -12,9 +12,11 @@ import argparse
 import dataclasses
 import hashlib
 import math
+import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
@@ -54,6 +56,12 @@ examples:
         --selected_gpus=0,1,2,3 \\
         train_with_fleet.py --model=ResNet50 --data_dir=./ImageNet
   and the same with --node_ip=192.168.1.3 on 192.168.1.3.
+
+  on PaddleCloud (every node runs the same command; nodes, this node and ports come from
+  PADDLE_TRAINERS_NUM, PADDLE_TRAINERS, POD_IP, PADDLE_TRAINER_ID, TRAINER_PORTS_NUM,
+  PADDLE_PORT or DISTRIBUTED_TRAINER_ENDPOINTS):
+    python -m fleetlike.launch --use_paddlecloud --selected_gpus=0,1,2,3,4,5,6,7 \
+        train_with_fleet.py --model=ResNet50 --data_dir=./ImageNet
 
   one machine, ports chosen by the launcher (several jobs or test runs side by side):
     python -m fleetlike.launch --nproc_per_node=2 --started_port=auto train.py
@@ -133,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selected_gpus", "--gpus", default=None,
                    help="comma-separated GPU ids, one process each (default: all visible GPUs; "
                    "with --nproc_per_node=N, GPUs 0..N-1 if at least N are visible, else CPU)")
+    p.add_argument("--use_paddlecloud", action="store_true",
+                   help="take the nodes, this node and the ports from PaddleCloud's environment, "
+                   "as Paddle's launcher does (see docs/launching.md); a missing or contradictory "
+                   "variable is an input error naming it")
     p.add_argument("--nproc_per_node", default=None,
                    help="processes on this node (default: one per selected GPU, else 1)")
     p.add_argument("--log_dir", default="log", help="directory of workerlog.N files (default: log)")
@@ -198,6 +210,7 @@ class LaunchConfig:
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     ports: tuple[int, ...] = ()
     cluster_endpoints: tuple[str, ...] = ()
+    use_paddlecloud: bool = False
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -348,14 +361,50 @@ def _int_flag(name: str, text: str) -> int:
         raise LaunchInputError(f"{name}={text!r} is not an integer") from None
 
 
+def _with_cloud(
+    cloud: CloudCluster, ips: tuple[str, ...], node_ip: str, given_node_ip: bool, port: int | None,
+    nproc: int,
+) -> tuple[tuple[str, ...], str, int | None, tuple[int, ...], tuple[str, ...]]:
+    """The flags' node layout replaced by the cloud's: ``(ips, node_ip, port, ports, endpoints)``.
+
+    A flag that was given and says otherwise than the cloud is an error (it is the user's
+    mistake either way, and Paddle's silent preference for the cloud hides it)."""
+    cloud_ips = ",".join(cloud.node_ips)
+    if ips != ("127.0.0.1",) and ips != cloud.node_ips:
+        raise LaunchInputError(
+            f"--cluster_node_ips={','.join(ips)} contradicts PADDLE_TRAINERS={cloud_ips} "
+            "(--use_paddlecloud); drop the flag, the cloud knows the nodes"
+        )
+    if given_node_ip and node_ip != cloud.node_ip:
+        raise LaunchInputError(
+            f"--node_ip={node_ip} contradicts POD_IP={cloud.node_ip} (--use_paddlecloud); drop the flag"
+        )
+    ports: tuple[int, ...] = ()
+    if cloud.endpoints:
+        ports = cloud.local_ports(nproc)
+        cloud_port: int | None = ports[0]
+        what = "DISTRIBUTED_TRAINER_ENDPOINTS"
+    else:
+        cloud_port, what = cloud.started_port, "PADDLE_PORT"
+    if cloud_port is not None and port != DEFAULT_STARTED_PORT and port != cloud_port:
+        given = AUTO_PORT if port is None else port
+        raise LaunchInputError(
+            f"--started_port={given} contradicts {what} (the cloud reserved port {cloud_port} "
+            "for local process 0; --use_paddlecloud); drop --started_port"
+        )
+    return cloud.node_ips, cloud.node_ip, port if cloud_port is None else cloud_port, ports, cloud.endpoints
+
+
 def parse_config(
-    argv: Sequence[str], *, device_count: Callable[[], int] | None = None
+    argv: Sequence[str], *, device_count: Callable[[], int] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> LaunchConfig:
     """Parse the command line into a `LaunchConfig` (raises `LaunchInputError`).
 
     ``device_count`` reports visible CUDA devices; it is asked only without ``--selected_gpus``.
     Then all visible GPUs are used, or with ``--nproc_per_node=N`` GPUs 0..N-1 when at least N
-    are visible, else CPU.
+    are visible, else CPU. ``environ`` (default ``os.environ``) is read with ``--use_paddlecloud``
+    only (`fleetlike.launch.cloud`).
     """
     args = build_parser().parse_args(list(argv))
     ips = tuple(ip.strip() for ip in args.cluster_node_ips.split(",") if ip.strip())
@@ -392,6 +441,16 @@ def parse_config(
         raise LaunchInputError(
             f"--rendezvous_timeout={args.rendezvous_timeout!r} is not a number of seconds"
         ) from None
+    ports: tuple[int, ...] = ()
+    endpoints: tuple[str, ...] = ()
+    if args.use_paddlecloud:
+        try:
+            cloud = read_cloud(os.environ if environ is None else environ, nproc)
+        except CloudEnvError as exc:
+            raise LaunchInputError(str(exc)) from None
+        if cloud is not None:
+            ips, node_ip, port, ports, endpoints = _with_cloud(
+                cloud, ips, node_ip, args.node_ip is not None, port, nproc)
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc)
     return LaunchConfig(
         training_script=args.training_script,
@@ -409,6 +468,9 @@ def parse_config(
         malloc_tuning=args.malloc_tuning == "on",
         rendezvous_file=args.rendezvous_file,
         rendezvous_timeout=rdzv_timeout,
+        ports=ports,
+        cluster_endpoints=endpoints,
+        use_paddlecloud=args.use_paddlecloud,
     )
 
 
@@ -441,6 +503,8 @@ def format_config(config: LaunchConfig) -> str:
         ("kill_grace", f"{config.kill_grace:g} s"),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
     ]
+    if config.use_paddlecloud:
+        rows.insert(2, ("use_paddlecloud", "yes (nodes and ports from the cloud's environment)"))
     if config.meets_through_file:
         rows.insert(5, ("rendezvous_file",
                         f"{config.rendezvous_file} (timeout {config.rendezvous_timeout:g} s)"))

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fleetlike.strategies.step import StepContext, Unit
 
-__all__ = ["RecomputeUnit", "apply_recompute", "auto_checkpoints"]
+__all__ = ["RecomputeUnit", "apply_recompute", "auto_checkpoints", "plain_forwards"]
 
 
 def auto_checkpoints(model: torch.nn.Module) -> list[str]:
@@ -91,6 +91,25 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
         module.forward = forward  # type: ignore[method-assign]
         module._fleetlike_recompute = True  # type: ignore[attr-defined]
     return list(names)
+
+
+@contextlib.contextmanager
+def plain_forwards(model: torch.nn.Module) -> Iterator[None]:
+    """The model without the recompute wrappers for the duration (their instance-level
+    ``forward`` cannot be pickled or compiled by TorchScript); put back afterwards.
+
+    Example:
+        >>> with plain_forwards(model):
+        ...     torch.jit.script(model)
+    """
+    wrapped = [m for m in model.modules() if getattr(m, "_fleetlike_recompute", False) and "forward" in vars(m)]
+    saved = [(m, vars(m).pop("forward"), vars(m).pop("_fleetlike_recompute")) for m in wrapped]
+    try:
+        yield
+    finally:
+        for module, forward, marker in saved:
+            module.forward = forward  # type: ignore[method-assign]
+            module._fleetlike_recompute = marker  # type: ignore[attr-defined]
 
 
 class RecomputeUnit(Unit):

@@ -1,0 +1,193 @@
+"""A directory of cached files bounded in bytes, shared by every process on a node.
+
+Both caches stand on it: the raw-file cache (`FileCache`: least recently used files are evicted
+to make room) and the decoded-sample cache's disk part (`CachedDataset`: what does not fit is not
+cached, since an epoch reads every sample once and LRU would evict each one just before its next
+use). Several DataLoader workers and ranks write at once, so
+
+- every file is written to a temporary name in the same directory and renamed into place: a
+  reader sees a whole file or none;
+- ``lock(key)`` is an ``fcntl`` lock per key: the first process fetches, the others wait and
+  then find the file (one fetch, not one per process);
+- the byte count lives in a small file under a node-wide lock, recounted from the directory when
+  evicting, so processes agree on the total without a server.
+
+Example:
+    >>> store = DiskStore("/tmp/cache", max_bytes=2**30, evict=True, what="FileCache")
+    >>> with store.lock("a/b.jpg"):
+    ...     path = store.get("a/b.jpg") or store.put("a/b.jpg", chunks)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+__all__ = ["CacheFullError", "DiskStore", "LockPickling", "check_size"]
+
+_META = ".fleetlike-cache"
+
+
+class LockPickling:
+    """For objects guarding their state with ``self._lock``: pickled without it (a DataLoader
+    started with spawn or forkserver pickles the dataset for its workers), given a new one when
+    unpickled."""
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class CacheFullError(ValueError):
+    """One item is larger than the whole cache."""
+
+
+def check_size(limit: int | None, what: str) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"{what}: the size limit must be a positive int of bytes (or None: no limit), got {limit!r}")
+    return limit
+
+
+class DiskStore:
+    """Files under ``directory`` keyed by relative names; ``max_bytes`` None is unbounded."""
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int | None, evict: bool, what: str) -> None:
+        self.root = Path(directory)
+        self.max_bytes, self.evict, self.what = check_size(max_bytes, what), evict, what
+        meta = self.root / _META
+        try:
+            (meta / "locks").mkdir(parents=True, exist_ok=True)
+            probe = meta / f"probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise OSError(
+                f"{what}: cache directory {str(self.root)!r} cannot be written ({error}); give a "
+                "writable directory on a local disk (cache_dir=...)"
+            ) from error
+        self.meta = meta
+
+    # ------------------------------------------------------------------ locks
+
+    @contextlib.contextmanager
+    def _flock(self, path: Path) -> Iterator[None]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def lock(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Exclusive among the node's processes for ``key`` (blocks until free)."""
+        digest = hashlib.sha1(key.encode()).hexdigest()
+        return self._flock(self.meta / "locks" / digest)
+
+    # ------------------------------------------------------------------ files
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def get(self, key: str) -> Path | None:
+        """The cached file of ``key``, marked as just used; None when absent."""
+        path = self.path(key)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return None
+        return path
+
+    def put(self, key: str, chunks: Iterable[bytes]) -> Path | None:
+        """Write ``chunks`` as ``key`` atomically. Returns the path, or None when the store keeps
+        what fits and this does not (the bytes are then not kept)."""
+        final = self.path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{uuid.uuid4().hex}"
+        size = 0
+        try:
+            with open(tmp, "wb") as fh:
+                for chunk in chunks:
+                    fh.write(chunk)
+                    size += len(chunk)
+            if self.max_bytes is not None and size > self.max_bytes:
+                raise CacheFullError(
+                    f"{self.what}: {key!r} is {size} bytes, more than the whole cache ({self.max_bytes} "
+                    "bytes); raise the cache size above one item"
+                )
+            with self._flock(self.meta / "size.lock"):
+                total = self._total()
+                old = final.stat().st_size if final.exists() else 0
+                if self.max_bytes is not None and total - old + size > self.max_bytes:
+                    if not self.evict:
+                        return None
+                    total = self._evict(self.max_bytes - size, keep=final)
+                    old = final.stat().st_size if final.exists() else 0
+                os.replace(tmp, final)
+                self._write_total(total - old + size)
+            return final
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _files(self) -> list[os.DirEntry[str]]:
+        found = []
+        stack = [str(self.root)]
+        while stack:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    if entry.name == _META or entry.name.startswith(".tmp-"):
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    else:
+                        found.append(entry)
+        return found
+
+    def _total(self) -> int:
+        try:
+            return int((self.meta / "size").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return sum(e.stat().st_size for e in self._files())
+
+    def _write_total(self, total: int) -> None:
+        tmp = self.meta / f"size.{uuid.uuid4().hex}"
+        tmp.write_text(str(total))
+        os.replace(tmp, self.meta / "size")
+
+    def _evict(self, room: int, keep: Path) -> int:
+        """Remove least recently used files until the rest is <= ``room``; the new total."""
+        entries = []
+        for e in self._files():
+            with contextlib.suppress(FileNotFoundError):
+                st = e.stat()
+                entries.append((st.st_mtime, e.path, st.st_size))
+        entries.sort()
+        total = sum(size for _, _, size in entries)
+        for _, path, size in entries:
+            if total <= room:
+                break
+            if path == str(keep):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                total -= size
+        return total
+
+    def used_bytes(self) -> int:
+        """Bytes in the cache now (recounted from the directory)."""
+        return sum(e.stat().st_size for e in self._files())
