@@ -129,6 +129,25 @@ def _wire(compression: Any) -> str | None:
     )
 
 
+#: the strategy switches this face applies (to its gradient buckets); any other one raises
+_HONOURED = frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce"})
+
+
+def _refuse_unhonoured(strategy: Any) -> None:
+    """Horovod's optimizer averages gradients in buckets and nothing else: a strategy switch that
+    needs fleetlike's engine (local SGD, sharding, AMP, gradient merge, recompute, ...) would be
+    dropped without a word here, so it raises and names the face that honours it."""
+    extra = [name for name in strategy.enabled_features() if name not in _HONOURED]
+    if extra:
+        raise ValueError(
+            f"hvd.DistributedOptimizer applies only {', '.join(sorted(_HONOURED))} (plus fuse_grad_size_in_MB, "
+            f"nccl_comm_num and the hierarchical settings) of the strategy, which also turns on "
+            f"{', '.join(extra)}. Fix: turn those off for the Horovod face, or use "
+            "fleet.distributed_model / fleet.distributed_optimizer, which apply every option "
+            "(backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm its sync BN)"
+        )
+
+
 class HorovodOptimizer(FleetDistributedOptimizer):
     """What ``hvd.DistributedOptimizer`` returns for Average and Sum (see the module docstring)."""
 
@@ -142,6 +161,7 @@ class HorovodOptimizer(FleetDistributedOptimizer):
         if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         chosen = fleet.effective_strategy(strategy or rt.strategy, "hvd.DistributedOptimizer").copy()
+        _refuse_unhonoured(chosen)
         wire = _wire(compression)
         if wire is not None:
             chosen.fp16_allreduce = True
