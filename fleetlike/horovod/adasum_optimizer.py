@@ -22,18 +22,17 @@ from typing import Any
 
 import torch
 
-from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
 from fleetlike.horovod.adasum import check_adasum
 from fleetlike.horovod.collectives import grouped_allreduce_
 from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
-from fleetlike.horovod.optimizer import _TOO_MANY, _ZERO_GRAD_ERROR, named_parameter_map
+from fleetlike.horovod.optimizer import _TOO_MANY, _ZERO_GRAD_ERROR, HorovodWrapper, named_parameter_map
 from fleetlike.horovod.runtime import runtime
 
 __all__ = ["AdasumOptimizer"]
 
 
-class AdasumOptimizer(FleetDistributedOptimizer):
+class AdasumOptimizer(HorovodWrapper):
     """What ``hvd.DistributedOptimizer(op=hvd.Adasum)`` returns (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -116,16 +115,3 @@ class AdasumOptimizer(FleetDistributedOptimizer):
         if self._passes:
             raise AssertionError(_ZERO_GRAD_ERROR)
         self.inner_optimizer.zero_grad(set_to_none)
-
-    def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
-        loss.backward()
-
-    def minimize(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        raise TypeError("hvd.DistributedOptimizer is the eager-style Horovod wrapper; use fleet.distributed_optimizer "
-                        "for the program style")
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.inner_optimizer.load_state_dict(state_dict)

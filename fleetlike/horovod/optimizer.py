@@ -148,7 +148,26 @@ def _refuse_unhonoured(strategy: Any) -> None:
         )
 
 
-class HorovodOptimizer(FleetDistributedOptimizer):
+class HorovodWrapper(FleetDistributedOptimizer):
+    """What Horovod's two optimizer wrappers (bucketed averaging, Adasum deltas) share: the eager
+    style only, a plain backward and the wrapped optimizer's own state."""
+
+    def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
+        """``loss.backward()`` (Horovod has no loss scaling of its own)."""
+        loss.backward()
+
+    def minimize(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise TypeError("hvd.DistributedOptimizer is the eager-style Horovod wrapper; for fleet's program style "
+                        "use fleet.distributed_optimizer(optimizer).minimize(loss_fn, model)")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.inner_optimizer.load_state_dict(state_dict)
+
+
+class HorovodOptimizer(HorovodWrapper):
     """What ``hvd.DistributedOptimizer`` returns for Average and Sum (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -352,16 +371,3 @@ class HorovodOptimizer(FleetDistributedOptimizer):
                     else:
                         p.grad.detach_().zero_()
 
-    def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
-        """``loss.backward()`` (Horovod has no loss scaling of its own)."""
-        loss.backward()
-
-    def minimize(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        raise TypeError("hvd.DistributedOptimizer is the eager-style Horovod wrapper; for fleet's program style "
-                        "use fleet.distributed_optimizer(optimizer).minimize(loss_fn, model)")
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.inner_optimizer.load_state_dict(state_dict)
