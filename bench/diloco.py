@@ -8,7 +8,8 @@ initialisation on the same data:
 - ``sync``: data parallel, gradients averaged every step;
 - ``localsgd_H``: Paddle's local SGD, parameters averaged every H steps;
 - ``diloco_H``: DiLoCo, the averaged change every H steps applied by an outer Nesterov step
-  (lr 0.7, momentum 0.9, as in the paper);
+  (``--outer-lr``/``--outer-momentum``; 0.7 and 0.9 as in the paper by default, 1.0 and 0.5 suit
+  runs of a few dozen outer steps: docs/BENCHMARKS.md);
 - ``streaming_H``: Streaming DiLoCo, the model in F fragments synced H/F steps apart, each sync
   overlapping one inner step, pseudo-gradients in bfloat16.
 
@@ -44,17 +45,19 @@ OUT_DIR = ROOT / "docs" / "benchmarks"
 CTX, BATCH, D_MODEL, LAYERS, HEADS = 64, 16, 128, 2, 4
 
 
-def modes(h: int, fragments: int, begin: int = 1) -> dict[str, dict[str, Any]]:
+def modes(h: int, fragments: int, begin: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+          only: list[str] | None = None) -> dict[str, dict[str, Any]]:
     local = {"localsgd": True}
-    return {
+    outer = {"outer_optimizer": "nesterov", "outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    every = {
         "sync": {},
         f"localsgd_{h}": {**local, "localsgd_configs": {"k_steps": h, "begin_step": begin}},
-        f"diloco_{h}": {**local, "localsgd_configs": {"k_steps": h, "begin_step": begin, "outer_optimizer": "nesterov",
-                                                        "outer_lr": 0.7, "outer_momentum": 0.9}},
+        f"diloco_{h}": {**local, "localsgd_configs": {"k_steps": h, "begin_step": begin, **outer}},
         f"streaming_{h}": {**local, "localsgd_configs": {
-            "k_steps": h, "begin_step": begin, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+            "k_steps": h, "begin_step": begin, **outer,
             "fragments": fragments, "overlap": 1, "overlap_alpha": 0.5, "sync_dtype": "bfloat16"}},
     }
+    return {name: cfg for name, cfg in every.items() if not only or name.split("_")[0] in only}
 
 
 def corpus() -> tuple[bytes, bytes]:
@@ -93,7 +96,7 @@ def build_model() -> Any:
 
 
 def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_every: int, out: str,
-           begin: int = 1) -> None:
+           begin: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9, only: list[str] | None = None) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -108,7 +111,7 @@ def worker(rank: int, eps: list[str], steps: int, h: int, fragments: int, eval_e
     vidx = torch.randint(0, len(vdata) - CTX - 1, (8, 32), generator=g)
     role = Role.from_endpoints(rank, eps, job_id="bench-diloco")
     results: dict[str, Any] = {}
-    for name, cfg in modes(h, fragments, begin).items():
+    for name, cfg in modes(h, fragments, begin, outer_lr, outer_momentum, only).items():
         fleet.init(role, timeout=600)
         model = fleet.distributed_model(build_model())
         inner = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         spec = {"steps": args.steps, "h": args.H, "fragments": args.fragments, "eval_every": args.eval_every,
-                "out": result, "begin": args.begin}
+                "out": result, "begin": args.begin,
+                "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum, "only": args.only}
         argv = [sys.executable, "-m", "bench.diloco", "--worker"]
         if args.loopback:
             import subprocess
@@ -206,8 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     m = data["modes"]
     h = data["H"]
-    sync_loss = m["sync"]["curve"][-1]["val_loss"]
-    local_sps = m[f"localsgd_{h}"]["steps_per_s"]
+    nan = float("nan")
+    sync_loss = m["sync"]["curve"][-1]["val_loss"] if "sync" in m else nan
+    local_sps = m[f"localsgd_{h}"]["steps_per_s"] if f"localsgd_{h}" in m else nan
     out = []
     for name, r in m.items():
         loss = r["curve"][-1]["val_loss"]
@@ -253,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fragments", type=int, default=5, help="Streaming DiLoCo's fragments (divides H)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--begin", type=int, default=1, help="local SGD's begin_step: synchronous warm-up steps")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov learning rate")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
+    ap.add_argument("--only", type=lambda s: s.split(","), default=None,
+                    help="comma-separated subset of sync,localsgd,diloco,streaming (the table needs sync and localsgd)")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
