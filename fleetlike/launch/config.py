@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
                    "coalesce and are reused instead of growing the heap; a GLIBC_TUNABLES that "
                    "already sets tcache_count is kept. off: the environment is left as it is")
+    p.add_argument("--max_restarts", default="0", metavar="N",
+                   help="restart all local workers up to N times after a worker fails, each start "
+                   "a new rendezvous generation (default: 0, a failure ends the job); see "
+                   "docs/launching.md, 'Elastic jobs'")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved configuration before starting")
     p.add_argument("-m", "--module", action="store_true",
@@ -211,6 +215,7 @@ class LaunchConfig:
     ports: tuple[int, ...] = ()
     cluster_endpoints: tuple[str, ...] = ()
     use_paddlecloud: bool = False
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -286,6 +291,14 @@ class LaunchConfig:
             raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
         if not self.job_id:
             raise LaunchInputError("--job_id is empty; give a non-empty name or leave it out")
+        if self.max_restarts < 0:
+            raise LaunchInputError(f"--max_restarts={self.max_restarts} must be >= 0")
+        if self.max_restarts and self.node_num > 1:
+            raise LaunchInputError(
+                f"--max_restarts={self.max_restarts} restarts the workers of one launcher; with "
+                f"{self.node_num} nodes the other launchers would not restart theirs. Run the job's "
+                "ranks under one launcher (one node), or drop --max_restarts"
+            )
 
     @property
     def node_index(self) -> int:
@@ -471,6 +484,7 @@ def parse_config(
         ports=ports,
         cluster_endpoints=endpoints,
         use_paddlecloud=args.use_paddlecloud,
+        max_restarts=_int_flag("--max_restarts", args.max_restarts),
     )
 
 
@@ -501,6 +515,7 @@ def format_config(config: LaunchConfig) -> str:
         ("log_dir", config.log_dir),
         ("job_id", config.job_id),
         ("kill_grace", f"{config.kill_grace:g} s"),
+        ("max_restarts", str(config.max_restarts)),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
     ]
     if config.use_paddlecloud:
