@@ -36,17 +36,31 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from fleetlike.comm import JOB_KEY
-from fleetlike.launch.config import LaunchConfig
+from fleetlike.comm import JOB_KEY, host_store
+from fleetlike.launch.config import LaunchConfig, LaunchInputError
 from fleetlike.launch.workers import Worker, describe_exit, last_line
+from fleetlike.roles import parse_endpoint
 
-__all__ = ["PROGRESS_DIR_VAR", "RESTART_COUNT_VAR", "Attempt", "restart_loop", "generation_config"]
+__all__ = [
+    "ELASTIC_ENV", "PROGRESS_DIR_VAR", "RESTART_COUNT_VAR", "Attempt", "elastic_env", "generation_config",
+    "host_rendezvous", "restart_loop",
+]
 
 #: The directory where a worker marks its first progress (read by `restart_loop`); the same
 #: name is read by ``fleetlike.elastic.mark_progress`` (a test checks the two agree).
 PROGRESS_DIR_VAR = "FLEETLIKE_PROGRESS_DIR"
 #: The worker's generation (0 for the first start).
 RESTART_COUNT_VAR = "FLEETLIKE_RESTART_COUNT"
+
+#: What an elastic job's workers are told (``--nnodes``); the same names as
+#: ``fleetlike.elastic.membership.ENV``, which reads them (a test checks the two agree).
+ELASTIC_ENV = {
+    "store": "FLEETLIKE_ELASTIC_STORE",
+    "min": "FLEETLIKE_ELASTIC_MIN_WORKERS",
+    "max": "FLEETLIKE_ELASTIC_MAX_WORKERS",
+    "last_call": "FLEETLIKE_ELASTIC_LAST_CALL",
+    "run_id": "FLEETLIKE_ELASTIC_RUN_ID",
+}
 
 _PREFIX = "fleetlike.launch:"
 
@@ -78,6 +92,39 @@ def generation_config(config: LaunchConfig, generation: int) -> LaunchConfig:
     return dataclasses.replace(config, job_id=f"{config.job_id}-g{generation}", log_dir=logs)
 
 
+def elastic_env(config: LaunchConfig) -> dict[str, str]:
+    """The variables an elastic job's workers read (`ELASTIC_ENV`); empty for other jobs."""
+    if not config.min_nodes:
+        return {}
+    return {
+        ELASTIC_ENV["store"]: str(config.rdzv_endpoint),
+        ELASTIC_ENV["min"]: str(config.min_nodes * config.nproc_per_node),
+        ELASTIC_ENV["max"]: str(config.max_nodes * config.nproc_per_node),
+        ELASTIC_ENV["last_call"]: f"{config.rdzv_last_call:g}",
+        ELASTIC_ENV["run_id"]: config.job_id,
+    }
+
+
+def host_rendezvous(config: LaunchConfig) -> Any | None:
+    """The elastic job's rendezvous store, when this launcher's node is ``--rdzv_endpoint``'s
+    host (held for the launcher's life: the job ends with it, as with torchrun's c10d backend);
+    None on the other nodes."""
+    if not config.min_nodes or config.rdzv_endpoint is None:
+        return None
+    try:
+        host, port = parse_endpoint(config.rdzv_endpoint, name="--rdzv_endpoint")
+    except ValueError as exc:
+        raise LaunchInputError(str(exc)) from None
+    if host != config.node_ip:
+        return None
+    try:
+        return host_store(host, config.job_id, port=port)
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
+        raise LaunchInputError(
+            f"--rdzv_endpoint={config.rdzv_endpoint}: cannot host the rendezvous store there "
+            f"({exc}); choose a free port on this node") from None
+
+
 def _progress_dir(config: LaunchConfig, generation: int) -> str:
     return os.path.join(config.log_dir, ".progress", f"g{generation}")
 
@@ -97,6 +144,7 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
     (`fleetlike.launch.main`); ``store`` the store the launcher hosts (``--started_port=auto``)
     or None. ``stop`` is the launcher's signal record: a signal ends the loop at once."""
     attempts: list[Attempt] = []
+    rendezvous = host_rendezvous(config)  # noqa: F841 - held until the job ends here
     for generation in range(config.max_restarts + 1):
         gen = generation_config(config, generation)
         os.makedirs(gen.log_dir, exist_ok=True)
@@ -106,6 +154,7 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
         if store is not None:
             store.set(JOB_KEY, gen.job_id)  # the workers of this generation check it
         env = {
+            **elastic_env(config),
             PROGRESS_DIR_VAR: os.path.abspath(progress),
             RESTART_COUNT_VAR: str(generation),
             "TORCHELASTIC_RESTART_COUNT": str(generation),
@@ -137,6 +186,8 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
              f"(restart {generation + 1} of --max_restarts={config.max_restarts}; logs in "
              f"{generation_config(config, generation + 1).log_dir})")
     last = attempts[-1]
+    if not config.max_restarts:
+        return last.code  # the launcher's own line named the failure; nothing was restarted
     _say(f"--max_restarts={config.max_restarts} exhausted: {len(attempts)} worker failures "
          f"({_history(attempts)}); the job is stopped")
     return last.code

@@ -111,7 +111,7 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
                     return 128 + stop.signum
                 print(f"{_PREFIX} {exc}", file=sys.stderr, flush=True)
                 return 1
-        if config.max_restarts:
+        if config.max_restarts or config.min_nodes:
             return restart_loop(config, stop, _run, hosted.store if hosted is not None else None)
         return _run(config, stop)
     finally:
