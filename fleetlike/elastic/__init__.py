@@ -20,7 +20,15 @@ Example (resuming after the launcher restarted the workers)::
 """
 
 from fleetlike.elastic.membership import ElasticSettings, Membership
-from fleetlike.elastic.run import RESET_LOG, HostsUpdatedInterrupt, init, membership, run, shutdown
+from fleetlike.elastic.run import (
+    RESET_LOG,
+    HostsUpdatedInterrupt,
+    init,
+    membership,
+    on_world_replaced,
+    run,
+    shutdown,
+)
 from fleetlike.elastic.state import (
     PROGRESS_DIR_VAR,
     ObjectState,
@@ -43,6 +51,7 @@ __all__ = [
     "init",
     "mark_progress",
     "membership",
+    "on_world_replaced",
     "run",
     "shutdown",
 ]

@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
+import threading
+import time
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -64,6 +67,11 @@ class ElasticSettings:
     endpoint: str
     local_rank: int
 
+    @staticmethod
+    def launched(environ: Mapping[str, str] | None = None) -> bool:
+        """Whether this process was started by an elastic launcher (``--nnodes``)."""
+        return bool((os.environ if environ is None else environ).get(ENV["store"]))
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticSettings:
         env = os.environ if environ is None else environ
@@ -97,6 +105,7 @@ class Membership:
             settings.node_ip, timeout, keep_alive_interval=HEARTBEAT_SECONDS,
             keep_alive_max_attempt=HEARTBEATS_MISSED)
         self.rounds = 0
+        self._watch: Watch | None = None
         #: ``(node IP, endpoint)`` of every rank of the current world, in rank order
         self.members: list[tuple[str, str]] = []
 
@@ -112,6 +121,7 @@ class Membership:
         # the same for survivors and joiners whatever each has seen before
         store = dist.PrefixStore("fleetlike/", info.store)
         me = f"{self.settings.node_ip}|{self.settings.local_rank:06d}|{os.getpid():010d}|{self.settings.endpoint}"
+        store.set(f"alive/{info.rank}", "0")  # before the seat: whoever sees every seat sees this
         store.set(f"member/{info.rank}", me)
         keys = [f"member/{r}" for r in range(info.world_size)]
         store.wait(keys, datetime.timedelta(seconds=timeout))
@@ -122,6 +132,11 @@ class Membership:
                                    source="elastic")
         world = GlooCommunicator(dist.PrefixStore("world/", store), rank, len(seats), range(len(seats)),
                                  "world", self.settings.node_ip, timeout)
+        world.interrupt = threading.Event()
+        if self._watch is not None:
+            self._watch.stop()
+        self._watch = Watch(store, info.rank, info.world_size, world.interrupt)
+        self._watch.start()
         return role, world
 
     def waiting(self) -> int:
@@ -130,7 +145,54 @@ class Membership:
 
     def close(self) -> None:
         """Leave the rendezvous for good (the job is done here): stop the heartbeats."""
+        if self._watch is not None:
+            self._watch.stop()
         self.handler.shutdown()
+
+
+class Watch(threading.Thread):
+    """Heartbeats among the ranks of one world, on the round's store: each rank bumps its
+    counter every `HEARTBEAT_SECONDS`; a counter that has not moved for `HEARTBEATS_MISSED`
+    periods (by this rank's clock: the nodes' clocks need not agree) means that rank is gone.
+
+    Why not rely on the collective failing: gloo reports a peer's closed connection only when
+    it is reading from it at that moment, and a cut link closes nothing, so a collective can
+    wait for its whole timeout (1800 s by default). The watch sets the world's ``interrupt``
+    event instead (`fleetlike.comm.guard.wait_work`), failing the blocked collective within a
+    few seconds."""
+
+    def __init__(self, store: dist.Store, seat: int, size: int, interrupt: threading.Event) -> None:
+        super().__init__(name="fleetlike-elastic-watch", daemon=True)
+        self._store, self._seat, self._size, self._interrupt = store, seat, size, interrupt
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        keys = [f"alive/{r}" for r in range(self._size)]
+        seen: dict[int, tuple[bytes, float]] = {}
+        beat = 0
+        while not self._stop_event.wait(HEARTBEAT_SECONDS):
+            beat += 1
+            try:
+                self._store.set(f"alive/{self._seat}", str(beat))
+                values = self._store.multi_get(keys)
+            except Exception:  # noqa: BLE001 - the store's host is gone: the job is ending
+                return
+            now = time.monotonic()
+            lost = []
+            for r, value in enumerate(values):
+                last = seen.get(r)
+                if last is None or last[0] != value:
+                    seen[r] = (value, now)
+                elif now - last[1] > HEARTBEAT_SECONDS * HEARTBEATS_MISSED:
+                    lost.append(r)
+            if lost and not self._stop_event.is_set():
+                print(f"fleetlike.elastic: seat(s) {lost} stopped heartbeating; interrupting this world's "
+                      "collectives", file=sys.stderr, flush=True)
+                self._interrupt.set()
+                return
 
 
 def describe_change(before: list[tuple[str, str]], after: list[tuple[str, str]]) -> tuple[list[str], list[str], list[str]]:

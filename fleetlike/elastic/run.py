@@ -51,12 +51,13 @@ from fleetlike.elastic.state import State
 from fleetlike.fleet import fleet
 from fleetlike.roles import Role
 
-__all__ = ["HostsUpdatedInterrupt", "init", "run", "membership", "shutdown", "RESET_LOG"]
+__all__ = ["HostsUpdatedInterrupt", "init", "run", "membership", "on_world_replaced", "shutdown", "RESET_LOG"]
 
 R = TypeVar("R")
 
 _LOCK = threading.Lock()
 _MEMBERSHIP: Membership | None = None  # guarded by _LOCK
+_LISTENERS: list[Callable[[], None]] = []  # guarded by _LOCK
 #: one dict per re-formation in this process (cause, sizes, nodes, seconds); read by tests/benchmarks
 RESET_LOG: list[dict[str, Any]] = []
 
@@ -66,6 +67,22 @@ class HostsUpdatedInterrupt(RuntimeError):
     re-forms with them (Horovod's name). ``skip_sync`` is False: joiners need the state."""
 
     skip_sync = False
+
+
+def on_world_replaced(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` each time `run` has moved the fleet to a new world (before the state
+    is synced): faces with state of their own over the fleet's world follow it
+    (``fleetlike.horovod`` registers its runtime here)."""
+    with _LOCK:
+        _LISTENERS.append(callback)
+
+
+def _replace(role: Role, world: Any) -> None:
+    fleet.replace_world(role, world)
+    with _LOCK:
+        listeners = list(_LISTENERS)
+    for callback in listeners:
+        callback()
 
 
 def membership() -> Membership:
@@ -127,7 +144,7 @@ def _reform(cause: str, started: float) -> None:
     before = list(members.members)
     old_size = fleet.worker_num()
     role, world = members.form(fleet.context().timeout)
-    fleet.replace_world(role, world)
+    _replace(role, world)
     lost, joined, shrunk = describe_change(before, members.members)
     record = {"cause": cause, "old_size": old_size, "new_size": role.world_size, "nodes_lost": lost,
               "nodes_joined": joined, "worker_failures_on": shrunk, "seconds": time.monotonic() - started}
@@ -150,7 +167,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
         members = membership()  # init() first
         if not members.members:  # the first call: leave the world of one for the job's
             role, world = members.form(fleet.context().timeout)
-            fleet.replace_world(role, world)
+            _replace(role, world)
         state._host_check = _check_hosts
         try:
             while True:
