@@ -171,7 +171,7 @@ def _plot(trials: list[dict[str, Any]], cost: dict[str, float], overhead: float)
     a.legend()
     b.bar(["step", "commit / 10"], [cost["step_s"] * 1e3, cost["commit_s"] / 10 * 1e3])
     b.set_ylabel("ms")
-    b.set_title(f"50 MB model: commit every 10 steps = {overhead:.1%} of a step")
+    b.set_title(f"50 MB model: commit / 10 = {overhead:.1%} of a step")
     fig.tight_layout()
     fig.savefig(OUT / "elastic.png", dpi=100)
 
