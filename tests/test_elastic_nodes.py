@@ -113,7 +113,7 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
 
 
 def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
-    done = lose_a_node(launchers, tmp_path, "program", 1, 0.01, join_late=False)
+    done = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
     for report in done:
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         assert report["resets"][-1]["new_size"] == 2
