@@ -17,6 +17,8 @@ collectives           buckets, reducer, flat / hierarchical / compressed averagi
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
 fleet                 the facade of API.md (everything below)
+elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
+                      (fleet for the world it re-forms; everything below)
 horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
                       Horovod face over fleet's communicators and the reducer (everything below)
 io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
@@ -50,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
+    ("elastic", ("fleetlike.elastic",), None),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
     ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"roles", "comm"}),

@@ -96,6 +96,10 @@ class Communicator(abc.ABC):
         self._released = False
         #: bound on each collective, seconds (for messages; the backend enforces it)
         self.timeout: float | None = None
+        #: set by another thread to fail this communicator's blocked collectives now (an
+        #: elastic world whose peer stopped heartbeating: `fleetlike.elastic.membership`);
+        #: shared with the communicators split from it
+        self.interrupt: threading.Event | None = None
         #: agree on every collective's op/shape/dtype before running it (see `guard`)
         self.check_collectives = False
         #: agree on each collective's element count, op and dtype before its data moves (one
@@ -595,6 +599,7 @@ class Communicator(abc.ABC):
             sub.timeout = self.timeout
             sub.check_collectives = self.check_collectives
             sub.check_sizes = self.check_sizes
+            sub.interrupt = self.interrupt
             if name is not None:
                 sub.name = name
         return sub

@@ -33,6 +33,7 @@ Example of the message (two ranks, different lengths, default settings)::
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Protocol
 
@@ -58,6 +59,7 @@ __all__ = [
     "failure",
     "agree",
     "agree_sizes",
+    "wait_work",
 ]
 
 _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier")
@@ -75,6 +77,7 @@ class Guarded(Protocol):
     ranks: tuple[int, ...]
     name: str
     timeout: float | None
+    interrupt: Any
     _diag_store: Any
     _check_label: str | None
 
@@ -97,7 +100,7 @@ class GuardedWork:
 
     def wait(self) -> Any:
         try:
-            return self._inner.wait()
+            return wait_work(self._inner, self._comm)
         except CommError:
             raise
         except Exception as exc:  # noqa: BLE001 - the backends raise RuntimeError and friends
@@ -105,6 +108,31 @@ class GuardedWork:
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
+
+
+#: How often a wait on an interruptible communicator looks at its ``interrupt`` event.
+_INTERRUPT_PERIOD = datetime.timedelta(seconds=0.25)
+
+
+def wait_work(work: Any, comm: Guarded) -> Any:
+    """``work.wait()``; on a communicator with an ``interrupt`` event (and a torch work, whose
+    wait takes a timeout), waited in slices so that setting the event fails it within a
+    quarter second. A completed collective returns at once either way."""
+    event = getattr(comm, "interrupt", None)
+    if event is None or not isinstance(work, torch._C._distributed_c10d.Work):
+        return work.wait()
+    while True:
+        try:
+            return work.wait(_INTERRUPT_PERIOD)
+        except RuntimeError:
+            if work.is_completed() or not event.is_set():
+                if work.is_completed():
+                    raise  # the collective itself failed
+                continue  # only this slice ended
+            raise RuntimeError(
+                "interrupted: a peer of this world stopped heartbeating (fleetlike.elastic's "
+                "watch), so the collective cannot complete"
+            ) from None
 
 
 def _who_arrived(comm: Guarded, seq: int, grace: float) -> list[int] | None:
@@ -138,6 +166,8 @@ def failure(comm: Guarded, op: str, seq: int, exc: BaseException) -> CollectiveE
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     timeout = comm.timeout if comm.timeout is not None else float("nan")
     grace = min(5.0, max(1.0, timeout / 4)) if timeout == timeout else 5.0
+    if getattr(comm, "interrupt", None) is not None:
+        grace = 1.0  # an elastic world: the job goes on without the missing; re-form quickly
     present = _who_arrived(comm, seq, grace)
     where = f"{op} #{seq} on communicator {comm.name!r} (rank {comm.rank} of {comm.size})"
     if present is None:
@@ -221,7 +251,7 @@ def _exchange(comm: Guarded, seq: int, op: str, mine: torch.Tensor, like: torch.
     # reports (the failure diagnosis, MPI's and NCCL's watchdog) name the collective itself.
     comm._check_label = op
     try:
-        comm._all_gather_now(out, mine).wait()
+        wait_work(comm._all_gather_now(out, mine), comm)
     except Exception as exc:  # noqa: BLE001
         raise failure(comm, op, seq, exc) from exc
     finally:

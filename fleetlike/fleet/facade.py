@@ -106,6 +106,29 @@ class Fleet:
         world.check_collectives = bool(check_collectives or env.check_collectives)
         self._ctx = FleetContext(role, world, CommGroups(world, role), device, strategy or DistributedStrategy(), limit)
 
+    def replace_world(self, role: Role, world: Communicator, *, strategy: DistributedStrategy | None = None,
+                      timeout: float | None = None) -> None:
+        """Run on ``world`` (rank and size of ``role``) from now on, keeping the wrapped models
+        and optimizers: their engines are dropped (gradient hooks removed) and rebuilt on the new
+        communicators, programs are rebuilt in place. Without ``init`` before, it is ``init``
+        with a world built elsewhere. `fleetlike.elastic` calls it when the membership changed;
+        the state (parameters, the strategy's counters) is the caller's to restore after."""
+        old = self._ctx
+        limit = (old.timeout if old is not None else DEFAULT_TIMEOUT) if timeout is None else timeout
+        chosen = strategy or (old.strategy if old is not None else DistributedStrategy())
+        device = old.device if old is not None else _device_for(role, env_settings())
+        if old is not None:
+            for engine in self._engines():
+                if engine.ctx.reducer is not None:
+                    engine.ctx.reducer.remove()
+            old.groups.close()
+        world.timeout = limit
+        self._ctx = FleetContext(role, world, CommGroups(world, role), device, chosen, limit)
+        for model in self._models:
+            model.drop_engine()
+        for opt in self._optimizers:
+            opt.rebind(self._ctx)
+
     def shutdown(self) -> None:
         """Close the communicators (also done at exit). ``init`` may be called again after."""
         if self._ctx is not None:

@@ -49,6 +49,11 @@ class DistributedModel(torch.nn.Module):
             self._engine = self._engine_for(self)
         return self._engine
 
+    def drop_engine(self) -> None:
+        """Forget the engine (the fleet's world was replaced): the next forward builds one on
+        the new communicators."""
+        self._engine = None
+
     @property
     def built(self) -> bool:
         return self._engine is not None

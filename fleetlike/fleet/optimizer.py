@@ -142,15 +142,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "minimize: this optimizer already drives a model (an earlier minimize or "
                 "fleet.distributed_model); create a new fleet.distributed_optimizer for another program"
             )
+        engine = self._program_engine(model)
+        self.programs = build_programs(engine, loss_fn)
+        self._minimized = (loss_fn, model)
+        origin, main, startup = self.programs
+        return main, startup
+
+    def _program_engine(self, model: torch.nn.Module) -> Engine:
+        """The program style's engine for ``model``, driven by this optimizer."""
         ctx = self._context.step_context(model, self.user_defined_strategy)
         ctx.optimizer = self.inner_optimizer
         engine = build_engine(ctx)
         for unit in engine.units:
             unit.bind(self.inner_optimizer)
         self.engines.append(engine)
-        self.programs = build_programs(engine, loss_fn)
-        origin, main, startup = self.programs
-        return main, startup
+        return engine
+
+    def rebind(self, context: FleetContext) -> None:
+        """Drive the same model(s) on ``context``'s communicators (the fleet's world was
+        replaced). Eager style: the engines are dropped and bound again when the models build
+        theirs; their strategy state carries over (loaded into the new engines). Program style:
+        the engine and the three programs are rebuilt, the `Program` objects updated in place."""
+        carried = [engine.state_dict() for engine in self.engines]
+        self._context = context
+        self.engines = []
+        if self.programs is None:
+            self._pending_state = carried or self._pending_state
+            return
+        loss_fn, model = self._minimized
+        engine = self._program_engine(model)
+        self._load_engines(carried)
+        for old, new in zip(self.programs, build_programs(engine, loss_fn)):
+            old.ops, old.notes, old.device = new.ops, new.notes, new.device
 
     # ------------------------------------------------------------------ eager style
 

@@ -21,10 +21,12 @@ Example (Horovod's own lines):
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
+from fleetlike import elastic
 from fleetlike.comm import CollectiveMismatchError, CollectiveTimeoutError
 from fleetlike.horovod.adasum import AdasumUnsupportedError
 from fleetlike.horovod.adasum_optimizer import AdasumOptimizer
@@ -94,6 +96,7 @@ from fleetlike.horovod.runtime import (
 from fleetlike.horovod.sync_bn import SyncBatchNorm
 
 __all__ = [
+    "elastic",
     "Adasum",
     "AdasumOptimizer",
     "AdasumUnsupportedError",
@@ -202,3 +205,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         return AdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step)
     return HorovodOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, red,
                             gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy, agree=agree)
+
+# ``import fleetlike.horovod.elastic`` / ``hvd.elastic``: fleetlike.elastic itself (Horovod's
+# names: State, TorchState, ObjectState, run, HostsUpdatedInterrupt...), not a copy
+sys.modules[f"{__name__}.elastic"] = elastic

@@ -29,6 +29,7 @@ from fleetlike.comm import CommGroups, Communicator
 from fleetlike.comm.nccl import nccl_unavailable_reason
 from fleetlike.comm.mpi import mpi_available
 from fleetlike.config import DistributedStrategy
+from fleetlike import elastic
 from fleetlike.fleet import fleet
 from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_endpoint
 
@@ -150,6 +151,10 @@ def init(
     with _INIT_LOCK:
         if _RUNTIME is not None or _EXCLUDED is not None:
             return  # initialised already (or left out by comm=): nothing collective runs again
+        if not fleet.initialized and role_maker is None and elastic.ElasticSettings.launched():
+            # started with --nnodes: join as fleetlike.elastic does (the world forms in run)
+            elastic.init(strategy=strategy, timeout=timeout)
+            _OWNS_FLEET = True
         if not fleet.initialized:
             if role_maker is None and backend is None and detect_source() in ("openmpi", "mpich") and mpi_available():
                 role_maker = MPIRoleMaker()  # as Horovod under mpirun: the MPI backend, MPI's hosts
@@ -211,6 +216,30 @@ def shutdown() -> None:
                 rt.groups.close()
         if owned and fleet.initialized:
             fleet.shutdown()
+
+
+def _follow_world() -> None:
+    """An elastic job re-formed the fleet's world (`fleetlike.elastic.run`): ``hvd.rank()``,
+    ``hvd.size()`` and the collectives move to it. ``hvd.DistributedOptimizer`` keeps
+    communicators of its own built at construction and cannot move, so it is refused here with
+    the way out; a ``comm=`` subset cannot be re-derived from a new membership either."""
+    global _RUNTIME
+    with _INIT_LOCK:
+        rt = _RUNTIME
+        if rt is None:
+            return
+        if rt.optimizers or rt.subset:
+            what = "hvd.DistributedOptimizer" if rt.optimizers else "hvd.init(comm=[...])"
+            raise RuntimeError(
+                f"{what} cannot follow an elastic job's new world (its communicators were built "
+                "for the old one); in an elastic job wrap the optimizer with "
+                "fleet.distributed_optimizer (the same averaging, rebound on every re-formation) "
+                "and call hvd.init() without comm=")
+        ctx = fleet.context()
+        _RUNTIME = Runtime(ctx.world, ctx.groups, ctx.role, ctx.device, rt.strategy, False)
+
+
+elastic.on_world_replaced(_follow_world)
 
 
 def is_initialized() -> bool:

@@ -159,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
                    "coalesce and are reused instead of growing the heap; a GLIBC_TUNABLES that "
                    "already sets tcache_count is kept. off: the environment is left as it is")
+    p.add_argument("--max_restarts", default="0", metavar="N",
+                   help="restart all local workers up to N times after a worker fails, each start "
+                   "a new rendezvous generation (default: 0, a failure ends the job); see "
+                   "docs/launching.md, 'Elastic jobs'")
+    p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                   help="an elastic job of MIN to MAX nodes (or exactly N): the workers meet through "
+                   "--rdzv_endpoint and must use fleetlike.elastic (elastic.init, @elastic.run); a "
+                   "node that is lost or joins changes the world without restarting the others")
+    p.add_argument("--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                   help="with --nnodes: the rendezvous store; the launcher whose --node_ip is HOST "
+                   "hosts it (start it first; the job lives as long as it does)")
+    p.add_argument("--rdzv_last_call", default="3", metavar="SECONDS",
+                   help="with --nnodes: once MIN nodes' workers are there, how long a rendezvous "
+                   "round waits for more before it closes (default: 3)")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved configuration before starting")
     p.add_argument("-m", "--module", action="store_true",
@@ -211,6 +225,12 @@ class LaunchConfig:
     ports: tuple[int, ...] = ()
     cluster_endpoints: tuple[str, ...] = ()
     use_paddlecloud: bool = False
+    max_restarts: int = 0
+    #: ``--nnodes MIN:MAX`` (0, 0: not an elastic job)
+    min_nodes: int = 0
+    max_nodes: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_last_call: float = 3.0
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -286,6 +306,29 @@ class LaunchConfig:
             raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
         if not self.job_id:
             raise LaunchInputError("--job_id is empty; give a non-empty name or leave it out")
+        if self.max_restarts < 0:
+            raise LaunchInputError(f"--max_restarts={self.max_restarts} must be >= 0")
+        if self.min_nodes and not 1 <= self.min_nodes <= self.max_nodes:
+            raise LaunchInputError(
+                f"--nnodes={self.min_nodes}:{self.max_nodes}: give 1 <= MIN <= MAX (or one number)")
+        if self.min_nodes and not self.rdzv_endpoint:
+            raise LaunchInputError(
+                f"--nnodes={self.min_nodes}:{self.max_nodes} needs --rdzv_endpoint=HOST:PORT, where "
+                "the launcher on HOST hosts the rendezvous store; give the same one to every node")
+        if self.rdzv_endpoint and not self.min_nodes:
+            raise LaunchInputError(
+                f"--rdzv_endpoint={self.rdzv_endpoint} is used only by an elastic job; add --nnodes=MIN:MAX")
+        if self.min_nodes and self.node_num > 1:
+            raise LaunchInputError(
+                f"--nnodes={self.min_nodes}:{self.max_nodes}: the nodes of an elastic job come from "
+                f"the rendezvous, not from --cluster_node_ips={','.join(self.cluster_node_ips)}; "
+                "give each launcher only its own --node_ip")
+        if self.max_restarts and self.node_num > 1:
+            raise LaunchInputError(
+                f"--max_restarts={self.max_restarts} restarts the workers of one launcher; with "
+                f"{self.node_num} nodes the other launchers would not restart theirs. Run the job's "
+                "ranks under one launcher (one node), or drop --max_restarts"
+            )
 
     @property
     def node_index(self) -> int:
@@ -352,6 +395,30 @@ class LaunchConfig:
 
     def log_path(self, local_rank: int) -> str:
         return f"{self.log_dir.rstrip('/') or '/'}/workerlog.{local_rank}"
+
+
+def _nnodes(text: str | None) -> tuple[int, int]:
+    """``--nnodes``: ``MIN:MAX`` or ``N`` -> (MIN, MAX); (0, 0) when not given."""
+    if text is None:
+        return 0, 0
+    parts = text.split(":")
+    if len(parts) not in (1, 2):
+        raise LaunchInputError(f"--nnodes={text!r}: give MIN:MAX (e.g. 1:2) or one number")
+    low = _int_flag("--nnodes", parts[0])
+    high = _int_flag("--nnodes", parts[-1])
+    if low < 1 or high < low:
+        raise LaunchInputError(f"--nnodes={text}: give 1 <= MIN <= MAX (e.g. 1:2)")
+    return low, high
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise LaunchInputError(f"{name}={text!r} is not a number of seconds") from None
+    if not 0 <= value < math.inf:
+        raise LaunchInputError(f"{name}={text} must be a finite number of seconds >= 0")
+    return value
 
 
 def _int_flag(name: str, text: str) -> int:
@@ -451,7 +518,15 @@ def parse_config(
         if cloud is not None:
             ips, node_ip, port, ports, endpoints = _with_cloud(
                 cloud, ips, node_ip, args.node_ip is not None, port, nproc)
+    nodes = _nnodes(args.nnodes)
+    last_call = _seconds("--rdzv_last_call", args.rdzv_last_call)
+    if nodes[0]:
+        node_ip = args.node_ip.strip() if args.node_ip else "127.0.0.1"
+        if args.cluster_node_ips == "127.0.0.1":
+            ips = (node_ip,)
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc)
+    if nodes[0] and args.job_id is None:  # every node's launcher derives the same id
+        job_id = hashlib.sha256(f"elastic|{args.rdzv_endpoint}|{nproc}".encode()).hexdigest()[:12]
     return LaunchConfig(
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
@@ -471,6 +546,11 @@ def parse_config(
         ports=ports,
         cluster_endpoints=endpoints,
         use_paddlecloud=args.use_paddlecloud,
+        max_restarts=_int_flag("--max_restarts", args.max_restarts),
+        min_nodes=nodes[0],
+        max_nodes=nodes[1],
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_last_call=last_call,
     )
 
 
@@ -501,6 +581,10 @@ def format_config(config: LaunchConfig) -> str:
         ("log_dir", config.log_dir),
         ("job_id", config.job_id),
         ("kill_grace", f"{config.kill_grace:g} s"),
+        ("max_restarts", str(config.max_restarts)),
+        ("nnodes", f"{config.min_nodes}:{config.max_nodes} (elastic, rendezvous at "
+                   f"{config.rdzv_endpoint}, last call {config.rdzv_last_call:g} s)"
+                   if config.min_nodes else "fixed"),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
     ]
     if config.use_paddlecloud:

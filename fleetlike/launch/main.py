@@ -14,8 +14,6 @@ several-node ``--started_port=auto`` job did not meet (`fleetlike.launch.meeting
 
 from __future__ import annotations
 
-from typing import Any
-
 import signal
 import sys
 import threading
@@ -30,10 +28,18 @@ from fleetlike.launch.config import (
     format_config,
     parse_config,
 )
+from fleetlike.launch.elastic_agent import restart_loop
 from fleetlike.launch.env import worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
-from fleetlike.launch.workers import Worker, close_logs, describe_exit, start_worker, stop_workers
+from fleetlike.launch.workers import (
+    Worker,
+    close_logs,
+    describe_exit,
+    last_line,
+    start_worker,
+    stop_workers,
+)
 
 __all__ = ["main", "launch", "worker_command"]
 
@@ -84,18 +90,6 @@ def _first_failure(workers: Sequence[Worker]) -> tuple[Worker | None, bool]:
     return None, all_done
 
 
-def _last_line(path: Any) -> str:
-    """The failing worker's last words (its exception, usually), for the one summary line."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 8192))
-            lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return lines[-1][:500] if lines else ""
-
-
 def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit code."""
     hosted: HostedEndpoints | None = None
@@ -117,6 +111,8 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
                     return 128 + stop.signum
                 print(f"{_PREFIX} {exc}", file=sys.stderr, flush=True)
                 return 1
+        if config.max_restarts or config.min_nodes:
+            return restart_loop(config, stop, _run, hosted.store if hosted is not None else None)
         return _run(config, stop)
     finally:
         stop.restore()
@@ -124,8 +120,12 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
             hosted.close()
 
 
-def _run(config: LaunchConfig, stop: _StopRequest) -> int:
-    """Start, watch and stop the workers of a checked ``config`` whose ports are settled."""
+def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | None = None,
+         failed_out: list[Worker] | None = None) -> int:
+    """Start, watch and stop the workers of a checked ``config`` whose ports are settled.
+
+    ``extra_env`` is added to every worker's environment; ``failed_out`` receives the failed
+    worker (`fleetlike.launch.elastic_agent` restarts after it)."""
     if config.print_config:
         print(format_config(config), flush=True)
     workers: list[Worker] = []
@@ -136,7 +136,7 @@ def _run(config: LaunchConfig, stop: _StopRequest) -> int:
                 workers.append(
                     start_worker(
                         command,
-                        worker_env(config, local),
+                        {**worker_env(config, local), **(extra_env or {})},
                         local_rank=local,
                         rank=config.rank(local),
                         log_path=config.log_path(local),
@@ -155,7 +155,9 @@ def _run(config: LaunchConfig, stop: _StopRequest) -> int:
                 stop_workers(workers, grace=config.kill_grace)
                 close_logs(workers)
                 code = failed.process.returncode
-                said = _last_line(failed.log_path)
+                if failed_out is not None:
+                    failed_out.append(failed)
+                said = last_line(failed.log_path)
                 print(
                     f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
                     f"{describe_exit(code)}; log: {failed.log_path}"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, TextIO
 
-__all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit"]
+__all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit", "last_line"]
 
 
 @dataclasses.dataclass
@@ -168,3 +168,15 @@ def describe_exit(returncode: int) -> str:
             name = str(-returncode)
         return f"was killed by signal {name}"
     return f"exited with code {returncode}"
+
+
+def last_line(path: str) -> str:
+    """The failing worker's last words (its exception, usually), for the one summary line."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 8192))
+            lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""

@@ -1,0 +1,211 @@
+"""Who is in the job now: torch.distributed.elastic's dynamic rendezvous, one participant per worker.
+
+The launcher (``--nnodes MIN:MAX --rdzv_endpoint HOST:PORT``) hosts a TCP store at the endpoint
+(on the node whose IP it is) and tells its workers where it is (`ENV`). Each worker is one
+participant of torch's ``DynamicRendezvousHandler`` over the c10d backend on that store: the
+same engine and state format as ``torchrun --rdzv_backend=c10d``, reused as it is, for what it
+does well: rounds, a minimum and maximum membership, a last call before a round closes with
+fewer than the maximum, a wait list for late joiners, and heartbeats that drop a participant
+whose process (or node) is gone. What torch's agent would do next (stop and restart every
+worker) is what fleetlike does *not* do: `fleetlike.elastic.run` keeps the surviving processes
+and only builds a new world (a gloo communicator on the round's store) for the new round.
+
+Ranks of a round are ordered by (node IP, local rank, pid), so a node's ranks are contiguous and
+the topology (`Role`) is derived as for a launched job.
+
+Example (what `fleetlike.elastic.init` does)::
+
+    members = Membership.from_env()
+    role, world = members.form(timeout=1800.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+from fleetlike.comm import Communicator
+from fleetlike.comm.gloo import GlooCommunicator
+from fleetlike.roles import Role, parse_endpoint
+
+__all__ = ["ENV", "ElasticSettings", "Membership"]
+
+#: What the launcher gives each worker of an elastic job (``--nnodes MIN:MAX``).
+ENV = {
+    "store": "FLEETLIKE_ELASTIC_STORE",          # host:port of the rendezvous store
+    "min": "FLEETLIKE_ELASTIC_MIN_WORKERS",      # MIN nodes * nproc_per_node
+    "max": "FLEETLIKE_ELASTIC_MAX_WORKERS",      # MAX nodes * nproc_per_node
+    "last_call": "FLEETLIKE_ELASTIC_LAST_CALL",  # seconds a round waits for more after MIN
+    "run_id": "FLEETLIKE_ELASTIC_RUN_ID",        # the job id
+}
+
+#: Seconds between a worker's heartbeats, and how many may be missed before it counts as gone.
+HEARTBEAT_SECONDS = 1
+HEARTBEATS_MISSED = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSettings:
+    """The launcher's elastic settings as a worker reads them (`from_env`)."""
+
+    store: str
+    min_workers: int
+    max_workers: int
+    last_call: float
+    run_id: str
+    node_ip: str
+    endpoint: str
+    local_rank: int
+
+    @staticmethod
+    def launched(environ: Mapping[str, str] | None = None) -> bool:
+        """Whether this process was started by an elastic launcher (``--nnodes``)."""
+        return bool((os.environ if environ is None else environ).get(ENV["store"]))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticSettings:
+        env = os.environ if environ is None else environ
+        missing = [name for name in ENV.values() if not env.get(name)]
+        if missing:
+            raise RuntimeError(
+                f"fleetlike.elastic: {', '.join(missing)} not set: this process was not started by "
+                "an elastic launcher; run it with python -m fleetlike.launch --nnodes MIN:MAX "
+                "--rdzv_endpoint HOST:PORT ..."
+            )
+        return cls(env[ENV["store"]], int(env[ENV["min"]]), int(env[ENV["max"]]),
+                   float(env[ENV["last_call"]]), env[ENV["run_id"]],
+                   env.get("FLEETLIKE_NODE_IP", "127.0.0.1"),
+                   env.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:1"), int(env.get("LOCAL_RANK", "0")))
+
+
+class Membership:
+    """This worker's seat in the rendezvous; `form` joins the next round and builds its world."""
+
+    def __init__(self, settings: ElasticSettings, *, join_timeout: float = 600.0) -> None:
+        self.settings = settings
+        host, port = parse_endpoint(settings.store, name=ENV["store"])
+        self._store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=join_timeout))
+        # the round's store is all fleetlike needs: no second TCP store server on rank 0
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        backend = C10dRendezvousBackend(self._store, settings.run_id)
+        timeout = RendezvousTimeout(join=datetime.timedelta(seconds=join_timeout),
+                                    last_call=datetime.timedelta(seconds=settings.last_call))
+        self.handler: RendezvousHandler = DynamicRendezvousHandler.from_backend(
+            settings.run_id, self._store, backend, settings.min_workers, settings.max_workers,
+            settings.node_ip, timeout, keep_alive_interval=HEARTBEAT_SECONDS,
+            keep_alive_max_attempt=HEARTBEATS_MISSED)
+        self.rounds = 0
+        self._watch: Watch | None = None
+        #: ``(node IP, endpoint)`` of every rank of the current world, in rank order
+        self.members: list[tuple[str, str]] = []
+
+    @classmethod
+    def from_env(cls) -> Membership:
+        return cls(ElasticSettings.from_env())
+
+    def form(self, timeout: float) -> tuple[Role, Communicator]:
+        """Join the next round (blocks until it closes) and build its world communicator."""
+        info = self.handler.next_rendezvous()
+        self.rounds += 1
+        # info.store is the round's own key space (torch prefixes it with the round number),
+        # the same for survivors and joiners whatever each has seen before
+        store = dist.PrefixStore("fleetlike/", info.store)
+        me = f"{self.settings.node_ip}|{self.settings.local_rank:06d}|{os.getpid():010d}|{self.settings.endpoint}"
+        store.set(f"alive/{info.rank}", "0")  # before the seat: whoever sees every seat sees this
+        store.set(f"member/{info.rank}", me)
+        keys = [f"member/{r}" for r in range(info.world_size)]
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+        seats = sorted(store.get(k).decode() for k in keys)
+        rank = seats.index(me)
+        self.members = [(s.split("|")[0], s.split("|")[3]) for s in seats]
+        role = Role.from_endpoints(rank, [ep for _, ep in self.members], job_id=self.settings.run_id,
+                                   source="elastic")
+        world = GlooCommunicator(dist.PrefixStore("world/", store), rank, len(seats), range(len(seats)),
+                                 "world", self.settings.node_ip, timeout)
+        world.interrupt = threading.Event()
+        if self._watch is not None:
+            self._watch.stop()
+        self._watch = Watch(store, info.rank, info.world_size, world.interrupt)
+        self._watch.start()
+        return role, world
+
+    def waiting(self) -> int:
+        """Workers waiting to join (admitted when the world next re-forms)."""
+        return self.handler.num_nodes_waiting()
+
+    def close(self) -> None:
+        """Leave the rendezvous for good (the job is done here): stop the heartbeats."""
+        if self._watch is not None:
+            self._watch.stop()
+        self.handler.shutdown()
+
+
+class Watch(threading.Thread):
+    """Heartbeats among the ranks of one world, on the round's store: each rank bumps its
+    counter every `HEARTBEAT_SECONDS`; a counter that has not moved for `HEARTBEATS_MISSED`
+    periods (by this rank's clock: the nodes' clocks need not agree) means that rank is gone.
+
+    Why not rely on the collective failing: gloo reports a peer's closed connection only when
+    it is reading from it at that moment, and a cut link closes nothing, so a collective can
+    wait for its whole timeout (1800 s by default). The watch sets the world's ``interrupt``
+    event instead (`fleetlike.comm.guard.wait_work`), failing the blocked collective within a
+    few seconds."""
+
+    def __init__(self, store: dist.Store, seat: int, size: int, interrupt: threading.Event) -> None:
+        super().__init__(name="fleetlike-elastic-watch", daemon=True)
+        self._store, self._seat, self._size, self._interrupt = store, seat, size, interrupt
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        keys = [f"alive/{r}" for r in range(self._size)]
+        seen: dict[int, tuple[bytes, float]] = {}
+        beat = 0
+        while not self._stop_event.wait(HEARTBEAT_SECONDS):
+            beat += 1
+            try:
+                self._store.set(f"alive/{self._seat}", str(beat))
+                values = self._store.multi_get(keys)
+            except Exception:  # noqa: BLE001 - the store's host is gone: the job is ending
+                return
+            now = time.monotonic()
+            lost = []
+            for r, value in enumerate(values):
+                last = seen.get(r)
+                if last is None or last[0] != value:
+                    seen[r] = (value, now)
+                elif now - last[1] > HEARTBEAT_SECONDS * HEARTBEATS_MISSED:
+                    lost.append(r)
+            if lost and not self._stop_event.is_set():
+                print(f"fleetlike.elastic: seat(s) {lost} stopped heartbeating; interrupting this world's "
+                      "collectives", file=sys.stderr, flush=True)
+                self._interrupt.set()
+                return
+
+
+def describe_change(before: list[tuple[str, str]], after: list[tuple[str, str]]) -> tuple[list[str], list[str], list[str]]:
+    """(nodes lost, nodes joined, nodes that lost some of their workers), by IP."""
+    def count(members: list[tuple[str, str]]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ip, _ in members:
+            out[ip] = out.get(ip, 0) + 1
+        return out
+
+    old, new = count(before), count(after)
+    lost = sorted(ip for ip in old if ip not in new)
+    joined = sorted(ip for ip in new if ip not in old)
+    shrunk = sorted(ip for ip in old if ip in new and new[ip] < old[ip])
+    return lost, joined, shrunk
+

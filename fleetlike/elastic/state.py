@@ -1,0 +1,250 @@
+"""What an elastic job keeps between failures: Horovod Elastic's `State`, `ObjectState`, `TorchState`.
+
+A `State` holds everything a rank needs to carry on after the world changed: the model, the
+optimizer (whose ``state_dict`` already holds the strategy's own state: the AMP loss scale,
+local SGD's counters and snapshots, the gradient-merge window; `fleetlike.fleet.optimizer`),
+samplers (`fleetlike.io.DistributedSampler`: one world-independent offset into the epoch) and
+the user's values (``epoch``, ``batch``...). ``commit()`` copies it in memory (a clone, cheap
+next to a step: docs/BENCHMARKS.md, "Elastic"), ``restore()`` puts the copy back, ``sync()``
+broadcasts one rank's copy to every rank (how survivors hand the state to a re-formed world:
+no disk read needed while one rank survives). With ``directory=``, every ``save_every``-th
+commit is also written to disk atomically (rank 0; a cut save leaves the previous one), which
+``load()`` reads after a restart of the whole group (``--max_restarts``).
+
+Anything with ``state_dict`` / ``load_state_dict`` is kept by its state; samplers with
+``num_replicas`` and ``rank`` are re-dealt over the current world at ``restore()``, so the rest
+of the epoch is shared by whoever is there (every remaining sample once).
+
+The first ``commit()`` of a process also marks progress for the launcher
+(`mark_progress`): a start that fails before any progress, twice the same way, is not retried.
+
+Example:
+    >>> state = TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0)
+    >>> state.register_reset_callbacks([lambda: scale_lr(opt, fleet.worker_num())])
+    >>> ... train; every 10 steps: state.batch = step; state.commit()
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import io
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetlike.fleet import fleet
+from fleetlike.fleet.checkpoint import CheckpointError, atomic_dir, resolve
+
+__all__ = ["PROGRESS_DIR_VAR", "State", "ObjectState", "TorchState", "mark_progress", "broadcast_object"]
+
+#: Where the launcher (``--max_restarts``) looks for progress markers; the same name as
+#: ``fleetlike.launch.elastic_agent.PROGRESS_DIR_VAR`` (a test checks they agree).
+PROGRESS_DIR_VAR = "FLEETLIKE_PROGRESS_DIR"
+
+_PROGRESS_LOCK = threading.Lock()
+_MARKED: set[str] = set()  # guarded by _PROGRESS_LOCK
+
+
+def mark_progress() -> None:
+    """Tell the launcher this start has made progress (once per process; cheap afterwards).
+
+    ``State.commit()`` calls it; a script that checkpoints its own way calls it after its first
+    successful step, so a later failure of this start counts as retryable."""
+    folder = os.environ.get(PROGRESS_DIR_VAR)
+    if not folder:
+        return
+    with _PROGRESS_LOCK:
+        if folder in _MARKED:
+            return
+        _MARKED.add(folder)
+    try:
+        Path(folder, f"pid{os.getpid()}").write_text("progress\n")
+    except OSError:
+        pass  # the launcher only loses its evidence; training goes on
+
+
+def broadcast_object(obj: Any, root: int = 0) -> Any:
+    """``root``'s ``obj`` on every rank of the fleet's world (pickled; two broadcasts)."""
+    world = fleet.context().world
+    if world.size == 1:
+        return obj
+    data = pickle.dumps(obj) if world.rank == root else b""
+    size = world.broadcast(torch.tensor([len(data)], dtype=torch.int64), root)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if world.rank == root \
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    buf = world.broadcast(buf, root)
+    return obj if world.rank == root else pickle.loads(buf.numpy().tobytes())
+
+
+def _clone(value: Any) -> Any:
+    """A copy sharing nothing mutable with ``value`` (tensors cloned, containers rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+class State(abc.ABC):
+    """The base: commits, restores, reset callbacks, on-disk copies (see the module docstring).
+
+    Subclasses say what is kept with `_snapshot` / `_apply`."""
+
+    def __init__(self, *, directory: str | os.PathLike[str] | None = None, save_every: int = 1) -> None:
+        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
+            raise ValueError(f"State(save_every={save_every!r}): give a positive int (write every "
+                             "save_every-th commit to disk)")
+        self.directory = None if directory is None else Path(directory)
+        self.save_every = save_every
+        self.commits = 0
+        self._committed: dict[str, Any] | None = None
+        self._reset_callbacks: list[Callable[[], None]] = []
+        #: set by `fleetlike.elastic.run`: raises when the membership should change at a commit
+        self._host_check: Callable[[], None] | None = None
+
+    # -------------------------------------------------------------- what is kept
+
+    @abc.abstractmethod
+    def _snapshot(self) -> dict[str, Any]:
+        """A copy of what this state keeps, sharing nothing mutable with the live objects."""
+
+    @abc.abstractmethod
+    def _apply(self, snapshot: dict[str, Any]) -> None:
+        """Put ``snapshot`` (from `_snapshot`) back into the live objects."""
+
+    # -------------------------------------------------------------- Horovod's API
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after every reset (the world re-formed, the state restored):
+        rescale the learning rate to the new world size, say."""
+        for cb in callbacks:
+            if not callable(cb):
+                raise TypeError(f"register_reset_callbacks: {cb!r} is not callable")
+            self._reset_callbacks.append(cb)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (`fleetlike.elastic.run` calls it after each reset)."""
+        for cb in self._reset_callbacks:
+            cb()
+
+    def save(self) -> None:
+        """Keep an in-memory copy of the state now (what `restore` returns to)."""
+        self._committed = self._snapshot()
+
+    def commit(self) -> None:
+        """`save`, write every ``save_every``-th commit to ``directory``, mark progress, and let
+        a waiting joiner in (raises ``HostsUpdatedInterrupt`` under `fleetlike.elastic.run`,
+        which re-forms the world and carries on from this commit)."""
+        self.save()
+        self.commits += 1
+        mark_progress()
+        if self.directory is not None and self.commits % self.save_every == 0:
+            self.save_to_disk()
+        if self._host_check is not None:
+            self._host_check()
+
+    def restore(self) -> None:
+        """Put the last committed copy back (nothing to do before the first commit)."""
+        if self._committed is not None:
+            self._apply(_clone(self._committed))
+
+    def sync(self, root: int = 0) -> None:
+        """Every rank takes ``root``'s committed state (its current one if it never committed)."""
+        if self._committed is None:
+            self.save()
+        snapshot = broadcast_object((self.commits, self._committed), root)
+        self.commits, self._committed = snapshot
+        self.restore()
+
+    # -------------------------------------------------------------- on disk
+
+    def save_to_disk(self) -> None:
+        """Write the committed state to ``directory`` atomically (rank 0 only; others return)."""
+        if self.directory is None:
+            raise ValueError("State.save_to_disk: give State(..., directory=PATH) first")
+        if fleet.initialized and fleet.worker_index() != 0:
+            return
+        with atomic_dir(self.directory) as tmp:
+            torch.save({"commits": self.commits, "state": self._committed}, tmp / "state.pt")
+
+    def load(self) -> bool:
+        """Take the state written to ``directory`` (True), or keep the current one when none
+        was written yet (False): the first start of a job, or one cut before its first save."""
+        if self.directory is None:
+            raise ValueError("State.load: give State(..., directory=PATH) first")
+        try:
+            path = resolve(self.directory)
+        except CheckpointError:
+            if self.directory.exists() and any(self.directory.iterdir()):
+                raise
+            return False
+        with open(path / "state.pt", "rb") as fh:
+            saved = torch.load(io.BytesIO(fh.read()), weights_only=False)
+        self.commits, self._committed = saved["commits"], saved["state"]
+        self.restore()
+        return True
+
+
+class ObjectState(State):
+    """Plain values kept as attributes: ``state.epoch``, ``state.batch``...
+
+    Example:
+        >>> state = ObjectState(epoch=0, batch=0)
+        >>> state.epoch += 1; state.commit()
+    """
+
+    def __init__(self, *, directory: str | os.PathLike[str] | None = None, save_every: int = 1,
+                 **values: Any) -> None:
+        super().__init__(directory=directory, save_every=save_every)
+        self._names = list(values)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def _snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._names:
+            value = getattr(self, name)
+            out[name] = ("state", _clone(value.state_dict())) if _stateful(value) else ("value", _clone(value))
+        return out
+
+    def _apply(self, snapshot: dict[str, Any]) -> None:
+        for name, (kind, saved) in snapshot.items():
+            if kind == "value":
+                setattr(self, name, saved)
+                continue
+            target = getattr(self, name)
+            if hasattr(target, "num_replicas") and hasattr(target, "rank") and fleet.initialized:
+                # a resumable sampler: deal the rest of the epoch over the world as it is now
+                target.num_replicas, target.rank = fleet.worker_num(), fleet.worker_index()
+            target.load_state_dict(saved)
+
+
+class TorchState(ObjectState):
+    """Horovod's ``TorchState(model=..., optimizer=..., **values)``: the model's parameters and
+    buffers, the optimizer's state (a `fleetlike.fleet.DistributedOptimizer`'s includes the
+    strategy's), and `ObjectState` values (samplers re-dealt at restore).
+
+    Example:
+        >>> state = TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
+                 directory: str | os.PathLike[str] | None = None, save_every: int = 1, **values: Any) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"TorchState(model=...): give a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TorchState(optimizer=...): give a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        kept = {k: v for k, v in (("model", model), ("optimizer", optimizer)) if v is not None}
+        super().__init__(directory=directory, save_every=save_every, **kept, **values)

@@ -1,0 +1,103 @@
+"""An elastic job on the digits task (`fleetlike.elastic`), for the node-loss and join tests.
+
+Usage: elastic_digits.py OUT EPOCHS PAUSE STYLE    (STYLE: eager | program | horovod)
+horovod: hvd.init(), hvd.elastic.TorchState / @hvd.elastic.run, hvd.size() and hvd.allgather_object
+for the bookkeeping; the gradients through fleet.distributed_optimizer (hvd.DistributedOptimizer
+cannot follow a re-formed world and is refused in elastic jobs).
+Every process writes OUT/pid.<pid> and OUT/node.<pid> (its node's IP) when it starts; rank 0
+writes OUT/progress ("step world time")
+after every step; every rank writes OUT/done.<pid>.json at the end (its pid, the re-formations
+it went through, the samples seen per epoch by the committed steps of every world, accuracy).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from amp_common import accuracy, digits_loss, digits_model, digits_split  # noqa: E402
+
+import fleetlike  # noqa: E402
+import fleetlike.horovod as hvd  # noqa: E402
+from fleetlike import elastic, fleet  # noqa: E402
+from fleetlike.io import DistributedSampler  # noqa: E402
+
+out, epochs, pause, style = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+(out / f"pid.{os.getpid()}").write_text(str(os.getpid()))
+(out / f"node.{os.getpid()}").write_text(os.environ.get("FLEETLIKE_NODE_IP", ""))
+if style == "horovod":
+    hvd.init(timeout=60.0)  # an elastic launch: joins as elastic.init() does
+    elastic = hvd.elastic  # noqa: F811 - the same module
+else:
+    elastic.init(timeout=60.0)
+(xtr, ytr), (xte, yte) = digits_split(0)
+sampler = DistributedSampler(torch.utils.data.TensorDataset(xtr, ytr), seed=1)
+net = digits_model(0)
+opt = fleet.distributed_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+if style in ("eager", "horovod"):
+    model = fleet.distributed_model(net)
+else:
+    opt.minimize(digits_loss, net)
+    exe = fleetlike.Executor(fleet.device())
+    exe.run(fleet.startup_program)
+state = elastic.TorchState(model=net, optimizer=opt, sampler=sampler, epoch=0, step=0,
+                           seen=[[] for _ in range(epochs)])
+
+
+def scale_lr() -> None:
+    """Linear scaling: the global batch is 8 per rank, so the rate follows the world size."""
+    for group in opt.param_groups:
+        group["lr"] = 0.05 * (hvd.size() if style == "horovod" else fleet.worker_num())
+
+
+state.register_reset_callbacks([scale_lr])
+
+
+def step(batch: list[int]) -> None:
+    xb, yb = xtr[batch], ytr[batch]
+    if style in ("eager", "horovod"):
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    else:
+        exe.run(fleet.main_program, feed={"x": xb, "y": yb})
+    parts = hvd.allgather_object(batch) if style == "horovod" else fleet.util.all_gather(torch.tensor(batch))
+    for part in parts:
+        state.seen[state.epoch].extend(int(i) for i in part)
+    state.step += 1
+    if fleet.worker_index() == 0:
+        (out / "progress.tmp").write_text(f"{state.step} {fleet.worker_num()} {time.time()}")
+        os.replace(out / "progress.tmp", out / "progress")
+    if state.step % 5 == 0:
+        state.commit()
+    time.sleep(pause)
+
+
+@elastic.run
+def train(state: elastic.TorchState) -> None:
+    scale_lr()  # the first call: the world is formed now
+    while state.epoch < epochs:
+        sampler.set_epoch(state.epoch)
+        batch: list[int] = []
+        for index in sampler:
+            batch.append(index)
+            if len(batch) == 8:
+                step(batch)
+                batch = []
+        if batch:
+            step(batch)
+        state.epoch += 1
+        state.commit()
+
+
+train(state)
+report = {"pid": os.getpid(), "rank": fleet.worker_index(), "world": fleet.worker_num(),
+          "resets": elastic.RESET_LOG, "seen": state.seen, "accuracy": accuracy(net, xte, yte),
+          "steps": state.step}
+(out / f"done.{os.getpid()}.json").write_text(json.dumps(report))
+elastic.shutdown()

@@ -1,0 +1,77 @@
+"""``--max_restarts``: real launcher, real workers; a killed worker's job restarts and resumes
+from `fleetlike.elastic`'s on-disk commit to exactly the parameters of an uninterrupted run;
+restarts that run out, and a failure at step 0 at every start, end the job with the named cause.
+
+Every test kills what it started (the `Launchers` fixture of test_launch_run) and checks that
+no worker is left.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleetlike.elastic import PROGRESS_DIR_VAR
+from fleetlike.launch import main as launch_main
+from fleetlike.launch.elastic_agent import PROGRESS_DIR_VAR as AGENT_PROGRESS_DIR_VAR
+from test_launch_run import WORKERS, Launchers, assert_all_gone, finish, launchers, out  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(launchers: Launchers, out: Path, mode: str, *flags: str) -> tuple[int, str]:
+    proc = launchers.start("--nproc_per_node=2", "--started_port=auto", *flags,
+                           str(WORKERS / "elastic_resume.py"), str(out), mode)
+    code, _, stderr = finish(proc, timeout=100)
+    assert_all_gone(out, within=2)
+    return code, stderr
+
+
+def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code, stderr = _run(launchers, reference, "none", "--max_restarts=1")
+    assert code == 0, stderr
+    code, stderr = _run(launchers, out, "kill", "--max_restarts=1", "--log_dir=logk")
+    assert code == 0, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("fleetlike.launch:")]
+    assert lines[0].startswith("fleetlike.launch: rank 1 (local 1) was killed by signal SIGKILL")
+    assert lines[1].startswith("fleetlike.launch: worker failure at start 1 (rank 1 was killed by "
+                               "signal SIGKILL); restarting all 2 workers as generation 1 (restart 1 "
+                               "of --max_restarts=1")
+    assert lines[2] == ("fleetlike.launch: job succeeded at start 2 after 1 worker failure(s) "
+                        "(start 1: rank 1 was killed by signal SIGKILL)")
+    starts = (out / "starts.0").read_text().splitlines()
+    assert starts == ["gen 0 resumed False at step 0", "gen 1 resumed True at step 8"]
+    assert (tmp_path / "logk" / "restart1" / "workerlog.1").exists()
+    mine, theirs = torch.load(out / "final.pt"), torch.load(reference / "final.pt")
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+
+
+def test_restarts_run_out_and_step_zero_failures_are_not_retried(launchers: Launchers, out: Path) -> None:
+    code, stderr = _run(launchers, out, "killall", "--max_restarts=1")
+    assert code == 128 + signal.SIGKILL
+    assert stderr.splitlines()[-1] == (
+        "fleetlike.launch: --max_restarts=1 exhausted: 2 worker failures (start 1: rank 1 was "
+        "killed by signal SIGKILL; start 2: rank 1 was killed by signal SIGKILL); the job is stopped")
+    for f in out.glob("starts.*"):
+        f.unlink()
+    code, stderr = _run(launchers, out, "raise", "--max_restarts=5")
+    assert code == 1
+    assert stderr.splitlines()[-1] == (
+        "fleetlike.launch: not retryable: starts 1 and 2 both failed before any worker reported "
+        "progress (no State.commit() / mark_progress()), rank 0 the same way (exited with code 1; "
+        "last line: RuntimeError: bad configuration found at step 0); stopping after 2 worker "
+        "failure(s) (start 1: rank 0 exited with code 1; start 2: rank 0 exited with code 1)")
+    assert len((out / "starts.0").read_text().splitlines()) == 2  # two starts, not six
+
+
+def test_flags_and_names_agree() -> None:
+    assert PROGRESS_DIR_VAR == AGENT_PROGRESS_DIR_VAR
+    assert launch_main(["--max_restarts=-1", "x.py"]) == 2
+    assert launch_main(["--max_restarts=1", "--cluster_node_ips=127.0.0.1,127.0.0.2", "x.py"]) == 2

@@ -1,0 +1,133 @@
+"""Elastic jobs with real launchers and workers on two loopback "nodes" (127.0.0.1, 127.0.0.2).
+
+A node joins a running job through the rendezvous and is admitted at the next commit; a node is
+then lost for good (its launcher SIGKILLed, its workers dying with it) and the job carries on
+on the remaining node: the surviving processes are the ones that started (no restart), every
+sample of every epoch is seen exactly once across the old and new worlds (the committed steps,
+gathered from every rank), and the digits accuracy is within 1 point of an uninterrupted run.
+Eager style and program style. Every launcher is stopped by the fixture, and no worker is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetlike.elastic.membership import ENV
+from fleetlike.launch.elastic_agent import ELASTIC_ENV
+from test_launch_run import WORKERS, Launchers, assert_all_gone, finish, launchers  # noqa: F401
+
+pytestmark = pytest.mark.timeout(150)
+
+SCRIPT = str(WORKERS / "elastic_digits.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(launchers: Launchers, port: int, ip: str, out: Path, epochs: int, pause: float,
+          style: str) -> subprocess.Popen[str]:
+    return launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_ip={ip}",
+                           "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
+                           f"--log_dir=log-{ip}-{out.name}", SCRIPT, str(out), str(epochs), str(pause), style)
+
+
+def progress(out: Path) -> tuple[int, int]:
+    try:
+        step, world, _ = (out / "progress").read_text().split()
+    except (OSError, ValueError):
+        return 0, 0
+    return int(step), int(world)
+
+
+def wait_until(what: str, check, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, f"the job ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.1)
+
+
+def reports(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("done.*.json"))]
+
+
+def check_epochs(report: dict, n: int) -> None:
+    for epoch, seen in enumerate(report["seen"]):
+        assert sorted(seen) == list(range(n)), f"epoch {epoch}: samples missing or seen twice"
+
+
+def lose_a_node(launchers: Launchers, tmp_path: Path, style: str, epochs: int, pause: float,
+                join_late: bool) -> list[dict]:
+    """Node A (and B at once, or once A trains); once the world has 4 ranks, B is lost."""
+    out = tmp_path / f"out-{style}"
+    out.mkdir()
+    port = free_port()
+    a = start(launchers, port, "127.0.0.1", out, epochs, pause, style)
+    if join_late:
+        wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
+    b = start(launchers, port, "127.0.0.2", out, epochs, pause, style)
+    wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
+    step = progress(out)[0]
+    wait_until("steps on 4 ranks", lambda: progress(out)[0] >= step + 3, a)
+    os.killpg(b.pid, signal.SIGKILL)  # the launcher; its workers die with it (PR_SET_PDEATHSIG)
+    code, _, stderr = finish(a, timeout=100)
+    assert code == 0, stderr
+    done = reports(out)
+    started_on_a = {int(p.name.split(".")[1]) for p in out.glob("node.*") if p.read_text() == "127.0.0.1"}
+    assert {r["pid"] for r in done} == started_on_a  # the survivors are the processes that started
+    assert all(r["world"] == 2 for r in done)
+    assert_all_gone(out)
+    return done
+
+
+@pytest.mark.slow
+def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_path: Path) -> None:
+    reference = tmp_path / "out-reference"
+    reference.mkdir()
+    proc = start(launchers, free_port(), "127.0.0.1", reference, 2, 0.0, "eager")
+    code, _, stderr = finish(proc, timeout=60)
+    assert code == 0, stderr
+    (uninterrupted,) = {r["accuracy"] for r in reports(reference)}
+    assert all(r["resets"] == [] for r in reports(reference))
+
+    done = lose_a_node(launchers, tmp_path, "eager", 2, 0.03, join_late=True)
+    for report in done:
+        joined, lost = report["resets"]
+        assert joined["cause"] == "workers waiting to join (admitted at a commit)"
+        assert (joined["old_size"], joined["new_size"], joined["nodes_joined"]) == (2, 4, ["127.0.0.2"])
+        assert lost["cause"].startswith("a collective failure (CollectiveFailedError")
+        assert (lost["old_size"], lost["new_size"], lost["nodes_lost"]) == (4, 2, ["127.0.0.2"])
+        check_epochs(report, 1400)
+        assert abs(report["accuracy"] - uninterrupted) <= 0.01, (report["accuracy"], uninterrupted)
+
+
+def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
+    done = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
+    for report in done:
+        assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
+        assert report["resets"][-1]["new_size"] == 2
+        check_epochs(report, 1400)
+
+
+def test_launcher_and_workers_agree_on_names() -> None:
+    assert ENV == ELASTIC_ENV
+
+
+def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
+    """hvd.init() in an elastic launch, hvd.elastic.TorchState / @hvd.elastic.run, hvd.size()
+    and hvd.allgather_object on the re-formed world."""
+    done = lose_a_node(launchers, tmp_path, "horovod", 1, 0.01, join_late=False)
+    for report in done:
+        assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
+        check_epochs(report, 1400)

@@ -1,0 +1,114 @@
+"""`fleetlike.elastic`'s states in one process: commit / restore against the values a plain
+copy would hold, on-disk copies every K commits, validation; ``hvd.elastic`` is the module."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fleetlike.elastic as elastic
+from fleetlike.io import DistributedSampler
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(5, 4, generator=g)).square().sum().backward()
+    opt.step()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["train", "commit", "restore", "bump"]), max_size=12))
+def test_restore_returns_to_the_last_commit(ops: list[str]) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = elastic.TorchState(model=model, optimizer=opt, epoch=0, seen=[])
+    committed = None  # the reference: deep copies taken at each commit
+    for i, op in enumerate(ops):
+        if op == "train":
+            _train(model, opt, i)
+            state.seen.append(i)
+        elif op == "bump":
+            state.epoch += 1
+        elif op == "commit":
+            state.commit()
+            committed = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                         state.epoch, list(state.seen))
+        else:
+            state.restore()
+            if committed is not None:
+                params, opt_state, epoch, seen = committed
+                assert all(torch.equal(model.state_dict()[k], v) for k, v in params.items())
+                assert opt.state_dict()["state"].keys() == opt_state["state"].keys()
+                for k, v in opt_state["state"].items():
+                    assert torch.equal(opt.state_dict()["state"][k]["momentum_buffer"], v["momentum_buffer"])
+                assert (state.epoch, state.seen) == (epoch, seen)
+    assert state.commits == ops.count("commit")
+
+
+def test_on_disk_every_k_commits_and_load(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dataset = list(range(20))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, seed=3)
+    state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, step=0,
+                               directory=tmp_path / "ckpt", save_every=2)
+    assert state.load() is False  # nothing written yet
+    taken = iter(sampler)
+    for _ in range(3):
+        next(taken)
+    _train(model, opt, 0)
+    state.step = 1
+    state.commit()
+    assert not (tmp_path / "ckpt").exists()  # the first commit stays in memory
+    state.step = 2
+    state.commit()
+    saved = copy.deepcopy(model.state_dict())
+    _train(model, opt, 1)
+    state.step = 3
+    state.commit()  # odd: not written
+
+    fresh = _model()
+    sampler2 = DistributedSampler(dataset, num_replicas=2, rank=1, seed=3)
+    other = elastic.TorchState(model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1),
+                               sampler=sampler2, step=0, directory=tmp_path / "ckpt", save_every=2)
+    assert other.load() is True
+    assert other.step == 2 and other.commits == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    # the sampler continues the epoch where the commit was: rank 1's share after 3 samples
+    expected = sampler.order()[6:][1::2]
+    assert list(sampler2) == expected
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(TypeError, match="TorchState\\(model=...\\)"):
+        elastic.TorchState(model="net")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="save_every=0"):
+        elastic.ObjectState(save_every=0, epoch=0)
+    with pytest.raises(ValueError, match="directory=PATH"):
+        elastic.ObjectState(epoch=0).load()
+    with pytest.raises(TypeError, match="not callable"):
+        elastic.ObjectState(epoch=0).register_reset_callbacks([3])  # type: ignore[list-item]
+    calls: list[int] = []
+    state = elastic.ObjectState(epoch=0)
+    state.register_reset_callbacks([lambda: calls.append(1), lambda: calls.append(2)])
+    state.on_reset()
+    assert calls == [1, 2]
+
+
+def test_horovod_elastic_is_this_module() -> None:
+    import fleetlike.horovod as hvd
+    import fleetlike.horovod.elastic as hvd_elastic
+
+    assert hvd.elastic is elastic and hvd_elastic is elastic
+    assert {"State", "TorchState", "ObjectState", "run", "HostsUpdatedInterrupt"} <= set(elastic.__all__)
