@@ -137,17 +137,32 @@ def train_reference(case: tuple, world: int) -> list[np.ndarray]:
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def train_join_rank(hvd: Any, rank: int) -> tuple[list[np.ndarray], int]:
-    """Uneven data: rank r has 2 + r steps, then joins (answers the others' reductions with zeros)."""
+def train_join_rank(hvd: Any, rank: int) -> tuple[list[np.ndarray], int, int, list[float]]:
+    """Uneven data: rank r has 2 + r steps, then joins (answers the others' reductions with zeros).
+
+    Also returns how many collectives the Horovod world ran during the two steps every rank
+    takes (none when the buckets carry the join flags: no agreement per step), and the sums of
+    an ``hvd.allreduce`` that the ranks still active run after their steps 2 and 3 (between a
+    reduction that shows a joined rank and the next)."""
+    from fleetlike.horovod.runtime import runtime
+
+    world = runtime().comm
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = 0
+    sums = []
     for step in range(2 + rank):
+        before = world.stats.total_calls
         opt.zero_grad()
         x, y = batch(rank, step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        if step < 2:
+            calls += world.stats.total_calls - before
+        else:
+            sums.append(float(hvd.allreduce(torch.full((1,), float(rank + 1)), op=hvd.Sum)))
     last = hvd.join()
-    return [p.detach().numpy().copy() for p in model.parameters()], last
+    return [p.detach().numpy().copy() for p in model.parameters()], last, calls, sums
 
 
 def train_join_reference(world: int) -> list[list[np.ndarray]]:

@@ -159,8 +159,10 @@ def check_suite(results: list[dict[str, Any]], world: int, nodes: int = 1) -> No
             tol = 2e-3 if case[3] == "fp16" else 1e-6
             for got, want in zip(res["train"][case[0]], ref):
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=case[0])
-        params, last = res["train.join"]
+        params, last, calls, sums = res["train.join"]
         assert last == world - 1
+        assert (calls == 0) == (nodes == 1), calls  # hierarchical buckets agree before each step
+        assert sums == [float(sum(range(k, world + 1))) for k in range(2, 2 + r)]  # joined ranks add 0
         for got, want in zip(params, train_join_reference(world)[1 + r]):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         zero, again, warned, notes, buckets = res["opt.errors"]

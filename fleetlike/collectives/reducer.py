@@ -111,6 +111,8 @@ class GradReducer:
         self._next = 0
         self.collectives_issued = 0
         self.bytes_issued = 0
+        #: the owner of the buckets zeroed them all since the last gradient (`mark_zeroed`)
+        self._zeroed = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         for b in self.buckets:
             b.attach()
@@ -124,6 +126,7 @@ class GradReducer:
             self._prepare(roots)
 
     def _prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
+        self._zeroed = False
         for b in self.buckets:
             b.attach()
         self._begin()
@@ -141,6 +144,7 @@ class GradReducer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         with self._lock:
+            self._zeroed = False
             self._grad_ready(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -216,10 +220,20 @@ class GradReducer:
         self.armed = False
 
     def zero_grad(self) -> None:
-        """Zero the gradients in place (they are views: never set them to None)."""
+        """Zero the gradients in place (they are views: never set them to None); a no-op on
+        buffers `mark_zeroed` vouches for (a memset of every gradient byte saved per step)."""
+        with self._lock:
+            zeroed, self._zeroed = self._zeroed, False
         for b in self.buckets:
-            b.zero_()
+            if not zeroed:
+                b.zero_()
             b.attach()
+
+    def mark_zeroed(self) -> None:
+        """The caller has just zeroed every bucket (sharding's gather does, after the update):
+        the next `zero_grad` need not, unless a gradient or a `prepare` comes first."""
+        with self._lock:
+            self._zeroed = True
 
     def remove(self) -> None:
         """Detach the hooks (the buffers stay as the grads)."""

@@ -21,6 +21,12 @@ local index with, and the reduce-scatter across nodes hands each its own.
 backward, bucket by bucket, exactly as the allreduce of data parallel); `ParamGather` brings
 the updated parameters back to every rank in buckets of ``segment_bytes`` after the update.
 
+On gloo the flat form allreduces the segmented bucket instead and each rank reads its own
+segment: gloo's reduce-scatter (torch 2.13, CPU) takes about twice its allreduce of the same
+buffer (24 MiB, 2 ranks: 48-53 ms against 25-28 ms; docs/BENCHMARKS.md), so the allreduce,
+which moves the bytes data parallel moves, is the cheaper way to the same segment. MPI and NCCL
+reduce-scatter (half the bytes of their allreduce).
+
 Example:
     >>> buckets = plan_shards(list(model.parameters()), 32 << 20, world.size)
     >>> coll = ShardReduceScatter(world.rank, [world])
@@ -134,6 +140,11 @@ def _op_name(op: str) -> str:
     return "avg" if op == "avg" else "sum"
 
 
+#: backends whose reduce-scatter is slower than their allreduce of the whole buffer (measured:
+#: module docstring), where the flat form allreduces and slices
+_ALLREDUCE_INSTEAD = frozenset({"gloo"})
+
+
 class ShardReduceScatter:
     """A `BucketCollective` leaving each rank its own segment's reduced gradients.
 
@@ -164,6 +175,8 @@ class ShardReduceScatter:
         # them in bucket order (invariant 1), while backward goes on
         lanes = len(self.pairs) if self.pairs else len(self.rings)
         self.workers = RingWorkers(lanes, "fleetlike-shard") if (pairs or codec) else None
+        #: the flat form allreduces the whole bucket and each rank reads its segment
+        self.via_allreduce = self.pairs is None and self.world.backend in _ALLREDUCE_INSTEAD
 
     @classmethod
     def from_allreduce(cls, allreduce: Any, op: str = "avg") -> ShardReduceScatter:
@@ -206,7 +219,7 @@ class ShardReduceScatter:
             raise TypeError("ShardReduceScatter reduces ShardedBuckets (plan_shards), got a plain Bucket")
         if self.workers is None:
             ring = self.ring(bucket.index)
-            if bucket.single is not None:
+            if bucket.single is not None or self.via_allreduce:
                 return ring.all_reduce_async(bucket.buffer, self.op, agreed=True)
             return ring.reduce_scatter_async(bucket.buffer, self.op, out=bucket.segment_of(self.rank), agreed=True)
         return self.workers.submit(bucket.index, lambda: self.run(bucket))
@@ -222,7 +235,7 @@ class ShardReduceScatter:
             inter.all_reduce(bucket.buffer, "sum", agreed=True)
             divide_(bucket.buffer, divide)
             return
-        if bucket.single is not None:  # packed: one allreduce (compressed if asked)
+        if bucket.single is not None or self.via_allreduce:  # packed (or gloo): one allreduce
             if codec is None:
                 ring.all_reduce(bucket.buffer, self.op, agreed=True)
             else:
@@ -277,6 +290,9 @@ class ShardReduceScatter:
         if bucket.single is not None:
             return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name,
                     "wire": wire, "why": f"one owner (rank {bucket.single}): padding would send {self.world.size}x"}
+        if self.via_allreduce:
+            return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name, "wire": wire,
+                    "why": f"{self.world.backend}'s reduce_scatter is slower than its allreduce: each rank reads its segment"}
         if self.pairs is not None:
             intra, inter = self.pairs[bucket.index % len(self.pairs)]
             return {"op": f"c_reducescatter_{_op_name(self.op)}", "algorithm": "intra reduce_scatter->inter reduce_scatter",
@@ -307,15 +323,23 @@ class _AllWork:
         return all(w.is_completed() for w in self.works)
 
 
+#: parameters of at least this many bytes travel straight from their owner into every rank's
+#: parameter (no copies); smaller ones are packed per owner into one small buffer per bucket
+DIRECT_BYTES = 256 << 10
+
+
 class ParamGather:
-    """All-gathers the updated parameters from their owners after the update, in place in the
-    gradient buckets' own buffers (their gradients are spent by then): each rank copies its
-    parameters into its row, one all-gather per bucket fills the others, and each parameter is
-    copied out of its owner's row; a packed bucket (one owner) is broadcast from its owner. No
-    buffer is allocated, so the step costs no new memory and no page faults. The buffers are
-    zeroed afterwards: the gradients read zero after a sharded update (as after ``zero_grad``).
-    At most ``window_bytes`` of all-gathers are in flight (Paddle's ``segment_broadcast_MB``:
-    the parameters travel in the gradient buckets, ``fuse_grad_size_in_MB``).
+    """Brings the updated parameters from their owners to every rank after the update.
+
+    A parameter of at least ``direct_bytes`` is broadcast by its owner straight into every
+    rank's parameter (what torch's ZeroRedundancyOptimizer does): no copy in or out, no buffer.
+    The smaller ones of a bucket are packed per owner into one buffer of the bucket's small
+    parameters (allocated once: their bytes only) and each owner's part is broadcast, so a model
+    of many small parameters pays a few collectives per bucket, not one per parameter. Every
+    rank issues the same broadcasts in the same order (the layout is a pure function of the
+    buckets). At most ``window_bytes`` are in flight (Paddle's ``segment_broadcast_MB``). The
+    gradient buckets are zeroed afterwards: gradients read zero after a sharded update (as
+    after ``zero_grad``), on every backend alike.
 
     Example:
         >>> gather = ParamGather(reducer.buckets, world.rank, [world], 32 << 20)
@@ -323,49 +347,65 @@ class ParamGather:
     """
 
     def __init__(self, buckets: Sequence[ShardedBucket], rank: int, rings: Sequence[Communicator],
-                 window_bytes: int) -> None:
+                 window_bytes: int, direct_bytes: int | None = None) -> None:
+        direct_bytes = DIRECT_BYTES if direct_bytes is None else direct_bytes
         self.rank = rank
         self.rings = list(rings)
         self.window_bytes = max(1, int(window_bytes))
         self.buckets = list(buckets)
-        # per bucket: (param, owner, offset inside the owner's row)
-        self._places = [[(p, r, off - (b.positions[r] * b.segment if b.single is None else 0))
-                         for p, r, off in zip(b.params, b.owners, b.offsets)] for b in self.buckets]
+        # per bucket: the directly broadcast (param, owner), and the packed ones: (param,
+        # owner, offset in the packed buffer), with each owner's (start, end) in that buffer
+        self._direct: list[list[tuple[torch.nn.Parameter, int]]] = []
+        self._packed: list[list[tuple[torch.nn.Parameter, int, int]]] = []
+        self._spans: list[list[tuple[int, int, int]]] = []
+        self._buffers: list[torch.Tensor | None] = []
+        for b in self.buckets:
+            direct = [(p, r) for p, r in zip(b.params, b.owners)
+                      if p.numel() * p.element_size() >= direct_bytes and p.is_contiguous()]
+            chosen = {id(p) for p, _ in direct}
+            packed, spans, total = [], [], 0
+            for r in range(b.world):
+                start = total
+                for p, owner in zip(b.params, b.owners):
+                    if owner == r and id(p) not in chosen:
+                        packed.append((p, r, total))
+                        total += p.numel()
+                if total > start:
+                    spans.append((r, start, total))
+            self._direct.append(direct)
+            self._packed.append(packed)
+            self._spans.append(spans)
+            self._buffers.append(torch.empty(total, dtype=b.dtype, device=b.device) if total else None)
         self.collectives_issued = 0
         self.bytes_issued = 0
-
-    @staticmethod
-    def _rows(b: ShardedBucket) -> torch.Tensor:
-        return b.buffer.view(b.world, -1) if b.single is None else b.buffer.view(1, -1)
 
     def _start(self, i: int) -> Work:
         b = self.buckets[i]
         ring = self.rings[i % len(self.rings)]
-        self.collectives_issued += 1
-        self.bytes_issued += b.nbytes
-        mine = self.rank if b.single is None else 0
-        rows = self._rows(b)
+        buf = self._buffers[i]
+        works: list[Work] = []
         with torch.no_grad():
-            if b.single is None or b.single == self.rank:
-                for p, r, off in self._places[i]:
+            if buf is not None:
+                for p, r, off in self._packed[i]:
                     if r == self.rank:
-                        rows[mine, off : off + p.numel()].copy_(p.detach().reshape(-1))
-        if b.single is not None:
-            return ring.broadcast_async(b.buffer, b.single, agreed=True)
-        # one broadcast per owner's row, not one all-gather: on gloo (torch 2.13, CPU) a 24 MiB
-        # all-gather of 2 ranks took 23 ms where the two 12 MiB broadcasts take a few (as
-        # torch's ZeroRedundancyOptimizer does); every rank issues them in the same order
-        return _AllWork([ring.broadcast_async(rows[r], r, agreed=True) for r in range(b.world)])
+                        buf[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                for r, lo, hi in self._spans[i]:
+                    works.append(ring.broadcast_async(buf[lo:hi], r, agreed=True))
+            for p, r in self._direct[i]:
+                works.append(ring.broadcast_async(p.detach(), r, agreed=True))
+        self.collectives_issued += len(works)
+        self.bytes_issued += b.nbytes
+        return _AllWork(works)
 
     def _finish(self, i: int, work: Work) -> None:
         work.wait()
-        b = self.buckets[i]
-        rows = self._rows(b)
+        buf = self._buffers[i]
         with torch.no_grad():
-            for p, r, off in self._places[i]:
-                if r != self.rank:
-                    p.copy_(rows[r if b.single is None else 0, off : off + p.numel()].view_as(p))
-        b.zero_()
+            if buf is not None:
+                for p, r, off in self._packed[i]:
+                    if r != self.rank:
+                        p.copy_(buf[off : off + p.numel()].view_as(p))
+        self.buckets[i].zero_()
 
     def run(self) -> None:
         """Gather every parameter from its owner (blocking)."""
@@ -385,7 +425,6 @@ class ParamGather:
         out = []
         for i, b in enumerate(self.buckets):
             ring = self.rings[i % len(self.rings)].name
-            d = {"bucket": b.index, "params": len(b.params), "size": b.describe()["size"], "comm": ring}
-            out.append({"op": "c_broadcast", "root": b.single, **d} if b.single is not None
-                       else {"op": "c_allgather", "as": f"{b.world} row broadcasts", **d})
+            out.append({"op": "c_allgather", "bucket": b.index, "params": len(b.params), "size": b.describe()["size"],
+                        "comm": ring, "as": f"{len(self._direct[i])} direct + {len(self._spans[i])} packed broadcasts"})
         return out

@@ -126,7 +126,7 @@ def _claim(rt: Runtime, name: str | None, what: str) -> None:
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
     """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
     ag = exchange(rt.comm, describe(kind, name=name or "", **fields), rt.device)
-    rt.last_states = [r[0] for r in ag.rows]
+    rt.note_states([r[0] for r in ag.rows])
     try:
         check(ag, rt.comm, f"hvd.{kind.label}", OP_NAMES)
     except Exception:

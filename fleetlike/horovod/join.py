@@ -6,6 +6,18 @@ identity of its reduction, zeros for Sum / Average / Adasum, or a DistributedOpt
 on zeros); once every rank has joined, each returns the rank that joined last (the highest of
 those that joined in the final round, as Horovod's coordinator reports it).
 
+A DistributedOptimizer's reduction runs without an agreement until one shows a joined rank (its
+first bucket carries a slot per rank, `fleetlike.horovod.optimizer`). So, besides its exchange,
+a joined rank keeps one first bucket of zeros posted for each such optimizer, on that
+optimizer's own communicators, and polls: when the active ranks start that optimizer's
+reduction the posted bucket completes, the joined rank sends the other buckets of zeros, and
+every rank reads the flags and agrees before that optimizer's later reductions. A completed
+bucket is handled before a completed exchange: an exchange that came before it in the active
+ranks' order needed nothing more from this rank (else they could not have gone on). When every
+rank has joined, the answers still posted are the same on every rank and complete one another.
+Such a posted answer waits for the active ranks' next reduction of that optimizer, or for the
+end of the join, for at most the communicator's timeout (gloo; MPI waits without one).
+
 Example:
     >>> for batch in my_uneven_shard: train_step(batch)
     >>> last = hvd.join()
@@ -13,11 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from fleetlike.comm import Work
 from fleetlike.horovod.adasum import check_adasum
 from fleetlike.horovod.collectives import OP_NAMES, OPS, _agree, _identity, _no_process_set, _reduce_start
-from fleetlike.horovod.negotiate import ACTIVE, JOINED, Agreement, Kind, check, describe, exchange
+from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, check, describe, finish_exchange, start_exchange
 from fleetlike.horovod.ops import ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 
@@ -37,17 +51,42 @@ def join(device: int = -1) -> int:
     steps) with zeros until every rank has joined; return the rank that joined last."""
     rt = runtime("hvd.join()")
     with rt.lock:
+        posted = [opt for opt in rt.optimizers.values() if opt.answers_from_flags]
+        for opt in posted:
+            opt.post_join_answer()
         while True:
-            before = rt.last_states
-            ag = exchange(rt.comm, describe(Kind.JOIN, state=JOINED), rt.device)
+            work, table = start_exchange(rt.comm, describe(Kind.JOIN, state=JOINED), rt.device)
+            posted = _answer_posted_until(work, posted)
+            ag = finish_exchange(work, table, rt.comm.size)
             states = [r[0] for r in ag.rows]
             if all(s == JOINED for s in states):
-                newly = [i for i in range(rt.comm.size) if before is None or before[i] == ACTIVE]
-                rt.last_states = None
+                for opt in posted:  # every rank posted these: they complete one another
+                    opt.settle_join()
+                newly = [i for i in range(rt.comm.size) if i not in rt.joined_seen]
+                rt.joined_seen = set()
+                for opt in rt.optimizers.values():
+                    opt.end_join()
                 return max(newly) if newly else rt.comm.size - 1
-            rt.last_states = states
+            rt.note_states(states)
             check(ag, rt.comm, "hvd.join", OP_NAMES)
             _answer(rt, ag)
+
+
+def _answer_posted_until(exchange_work: Work, posted: list[Any]) -> list[Any]:
+    """Answer the optimizers' reductions whose posted first bucket completes, until the
+    exchange completes; return the optimizers whose answer is still posted. Nothing here waits
+    (each rank may see the completions in another order: waiting on one could deadlock)."""
+    delay = 1e-5
+    while True:
+        moved = [opt.join_progress() for opt in posted]
+        posted = [opt for opt in posted if opt.join_pending]
+        if any(moved):
+            delay = 1e-5
+            continue
+        if exchange_work.is_completed():
+            return posted
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)  # an idle rank: poll often at first, then gently
 
 
 def _answer(rt: Runtime, ag: Agreement) -> None:

@@ -17,8 +17,9 @@ From that table every rank decides the same thing (`check` is a pure function of
 
 The exchange is one small collective (a SUM all-reduce of a table in which each rank fills its
 row; an all-gather in large worlds), about the cost of fleetlike's default size check, which
-the data collective then skips (``agreed=True``). DistributedOptimizer agrees once per reduction, at the
-first gradient of its communicating backward (``agree=False`` skips that, and join with it). Unlike Horovod, ranks must
+the data collective then skips (``agreed=True``). A DistributedOptimizer's reduction carries the
+join flags in its first bucket instead and agrees only once a rank has joined (`fleetlike.horovod.optimizer`;
+``agree=False`` drops both, and join with them). Unlike Horovod, ranks must
 issue their collectives in the same order (a different order raises here, naming both names).
 
 Example (two ranks, rank 1 passes a longer tensor)::

@@ -21,11 +21,15 @@ Horovod's rules, from ``horovod/torch/optimizer.py``:
   ``gradient_predivide_factor`` f divides before the sum and multiplies by f / size after.
 
 The ranks agree once, when the optimizer is built, that they wrap the same model (bucket
-layout), else every rank raises. Each reduction then runs one small agreement exchange on the
-Horovod world at the end of the backward, while the buckets are in flight on communicators of
-their own, so that ranks that called ``hvd.join()`` take part with zeros. ``agree=False``
-(fleetlike's keyword) skips the per-step exchange (docs/BENCHMARKS.md, "Horovod API"); then
-``hvd.join()`` must not run while other ranks still step.
+layout), else every rank raises. A reduction then needs no exchange of its own: the first
+bucket carries one "active" slot per rank (1 from an active rank, 0 from a rank inside
+``hvd.join()``, which keeps an answer of zeros posted on this optimizer's own communicators), so
+the gradients travel with the news of who joined, at no extra round trip. Once a reduction
+shows a joined rank, the following ones agree first (one small exchange on the Horovod world, as
+every hvd collective) until the join completes, so a joined rank learns what to answer. Where a
+joined rank cannot keep an answer posted (hierarchical buckets, whose first stage is within the
+node, or ``check_collectives``), every reduction agrees first. ``agree=False`` (fleetlike's
+keyword) does neither; then ``hvd.join()`` must not run while other ranks still step.
 
 The wrapper is a real ``torch.optim.Optimizer`` (fleetlike's `fleet.DistributedOptimizer` with
 Horovod's step), sharing ``param_groups`` and ``state`` with the wrapped optimizer, so LR
@@ -50,13 +54,13 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives import Bucket, BucketCollective, GradReducer
+from fleetlike.collectives import Bucket, BucketCollective, CompressedAllReduce, FlatAllReduce, GradReducer, plan_buckets
 from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
 from fleetlike.horovod.collectives import OP_NAMES, OPS
-from fleetlike.horovod.negotiate import Kind, check, describe, exchange
+from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, describe, exchange
 from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
@@ -113,6 +117,14 @@ class _Scaled:
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
         return {**self.inner.describe(bucket), "prescale": self.pre, "postscale": self.post}
+
+
+def _single_stage(collective: Any) -> bool:
+    """Whether a bucket's handle completes only once every rank has posted it (one allreduce
+    per bucket, maybe scaled or compressed around it): what a joined rank's posted answer needs."""
+    while isinstance(collective, (_Scaled, CompressedAllReduce)):
+        collective = collective.inner
+    return isinstance(collective, FlatAllReduce)
 
 
 def _wire(compression: Any) -> str | None:
@@ -198,10 +210,21 @@ class HorovodOptimizer(HorovodWrapper):
         cap = chosen.bucket_cap_bytes()
         if groups is not None:
             cap = self._cap_for_groups(groups, params)
-        # the buckets travel on communicators of their own, so the per-step agreement on the
-        # Horovod world overlaps them (each communicator keeps its own order)
-        collective, self.notes = gradient_collective(chosen, rt.optimizer_groups(), rt.role)
+        self._join_id = len(rt.optimizers)
+        # the buckets travel on communicators of their own, so an agreement on the Horovod world
+        # overlaps them (each communicator keeps its own order); with join answered from the
+        # bucket flags, on communicators of this optimizer's own (see `fleetlike.horovod.join`)
+        own = self.agree and not chosen.use_hierarchical_allreduce and not rt.comm.check_collectives
+        rings = rt.optimizer_rings(self._join_id, chosen.nccl_comm_num) if own else None
+        collective, self.notes = gradient_collective(chosen, rt.optimizer_groups(), rt.role, rings=rings)
         n = rt.comm.size
+        #: no agreement per reduction: the first bucket carries the ranks' active flags
+        self._flagged = own and _single_stage(collective)
+        #: a reduction of this join epoch showed a joined rank: agree before each reduction
+        self._joiners = False
+        #: inside hvd.join: the posted first bucket of zeros, then every bucket's handle
+        self._join_first: Work | None = None
+        self._join_rest: list[Work] | None = None
         pre = 1.0 / gradient_predivide_factor
         post = gradient_predivide_factor * (n if op is ReduceOp.SUM else 1)
         if pre != 1.0 or post != 1.0:
@@ -214,13 +237,16 @@ class HorovodOptimizer(HorovodWrapper):
         self._should_synchronize = True
         # our hooks first: they count the backward passes and arm the reducer before its own run
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names)
+        buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(params, cap))]
+        self._slots = buckets[0].numel if buckets and self._flagged else -1
+        if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
+            buckets[0] = Bucket(0, buckets[0].params, (buckets[0].offsets, self._slots + n))
+        self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets)
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
         self._params = params
         self._numel = sum(p.numel() for p in params)
-        self._join_id = len(rt.optimizers)
         sizes = [b.numel for b in self.reducer.buckets]
-        self._layout = (len(sizes), zlib.crc32(repr(sizes).encode()) & 0x7FFFFFFF)
+        self._layout = (len(sizes), zlib.crc32(repr((sizes, self._flagged)).encode()) & 0x7FFFFFFF)
         self._agree(Kind.OPTIMIZER_SETUP)  # once: every rank wraps the same model (bucket layout)
         rt.optimizers[self._join_id] = self
         self._need_agreement = False
@@ -264,9 +290,14 @@ class HorovodOptimizer(HorovodWrapper):
             self._passes += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self._passes == self.backward_passes_per_step:
-                self.reducer.prepare()  # buckets start as they fill; the agreement runs at the end
-                self._need_agreement = self.agree
+                self._mark_active()
+                self.reducer.prepare()  # buckets start as they fill; an agreement runs at the end
+                self._need_agreement = self._agrees()
                 self._communicated = True
+
+    def _agrees(self) -> bool:
+        """Whether the next reduction exchanges first (see the module docstring)."""
+        return self.agree and (not self._flagged or self._joiners)
 
     def _agree(self, kind: Kind = Kind.OPTIMIZER) -> None:
         """The ranks agree on this reduction (model, op) and joined ranks learn of it."""
@@ -275,8 +306,36 @@ class HorovodOptimizer(HorovodWrapper):
                        name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
             ag = exchange(rt.comm, row, rt.device)
-            rt.last_states = [r[0] for r in ag.rows]
+            rt.note_states([r[0] for r in ag.rows])
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
+
+    def _flags(self) -> torch.Tensor:
+        return self.reducer.buckets[0].buffer[self._slots : self._slots + self._rt.comm.size]
+
+    def _mark_active(self) -> None:
+        """This rank's slot 1, the others' 0, before the first bucket starts."""
+        if self._slots >= 0:
+            flags = self._flags()
+            flags.zero_()
+            flags[self._rt.comm.rank] = 1
+
+    def _read_flags(self) -> None:
+        """After a reduction: a slot still 0 is a rank inside ``hvd.join()`` (every rank reads the
+        same sums, so every rank switches to agreeing at the same reduction)."""
+        if self._slots >= 0:
+            states = [ACTIVE if v > 0 else JOINED for v in self._flags().tolist()]
+            if JOINED in states:
+                self._joiners = True
+                self._rt.note_states(states)
+
+    @property
+    def answers_from_flags(self) -> bool:
+        """A joined rank posts its answer to this optimizer's next reduction ahead (no agreement)."""
+        return self._flagged and not self._joiners
+
+    def end_join(self) -> None:
+        """Every rank has joined: reductions go back to running without agreement."""
+        self._joiners = False
 
     def _fold(self) -> None:
         """Make every parameter's gradient its bucket view (zeros where it has none), so the
@@ -300,24 +359,77 @@ class HorovodOptimizer(HorovodWrapper):
                 self._agree()
             if self.reducer.armed:
                 self._fold()  # parameters this backward did not reach: zeros, as Horovod sends
+                if self._slots >= 0:
+                    self.reducer.finalize()  # what the reducer's own callback does next, then
+                    self._read_flags()  # who took part, before anything else reads the mode
 
     def _reduce_now(self) -> None:
         """Reduce the current gradients outside a backward (Horovod's "missing" parameters)."""
         self._fold()
-        if self.agree:
+        if self._agrees():
             self._agree()
+        self._mark_active()
         self.reducer.prepare()
         self.reducer.finalize()
+        self._read_flags()
+
+    def _zero_for_join(self) -> None:
+        for b in self.reducer.buckets:
+            b.zero_()  # the active slots too: this rank has joined
+        for p in self._params:
+            p.grad = self._views[id(p)][1]
 
     def _answer_join(self) -> None:
-        """A joined rank's part in the other ranks' gradient reduction: zeros."""
+        """A joined rank's part in the other ranks' agreed gradient reduction: zeros."""
         with self._hvd_lock:
-            for b in self.reducer.buckets:
-                b.zero_()
-            for p in self._params:
-                p.grad = self._views[id(p)][1]
+            if self._join_rest is not None:  # the reduction that showed the join came first
+                self._settle_join()
+            self._zero_for_join()
             self.reducer.prepare()
             self.reducer.finalize()
+            self._read_flags()
+
+    def post_join_answer(self) -> None:
+        """Post a joined rank's first bucket of zeros ahead of the active ranks' next reduction
+        (it completes when they start theirs); `join_progress` / `settle_join` do the rest."""
+        with self._hvd_lock:
+            self._zero_for_join()
+            self._join_first = self.reducer.collective.start(self.reducer.buckets[0])
+
+    @property
+    def join_pending(self) -> bool:
+        return self._join_first is not None or self._join_rest is not None
+
+    def join_progress(self) -> bool:
+        """Never blocks: once the first bucket completes post the others (in the active ranks'
+        order), once they complete read who took part. True if anything moved."""
+        with self._hvd_lock:
+            if self._join_first is not None and self._join_first.is_completed():
+                self._post_join_rest()
+                return True
+            if self._join_rest is not None and all(w.is_completed() for w in self._join_rest):
+                self._settle_join()
+                return True
+            return False
+
+    def _post_join_rest(self) -> None:
+        assert self._join_first is not None
+        first, self._join_first = self._join_first, None
+        self._join_rest = [first] + [self.reducer.collective.start(b) for b in self.reducer.buckets[1:]]
+
+    def settle_join(self) -> None:
+        """Finish the posted answer (blocking: the other ranks have posted theirs)."""
+        with self._hvd_lock:
+            if self._join_first is not None:
+                self._post_join_rest()
+            if self._join_rest is not None:
+                self._settle_join()
+
+    def _settle_join(self) -> None:
+        works, self._join_rest = self._join_rest or [], None
+        for w in works:
+            w.wait()
+        self._read_flags()
 
     def _detach(self) -> None:
         for h in self._hooks:

@@ -31,6 +31,7 @@ from fleetlike.comm.mpi import mpi_available
 from fleetlike.config import DistributedStrategy
 from fleetlike import elastic
 from fleetlike.fleet import fleet
+from fleetlike.horovod.negotiate import JOINED
 from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_endpoint
 
 __all__ = [
@@ -81,8 +82,10 @@ class Runtime:
         self.optimizers: dict[int, Any] = {}
         self.adasum_comms: list[tuple[Communicator, Communicator]] | None = None
         self._optimizer_groups: CommGroups | None = None
-        #: states of the previous exchange (who was active), for join's "last rank to join"
-        self.last_states: list[int] | None = None
+        #: ranks seen joined since the last completed ``join`` (from exchanges and from the
+        #: active flags of the optimizers' buckets), for join's "last rank to join"; only grows
+        #: within a join epoch, so it does not depend on the order a joined rank saw them in
+        self.joined_seen: set[int] = set()
         hosts = [parse_endpoint(e)[0] for e in role.endpoints]
         locals_ = [hosts[:i].count(h) for i, h in enumerate(hosts)]
         same = [i for i, lr in enumerate(locals_) if lr == locals_[role.rank]]
@@ -97,6 +100,19 @@ class Runtime:
             assert sub is not None  # every rank takes part
             self._optimizer_groups = CommGroups(sub, self.role)
         return self._optimizer_groups
+
+    def optimizer_rings(self, key: int, n: int) -> list[Communicator]:
+        """``n`` communicators of one optimizer's own (collective on first use of ``key``): a
+        joined rank keeps an answer to that optimizer's next reduction posted on them
+        (`fleetlike.horovod.join`), which must not pair with another optimizer's buckets."""
+        groups = self.optimizer_groups()
+        rings = [groups.extra(f"hvd-optimizer-{key}.ring{i}", 0, groups.world.rank) for i in range(n)]
+        assert all(r is not None for r in rings)  # color 0 on every rank
+        return [r for r in rings if r is not None]
+
+    def note_states(self, states: Sequence[int]) -> None:
+        """Record the ranks an exchange (or an optimizer's flags) showed as joined."""
+        self.joined_seen.update(i for i, s in enumerate(states) if s == JOINED)
 
     def auto_name(self, kind: str) -> str:
         """Horovod's generated name for an unnamed collective (``allreduce.noname.3``)."""

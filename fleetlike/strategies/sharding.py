@@ -100,13 +100,15 @@ class ShardingUnit(Unit):
         ctx.record("sharding", True, (
             f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
-            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding), all-gathered in place, "
+            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding"
+            + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
+            + "), all-gathered in place, "
             f"<= {cfg['segment_broadcast_MB']} MB in flight; gradients {cfg['gradients_reduce_method']}"
             + (f", clipped to global norm {self.clip_norm:g} "
                + ("after the reduce-scatter" if self.clip_after else "per rank before communication")
                if self.clip_norm > 0 else "")
         ))
-        ctx.record("data_parallel", False, "replaced by sharding (gradients reduce-scattered, not allreduced)")
+        ctx.record("data_parallel", False, "replaced by sharding (each rank steps its own shard's reduced gradients)")
         for name, applied, why in notes:
             if name == "use_hierarchical_allreduce" and applied:
                 why = "two-level reduce-scatter (intra, then inter): " + why.split(": ", 1)[-1]
@@ -203,9 +205,10 @@ class ShardingUnit(Unit):
             return
         self._masked = False
         started = self.gather.collectives_issued, self.gather.bytes_issued
-        self.gather.run()  # in the bucket buffers, zeroed after: the gradients read zero now
+        self.gather.run()  # the bucket buffers are zeroed after: the gradients read zero now
         for b in self.buckets:
             b.attach()  # the gradient views are back
+        self.reducer.mark_zeroed()  # so the zero_grad that usually follows skips its memset
         st.info["gathers"] = self.gather.collectives_issued - started[0]
         st.info["bytes_gathered"] = self.gather.bytes_issued - started[1]
 
