@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +30,8 @@ TRAIN = {
 }
 
 
-def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: int, steps: int, out: str) -> None:
+def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: int, steps: int, out: str,
+           segment_bytes: int = 1 << 20) -> None:
     import torch
 
     from bench._common import interleaved_timings, median
@@ -42,9 +44,9 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
     world = create_world(role, backend="gloo", timeout=600)
     groups = CommGroups(world, role)
     pairs = hierarchical_pairs(groups, 2)
-    hier = HierarchicalAllReduce(pairs[:1], world)
-    hier2 = HierarchicalAllReduce(pairs, world)
-    fp16 = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world), HalfCodec("float16"))
+    hier = HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes)
+    hier2 = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes)
+    fp16 = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes), HalfCodec("float16"))
     rows = []
     for size in sizes:
         x = torch.randn(size // 4)
@@ -62,10 +64,13 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
             "hier_2comm": two,
         }
         r = reps if size <= (64 << 20) else max(2, reps - 1)
-        t = interleaved_timings(fns, reps=r, sync=world.barrier)
-        rows.append({"size": size, **{k: median(v) for k, v in t.items()}})
+        cpu: dict[str, list[float]] = {k: [] for k in fns}
+        t = interleaved_timings({k: _cpu_timed(fn, cpu[k]) for k, fn in fns.items()}, reps=r, sync=world.barrier)
+        # CPU seconds of this process (all its threads: gloo's included) per call, the median
+        # over this rank's calls: 4 ranks share 2 cores, so 2x this bounds a call from below
+        rows.append({"size": size, **{k: median(v) for k, v in t.items()}, **{f"{k}_cpu": median(cpu[k]) for k in fns}})
         if rank == 0:
-            print(f"  {size >> 20:>4} MiB: " + "  ".join(f"{k} {median(v) * 1e3:.0f} ms" for k, v in t.items()), flush=True)
+            print(f"  {size >> 20:>4} MiB: " + "  ".join(f"{k} {median(v) * 1e3:.0f} ms (cpu {median(cpu[k]) * 1e3:.0f})" for k, v in t.items()), flush=True)
     groups.close()
 
     train = {}
@@ -98,6 +103,17 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
         Path(out).write_text(json.dumps({"rows": rows, "train": train}))
 
 
+def _cpu_timed(fn: Callable[[], object], into: list[float]) -> Callable[[], None]:
+    """``fn`` that also appends the process CPU time it took to ``into``."""
+
+    def timed() -> None:
+        c0 = time.process_time()
+        fn()
+        into.append(time.process_time() - c0)
+
+    return timed
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench import netns
     from bench._common import Column, format_table, parse_bytes, plot_panels, run_info, save_json, size_ladder
@@ -109,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-size", default="256M")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="training steps per configuration (0: skip)")
+    ap.add_argument("--segment-size", default="1M", help="segment of the hierarchical pipeline (wire bytes)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hierarchical"))
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         eps = [f"{netns.ADDRESSES[r // 2]}:{ports[r]}" for r in range(4)]
         eps2 = [f"{netns.ADDRESSES[r // 2]}:{ports[4 + r]}" for r in range(4)]
         result = os.path.join(tmp, "result.json")
-        spec = json.dumps({"eps": eps, "eps2": eps2, "sizes": sizes, "reps": args.reps, "steps": args.steps, "out": result})
+        spec = json.dumps({"eps": eps, "eps2": eps2, "sizes": sizes, "reps": args.reps, "steps": args.steps, "out": result,
+                           "segment_bytes": parse_bytes(args.segment_size)})
         tx0 = [nodes.tx_bytes(i) for i in range(2)]
         codes = nodes.run_all(
             [(r // 2, [sys.executable, "-m", "bench.hierarchical", "--worker", str(r), "--spec", spec]) for r in range(4)],
@@ -145,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in IMPLS:
             row[f"{k}_ms"] = r[k] * 1e3
             row[f"{k}_busbw"] = r["size"] / r[k] * 2 * (n - 1) / n / 1e9
+            row[f"{k}_cpu_ms"] = r.get(f"{k}_cpu", float("nan")) * 1e3
         row["hier/flat"] = r["flat"] / r["hier"]
         row["fp16/hier"] = r["hier"] / r["hier_fp16"]
         row["2comm/hier"] = r["hier"] / r["hier_2comm"]
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cols = [Column("size", "size", human_bytes)] + [Column(f"{k}_busbw", f"{k} GB/s", "{:.3f}") for k in IMPLS] + [
         Column("hier/flat", "hier/flat", "{:.2f}x"), Column("fp16/hier", "fp16/hier", "{:.2f}x"),
-        Column("2comm/hier", "2comm/hier", "{:.2f}x")]
+        Column("2comm/hier", "2comm/hier", "{:.2f}x")] + [Column(f"{k}_cpu_ms", f"{k} cpu ms", "{:.0f}") for k in ("hier", "hier_fp16")]
     print(format_table(cols, rows))
     print(format_table(cols, rows, markdown=True))
     if data["train"]:

@@ -2,7 +2,7 @@
 
 import sys
 
-from fleetlike.launch.main import main
+from fleetlike.launch.hostrun import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())  # the ordinary launcher, or the -np/-H form
