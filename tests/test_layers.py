@@ -17,6 +17,8 @@ collectives           buckets, reducer, flat / hierarchical / compressed averagi
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
 fleet                 the facade of API.md (everything below)
+plan                  the strategy planner: builds each strategy's real programs over dry
+                      communicators and costs them (everything below but mixed_precision)
 horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
                       Horovod face over fleet's communicators and the reducer (everything below)
 io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
@@ -50,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
+    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
     ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"roles", "comm"}),
