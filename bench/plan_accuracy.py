@@ -61,7 +61,7 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
     fleet.init(_role(rank, eps), timeout=900)
     try:
         if task == "probe":
-            links = probe_worker(fleet.context.groups)
+            links = probe_worker(fleet.context().groups)
             if links is not None:
                 save(links, out)
             return
@@ -127,12 +127,10 @@ def predict(links_path: str, models: list[str], strategies: list[str]) -> tuple[
 
     from bench import plan_models
     from fleetlike.plan import Cluster, Links, MathChange, ModelSpec, plan
-    from fleetlike.plan.probe import kernel_seconds
     from fleetlike.plan.spec import OptimizerKind
 
     torch.set_num_threads(1)
     links = Links.load(links_path)
-    links.compute_scale = max(1.0, links.raw["kernel_seconds_all_ranks"] / kernel_seconds())
     out = {}
     for m in models:
         spec = ModelSpec(getattr(plan_models, m), MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)

@@ -3,7 +3,8 @@
 Each is ``build(batch_size) -> (model, loss_fn, feed)`` (`fleetlike.plan.spec`): the three models
 of ``bench/plan_accuracy.py``:
 
-- ``mlp50m``: the 50 MB MLP of the other benchmarks (3 x Linear(2048, 2048), ReLU between);
+- ``mlp50m``: the 50 MB MLP of the other benchmarks (3 x Linear(2048, 2048), ReLU between),
+  each layer in a Sequential of its own so that recompute's "auto" finds repeated blocks;
 - ``convnet``: a small VGG-style conv net with BatchNorm on 32x32 images (~4.7 MB);
 - ``transformer``: a 4-layer encoder, d_model 256, 4 heads, 64 tokens, vocabulary 2000 (~14 MB).
 """
@@ -26,7 +27,8 @@ def _xent(model: nn.Module, feed: dict[str, Any]) -> torch.Tensor:
 def mlp50m(batch_size: int) -> tuple[nn.Module, Any, dict[str, torch.Tensor]]:
     """The 50 MB MLP (12.6 M float32 parameters)."""
     torch.manual_seed(1234)
-    model = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048))
+    model = nn.Sequential(nn.Sequential(nn.Linear(2048, 2048), nn.ReLU()), nn.Sequential(nn.Linear(2048, 2048), nn.ReLU()),
+                          nn.Sequential(nn.Linear(2048, 2048)))
     g = torch.Generator().manual_seed(7)
     feed = {"x": torch.randn(batch_size, 2048, generator=g), "y": torch.randint(0, 2048, (batch_size,), generator=g)}
     return model, _xent, feed
@@ -41,8 +43,8 @@ def _block(cin: int, cout: int) -> nn.Sequential:
 def convnet(batch_size: int) -> tuple[nn.Module, Any, dict[str, torch.Tensor]]:
     """A conv net: three blocks of two 3x3 convolutions (32, 64, 128 channels), then a classifier."""
     torch.manual_seed(1234)
-    model = nn.Sequential(_block(3, 32), _block(32, 64), _block(64, 128), nn.Flatten(),
-                          nn.Linear(128 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, 10))
+    model = nn.Sequential(nn.Sequential(_block(3, 32), _block(32, 64), _block(64, 128)),
+                          nn.Sequential(nn.Flatten(), nn.Linear(128 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, 10)))
     g = torch.Generator().manual_seed(7)
     feed = {"x": torch.randn(batch_size, 3, 32, 32, generator=g), "y": torch.randint(0, 10, (batch_size,), generator=g)}
     return model, _xent, feed

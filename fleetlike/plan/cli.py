@@ -29,7 +29,7 @@ import torch
 
 from fleetlike.plan.cost import Links
 from fleetlike.plan.planner import annotate, format_table, plan
-from fleetlike.plan.probe import kernel_seconds, probe_worker, save
+from fleetlike.plan.probe import probe_worker, save
 from fleetlike.plan.space import SpaceName, parse_allow
 from fleetlike.plan.spec import Cluster, ModelSpec, OptimizerKind, load_builder, parse_cluster
 
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intra", default=None, help="intra-node link latency_us,MB/s (without --links)")
     p.add_argument("--inter", default=None, help="inter-node link latency_us,MB/s (without --links)")
     p.add_argument("--compute_scale", type=float, default=None,
-                   help="compute slowdown on the cluster (default: from the probe's kernel, else 1)")
+                   help="compute slowdown on the cluster (default: the probe's, else 1)")
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
     p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gradient_merge")
@@ -89,9 +89,6 @@ def _parser() -> argparse.ArgumentParser:
 def links_for(args: argparse.Namespace, cluster: Cluster) -> Links:
     if args.links is not None:
         links = Links.load(args.links)
-        kt = links.raw.get("kernel_seconds_all_ranks")
-        if args.compute_scale is None and kt:
-            links.compute_scale = max(1.0, float(kt) / kernel_seconds())
     elif args.intra is not None and args.inter is not None:
         links = Links.from_rates(intra=parse_rate(args.intra, "intra"), inter=parse_rate(args.inter, "inter"),
                                  cluster=cluster)
@@ -111,7 +108,7 @@ def _probe(args: argparse.Namespace) -> int:
         raise ValueError("--probe writes its figures to --links FILE; give the path")
     fleet.init()
     try:
-        links = probe_worker(fleet.context.groups)
+        links = probe_worker(fleet.context().groups)
         if links is not None:
             save(links, args.links)
             print(f"probe: wrote {args.links} ({links.source})")

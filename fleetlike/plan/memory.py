@@ -18,6 +18,8 @@ Counted on the traced rank's real engine (`fleetlike.plan.trace`), each storage 
 The peak is their sum: gradients live in persistent buckets, so the end of the forward (all
 activations saved, buckets allocated) is the high-water mark of a step. Without buckets (local
 SGD) gradients appear during backward as activations are freed: the larger of the two counts.
+The wire copies exist only while a bucket communicates, at the end of backward when the
+activations are gone: the larger of the two counts too.
 
 Example:
     >>> t = trace(spec, strategy, cluster); t.memory.peak / 2**20
@@ -55,10 +57,10 @@ class MemoryBreakdown:
 
     @property
     def peak(self) -> int:
-        kept = self.params + self.optimizer + self.strategy_state + self.buffers
+        kept = self.params + self.optimizer + self.strategy_state
         if self.transient_grads:
-            return kept + max(self.grads, self.activations)
-        return kept + self.grads + self.activations
+            return kept + max(self.grads, self.activations, self.buffers)
+        return kept + self.grads + max(self.activations, self.buffers)
 
     def as_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "peak": self.peak}

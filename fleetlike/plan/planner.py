@@ -63,11 +63,13 @@ class PlanResult:
     links: Links
     memory_limit: int | None
     why_none: str = ""
+    #: candidates that cannot apply to this model, with the engine's reason
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"cluster": str(self.cluster), "links": self.links.source, "memory_limit": self.memory_limit,
                 "recommended": None if self.recommended is None else self.recommended.name,
-                "rows": [r.as_dict() for r in self.rows]}
+                "rows": [r.as_dict() for r in self.rows], "skipped": [list(s) for s in self.skipped]}
 
 
 def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | str = SpaceName.BASIC,
@@ -88,8 +90,15 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
                              f"choose from {', '.join(names)}")
         cands = [names[w] for w in wanted]
     rows = []
+    skipped: list[tuple[str, str]] = []
     for cand in cands:
-        t = trace(spec, cand.strategy(), cluster)
+        try:
+            t = trace(spec, cand.strategy(), cluster)
+        except ValueError as exc:  # the strategy cannot apply to this model (e.g. recompute "auto"
+            skipped.append((cand.name, str(exc)))  # finds no repeated blocks): shown, not planned
+            if progress is not None:
+                progress(f"{cand.name}: skipped: {exc}")
+            continue
         cost = step_time(t, links)
         fits = memory_limit is None or t.memory.peak <= memory_limit
         rows.append(PlanRow(cand, cost, t.memory, cluster.world_size * spec.batch_size / cost.seconds,
@@ -102,7 +111,7 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
     if best is None:
         why = ("no candidate fits the memory limit" if not any(r.fits for r in rows)
                else "every candidate that fits changes the training math; pass --allow")
-    return PlanResult(rows, best, cluster, links, memory_limit, why)
+    return PlanResult(rows, best, cluster, links, memory_limit, why, skipped)
 
 
 def _mib(n: float) -> str:
@@ -126,6 +135,8 @@ def format_table(result: PlanResult) -> str:
         lines.append(f"{r.name:<24} {r.cost.seconds * 1e3:>9.1f} {r.samples_per_s:>10.1f} "
                      f"{_mib(r.cost.intra_bytes):>10} {_mib(r.cost.inter_bytes):>10} {_mib(r.memory.peak):>9}  "
                      + ", ".join(notes))
+    for name, why in result.skipped:
+        lines.append(f"{name:<24} skipped: {why}")
     if result.recommended is None:
         lines.append(f"no recommendation: {result.why_none}")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ groups of all nodes at once, the inter groups of all local ranks at once (they s
 link, as the two-level allreduce's do), and the world. For each op (all_reduce, reduce_scatter,
 all_gather, broadcast) a ladder of sizes is timed (median of repeats, barrier before each) and
 ``t = alpha + beta * bytes`` fitted by least squares weighted by 1/t (relative error). The
-probe also times a reference matmul kernel on every rank at once: against the same kernel timed
-alone where the planner runs, that is the slowdown of compute when all ranks of a node share its
-cores (``Links.compute_scale``). Rank 0 writes the JSON (`Links.to_json`).
+probe also times a reference kernel (an MLP's forward and backward) on rank 0 alone and on every
+rank at once: the ratio is the slowdown of compute when all ranks of a node share its cores
+(``Links.compute_scale``), applied to the compute the planner times alone. Rank 0 writes the
+JSON (`Links.to_json`).
 
 Example:
     >>> links = Links.load("links.json")
@@ -37,15 +38,17 @@ __all__ = ["SIZES", "fit", "kernel_seconds", "probe_worker"]
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 
 
-def kernel_seconds(reps: int = 5) -> float:
-    """Median seconds of a fixed float32 matmul workload on this process's torch threads."""
+def kernel_seconds(reps: int = 8) -> float:
+    """Median seconds of a fixed training-like workload (an MLP's forward and backward: matmuls
+    and memory-bound elementwise ops) on this process's torch threads."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    x = torch.randn(128, 512, generator=g)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(20):
-            a = torch.tanh(a @ b * 0.05)
+        for _ in range(5):
+            net(x).square().mean().backward()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -115,12 +118,16 @@ def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: in
             raw[kind][op] = pts
             fits[kind][op] = fit(pts)
     world.barrier()
+    solo = kernel_seconds() if world.rank == 0 else 0.0  # rank 0 alone, the others wait
+    world.barrier()
     kt = torch.tensor([kernel_seconds()], dtype=torch.float64)  # every rank at once
-    world.all_reduce(kt, "max", agreed=True)
+    world.all_reduce(kt, "avg", agreed=True)
     if world.rank != 0:
         return None
     raw["kernel_seconds_all_ranks"] = float(kt.item())
-    return Links(fits, 1.0, f"probe: {role.node_num} nodes x {role.local_size} ranks", raw)
+    raw["kernel_seconds_alone"] = solo
+    scale = max(1.0, float(kt.item()) / solo)
+    return Links(fits, scale, f"probe: {role.node_num} nodes x {role.local_size} ranks", raw)
 
 
 def save(links: Links, path: str | Path) -> None:
