@@ -174,8 +174,36 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def report(args: argparse.Namespace, info: dict[str, Any], strategies: list[str], rows: list[dict[str, Any]],
+           summary: list[dict[str, Any]], links_json: dict[str, Any], final: bool) -> None:
+    """Print the tables (final only) and save the JSON and the plot (after every model, so an
+    interrupted run keeps what it measured)."""
+    from bench._common import Column, format_table, save_json
+
+    cols = [Column("rate", "link"), Column("model", "model"), Column("strategy", "strategy"),
+            Column("predicted_s", "predicted ms", lambda v: f"{v * 1e3:.1f}"),
+            Column("measured_s", "measured ms", lambda v: f"{v * 1e3:.1f}"),
+            Column("error", "error", lambda v: f"{v * 100:+.1f}%")]
+    scols = [Column("rate", "link"), Column("model", "model"), Column("kendall_tau", "tau", "{:.2f}"),
+             Column("median_abs_error", "median |err|", lambda v: f"{v * 100:.1f}%"),
+             Column("max_abs_error", "max |err|", lambda v: f"{v * 100:.1f}%"),
+             Column("within_20pct", "within 20%"), Column("measured_best", "measured best"),
+             Column("recommended", "recommended"),
+             Column("recommended_vs_best", "rec vs best", lambda v: f"{v * 100:+.1f}%")]
+    if final:
+        for markdown in (False, True):
+            print(format_table(cols, rows, markdown=markdown))
+            print(format_table(scols, summary, markdown=markdown))
+    out_dir = Path(args.out_dir)
+    save_json(out_dir / "plan_accuracy.json", {**info, "layout": f"2 netns nodes x {PER_NODE} ranks, 1 torch thread each",
+                                               "models": MODELS, "strategies": strategies, "steps": args.steps,
+                                               "links": links_json, "rows": rows, "summary": summary,
+                                               "complete": final})
+    plot(out_dir / "plan_accuracy.png", rows)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bench._common import Column, format_table, run_info, save_json
+    from bench._common import run_info
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="1gbit,250mbit")
@@ -217,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     measured[m] = json.loads(Path(mp).read_text())
             print(f"link {rate}: predict", flush=True)
             preds, links = predict(lp, models, strategies)
-            links_json[rate] = links.to_json() | {"compute_scale": links.compute_scale}
+            links_json[rate] = links.to_json()
             for m in models:
                 res = preds[m]
                 by = {r.name: r for r in res.rows}
@@ -237,25 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "within_20pct": sum(e <= 0.2 for e in errs), "n": len(errs),
                                 "measured_best": best, "recommended": rec,
                                 "recommended_vs_best": rec_measured / min(me) - 1})
-    cols = [Column("rate", "link"), Column("model", "model"), Column("strategy", "strategy"),
-            Column("predicted_s", "predicted ms", lambda v: f"{v * 1e3:.1f}"),
-            Column("measured_s", "measured ms", lambda v: f"{v * 1e3:.1f}"),
-            Column("error", "error", lambda v: f"{v * 100:+.1f}%")]
-    print(format_table(cols, rows))
-    scols = [Column("rate", "link"), Column("model", "model"), Column("kendall_tau", "tau", "{:.2f}"),
-             Column("median_abs_error", "median |err|", lambda v: f"{v * 100:.1f}%"),
-             Column("max_abs_error", "max |err|", lambda v: f"{v * 100:.1f}%"),
-             Column("within_20pct", "within 20%"), Column("measured_best", "measured best"),
-             Column("recommended", "recommended"),
-             Column("recommended_vs_best", "rec vs best", lambda v: f"{v * 100:+.1f}%")]
-    print(format_table(scols, summary))
-    print(format_table(cols, rows, markdown=True))
-    print(format_table(scols, summary, markdown=True))
-    out_dir = Path(args.out_dir)
-    save_json(out_dir / "plan_accuracy.json", {**info, "layout": f"2 netns nodes x {PER_NODE} ranks, 1 torch thread each",
-                                               "models": MODELS, "strategies": strategies, "steps": args.steps,
-                                               "links": links_json, "rows": rows, "summary": summary})
-    plot(out_dir / "plan_accuracy.png", rows)
+                report(args, info, strategies, rows, summary, links_json, final=False)
+    report(args, info, strategies, rows, summary, links_json, final=True)
     return 0
 
 
