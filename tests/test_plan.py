@@ -175,7 +175,10 @@ def test_collective_lists_and_memory_match_real_ranks():
         predicted, measured = traces[name].memory.peak, ranks[0][name]["peak"]
         assert abs(predicted - measured) <= 0.10 * measured, (name, predicted, measured, traces[name].memory)
     mem = {n: traces[n].memory for n in MEMORY_NAMES}
-    assert mem["dp+recompute"].activations < mem["dp"].activations  # recompute saves memory
+    # recompute keeps only the blocks' inputs; in this MLP those are what a plain forward keeps too
+    # (each ReLU's output is the next Linear's saved input), so it saves nothing here, and the
+    # planner says so instead of assuming a gain
+    assert mem["dp+recompute"].activations <= mem["dp"].activations
     assert mem["localsgd"].strategy_state >= mem["dp"].params * 0.9  # the anchors
 
 
