@@ -19,6 +19,8 @@ strategies            one unit per feature (config, collectives, program, comm, 
 fleet                 the facade of API.md (everything below)
 elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
                       (fleet for the world it re-forms; everything below)
+plan                  the strategy planner: builds each strategy's real programs over dry
+                      communicators and costs them (everything below but mixed_precision)
 horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
                       Horovod face over fleet's communicators and the reducer (everything below)
 io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
@@ -53,6 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
+    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
     ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"roles", "comm"}),

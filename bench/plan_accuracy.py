@@ -1,0 +1,274 @@
+"""How well does the planner predict? Predicted vs measured step time on a two-node netns cluster.
+
+For each link rate (``--rates``, default 1gbit and 250mbit): two network namespaces joined by a
+tbf-limited veth (`bench.netns`), 2 ranks in each (4 gloo ranks, one torch thread each):
+
+1. probe: the four ranks run `fleetlike.plan.probe` (fleetlike's collectives on the intra,
+   inter and world groups, a ladder of sizes; the reference kernel on all ranks at once);
+2. measure: per model (`bench.plan_models`: the 50 MB MLP, a conv net, a small transformer)
+   one job runs every strategy of ``--strategies`` in program style: startup, the warm-up and
+   one period untimed, then ``--steps`` steps between barriers, timed on rank 0;
+3. predict: this process plans the same models and strategies (`fleetlike.plan.plan`, compute
+   timed here with one torch thread) with the probe's figures.
+
+Printed side by side with the error of each, Kendall's tau of the two rankings, the median
+absolute error, and whether the recommended strategy (every strategy allowed) is the measured
+best or within 5% of it. JSON and a scatter plot -> docs/benchmarks/plan_accuracy.json/.png.
+
+    python -m bench.plan_accuracy                                    # ~15 minutes here
+    python -m bench.plan_accuracy --rates 1gbit --models convnet --steps 4
+
+Needs root for the namespaces (says so and stops otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "docs" / "benchmarks"
+MODELS = {"mlp50m": 16, "convnet": 32, "transformer": 8}  # model -> batch per rank
+STRATEGIES = ["dp", "hier", "fp16", "hier_fp16", "fp16_mixed", "sharding", "localsgd", "dp+recompute",
+              "dp+amp", "dp+merge"]
+PER_NODE = 2
+
+
+def _role(rank: int, eps: list[str]) -> Any:
+    from fleetlike.roles.role import Role
+
+    return Role.from_endpoints(rank, eps, job_id=f"bench-plan-{os.getppid()}")
+
+
+def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,
+           steps: int = 4, rounds: int = 1) -> None:
+    import torch
+
+    from fleetlike import DistributedStrategy, Executor, fleet
+    from fleetlike.plan.probe import probe_worker, save
+    from fleetlike.plan.space import candidates
+    from fleetlike.plan.spec import Cluster, OptimizerKind
+    from fleetlike.plan.trace import period_of
+
+    torch.set_num_threads(1)
+    fleet.init(_role(rank, eps), timeout=900)
+    try:
+        if task == "probe":
+            links = probe_worker(fleet.context().groups)
+            if links is not None:
+                save(links, out)
+            return
+        from bench import plan_models
+
+        cluster = Cluster(2, PER_NODE)
+        cands = {c.name: c for c in candidates("basic", cluster)}
+        build = getattr(plan_models, model)
+        times: dict[str, list[float]] = {s: [] for s in strategies or []}
+        for rnd in range(rounds):
+            for name in strategies or []:
+                s = cands[name].strategy()
+                net, loss_fn, feed = build(MODELS[model])
+                opt = OptimizerKind.MOMENTUM.factory(0.01)(net)
+                fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(s.to_dict())).minimize(loss_fn, net)
+                Executor().run(fleet.startup_program)
+                warm, period = period_of(s)
+                for _ in range(warm + period):
+                    fleet.main_program.run(feed)
+                n = max(period, steps // period * period)
+                fleet.barrier_worker()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fleet.main_program.run(feed)
+                fleet.barrier_worker()
+                times[name].append((time.perf_counter() - t0) / n)
+                if rank == 0:
+                    print(f"    {model} {name}: {times[name][-1] * 1e3:.1f} ms/step (round {rnd})", flush=True)
+        if rank == 0:
+            Path(out).write_text(json.dumps(times))
+    finally:
+        fleet.shutdown()
+
+
+def _run_job(nodes: Any, spec: dict[str, Any]) -> None:
+    from fleetlike.testing import free_ports
+
+    n = 2 * PER_NODE
+    from bench import netns
+
+    ports = free_ports(n)
+    eps = [f"{netns.ADDRESSES[r // PER_NODE]}:{ports[r]}" for r in range(n)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    codes = nodes.run_all(
+        [(r // PER_NODE, [sys.executable, "-m", "bench.plan_accuracy", "--worker", str(r),
+                          "--spec", json.dumps({**spec, "eps": eps})]) for r in range(n)],
+        cwd=ROOT, env=env, timeout=1500)
+    if any(codes):
+        raise RuntimeError(f"workers failed: exit codes {codes} ({spec['task']} {spec.get('model', '')})")
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two equally long lists (pairs tied in either count as discordant-free 0)."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+    return s / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def predict(links_path: str, models: list[str], strategies: list[str]) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    from bench import plan_models
+    from fleetlike.plan import Cluster, Links, MathChange, ModelSpec, plan
+    from fleetlike.plan.spec import OptimizerKind
+
+    torch.set_num_threads(1)
+    links = Links.load(links_path)
+    out = {}
+    for m in models:
+        spec = ModelSpec(getattr(plan_models, m), MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
+        res = plan(spec, Cluster(2, PER_NODE), links, allow=set(MathChange), only=strategies)
+        out[m] = res
+    return out, links
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    markers = {"mlp50m": "o", "convnet": "s", "transformer": "^"}
+    colors = {}
+    for r in rows:
+        c = colors.setdefault(r["rate"], f"C{len(colors)}")
+        ax.scatter(r["measured_s"] * 1e3, r["predicted_s"] * 1e3, marker=markers.get(r["model"], "x"), color=c,
+                   s=28, alpha=0.8)
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 0.8
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.2
+    ax.plot([lo, hi], [lo, hi], "k-", linewidth=0.8, label="exact")
+    ax.plot([lo, hi], [lo * 1.2, hi * 1.2], "k--", linewidth=0.6, label="+-20%")
+    ax.plot([lo, hi], [lo * 0.8, hi * 0.8], "k--", linewidth=0.6)
+    for rate, c in colors.items():
+        ax.scatter([], [], color=c, label=f"link {rate}")
+    for m, mk in markers.items():
+        ax.scatter([], [], color="gray", marker=mk, label=m)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured ms/step (4 gloo ranks, 2 netns nodes)")
+    ax.set_ylabel("predicted ms/step (fleetlike.plan)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("planner: predicted vs measured step time")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args: argparse.Namespace, info: dict[str, Any], strategies: list[str], rows: list[dict[str, Any]],
+           summary: list[dict[str, Any]], links_json: dict[str, Any], final: bool) -> None:
+    """Print the tables (final only) and save the JSON and the plot (after every model, so an
+    interrupted run keeps what it measured)."""
+    from bench._common import Column, format_table, save_json
+
+    cols = [Column("rate", "link"), Column("model", "model"), Column("strategy", "strategy"),
+            Column("predicted_s", "predicted ms", lambda v: f"{v * 1e3:.1f}"),
+            Column("measured_s", "measured ms", lambda v: f"{v * 1e3:.1f}"),
+            Column("error", "error", lambda v: f"{v * 100:+.1f}%")]
+    scols = [Column("rate", "link"), Column("model", "model"), Column("kendall_tau", "tau", "{:.2f}"),
+             Column("median_abs_error", "median |err|", lambda v: f"{v * 100:.1f}%"),
+             Column("max_abs_error", "max |err|", lambda v: f"{v * 100:.1f}%"),
+             Column("within_20pct", "within 20%"), Column("measured_best", "measured best"),
+             Column("recommended", "recommended"),
+             Column("recommended_vs_best", "rec vs best", lambda v: f"{v * 100:+.1f}%")]
+    if final:
+        for markdown in (False, True):
+            print(format_table(cols, rows, markdown=markdown))
+            print(format_table(scols, summary, markdown=markdown))
+    out_dir = Path(args.out_dir)
+    save_json(out_dir / "plan_accuracy.json", {**info, "layout": f"2 netns nodes x {PER_NODE} ranks, 1 torch thread each",
+                                               "models": MODELS, "strategies": strategies, "steps": args.steps,
+                                               "links": links_json, "rows": rows, "summary": summary,
+                                               "complete": final})
+    plot(out_dir / "plan_accuracy.png", rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench._common import run_info
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="1gbit,250mbit")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per strategy (rounded to the period)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out-dir", default=str(OUT_DIR))
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker, **json.loads(args.spec))
+        return 0
+    from bench import netns
+
+    why = netns.unavailable()
+    if why:
+        print(f"SKIPPED: {why}")
+        return 0
+    models = [m for m in args.models.split(",") if m]
+    strategies = [s for s in args.strategies.split(",") if s]
+    info = run_info("bench.plan_accuracy", argv)
+    rows: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    links_json: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.rates.split(","):
+            print(f"link {rate}: probe", flush=True)
+            lp = os.path.join(tmp, f"links-{rate}.json")
+            with netns.TwoNodes(rate=rate) as nodes:
+                _run_job(nodes, {"task": "probe", "out": lp})
+                measured: dict[str, dict[str, list[float]]] = {}
+                for m in models:
+                    print(f"link {rate}: measure {m}", flush=True)
+                    mp = os.path.join(tmp, f"m-{rate}-{m}.json")
+                    _run_job(nodes, {"task": "measure", "out": mp, "model": m, "strategies": strategies,
+                                     "steps": args.steps, "rounds": args.rounds})
+                    measured[m] = json.loads(Path(mp).read_text())
+            print(f"link {rate}: predict", flush=True)
+            preds, links = predict(lp, models, strategies)
+            links_json[rate] = links.to_json()
+            for m in models:
+                res = preds[m]
+                by = {r.name: r for r in res.rows}
+                pr = [by[s].cost.seconds for s in strategies]
+                me = [statistics.median(measured[m][s]) for s in strategies]
+                for s, p, x in zip(strategies, pr, me):
+                    rows.append({"rate": rate, "model": m, "strategy": s, "predicted_s": p, "measured_s": x,
+                                 "error": p / x - 1, "rounds": measured[m][s],
+                                 "compute_s": by[s].cost.compute, "exposed_comm_s": by[s].cost.exposed_comm,
+                                 "inter_bytes": by[s].cost.inter_bytes, "peak_bytes": by[s].memory.peak})
+                best = strategies[me.index(min(me))]
+                rec = res.recommended.name if res.recommended else None
+                rec_measured = me[strategies.index(rec)] if rec else float("nan")
+                errs = [abs(p / x - 1) for p, x in zip(pr, me)]
+                summary.append({"rate": rate, "model": m, "kendall_tau": kendall_tau(pr, me),
+                                "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+                                "within_20pct": sum(e <= 0.2 for e in errs), "n": len(errs),
+                                "measured_best": best, "recommended": rec,
+                                "recommended_vs_best": rec_measured / min(me) - 1})
+                report(args, info, strategies, rows, summary, links_json, final=False)
+    report(args, info, strategies, rows, summary, links_json, final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Alpha-beta costs of the traced collectives and the timeline of a step.
+
+**Links.** A collective's group is one of three kinds on a cluster of K nodes x L ranks:
+``intra`` (ranks of one node; every node's group runs at once), ``inter`` (one rank per node;
+the L groups of a two-level allreduce run at once and share the node's link) and ``world``
+(several ranks on each of several nodes: a ring that crosses the node links). For each kind and
+each op (all_reduce, reduce_scatter, all_gather, broadcast, reduce) `Links` holds ``alpha``
+(seconds per call) and ``beta`` (seconds per payload byte): ``t = alpha + beta * bytes``.
+`Links.from_rates` derives them from a link's latency and bandwidth with the ring algorithm's
+step counts (``2(n-1)`` steps of ``S/n`` for an allreduce, ``n-1`` for reduce-scatter and
+all-gather, a binomial tree for broadcast and reduce; a world ring is as slow as its slowest
+hop, the crossing between nodes); `fleetlike.plan.probe` fits them from measurements of
+fleetlike's own collectives on the real cluster instead, which is what the planner prefers.
+
+**Algorithms.** The trace gives each bucket's calls in issue order, so the algorithm is
+whatever the program did: one ring allreduce (flat); a max-allreduce and a 16-bit allreduce
+(compressed: half the bytes, the casts are in the measured backward); reduce-scatter /
+allreduce / all-gather per 1 MiB segment on the intra and inter groups (hierarchical). Calls on
+different group kinds overlap (their own communicators and threads, the segment pipeline), calls
+on one kind queue, and a segment's phase waits for its previous phase (`_bucket_cost`'s list
+schedule). One segment degenerates to the plain sum.
+
+**Timeline.** Buckets queue on the network in index order; bucket i starts when it is ready
+(the measured time its last gradient arrived in backward) and the previous bucket is done. The
+step is: the ops' compute (scaled by ``compute_scale``, the slowdown the probe measured when
+all ranks compute at once) + the end of backward or of the last bucket, whichever is later +
+the blocking collectives of the other ops (AMP's finite flag, local SGD's average, sharding's
+parameter gather). A period of k steps (gradient merge, local SGD) is averaged.
+
+Example:
+    >>> links = Links.from_rates(intra=(50e-6, 2e9), inter=(100e-6, 125e6))
+    >>> step_time(trace, Cluster(2, 2), links).seconds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fleetlike.comm.stats import ring_send_bytes
+from fleetlike.plan.dry import Event
+from fleetlike.plan.spec import Cluster
+from fleetlike.plan.trace import StepTrace, Trace
+
+__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "group_kind", "step_time"]
+
+KINDS = ("intra", "inter", "world")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+@dataclasses.dataclass
+class Links:
+    """``fits[kind][op] = (alpha seconds, beta seconds/byte)`` and the compute slowdown.
+
+    ``source`` says where the figures came from ("probe ...", "rates ...")."""
+
+    fits: dict[str, dict[str, tuple[float, float]]]
+    compute_scale: float = 1.0
+    source: str = ""
+    raw: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def cost(self, kind: str, op: str, nbytes: int) -> float:
+        if kind not in self.fits:
+            raise KeyError(f"the link figures have no {kind!r} entry (have {sorted(self.fits)}); "
+                           "run --probe on a cluster of this shape")
+        alpha, beta = self.fits[kind].get(op) or self.fits[kind]["all_reduce"]
+        return alpha + beta * nbytes
+
+    @classmethod
+    def from_rates(cls, *, intra: tuple[float, float], inter: tuple[float, float], cluster: Cluster,
+                   compute_scale: float = 1.0) -> Links:
+        """Ring-algorithm figures from ``(latency s, bandwidth B/s)`` of each link."""
+        fits: dict[str, dict[str, tuple[float, float]]] = {}
+        K, L = cluster.nodes, cluster.per_node
+        shapes = {"intra": (L, intra, 1.0), "inter": (K, inter, float(L)), "world": (K * L, None, 1.0)}
+        for kind, (n, link, share) in shapes.items():
+            if link is None:  # a ring over both kinds of hop: each step as slow as the slower
+                lat = max(intra[0], inter[0])
+                per_byte = max(1 / intra[1], 1 / inter[1])
+            else:
+                lat, per_byte = link[0], share / link[1]
+            n = max(n, 2)
+            fits[kind] = {
+                "all_reduce": (2 * (n - 1) * lat, 2 * (n - 1) / n * per_byte),
+                "reduce_scatter": ((n - 1) * lat, (n - 1) / n * per_byte),
+                "all_gather": ((n - 1) * lat, (n - 1) / n * per_byte),
+                "broadcast": (math.ceil(math.log2(n)) * lat, per_byte),
+                "reduce": (math.ceil(math.log2(n)) * lat, per_byte),
+            }
+        src = f"rates intra {intra[0] * 1e6:.0f} us {intra[1] / 1e6:.0f} MB/s, inter {inter[0] * 1e6:.0f} us {inter[1] / 1e6:.0f} MB/s"
+        return cls(fits, compute_scale, src)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fits": {k: {op: list(v) for op, v in ops.items()} for k, ops in self.fits.items()},
+                "compute_scale": self.compute_scale, "source": self.source, "raw": self.raw}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "links") -> Links:
+        try:
+            fits = {str(k): {str(op): (float(v[0]), float(v[1])) for op, v in ops.items()}
+                    for k, ops in data["fits"].items()}
+            return cls(fits, float(data.get("compute_scale", 1.0)), str(data.get("source", where)),
+                       dict(data.get("raw", {})))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"{where}: not a link-figures file ({type(exc).__name__}: {exc}); write one "
+                             "with python -m fleetlike.plan --probe") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> Links:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise ValueError(f"--links {str(p)!r} does not exist; measure it with --probe") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--links {str(p)!r} is not JSON ({exc})") from exc
+        return cls.from_json(data, str(p))
+
+
+def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:
+    nodes = [r // cluster.per_node for r in ranks]
+    distinct = len(set(nodes))
+    if distinct == 1:
+        return "intra"
+    return "inter" if distinct == len(nodes) and cluster.per_node > 1 else "world"
+
+
+def event_cost(e: Event, cluster: Cluster, links: Links) -> float:
+    if e.size <= 1 or e.op == "barrier":
+        return 0.0
+    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes)
+
+
+def _bucket_cost(events: list[Event], cluster: Cluster, links: Links) -> float:
+    """A list schedule of the bucket's calls (see the module docstring).
+
+    A call's *stage* is its (op, group kind) in order of first appearance, its *segment* how
+    many calls of that stage came before it. Calls of one group kind run one after another in
+    issue order (one communicator, one thread); a call waits for the previous stage of its own
+    segment (its input). Segments of a two-level chain thus overlap across kinds, one segment
+    degenerates to the plain sum, and calls of one kind only (flat, compressed) to their sum."""
+    stages: dict[tuple[str, str], int] = {}
+    seen: dict[tuple[str, str], int] = {}
+    free: dict[str, float] = {}
+    done: dict[tuple[int, int], float] = {}
+    last = 0.0
+    for e in events:
+        kind = group_kind(e.ranks, cluster)
+        key = (e.op, kind)
+        j = stages.setdefault(key, len(stages))
+        k = seen[key] = seen.get(key, -1) + 1
+        start = max(free.get(kind, 0.0), done.get((j - 1, k), 0.0))
+        end = start + event_cost(e, cluster, links)
+        free[kind] = done[(j, k)] = end
+        last = max(last, end)
+    return last
+
+
+@dataclasses.dataclass
+class StepCost:
+    """Predicted seconds per step (averaged over the period) and its parts."""
+
+    seconds: float
+    compute: float
+    exposed_comm: float
+    comm: float
+    intra_bytes: float
+    inter_bytes: float
+    per_step: list[float]
+    per_bucket: dict[int, float]
+
+
+def _crossing(e: Event, cluster: Cluster) -> tuple[float, float]:
+    """(intra, inter) bytes this rank sends for ``e`` (ring factors; a world ring crosses the
+    node links at K of its n hops)."""
+    sent = ring_send_bytes(e.op, e.nbytes, e.size)
+    kind = group_kind(e.ranks, cluster)
+    if kind == "intra":
+        return float(sent), 0.0
+    if kind == "inter":
+        return 0.0, float(sent)
+    nodes = len({r // cluster.per_node for r in e.ranks})
+    return sent * (1 - nodes / e.size), sent * nodes / e.size
+
+
+def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int, float]) -> tuple[float, float, float, float]:
+    scale = links.compute_scale
+    compute = sum(t for op, t in s.times.items()) * scale
+    backward = s.times.get("backward", 0.0) * scale
+    free = 0.0
+    comm = 0.0
+    for b in s.buckets:
+        c = _bucket_cost(b.events, cluster, links)
+        per_bucket[b.index] = c
+        comm += c
+        free = max(free, b.ready * scale) + c
+    exposed = max(0.0, free - backward)
+    blocking = sum(event_cost(e, cluster, links) for _, es in s.blocking for e in es)
+    return compute + exposed + blocking, compute, exposed + blocking, comm + blocking
+
+
+def step_time(t: Trace, links: Links) -> StepCost:
+    """Predicted time of one step of ``t`` (see the module docstring)."""
+    per: list[float] = []
+    comp = exposed = comm = 0.0
+    per_bucket: dict[int, float] = {}
+    intra = inter = 0.0
+    for s in t.steps:
+        total, c, x, m = _one_step(s, t.cluster, links, per_bucket)
+        per.append(total)
+        comp, exposed, comm = comp + c, exposed + x, comm + m
+        for e in s.events:
+            a, b = _crossing(e, t.cluster)
+            intra, inter = intra + a, inter + b
+    n = len(t.steps)
+    return StepCost(sum(per) / n, comp / n, exposed / n, comm / n, intra / n, inter / n, per, per_bucket)

@@ -1,0 +1,164 @@
+"""The planner: every candidate traced, costed and sized; a table and a recommendation.
+
+`plan` traces each candidate of the search space (`fleetlike.plan.space`) on the planned
+cluster (`fleetlike.plan.trace`), predicts its step time (`fleetlike.plan.cost`) and memory
+(`fleetlike.plan.memory`), and recommends the fastest candidate that fits the memory limit and
+changes the training math only where the caller allowed it. `annotate` writes a trace's
+predicted times into a program's listing, so ``print(program)`` shows them next to each
+collective.
+
+Example:
+    >>> result = plan(spec, Cluster(2, 2), links, allow={MathChange.LOCALSGD})
+    >>> print(format_table(result))
+    >>> result.recommended.strategy().save("strategy.json")     # fleet reads it as is
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from fleetlike.plan.cost import Links, StepCost, event_cost, step_time
+from fleetlike.plan.memory import MemoryBreakdown
+from fleetlike.plan.space import Candidate, MathChange, SpaceName, candidates
+from fleetlike.plan.spec import Cluster, ModelSpec
+from fleetlike.plan.trace import Trace, trace
+from fleetlike.program import Program
+
+__all__ = ["PlanResult", "PlanRow", "annotate", "format_table", "plan"]
+
+
+@dataclasses.dataclass
+class PlanRow:
+    """One candidate's prediction."""
+
+    candidate: Candidate
+    cost: StepCost
+    memory: MemoryBreakdown
+    samples_per_s: float
+    fits: bool
+    allowed: bool
+    trace: Trace = dataclasses.field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "options": dict(self.candidate.options),
+                "changes_math": [m.value for m in self.candidate.changes_math],
+                "step_s": self.cost.seconds, "compute_s": self.cost.compute, "exposed_comm_s": self.cost.exposed_comm,
+                "comm_s": self.cost.comm, "samples_per_s": self.samples_per_s,
+                "intra_bytes_per_step": self.cost.intra_bytes, "inter_bytes_per_step": self.cost.inter_bytes,
+                "memory": self.memory.as_dict(), "fits": self.fits, "allowed": self.allowed,
+                "period": self.trace.period}
+
+
+@dataclasses.dataclass
+class PlanResult:
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    cluster: Cluster
+    links: Links
+    memory_limit: int | None
+    why_none: str = ""
+    #: candidates that cannot apply to this model, with the engine's reason
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cluster": str(self.cluster), "links": self.links.source, "memory_limit": self.memory_limit,
+                "recommended": None if self.recommended is None else self.recommended.name,
+                "rows": [r.as_dict() for r in self.rows], "skipped": [list(s) for s in self.skipped]}
+
+
+def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | str = SpaceName.BASIC,
+         allow: Iterable[MathChange] = (), memory_limit: int | None = None,
+         only: Iterable[str] | None = None, progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Predict every candidate of ``space`` (or the names in ``only``); see the module docstring.
+
+    ``memory_limit``: bytes per rank; candidates whose predicted peak exceeds it are marked and
+    never recommended."""
+    allowed = set(allow)
+    cands = candidates(space, cluster)
+    if only is not None:
+        wanted = list(only)
+        names = {c.name: c for c in cands}
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            raise ValueError(f"strategies {unknown} are not in the {space} space on {cluster}; "
+                             f"choose from {', '.join(names)}")
+        cands = [names[w] for w in wanted]
+    rows = []
+    skipped: list[tuple[str, str]] = []
+    for cand in cands:
+        try:
+            t = trace(spec, cand.strategy(), cluster)
+        except ValueError as exc:  # the strategy cannot apply to this model (e.g. recompute "auto"
+            skipped.append((cand.name, str(exc)))  # finds no repeated blocks): shown, not planned
+            if progress is not None:
+                progress(f"{cand.name}: skipped: {exc}")
+            continue
+        cost = step_time(t, links)
+        fits = memory_limit is None or t.memory.peak <= memory_limit
+        rows.append(PlanRow(cand, cost, t.memory, cluster.world_size * spec.batch_size / cost.seconds,
+                            fits, all(m in allowed for m in cand.changes_math), t))
+        if progress is not None:
+            progress(f"{cand.name}: {cost.seconds * 1e3:.1f} ms/step, peak {t.memory.peak / 2**20:.1f} MiB")
+    ok = [r for r in rows if r.fits and r.allowed]
+    best = min(ok, key=lambda r: r.cost.seconds) if ok else None
+    why = ""
+    if best is None:
+        why = ("no candidate fits the memory limit" if not any(r.fits for r in rows)
+               else "every candidate that fits changes the training math; pass --allow")
+    return PlanResult(rows, best, cluster, links, memory_limit, why, skipped)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def format_table(result: PlanResult) -> str:
+    """The candidates, fastest first: predicted ms/step, samples/s, MiB sent per step per rank on
+    each link, peak MiB per rank; ``*`` marks the recommendation, ``!mem`` a candidate over the
+    memory limit, ``(math)`` one that changes the training math and was not allowed."""
+    head = f"{'strategy':<24} {'ms/step':>9} {'samples/s':>10} {'intra MiB':>10} {'inter MiB':>10} {'peak MiB':>9}  note"
+    lines = [head, "-" * len(head)]
+    for r in sorted(result.rows, key=lambda r: r.cost.seconds):
+        notes = []
+        if r is result.recommended:
+            notes.append("* recommended")
+        if not r.fits:
+            notes.append("!mem")
+        if r.candidate.changes_math:
+            notes.append("changes math" + ("" if r.allowed else " (not allowed)"))
+        lines.append(f"{r.name:<24} {r.cost.seconds * 1e3:>9.1f} {r.samples_per_s:>10.1f} "
+                     f"{_mib(r.cost.intra_bytes):>10} {_mib(r.cost.inter_bytes):>10} {_mib(r.memory.peak):>9}  "
+                     + ", ".join(notes))
+    for name, why in result.skipped:
+        lines.append(f"{name:<24} skipped: {why}")
+    if result.recommended is None:
+        lines.append(f"no recommendation: {result.why_none}")
+    return "\n".join(lines)
+
+
+def annotate(program: Program, t: Trace, links: Links) -> Program:
+    """Write ``predicted=...`` into the listing of ``program`` (the traced one, or the same
+    strategy's ``fleet.main_program`` on the planned cluster): each bucket's collective gets its
+    cost on the network, each op issuing blocking collectives their cost per run (averaged over
+    the period). Returns ``program``; ``print`` it."""
+    cost = step_time(t, links)
+    blocking: dict[str, float] = {}
+    for s in t.steps:
+        for op_type, events in s.blocking:
+            blocking[op_type] = blocking.get(op_type, 0.0) + sum(event_cost(e, t.cluster, links) for e in events) / t.period
+    for op in program.ops:
+        if op.fn is None and op.parent == "backward" and "bucket" in op.attrs:
+            c = cost.per_bucket.get(int(op.attrs["bucket"]))
+            if c is not None:
+                op.attrs["predicted"] = f"{c * 1e3:.2f}ms"
+        elif op.type in blocking:
+            op.attrs["predicted"] = f"{blocking[op.type] * 1e3:.2f}ms"
+    program.notes.append(lambda: f"predicted {cost.seconds * 1e3:.1f} ms/step ({cost.compute * 1e3:.1f} compute, "
+                         f"{cost.exposed_comm * 1e3:.1f} exposed communication) with links: {links.source}")
+    return program

@@ -1,0 +1,247 @@
+"""Trace one strategy: the real program of every rank, built in one process, run dry on rank 0.
+
+`trace` builds the engine and ``fleet.main_program`` for each rank of the planned cluster (one
+thread per rank, `fleetlike.plan.dry` communicators), then runs rank 0's ``main_program`` op
+by op for a warm-up and one full period of the strategy's schedule (lcm of gradient merge's and
+local SGD's k), tagging every collective with the step, the op that issued it and, for gradient
+buckets, the bucket. It also times each op (the compute the step costs on this machine, with
+the strategy's recompute and AMP in force) and when each bucket became ready in backward, and
+counts the tensors each rank keeps (`fleetlike.plan.memory`).
+
+Example:
+    >>> t = trace(ModelSpec(build, batch_size=16), DistributedStrategy(), Cluster(2, 2))
+    >>> t.steps[0].buckets[0].events[0].op
+    'all_reduce'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fleetlike.comm import CommGroups, CompletedWork
+from fleetlike.config import DistributedStrategy
+from fleetlike.plan.dry import DryCommunicator, DryFabric, Event
+from fleetlike.plan.memory import MemoryBreakdown, activation_bytes, measure_state
+from fleetlike.plan.spec import Cluster, ModelSpec
+from fleetlike.program import Program, StepState
+from fleetlike.roles.role import Role
+from fleetlike.strategies.engine import Engine, build_engine
+from fleetlike.strategies.programs import build_programs
+from fleetlike.strategies.step import StepContext
+
+__all__ = ["BucketTrace", "StepTrace", "Trace", "period_of", "trace"]
+
+
+@dataclasses.dataclass
+class BucketTrace:
+    """One gradient bucket in one step: when it was ready (seconds after backward began) and
+    the collectives it issued."""
+
+    index: int
+    ready: float
+    events: list[Event]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.events)
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """One step of the period: op times (seconds), buckets, other collectives by op."""
+
+    times: dict[str, float]
+    buckets: list[BucketTrace]
+    blocking: list[tuple[str, list[Event]]]
+
+    @property
+    def events(self) -> list[Event]:
+        return [e for b in self.buckets for e in b.events] + [e for _, es in self.blocking for e in es]
+
+
+@dataclasses.dataclass
+class Trace:
+    """Everything the cost model needs about one strategy on one cluster."""
+
+    strategy: DistributedStrategy
+    cluster: Cluster
+    steps: list[StepTrace]
+    listing: str
+    memory: MemoryBreakdown
+    program: Program
+    describe: list[dict[str, Any]]
+
+    @property
+    def period(self) -> int:
+        return len(self.steps)
+
+    def events(self) -> list[Event]:
+        """Every collective of one period, in issue order."""
+        return [e for s in self.steps for e in s.events]
+
+
+def period_of(s: DistributedStrategy) -> tuple[int, int]:
+    """``(warm-up steps, period)``: local SGD averages every step up to begin_step, then every
+    k; gradient merge communicates every k-th step. The steady state repeats every lcm."""
+    k = int(s.gradient_merge_configs["k_steps"]) if s.gradient_merge else 1
+    warm = 2
+    if s.localsgd:
+        ls = int(s.localsgd_configs["k_steps"])
+        k = math.lcm(k, ls)
+        warm = max(warm, int(s.localsgd_configs["begin_step"]) + 1)
+    return warm, k
+
+
+class _Tagged:
+    """Wraps the reducer's bucket collective: tags each bucket's calls and runs them to completion
+    at once (dry calls take no time, so waiting keeps the tags exact)."""
+
+    def __init__(self, inner: Any, fabric: DryFabric, clock: Callable[[], float]) -> None:
+        self.inner = inner
+        self.fabric = fabric
+        self.clock = clock
+        self.ready: dict[int, float] = {}
+        self.step = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def world(self) -> Any:
+        return self.inner.world
+
+    def describe(self, bucket: Any) -> dict[str, Any]:
+        return self.inner.describe(bucket)
+
+    def start(self, bucket: Any) -> CompletedWork:
+        self.ready[bucket.index] = self.clock()
+        prev = self.fabric.tag
+        self.fabric.tag = (self.step, "bucket", bucket.index)
+        try:
+            self.inner.start(bucket).wait()
+        finally:
+            self.fabric.tag = prev
+        return CompletedWork(None)
+
+
+def _roles(cluster: Cluster) -> list[Role]:
+    eps = [f"10.0.{n}.1:{6000 + r}" for n in range(cluster.nodes) for r in range(cluster.per_node)]
+    return [Role.from_endpoints(r, eps, job_id="plan") for r in range(len(eps))]
+
+
+def _build(spec: ModelSpec, strategy: DistributedStrategy, role: Role, fabric: DryFabric
+           ) -> tuple[Engine, Program, Program, Any]:
+    torch.manual_seed(0)
+    model, loss_fn, feed = spec.build()
+    opt = spec.optimizer(model)
+    world = DryCommunicator(fabric, role.rank, role.world_size, range(role.world_size), "world")
+    groups = CommGroups(world, role)
+    ctx = StepContext(model=model, strategy=strategy, groups=groups, role=role,
+                      device=torch.device("cpu"), optimizer=opt)
+    engine = build_engine(ctx)
+    for unit in engine.units:
+        unit.bind(opt)
+    origin, main, startup = build_programs(engine, loss_fn)
+    return engine, main, startup, feed
+
+
+def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 2) -> Trace:
+    """Build ``strategy``'s programs for every rank of ``cluster`` and run rank 0's dry.
+
+    ``repeats`` periods are run after the warm-up; op times are the median over them."""
+    n = cluster.world_size
+    fabric = DryFabric(n)
+    built: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    roles = _roles(cluster)
+
+    def build_rank(r: int) -> None:
+        try:
+            built[r] = _build(spec, strategy, roles[r], fabric)
+        except BaseException as exc:  # noqa: BLE001 - reported below with the rank
+            errors.append(exc)
+            fabric.timeout = 0.1  # the others stop waiting for this rank's splits
+
+    threads = [threading.Thread(target=build_rank, args=(r,), name=f"plan-rank{r}") for r in range(1, n)]
+    for t in threads:
+        t.start()
+    build_rank(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    engine, main, startup, feed = built[0]
+    fabric.live = False  # from here on rank 0 runs alone: collectives complete with local data
+    fabric.timeout = 5.0  # a split now would wait for ranks that no longer run: fail fast
+    for r in range(1, n):  # the other ranks' models were needed for the build only
+        built.pop(r)
+    startup.run()
+    warm, period = period_of(strategy)
+    reducer = engine.ctx.reducer
+    t_bwd = [0.0]
+    tagged = None
+    if reducer is not None:
+        tagged = _Tagged(reducer.collective, fabric, lambda: time.perf_counter() - t_bwd[0])
+        reducer.collective = tagged
+    recorded: list[list[StepTrace]] = []
+    act: tuple[int, int] = (0, 0)
+    for i in range(warm + repeats * period):
+        st = StepState(feed=feed)
+        times: dict[str, float] = {}
+        blocking: list[tuple[str, list[Event]]] = []
+        if tagged is not None:
+            tagged.ready, tagged.step = {}, i
+        for op in main.ops:
+            if op.fn is None:
+                continue
+            fabric.tag = (i, op.type)
+            before = len(fabric.events)
+            t0 = time.perf_counter()
+            if op.type == "backward":
+                t_bwd[0] = t0
+            if op.type == "forward" and i == warm:
+                with activation_bytes(engine.ctx.model) as counted:
+                    op.fn(st)
+                act = (counted.total, counted.half)
+            else:
+                op.fn(st)
+            times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
+            mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
+            if mine:
+                blocking.append((op.type, mine))
+        if i < warm:
+            fabric.events.clear()
+            continue
+        buckets = []
+        if tagged is not None:
+            for b, ready in sorted(tagged.ready.items()):
+                buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
+        j = (i - warm) // period
+        if j == len(recorded):
+            recorded.append([])
+        recorded[j].append(StepTrace(times, buckets, blocking))
+        fabric.events.clear()
+    steps = _median_steps(recorded)
+    memory = measure_state(engine, act, strategy)
+    return Trace(strategy, cluster, steps, str(main), memory, main,
+                 reducer.describe() if reducer is not None else [])
+
+
+def _median_steps(recorded: list[list[StepTrace]]) -> list[StepTrace]:
+    """Step j of the period with each time (and bucket ready time) the median over periods."""
+    out = []
+    for j, first in enumerate(recorded[0]):
+        same = [rep[j] for rep in recorded]
+        times = {k: statistics.median(s.times.get(k, 0.0) for s in same) for k in first.times}
+        buckets = [BucketTrace(b.index, statistics.median(s.buckets[k].ready for s in same), b.events)
+                   for k, b in enumerate(first.buckets)]
+        out.append(StepTrace(times, buckets, first.blocking))
+    return out
