@@ -16,6 +16,9 @@ comm                  communicators over roles
 collectives           buckets, reducer, flat / hierarchical / compressed averaging (comm only)
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
+ddp                   PyTorch DDP's face: communication hooks from a strategy, ``fleetlike.auto``'s
+                      zero-code-change patch and its env knobs (config, collectives, comm, roles,
+                      strategies: the data-parallel collective and the slow-rank helpers)
 fleet                 the facade of API.md (everything below)
 horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
                       Horovod face over fleet's communicators and the reducer (everything below)
@@ -49,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("collectives", ("fleetlike.collectives",), {"comm"}),
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
+    ("ddp", ("fleetlike.ddp", "fleetlike.auto"), {"config", "collectives", "comm", "roles", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
     ("io", ("fleetlike.io",), None),
