@@ -15,7 +15,7 @@ Example:
 """
 
 from fleetlike.ddp.hooks import fleetlike_hook, register
-from fleetlike.ddp.knobs import KNOBS, Knob, KnobError, strategy_from_env
+from fleetlike.ddp.knobs import KNOBS, Knob, KnobError, applied_knobs, strategy_from_env
 from fleetlike.ddp.state import FleetHookState
 
-__all__ = ["KNOBS", "FleetHookState", "Knob", "KnobError", "fleetlike_hook", "register", "strategy_from_env"]
+__all__ = ["KNOBS", "FleetHookState", "Knob", "KnobError", "applied_knobs", "fleetlike_hook", "register", "strategy_from_env"]
