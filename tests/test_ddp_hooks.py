@@ -7,7 +7,8 @@ per-rank batches:
 * fp32 flat, hierarchical, hierarchical on 2 communicators: parameters equal DDP's exactly
   (integer-valued data and 1/8-dyadic weights keep every sum exact, whatever the order);
 * fp16 (all hops), bf16, mixed: within the codec's rounding bound of DDP;
-* local accumulation of 3 passes == DDP with ``no_sync()`` for 2 passes, exactly;
+* local accumulation of 3 passes == DDP with ``no_sync()`` for 2 passes, exactly; also through
+  `fleetlike.auto` with an unchanged loop that steps after every batch;
 * gossip n=4: 1/4 of the bytes per step, the same parameters on every rank;
 * the NaN check names the parameter, the rank where it started, and every rank stops;
 * the state pickles without communicators and resumes to the same parameters.
@@ -98,7 +99,11 @@ def _cases(role, rendezvous: str) -> dict[str, object]:
         states = {}
         for name, s in configs.items():
             ddp = _ddp()
-            states[name] = register(ddp, s, groups=groups)
+            if name == "flat3":  # by hand, as torch's own hooks are registered
+                states[name] = FleetHookState(s, groups=groups, model=ddp)
+                ddp.register_comm_hook(states[name], fleetlike_hook)
+            else:
+                states[name] = register(ddp, s, groups=groups)
             out[name] = _train(ddp, role.rank, accumulate=3 if name == "acc3" else 1)
         out["notes"] = {n: st.notes for n, st in states.items()}
         # gossip bytes: the sent elements of each bucket, per step (DDP's final bucket layout)
@@ -135,6 +140,23 @@ def _cases(role, rendezvous: str) -> dict[str, object]:
             opt2.step()
             opt2.zero_grad()
         out["resumed"] = [p.detach().numpy().copy() for p in ddp2.parameters()]
+        # fleetlike.auto with FLEETLIKE_ACCUMULATE_N_STEPS=3 and an unchanged loop (zero_grad,
+        # backward, step after every batch): the same as DDP with no_sync over 3 batches
+        import fleetlike.auto as auto
+
+        auto.install({"FLEETLIKE_ACCUMULATE_N_STEPS": "3"})
+        try:
+            auto.settings().groups = groups  # the test's world (the import would meet it from env)
+            ddp = _ddp()
+            opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+            for i in range(3 * STEPS):
+                x, t = _batch(role.rank, i)
+                opt.zero_grad()
+                (ddp(x) * t).sum().backward()
+                opt.step()
+            out["auto_acc3"] = [p.detach().numpy().copy() for p in ddp.parameters()]
+        finally:
+            auto.uninstall()
         # NaN check: rank 2's input holds a NaN; every rank raises, naming parameter and origin
         ddp = _ddp()
         register(ddp, DistributedStrategy(check_nan_inf=True), groups=groups)
@@ -157,8 +179,9 @@ def test_hooks_match_plain_ddp(tmp_path):
         for name in ("flat", "hier", "hier2", "flat3"):
             for a, b in zip(res[name], ref):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} rank {r}")
-        for a, b in zip(res["acc3"], res["ddp_nosync3"]):
-            np.testing.assert_array_equal(a, b, err_msg=f"accumulate rank {r}")
+        for a, b, c in zip(res["acc3"], res["auto_acc3"], res["ddp_nosync3"]):
+            np.testing.assert_array_equal(a, c, err_msg=f"accumulate rank {r}")
+            np.testing.assert_array_equal(b, c, err_msg=f"fleetlike.auto accumulate rank {r}")
         for name, bound in (("fp16", 2e-3), ("bf16", 2e-2), ("mixed", 2e-3)):
             err = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in zip(res[name], ref))
             assert err < bound, (name, r, err)
