@@ -110,3 +110,16 @@ def test_bad_knobs_stop_at_start() -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and expect in proc.stderr, (knobs, proc.stderr)
         assert "Epoch" not in proc.stdout
+
+
+def test_launcher_flag_puts_the_site_first() -> None:
+    from fleetlike.launch.config import parse_config
+    from fleetlike.launch.env import ACCELERATE_SITE, worker_env
+
+    on = parse_config(["--accelerate_ddp", "--nproc_per_node=2", str(MAIN)])
+    env = worker_env(on, 1, base={"PYTHONPATH": "/somewhere"})
+    assert env["FLEETLIKE_ACCELERATE_DDP"] == "1"
+    assert env["PYTHONPATH"] == ACCELERATE_SITE + os.pathsep + "/somewhere"
+    assert (Path(ACCELERATE_SITE) / "sitecustomize.py").is_file()
+    off = worker_env(parse_config(["--nproc_per_node=2", str(MAIN)]), 1, base={"PYTHONPATH": "/somewhere"})
+    assert "FLEETLIKE_ACCELERATE_DDP" not in off and off["PYTHONPATH"] == "/somewhere"

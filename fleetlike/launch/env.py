@@ -83,8 +83,9 @@ def worker_env(
                           order, so FLAGS_selected_gpus indexes the same devices it validated
     GLIBC_TUNABLES        ``--malloc_tuning on`` only: `MALLOC_TUNABLE` added
                           (`tuned_glibc_tunables`)
-    FLEETLIKE_ACCELERATE_DDP, PYTHONPATH  ``--accelerate_ddp`` only: ``1``, and `ACCELERATE_SITE`
-                          first on the path: its ``sitecustomize`` imports ``fleetlike.auto``
+    FLEETLIKE_ACCELERATE_DDP  ``--accelerate_ddp`` only: ``1`` (workers import fleetlike.auto)
+    PYTHONPATH            ``--accelerate_ddp`` only: `ACCELERATE_SITE` first, whose
+                          ``sitecustomize`` imports ``fleetlike.auto`` before the script
     ====================  =============================================================
 
     and without ``http_proxy``/``https_proxy``/``all_proxy`` in either case (`PROXY_VARIABLES`).
