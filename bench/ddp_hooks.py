@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="1gbit", help="tbf rate of the inter-node link")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--width", type=int, default=64, help="ResNet width: 64 is resnet18's (11M parameters, 45 MB of gradients)")
-    ap.add_argument("--samples", type=int, default=320, help="synthetic images: steps = samples / (4 x batch)")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=160, help="synthetic images: steps = samples / (4 x batch)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--image-size", type=int, default=8, help="small images: the gradients, not the compute, dominate")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "ddp_hooks"))
     args = ap.parse_args(argv)
     why = netns.unavailable()
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIPPED: {why}")
         return 0
     script_args = ["--width", str(args.width), "--samples", str(args.samples), "--batch-size", str(args.batch_size),
-                   "--print-freq", "1000", "--image-size", "16"]
+                   "--print-freq", "1000", "--image-size", str(args.image_size)]
     runs: dict[str, list[float]] = {k: [] for k in CONFIGS}
     steps: dict[str, int] = {}
     with netns.TwoNodes(rate=args.rate) as nodes:
