@@ -23,6 +23,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -38,30 +40,44 @@ CONFIGS: dict[str, tuple[Path, dict[str, str]]] = {
 _DONE = re.compile(r"done: (\d+) steps in ([0-9.]+)s")
 
 
+def _read(proc: subprocess.Popen, outs: list[str], i: int) -> None:
+    assert proc.stdout is not None
+    outs[i] = proc.stdout.read()
+
+
 def _run(nodes, name: str, script_args: list[str], port: int) -> tuple[int, float]:
     from bench import netns
 
     script, knobs = CONFIGS[name]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FLEETLIKE_", "PADDLE_", "TORCHELASTIC"))}
     procs = []
+    job = f"bench-ddp-{uuid.uuid4().hex[:8]}"  # one job id for the 4 ranks of this run
     for rank in range(4):
         node = rank // 2
         env = {**base, **knobs, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "MASTER_ADDR": netns.ADDRESSES[0],
                "MASTER_PORT": str(port), "FLEETLIKE_NODE_IPS": ",".join(netns.ADDRESSES),
-               "FLEETLIKE_JOB_ID": f"bench-ddp-{uuid.uuid4().hex[:8]}", "GLOO_SOCKET_IFNAME": nodes.dev[node],
+               "FLEETLIKE_JOB_ID": job, "GLOO_SOCKET_IFNAME": nodes.dev[node],
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         procs.append(nodes.popen(node, [sys.executable, str(script), *script_args, "--checkpoint", os.devnull],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=900)[0])
+    outs = [""] * 4
+    readers = [threading.Thread(target=_read, args=(p, outs, i), daemon=True) for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + 900
+    try:  # a rank that fails ends the run at once (the others would wait for it until their timeout)
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for t in readers:
+            t.join(timeout=10)
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{name}: exit codes {[p.returncode for p in procs]}\n" + "\n".join(outs))
     m = _DONE.search(outs[0])
