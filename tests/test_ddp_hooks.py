@@ -6,8 +6,8 @@ per-rank batches:
 
 * fp32 flat, hierarchical, hierarchical on 2 communicators: parameters equal DDP's exactly
   (integer-valued data and 1/8-dyadic weights keep every sum exact, whatever the order);
-* fp16 (all hops), bf16: equal to DDP with torch's own fp16/bf16_compress_hook exactly; these
-  and mixed (fp16 across nodes only) within the codec's rounding bound of plain DDP;
+* fp16 (all hops): equal to DDP with torch's own fp16_compress_hook exactly; fp16, bf16 and
+  mixed (fp16 across nodes only) within the codec's rounding bound of plain DDP;
 * local accumulation of 3 passes == DDP with ``no_sync()`` for 2 passes, exactly; also through
   `fleetlike.auto` with an unchanged loop that steps after every batch;
 * gossip n=4: 1/4 of the bytes per step, the same parameters on every rank;
@@ -86,10 +86,9 @@ def _cases(role, rendezvous: str) -> dict[str, object]:
     with torch_group(role, rendezvous):
         out["ddp"] = _train(_ddp(), role.rank)
         out["ddp_nosync3"] = _train(_ddp(), role.rank, accumulate=3, no_sync=True)
-        for name, hook in (("torch_fp16", default_hooks.fp16_compress_hook), ("torch_bf16", default_hooks.bf16_compress_hook)):
-            ddp = _ddp()
-            ddp.register_comm_hook(None, hook)
-            out[name] = _train(ddp, role.rank)
+        ddp = _ddp()  # (torch's bf16_compress_hook needs CUDA and NCCL)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        out["torch_fp16"] = _train(ddp, role.rank)
         configs = {
             "flat": DistributedStrategy(),
             "hier": DistributedStrategy(use_hierarchical_allreduce=True),
@@ -187,9 +186,8 @@ def test_hooks_match_plain_ddp(tmp_path):
         for a, b, c in zip(res["acc3"], res["auto_acc3"], res["ddp_nosync3"]):
             np.testing.assert_array_equal(a, c, err_msg=f"accumulate rank {r}")
             np.testing.assert_array_equal(b, c, err_msg=f"fleetlike.auto accumulate rank {r}")
-        for ours, theirs in (("fp16", "torch_fp16"), ("bf16", "torch_bf16")):  # the same codec as torch's
-            for a, b in zip(res[ours], res[theirs]):
-                np.testing.assert_array_equal(a, b, err_msg=f"{ours} vs {theirs}, rank {r}")
+        for a, b in zip(res["fp16"], res["torch_fp16"]):  # the same codec as torch's fp16 hook
+            np.testing.assert_array_equal(a, b, err_msg=f"fp16 vs torch's fp16_compress_hook, rank {r}")
         for name, bound in (("fp16", 2e-3), ("bf16", 2e-2), ("mixed", 2e-3)):
             err = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in zip(res[name], ref))
             assert err < bound, (name, r, err)

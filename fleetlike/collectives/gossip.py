@@ -82,7 +82,7 @@ class Downsampler:
         where: Any = slice(offset, None, self.n) if sizes is None else _positions(sizes, offset, self.n, flat.device)
         flat.add_(res)
         res.copy_(flat)
-        sent = flat[where].contiguous()
+        sent = flat[where].clone(memory_format=torch.contiguous_format)  # never a view of flat
         res[where] = 0
         return sent, where
 
@@ -109,7 +109,8 @@ def _positions(sizes: Sequence[int], offset: int, n: int, device: torch.device) 
     """Indices of elements ``offset, offset + n, ...`` of each tensor packed back to back."""
     parts, start = [], 0
     for size in sizes:
-        parts.append(torch.arange(start + offset, start + size, n, device=device))
+        if offset < size:
+            parts.append(torch.arange(start + offset, start + size, n, device=device))
         start += size
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
