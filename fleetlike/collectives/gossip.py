@@ -57,6 +57,7 @@ class Downsampler:
         self._lock = threading.Lock()
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.steps: dict[Hashable, int] = {}
+        self._index: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def encode(self, key: Hashable, flat: torch.Tensor, step: int | None = None,
                sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, Any]:
@@ -79,12 +80,21 @@ class Downsampler:
                 "(build the buckets once, before the first compressed step)"
             )
         offset = step % self.n
-        where: Any = slice(offset, None, self.n) if sizes is None else _positions(sizes, offset, self.n, flat.device)
+        where: Any = slice(offset, None, self.n) if sizes is None else self._positions(tuple(sizes), offset, flat.device)
         flat.add_(res)
         res.copy_(flat)
         sent = flat[where].clone(memory_format=torch.contiguous_format)  # never a view of flat
         res[where] = 0
         return sent, where
+
+    def _positions(self, sizes: tuple[int, ...], offset: int, device: torch.device) -> torch.Tensor:
+        """`_positions`, built once per layout and offset (n index tensors per bucket)."""
+        key = (sizes, offset, str(device))
+        with self._lock:
+            found = self._index.get(key)
+            if found is None:
+                found = self._index[key] = _positions(sizes, offset, self.n, device)
+        return found
 
     def decode(self, flat: torch.Tensor, sent: torch.Tensor, where: Any) -> torch.Tensor:
         """``flat`` <- zeros with the averaged ``sent`` elements at their places."""
