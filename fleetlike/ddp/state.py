@@ -184,14 +184,17 @@ class FleetHookState:
         with self._lock:
             if key in self.sampler.residuals:
                 return key
-            for old, res in list(self.sampler.residuals.items()):  # a new layout: split the old
-                at = 0
+            mine = set(key)
+            for old, res in list(self.sampler.residuals.items()):
+                if mine.isdisjoint(old):  # type: ignore[arg-type]
+                    continue  # another bucket of the same layout
+                at = 0  # a new layout holds some of this old bucket's parameters: split it
                 for name in old:  # type: ignore[union-attr]
                     size = self._param_sizes[name]
                     self._pool[name] = res[at: at + size]
                     at += size
                 del self.sampler.residuals[old]
-            if self._pool:
+            if mine & self._pool.keys():
                 parts = [self._pool.pop(n, None) for n in key]
                 sizes = [p.numel() for p in params]
                 res = torch.cat([t if t is not None else torch.zeros(s, dtype=flat.dtype) for t, s in zip(parts, sizes)])
