@@ -16,6 +16,9 @@ comm                  communicators over roles
 collectives           buckets, reducer, flat / hierarchical / compressed averaging (comm only)
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
+ddp                   PyTorch DDP's face: communication hooks from a strategy, ``fleetlike.auto``'s
+                      zero-code-change patch and its env knobs (config, collectives, comm, roles,
+                      strategies: the data-parallel collective and the slow-rank helpers)
 fleet                 the facade of API.md (everything below)
 elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
                       (fleet for the world it re-forms; everything below)
@@ -53,6 +56,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("collectives", ("fleetlike.collectives",), {"comm"}),
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
+    ("ddp", ("fleetlike.ddp", "fleetlike.auto"), {"config", "collectives", "comm", "roles", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
     ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),

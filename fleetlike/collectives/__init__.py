@@ -17,6 +17,7 @@ from fleetlike.collectives.buckets import Bucket, plan_buckets
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.compression import CompressedAllReduce
 from fleetlike.collectives.flat import BucketCollective, FlatAllReduce
+from fleetlike.collectives.gossip import DownsampledAllReduce, Downsampler, sent_elements
 from fleetlike.collectives.hierarchical import (
     HierarchicalAllReduce,
     RingWorkers,
@@ -39,6 +40,8 @@ __all__ = [
     "Bucket",
     "BucketCollective",
     "CompressedAllReduce",
+    "DownsampledAllReduce",
+    "Downsampler",
     "FlatAllReduce",
     "GradReducer",
     "HalfCodec",
@@ -56,6 +59,7 @@ __all__ = [
     "plan_buckets",
     "plan_shards",
     "segmented_all_reduce",
+    "sent_elements",
     "two_level_positions",
     "unused_parameters",
 ]

@@ -58,6 +58,18 @@ RULES: tuple[Conflict, ...] = (
              "gradient allreduces", "turn fp16_allreduce off and set "
              "adaptive_localsgd_configs.sync_dtype to 'float16' or 'bfloat16' to compress local "
              "SGD's traffic"),
+    Conflict("localsgd", "gossip",
+             "local SGD averages parameters, not gradients; gossip compresses gradient allreduces",
+             "turn one off: both cut communication, local SGD by syncing every k steps"),
+    Conflict("adaptive_localsgd", "gossip",
+             "adaptive local SGD averages parameters, not gradients; gossip compresses gradient "
+             "allreduces", "turn one off"),
+    Conflict("sharding", "gossip",
+             "sharding reduce-scatters whole gradient partitions to their owners; gossip sends "
+             "strided samples of every bucket", "turn one off"),
+    Conflict("amp", "gossip",
+             "gossip's residual would carry the non-finite gradient of a step AMP skips into every "
+             "later step", "turn gossip off under AMP (fp16_allreduce compresses AMP's traffic)"),
     Conflict("sharding", "localsgd",
              "sharding gives each rank only its partition's optimizer state and reduces "
              "gradients every step, while local SGD steps every parameter on every rank and "

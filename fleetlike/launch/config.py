@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "so every node's launcher derives the same value)")
     p.add_argument("--kill_grace", default="3",
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default: 3)")
+    p.add_argument("--accelerate_ddp", action="store_true",
+                   help="workers import fleetlike.auto first: their torch DDP models average through fleetlike")
     p.add_argument("--malloc_tuning", default="on", choices=("on", "off"),
                    help="on (default): workers start with glibc's per-thread malloc cache off "
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
@@ -220,6 +222,7 @@ class LaunchConfig:
     kill_grace: float = 3.0
     print_config: bool = False
     malloc_tuning: bool = True
+    accelerate_ddp: bool = False
     rendezvous_file: str | None = None
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     ports: tuple[int, ...] = ()
@@ -541,6 +544,7 @@ def parse_config(
         kill_grace=grace,
         print_config=args.print_config,
         malloc_tuning=args.malloc_tuning == "on",
+        accelerate_ddp=args.accelerate_ddp,
         rendezvous_file=args.rendezvous_file,
         rendezvous_timeout=rdzv_timeout,
         ports=ports,

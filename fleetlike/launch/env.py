@@ -13,12 +13,16 @@ from collections.abc import Mapping
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles import parse_endpoint
 
-__all__ = ["AGENT_STORE", "MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
+__all__ = ["ACCELERATE_SITE", "AGENT_STORE", "MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
 
 #: torch's (and torchrun's) name for "the store at MASTER_ADDR:MASTER_PORT is hosted by the
 #: launcher": set to ``True`` with ``--started_port=auto``, read by `PaddleCloudRoleMaker`
 #: (``Role.master_hosted``) and by torch's own ``env://`` / ``tcp://`` initialization.
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+#: ``--accelerate_ddp``: the folder whose ``sitecustomize.py`` makes every worker import
+#: ``fleetlike.auto`` before the script (a path, not an import: launch sits below fleetlike.ddp)
+ACCELERATE_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp", "_site")
 
 #: Removed from workers: a proxy would swallow the workers' connections to each other.
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -79,6 +83,9 @@ def worker_env(
                           order, so FLAGS_selected_gpus indexes the same devices it validated
     GLIBC_TUNABLES        ``--malloc_tuning on`` only: `MALLOC_TUNABLE` added
                           (`tuned_glibc_tunables`)
+    FLEETLIKE_ACCELERATE_DDP  ``--accelerate_ddp`` only: ``1`` (workers import fleetlike.auto)
+    PYTHONPATH            ``--accelerate_ddp`` only: `ACCELERATE_SITE` first, whose
+                          ``sitecustomize`` imports ``fleetlike.auto`` before the script
     ====================  =============================================================
 
     and without ``http_proxy``/``https_proxy``/``all_proxy`` in either case (`PROXY_VARIABLES`).
@@ -125,4 +132,7 @@ def worker_env(
         env["CUDA_VISIBLE_DEVICES"] = visible
     if config.malloc_tuning:
         env["GLIBC_TUNABLES"] = tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))
+    if config.accelerate_ddp:
+        env["FLEETLIKE_ACCELERATE_DDP"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ACCELERATE_SITE, env.get("PYTHONPATH")) if p)
     return env

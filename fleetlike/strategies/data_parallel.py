@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from fleetlike.collectives import BucketCollective, HalfCodec, make_reducer
+from fleetlike.collectives import BucketCollective, DownsampledAllReduce, HalfCodec, make_reducer
 from fleetlike.comm import CommGroups, Communicator
 from fleetlike.config import DistributedStrategy
 from fleetlike.program import Op, StepState
@@ -28,13 +28,20 @@ def gradient_collective(
     s: DistributedStrategy, groups: CommGroups, role: Role, *, rings: list[Communicator] | None = None
 ) -> tuple[BucketCollective, list[tuple[str, bool, str]]]:
     """The `BucketCollective` for the gradients under strategy ``s`` (``fp16_allreduce`` chooses
-    the codec; the topology part is `averaging_collective`'s) and what to record in
-    ``applied_strategy()``. ``rings``: the flat form's communicators of the caller's own."""
+    the codec; the topology part is `averaging_collective`'s; ``gossip`` wraps the result in
+    `DownsampledAllReduce`) and what to record in ``applied_strategy()``. ``rings``: the flat
+    form's communicators of the caller's own."""
     fp16 = bool(s.fp16_allreduce)
     cfg = s.fp16_allreduce_configs if fp16 else None
     codec = HalfCodec(str(cfg["dtype"]), float(cfg["grad_scale"])) if cfg is not None else None
     mixed = cfg is not None and str(cfg["mode"]) == "mixed"
-    return averaging_collective(s, groups, role, codec=codec, mixed=mixed, rings=rings)
+    coll, notes = averaging_collective(s, groups, role, codec=codec, mixed=mixed, rings=rings)
+    if not s.gossip:
+        return coll, notes
+    n = int(s.gossip_configs["downsample_n_elements"])
+    notes.append(("gossip", True, f"1/{n} of each bucket per step (rotating offset), the rest kept "
+                  "as an error-feedback residual"))
+    return DownsampledAllReduce(coll, n), notes
 
 
 class DataParallelUnit(Unit):

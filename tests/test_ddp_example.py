@@ -1,0 +1,145 @@
+"""The unmodified DDP script of examples/ddp under torchrun and ``python -m fleetlike.launch``.
+
+Each run trains examples/ddp/main.py (PyTorch's imagenet loop, synthetic data) and saves its
+parameters; the accelerated runs are compared with plain DDP runs of the same script:
+
+* torchrun, 2 ranks: ``accelerated.py`` (= main.py + ``import fleetlike.auto``) with flat fp32,
+  2 communicators, 1 MB fusion, the NaN check and a slow-rank check every 4 steps: equal to
+  plain DDP exactly; with fp16 and a gradient scale: within 10% of the parameters' change (the
+  codec itself equals torch's fp16_compress_hook exactly: tests/test_ddp_hooks.py);
+* ``python -m fleetlike.launch --accelerate_ddp``, 2 loopback nodes x 2 ranks, main.py itself:
+  hierarchical fp32 within 1% of the parameters' change of plain DDP (the two-level sum adds in
+  another order than gloo's ring; 8 steps of a BatchNorm ResNet amplify float32 rounding),
+  mixed (fp16 across nodes) within 10% (measured 5.3%; the codec's own bound is checked in
+  tests/test_ddp_hooks.py, where the arithmetic is exact);
+* a misspelt knob and a bad value stop the script at start-up naming variable, value and the
+  accepted values.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = ROOT / "examples" / "ddp" / "main.py"
+AUTO = ROOT / "examples" / "ddp" / "accelerated.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+#: a small learning rate without momentum keeps training near-linear, so a 16-bit run stays within
+#: the codec's bound of plain DDP instead of drifting chaotically (torch's own fp16_compress_hook
+#: drifts ~9% from plain DDP in 8 steps at lr 0.05, momentum 0.9)
+ARGS = ["--samples", "128", "--batch-size", "16", "--print-freq", "100", "--lr", "0.002", "--momentum", "0"]
+
+
+def _env(**knobs: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLEETLIKE_", "PADDLE_", "TORCHELASTIC")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(knobs)
+    return env
+
+
+def _torchrun(tmp: Path, name: str, script: Path, **knobs: str) -> dict[str, torch.Tensor]:
+    ckpt = tmp / f"{name}.pt"
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), *ARGS, "--checkpoint", str(ckpt)],
+                          env=_env(**knobs), capture_output=True, text=True, timeout=120, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(ckpt)["state_dict"]
+
+
+def _two_nodes(tmp: Path, name: str, *flags: str, **knobs: str) -> tuple[dict[str, torch.Tensor], str]:
+    ckpt, rdzv = tmp / f"{name}.pt", tmp / f"{name}.rdzv"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}",
+         "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=2", f"--log_dir={tmp / name}{node}",
+         *flags, str(MAIN), *ARGS, "--checkpoint", str(ckpt)],
+        env=_env(**knobs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+        for node, ip in enumerate(("127.0.0.1", "127.0.0.2"))]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150)[0])
+            assert p.returncode == 0, outs[-1] + _logs(tmp / f"{name}0") + _logs(tmp / f"{name}1")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return torch.load(ckpt)["state_dict"], _logs(tmp / f"{name}0")
+
+
+def _logs(folder: Path) -> str:
+    return "".join(f.read_text() for f in sorted(folder.glob("workerlog.*"))) if folder.exists() else ""
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    """The script's initial parameters (seed 0, rank 0's, which DDP broadcasts)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_example_main", MAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.ResNet(8, 10).state_dict()
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference of ``a`` and ``b`` relative to how far training moved ``b``, over
+    the trained parameters (the 16-bit runs' gradients differ by rounding; 8 steps of training
+    amplify that a little, as torch's own fp16_compress_hook shows)."""
+    init = _initial()
+    names = [k for k in a if k.endswith(("weight", "bias"))]
+    return max(float((a[k].double() - b[k].double()).abs().max() / ((b[k] - init[k]).double().abs().max() + 1e-12))
+               for k in names)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_unmodified_ddp_script(tmp_path: Path) -> None:
+    plain = _torchrun(tmp_path, "plain", MAIN)
+    flat = _torchrun(tmp_path, "flat", AUTO, FLEETLIKE_ALLREDUCE_MODE="flat", FLEETLIKE_ALLREDUCE_STREAMS="2",
+                     FLEETLIKE_FUSION_MB="1", FLEETLIKE_NAN_CHECK="1", FLEETLIKE_PERF_CHECK_N_STEPS="4")
+    for k in plain:
+        assert torch.equal(plain[k], flat[k]), k
+    fp16 = _torchrun(tmp_path, "fp16", AUTO, FLEETLIKE_ALLREDUCE_DTYPE="fp16", FLEETLIKE_GRADIENT_SCALE="2")
+    assert 0 < _rel(fp16, plain) < 1e-1
+
+    plain4, _ = _two_nodes(tmp_path, "plain4")
+    hier, log = _two_nodes(tmp_path, "hier", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_MODE="hierarchical")
+    assert "use_hierarchical_allreduce: applied: reduce_scatter: 2 ranks/node x 2 nodes" in log, log
+    assert _rel(hier, plain4) < 1e-2  # float32 sums in another order, amplified by training
+    mixed, log = _two_nodes(tmp_path, "mixed", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_DTYPE="mixed")
+    assert "fp16_allreduce: applied: mixed" in log, log
+    assert 0 < _rel(mixed, plain4) < 1e-1
+
+
+@pytest.mark.timeout(60)
+def test_bad_knobs_stop_at_start() -> None:
+    for knobs, expect in (({"FLEETLIKE_ALLREDUCE_DTYPE": "fp8"}, "FLEETLIKE_ALLREDUCE_DTYPE='fp8' is not accepted; use fp32, fp16, bf16, mixed"),
+                          ({"FLEETLIKE_ALLREDUCE_STREMS": "2"}, "FLEETLIKE_ALLREDUCE_STREMS='2' is not a fleetlike setting"),
+                          ({"FLEETLIKE_PERF_CHECK_N_STEPS": "-1"}, "use an integer >= 0"),
+                          ({"FLEETLIKE_STRATEGY": '{"amp": true}'}, "strategy.amp=True: a DDP communication hook")):
+        proc = subprocess.run([sys.executable, str(AUTO), "--epochs", "1"], env=_env(**knobs),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and expect in proc.stderr, (knobs, proc.stderr)
+        assert "Epoch" not in proc.stdout
+
+
+def test_launcher_flag_puts_the_site_first() -> None:
+    from fleetlike.launch.config import parse_config
+    from fleetlike.launch.env import ACCELERATE_SITE, worker_env
+
+    on = parse_config(["--accelerate_ddp", "--nproc_per_node=2", str(MAIN)])
+    env = worker_env(on, 1, base={"PYTHONPATH": "/somewhere"})
+    assert env["FLEETLIKE_ACCELERATE_DDP"] == "1"
+    assert env["PYTHONPATH"] == ACCELERATE_SITE + os.pathsep + "/somewhere"
+    assert (Path(ACCELERATE_SITE) / "sitecustomize.py").is_file()
+    off = worker_env(parse_config(["--nproc_per_node=2", str(MAIN)]), 1, base={"PYTHONPATH": "/somewhere"})
+    assert "FLEETLIKE_ACCELERATE_DDP" not in off and off["PYTHONPATH"] == "/somewhere"
