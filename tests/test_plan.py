@@ -38,7 +38,7 @@ from fleetlike.testing import run_ranks
 
 CLUSTER = Cluster(2, 2)
 BATCH = 192
-MEMORY_NAMES = ["dp", "fp16", "sharding", "localsgd", "dp+recompute", "dp+amp"]
+MEMORY_NAMES = ["dp", "fp16", "sharding", "localsgd", "gossip", "dp+recompute", "dp+amp"]
 
 
 def build(batch_size: int):

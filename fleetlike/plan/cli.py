@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="compute slowdown on the cluster (default: the probe's, else 1)")
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
-    p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gradient_merge")
+    p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gossip,gradient_merge")
     p.add_argument("--memory", default=None, help="memory per rank, e.g. 2GiB; larger candidates are marked")
     p.add_argument("--threads", type=int, default=None, help="torch threads while timing compute (as the workers use)")
     p.add_argument("--save", default=None, help="write the recommended DistributedStrategy JSON here")

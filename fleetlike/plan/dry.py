@@ -66,8 +66,11 @@ class DryFabric:
     Only the events of ``traced`` (rank 0 by default) are logged; the tag is set by the tracer
     around each op and each bucket. Shared between threads, so guarded by a condition."""
 
-    def __init__(self, world_size: int, *, traced: int = 0, timeout: float = 120.0) -> None:
+    def __init__(self, world_size: int, *, traced: int = 0, timeout: float = 120.0, backend: str = "gloo") -> None:
         self.world_size = world_size
+        #: the backend the planned job runs on: the collectives choose their algorithm by it
+        #: (sharding allreduces its buckets on gloo, whose reduce_scatter is slower)
+        self.backend = backend
         self.traced = traced
         self.timeout = timeout
         self._cond = threading.Condition()
@@ -100,12 +103,12 @@ class DryFabric:
 class DryCommunicator(Communicator):
     """Rank ``rank`` of a group whose collectives complete at once (see the module docstring)."""
 
-    backend = "dry"
     calls_backend_at_size_one = False
 
     def __init__(self, fabric: DryFabric, rank: int, size: int, ranks: Sequence[int], name: str) -> None:
         super().__init__(rank, size, list(ranks), name)
         self.fabric = fabric
+        self.backend = fabric.backend  # the planned job's, so every choice made by backend is its
         self.check_sizes = False  # nothing to agree with: the ranks' sizes agree by construction
         self._nsplits = 0
         self._ncoll = 0

@@ -5,7 +5,8 @@ Three axes, each value a set of `DistributedStrategy` options:
 - **communication**: ``dp`` (flat bucketed allreduce), ``hier`` (two-level allreduce,
   reduce-scatter form in 1 MiB segments), ``fp16`` (16-bit wire, every hop), ``hier_fp16``,
   ``fp16_mixed`` (16-bit across nodes only), ``sharding`` (ZeRO-1: reduce-scatter, partitioned
-  update, parameter gather), ``sharding_hier``, ``localsgd`` (parameters averaged every 4 steps);
+  update, parameter gather), ``sharding_hier``, ``localsgd`` (parameters averaged every 4 steps), ``gossip`` (one of every 4
+  gradient elements per step, error feedback);
 - **compute/memory**: none, ``recompute`` ("auto": the model's top-level children),
   ``amp`` (bfloat16 autocast);
 - **accumulation**: none, ``merge`` (gradient merge, k = 4).
@@ -16,9 +17,9 @@ left out, and so are two-level forms on a cluster where they fall back to the fl
 (one node, or one rank per node: the trace would be ``dp``'s). Adaptive local SGD is not in
 the space: its schedule depends on the loss, which no plan made before training knows.
 
-``localsgd`` and ``merge`` change the training math (a different effective batch or a
-different averaging); `MathChange` names them and `fleetlike.plan.planner` recommends them only
-when the user allows them (``--allow localsgd,gradient_merge``).
+``localsgd``, ``gossip`` and ``merge`` change the training math (a different averaging, delayed
+elements, or a different effective batch); `MathChange` names them and `fleetlike.plan.planner`
+recommends them only when the user allows them (``--allow localsgd,gossip,gradient_merge``).
 
 Example:
     >>> [c.name for c in candidates("basic", Cluster(2, 2))][:3]
@@ -45,6 +46,7 @@ class MathChange(str, enum.Enum):
     """Strategies that change what training computes; recommended only when allowed."""
 
     LOCALSGD = "localsgd"
+    GOSSIP = "gossip"
     GRADIENT_MERGE = "gradient_merge"
 
 
@@ -68,6 +70,7 @@ COMMUNICATION: dict[str, dict[str, Any]] = {
     "sharding": _SHARD,
     "sharding_hier": {**_SHARD, **_HIER},
     "localsgd": {"localsgd": True, "localsgd_configs": {"k_steps": 4, "begin_step": 1}},
+    "gossip": {"gossip": True, "gossip_configs": {"downsample_n_elements": 4}},
 }
 COMPUTE: dict[str, dict[str, Any]] = {
     "": {},
@@ -107,7 +110,7 @@ def _merge(*parts: Mapping[str, Any]) -> dict[str, Any]:
 def _make(comm: str, compute: str, merge: str) -> Candidate:
     name = "+".join(x for x in (comm, compute, merge) if x)
     opts = _merge(COMMUNICATION[comm], COMPUTE[compute], MERGE[merge])
-    math = tuple(m for m, on in ((MathChange.LOCALSGD, comm == "localsgd"),
+    math = tuple(m for m, on in ((MathChange.LOCALSGD, comm == "localsgd"), (MathChange.GOSSIP, comm == "gossip"),
                                  (MathChange.GRADIENT_MERGE, bool(merge))) if on)
     return Candidate(name, opts, math)
 
