@@ -21,6 +21,8 @@ from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
     "AUTO_PORT",
+    "DEFAULT_DISCOVERY_INTERVAL",
+    "DEFAULT_REMOTE_SHELL",
     "DEFAULT_RENDEZVOUS_TIMEOUT",
     "DEFAULT_STARTED_PORT",
     "LaunchConfig",
@@ -36,6 +38,13 @@ DEFAULT_STARTED_PORT = 6170
 #: ``--started_port=auto``: the launcher lets the OS choose free ports and holds them; on several
 #: nodes the launchers meet through ``--rendezvous_file`` (`fleetlike.launch.meeting`).
 AUTO_PORT = "auto"
+
+#: ``--remote_shell`` default: the template is followed by one argument, a shell command line,
+#: exactly as ``ssh HOST 'command'`` takes it (the ``-np/-H`` form and host discovery).
+DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes {host}"
+
+#: ``--discovery_interval``: seconds between two runs of ``--host_discovery_script``.
+DEFAULT_DISCOVERY_INTERVAL = 5.0
 
 #: ``--rendezvous_timeout``: seconds the launchers of several nodes wait for each other.
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
@@ -175,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv_last_call", default="3", metavar="SECONDS",
                    help="with --nnodes: once MIN nodes' workers are there, how long a rendezvous "
                    "round waits for more before it closes (default: 3)")
+    p.add_argument("--host_discovery_script", default=None, metavar="PATH",
+                   help="with --nnodes, on the launcher hosting --rdzv_endpoint: an executable "
+                   "printing 'host:slots' lines (Horovod's contract); each listed host not yet "
+                   "running workers is started through --remote_shell and joins at the next commit")
+    p.add_argument("--discovery_interval", default=f"{DEFAULT_DISCOVERY_INTERVAL:g}", metavar="SECONDS",
+                   help="seconds between two runs of --host_discovery_script "
+                   f"(default: {DEFAULT_DISCOVERY_INTERVAL:g})")
+    p.add_argument("--remote_shell", "--remote-shell", default=DEFAULT_REMOTE_SHELL,
+                   help="with --host_discovery_script: the command that runs a shell command line "
+                   f"on {{host}}; the line is appended as one argument (default: {DEFAULT_REMOTE_SHELL!r})")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved configuration before starting")
     p.add_argument("-m", "--module", action="store_true",
@@ -234,6 +253,10 @@ class LaunchConfig:
     max_nodes: int = 0
     rdzv_endpoint: str | None = None
     rdzv_last_call: float = 3.0
+    #: ``--host_discovery_script`` (`fleetlike.launch.discovery`)
+    host_discovery_script: str | None = None
+    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
+    remote_shell: str = DEFAULT_REMOTE_SHELL
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -326,12 +349,29 @@ class LaunchConfig:
                 f"--nnodes={self.min_nodes}:{self.max_nodes}: the nodes of an elastic job come from "
                 f"the rendezvous, not from --cluster_node_ips={','.join(self.cluster_node_ips)}; "
                 "give each launcher only its own --node_ip")
+        if self.host_discovery_script is not None:
+            self._check_discovery()
         if self.max_restarts and self.node_num > 1:
             raise LaunchInputError(
                 f"--max_restarts={self.max_restarts} restarts the workers of one launcher; with "
                 f"{self.node_num} nodes the other launchers would not restart theirs. Run the job's "
                 "ranks under one launcher (one node), or drop --max_restarts"
             )
+
+    def _check_discovery(self) -> None:
+        flag = f"--host_discovery_script={self.host_discovery_script}"
+        if not self.min_nodes:
+            raise LaunchInputError(f"{flag} finds nodes for an elastic job; add --nnodes=MIN:MAX")
+        if str(self.rdzv_endpoint).rpartition(":")[0].strip("[]") != self.node_ip:
+            raise LaunchInputError(
+                f"{flag}: run it on the launcher that hosts --rdzv_endpoint={self.rdzv_endpoint} "
+                f"(--node_ip={self.node_ip} is another node), so one launcher starts the new nodes")
+        if not self.discovery_interval > 0:
+            raise LaunchInputError(f"--discovery_interval={self.discovery_interval:g} must be > 0 seconds")
+        if "{host}" not in self.remote_shell:
+            raise LaunchInputError(
+                f"--remote_shell={self.remote_shell!r} has no {{host}}; write where the host name "
+                f"goes, e.g. {DEFAULT_REMOTE_SHELL!r}")
 
     @property
     def node_index(self) -> int:
@@ -555,6 +595,9 @@ def parse_config(
         max_nodes=nodes[1],
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_last_call=last_call,
+        host_discovery_script=args.host_discovery_script,
+        discovery_interval=_seconds("--discovery_interval", args.discovery_interval),
+        remote_shell=args.remote_shell,
     )
 
 
@@ -589,6 +632,8 @@ def format_config(config: LaunchConfig) -> str:
         ("nnodes", f"{config.min_nodes}:{config.max_nodes} (elastic, rendezvous at "
                    f"{config.rdzv_endpoint}, last call {config.rdzv_last_call:g} s)"
                    if config.min_nodes else "fixed"),
+        ("host_discovery", f"{config.host_discovery_script} every {config.discovery_interval:g} s, "
+                           f"through {config.remote_shell!r}" if config.host_discovery_script else "off"),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
     ]
     if config.use_paddlecloud:

@@ -38,6 +38,8 @@ from typing import Any
 
 from fleetlike.comm import JOB_KEY, host_store
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
+from fleetlike.launch.discovery import HostDiscovery
+from fleetlike.launch.remote import agent_grace
 from fleetlike.launch.workers import Worker, describe_exit, last_line
 from fleetlike.roles import parse_endpoint
 
@@ -142,9 +144,25 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
 
     ``run_once(config, stop, extra_env, failed_out)`` is the launcher's own start-watch-stop
     (`fleetlike.launch.main`); ``store`` the store the launcher hosts (``--started_port=auto``)
-    or None. ``stop`` is the launcher's signal record: a signal ends the loop at once."""
-    attempts: list[Attempt] = []
+    or None. ``stop`` is the launcher's signal record: a signal ends the loop at once. With
+    ``--host_discovery_script`` the hosts it finds are started meanwhile
+    (`fleetlike.launch.discovery`) and stopped with the job."""
     rendezvous = host_rendezvous(config)  # noqa: F841 - held until the job ends here
+    discovery = HostDiscovery(config) if config.host_discovery_script is not None else None
+    if discovery is not None:  # after the store is up: the nodes it starts meet there
+        discovery.check()
+        discovery.start()
+    code = 1
+    try:
+        code = _generations(config, stop, run_once, store)
+        return code
+    finally:
+        if discovery is not None:  # a job that succeeded ends on every node by itself
+            discovery.close(wait=agent_grace(config.kill_grace) if code == 0 else 0)
+
+
+def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any | None) -> int:
+    attempts: list[Attempt] = []
     for generation in range(config.max_restarts + 1):
         gen = generation_config(config, generation)
         os.makedirs(gen.log_dir, exist_ok=True)

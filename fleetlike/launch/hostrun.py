@@ -34,13 +34,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 
 from fleetlike.launch.config import LaunchInputError, _HelpExit, default_job_id
 from fleetlike.launch.hosts import (
-    FORWARDED,
-    FORWARDED_PREFIXES,
     HostsJob,
     Mode,
     is_hosts_form,
@@ -50,7 +47,8 @@ from fleetlike.launch.hosts import (
 from fleetlike.launch.main import _StopRequest
 from fleetlike.launch.main import main as launch_main
 from fleetlike.launch.mpiguard import GUARD_LINE
-from fleetlike.launch.workers import _die_with_launcher, describe_exit
+from fleetlike.launch.remote import agent_argv, agent_grace, forwarded_env, start_agent, stop_agents
+from fleetlike.launch.workers import describe_exit
 
 __all__ = ["agent_command", "cli", "mpiexec_command", "run_hosts"]
 
@@ -64,22 +62,11 @@ def _job_id(job: HostsJob) -> str:
     return job.job_id or default_job_id(job.node_names, job.started_port, job.per_node)
 
 
-def forwarded_env(job: HostsJob, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The variables remote agents get from here: `FORWARDED`, ``FLEETLIKE_*`` and ``-x`` names."""
-    env = dict(os.environ if environ is None else environ)
-    names = [n for n in env if n in FORWARDED or n.startswith(FORWARDED_PREFIXES) or n in job.forward]
-    return {n: env[n] for n in sorted(names)}
-
-
 def agent_command(job: HostsJob, node: int, *, cwd: str, env: dict[str, str]) -> list[str]:
     """The argv of host ``node``'s agent (run as is here, or joined into one line for the shell)."""
     script, module, script_args = python_script(job.command)
     host = job.hosts[node]
-    argv = [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", cwd, "--watch_stdin"]
-    for name, value in env.items():
-        argv += ["--env", f"{name}={value}"]
-    argv += [
-        "--",
+    argv = [
         f"--cluster_node_ips={','.join(job.node_names)}",
         f"--node_ip={host.name}",
         f"--nproc_per_node={host.procs}",
@@ -90,7 +77,7 @@ def agent_command(job: HostsJob, node: int, *, cwd: str, env: dict[str, str]) ->
     ]
     if module:
         argv.append("-m")
-    return argv + [script, *script_args]
+    return agent_argv([*argv, script, *script_args], cwd=cwd, env=env)
 
 
 def mpiexec_command(job: HostsJob, launcher_exec: str | None) -> list[str]:
@@ -120,41 +107,13 @@ def mpiexec_command(job: HostsJob, launcher_exec: str | None) -> list[str]:
     return argv
 
 
-def _start(argv: Sequence[str], *, stdin: int | None, stderr: int | None = None) -> subprocess.Popen[bytes]:
-    """A child in its own session (so its group can be signalled) that dies with this process."""
-    return subprocess.Popen(list(argv), stdin=stdin, stderr=stderr, start_new_session=True,
-                            preexec_fn=_die_with_launcher)
-
-
-def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float, sig: int = signal.SIGTERM) -> None:
-    """``sig`` to every child's group, SIGKILL after ``grace``; returns when all are reaped."""
-    for p in procs:
-        if p.stdin is not None and not p.stdin.closed:
-            p.stdin.close()  # a remote agent's cue, through ssh
-        _signal(p, sig)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            _signal(p, signal.SIGKILL)
-        p.wait()
-
-
 def _watch(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], job: HostsJob, stop: _StopRequest) -> int:
     """Wait for every child; the first to fail, or a signal to us, stops the others."""
     # agents need their own grace to stop their workers before we escalate
-    grace = 2 * job.kill_grace + 5
+    grace = agent_grace(job.kill_grace)
     while True:
         if stop.signum is not None:
-            _stop(procs, grace, stop.signum)
+            stop_agents(procs, grace, stop.signum)
             print(f"{_PREFIX} received {signal.Signals(stop.signum).name}; stopped the job on "
                   f"{len(procs)} host(s)", file=sys.stderr, flush=True)
             return 128 + stop.signum
@@ -162,7 +121,7 @@ def _watch(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], job: 
         bad = next((k for k, c in enumerate(codes) if c not in (None, 0)), None)
         if bad is not None:
             others = [p for k, p in enumerate(procs) if k != bad]
-            _stop(others, grace)
+            stop_agents(others, grace)
             code = procs[bad].returncode
             print(f"{_PREFIX} {names[bad]} {describe_exit(code)}; stopped the job on the other "
                   f"{len(others)} host(s)", file=sys.stderr, flush=True)
@@ -173,7 +132,7 @@ def _watch(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], job: 
 
 
 def _run_gloo(job: HostsJob, stop: _StopRequest) -> int:
-    cwd, env = os.getcwd(), forwarded_env(job)
+    cwd, env = os.getcwd(), forwarded_env(job.forward)
     procs: list[subprocess.Popen[bytes]] = []
     names = []
     try:
@@ -183,15 +142,15 @@ def _run_gloo(job: HostsJob, stop: _StopRequest) -> int:
                 argv = job.shell_argv(host.name) + [shlex.join(argv)]
             names.append(f"host {host.name} (node {k}, ranks {k * job.per_node}..{(k + 1) * job.per_node - 1})")
             try:
-                procs.append(_start(argv, stdin=subprocess.PIPE))
+                procs.append(start_agent(argv, stdin=subprocess.PIPE))
             except OSError as exc:
                 print(f"{_PREFIX} cannot start the agent of host {host.name}: {exc}", file=sys.stderr, flush=True)
-                _stop(procs, 2 * job.kill_grace + 5)
+                stop_agents(procs, agent_grace(job.kill_grace))
                 return 1
         return _watch(procs, names, job, stop)
     finally:
         if any(p.poll() is None for p in procs):
-            _stop(procs, 2 * job.kill_grace + 5)
+            stop_agents(procs, agent_grace(job.kill_grace))
 
 
 def _run_mpi(job: HostsJob, stop: _StopRequest) -> int:
@@ -203,7 +162,7 @@ def _run_mpi(job: HostsJob, stop: _StopRequest) -> int:
                 fh.write("#!/bin/sh\nexec " + shlex.join([sys.executable, _MPIGUARD, "shell", job.remote_shell])
                          + ' "$@"\n')
             os.chmod(launcher_exec, 0o755)
-        proc = _start(mpiexec_command(job, launcher_exec), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = start_agent(mpiexec_command(job, launcher_exec), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         failed: list[int] = []
         tee = threading.Thread(target=_tee_stderr, args=(proc, failed), name="fleetlike-mpiexec-err", daemon=True)
         tee.start()
@@ -211,7 +170,7 @@ def _run_mpi(job: HostsJob, stop: _StopRequest) -> int:
             code = _watch([proc], ["mpiexec"], job, stop)
         finally:
             if proc.poll() is None:
-                _stop([proc], 2 * job.kill_grace + 5)
+                stop_agents([proc], agent_grace(job.kill_grace))
             tee.join(timeout=5)
         # the failed rank's own code (hydra reports the guard's SIGKILL instead)
         return failed[0] if code != 0 and failed and stop.signum is None else code

@@ -35,7 +35,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 
-from fleetlike.launch.config import DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit
+from fleetlike.launch.config import DEFAULT_REMOTE_SHELL, DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit
 from fleetlike.roles import is_host
 
 __all__ = [
@@ -49,11 +49,9 @@ __all__ = [
     "parse_host_list",
     "parse_hosts",
     "python_script",
+    "shell_argv",
 ]
 
-#: ``--remote_shell`` default: the template is followed by one argument, a shell command line,
-#: exactly as ``ssh HOST 'command'`` takes it.
-DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes {host}"
 
 #: The flags that select this form when they come before the training command.
 _MARKERS = ("-np", "-H", "--hosts", "--hostfile", "--gloo", "--mpi")
@@ -113,9 +111,14 @@ class HostsJob:
         return next((h for h in self.hosts if h.local), None)
 
     def shell_argv(self, host: str) -> list[str]:
-        """The remote-shell template for ``host``, split like a shell would; the command line to
-        run there is appended as one more argument."""
-        return [part.replace("{host}", host) for part in shlex.split(self.remote_shell)]
+        """The remote-shell template for ``host`` (`shell_argv`)."""
+        return shell_argv(self.remote_shell, host)
+
+
+def shell_argv(template: str, host: str) -> list[str]:
+    """The remote-shell ``template`` for ``host``, split like a shell would; the command line to
+    run there is appended as one more argument."""
+    return [part.replace("{host}", host) for part in shlex.split(template)]
 
 
 def is_hosts_form(argv: Sequence[str]) -> bool:
