@@ -184,9 +184,9 @@ def test_collective_lists_and_memory_match_real_ranks():
 
 def test_bad_inputs_get_clear_errors(capsys, tmp_path):
     base = ["--model", "test_plan:build", "--cluster", "2x2", "--intra", "50,1000", "--inter", "100,100"]
-    assert plan_main([*base, "--allow", "localsgd,gossip"]) == 2
+    assert plan_main([*base, "--allow", "localsgd,powersgd"]) == 2
     err = capsys.readouterr().err
-    assert "--allow='gossip'" in err and "'localsgd'" in err and "'gradient_merge'" in err
+    assert "--allow='powersgd'" in err and "'localsgd'" in err and "'gossip'" in err and "'gradient_merge'" in err
     assert plan_main([*base[:1], "no_such_module_xyz:build", *base[2:]]) == 2
     err = capsys.readouterr().err
     assert "cannot import module 'no_such_module_xyz'" in err and "PYTHONPATH" in err

@@ -9,7 +9,8 @@ Counted on the traced rank's real engine (`fleetlike.plan.trace`), each storage 
 - optimizer state: the user's optimizer after a few steps; under sharding it holds state for
   this rank's partition only, so this is the sharded figure;
 - strategy state: tensors the units keep (local SGD's anchors and flat buffers, the loss scale,
-  sharding's gather rows, ...), found by walking the units;
+  sharding's gather rows, ...), found by walking the units, and those the gradient collective
+  keeps (gossip's error-feedback residuals, one per bucket);
 - activations: bytes of the tensors autograd saves during one forward (a saved-tensors hook),
   which under recompute are only the checkpointed blocks' inputs, and under AMP include the
   low-precision copies of the weights (``amp_copies`` is that part);
@@ -151,6 +152,9 @@ def measure_state(engine: Engine, activations: int, strategy: DistributedStrateg
     seen: set[int] = set()
     for unit in engine.units:
         for t in _tensors(unit, 6, seen):
+            c.add(t)
+    if ctx.reducer is not None:  # the collective's own state (gossip's residuals)
+        for t in _tensors(ctx.reducer.collective, 6, seen):
             c.add(t)
     strategy_state = c.total - before
     buffers = 0
