@@ -90,8 +90,13 @@ def test_random_shapes_and_worlds_equal_the_reference(world, cases):
     ranks = run_ranks(_shapes, world, cases, timeout=120)
     for i, (widths, _, name) in enumerate(cases):
         ref = _reference_no_sched(name, widths)
+        # 4e-6 for Adam, not 1e-6: the reference averages a 3-rank batch in one sum, the ranks sum and
+        # divide by 3; Adam's normalisation amplifies that rounding on near-zero gradient
+        # elements. Unsharded data parallel differs from the reference by the same 1.99e-6 on
+        # world=3, widths (2, 39, 15, 35), adam (checked by hand: sharding equals DP there).
+        tol = 1e-6 if name in ("sgd", "momentum") else 4e-6
         for res in ranks:
-            assert max_diff(res[i], ref) <= 1e-6, (world, widths, name)
+            assert max_diff(res[i], ref) <= tol, (world, widths, name)
 
 
 def _reference_no_sched(name: str, widths: tuple[int, ...]) -> list:
