@@ -327,3 +327,14 @@ def replace_section(path: str | Path, title: str, section: str) -> None:
         nxt = text.find("\n## ", start + len(title) + 1)
         text = text[:start].rstrip() + "\n\n" + (text[nxt + 1:] if nxt >= 0 else "")
     p.write_text(text.rstrip() + "\n\n" + section)
+
+
+def save_figure(fig: Any, path: Path | str) -> None:
+    """Write a benchmark's matplotlib figure to ``path`` (folders made) and free it: the one
+    place every bench's plot ends, so they all land the same way (110 dpi)."""
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

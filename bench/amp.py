@@ -227,9 +227,9 @@ def _plot(path: Path, results: list[dict[str, Any]]) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("AMP on CPU (2 threads): training steps/s vs float32")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 def _write_section(path: Path, info: dict[str, Any], results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -242,9 +242,9 @@ def plot(path: Path, data: dict[str, Any]) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{data['model']}; {data['link']}; H={data['H']}, {data['fragments']} fragments", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

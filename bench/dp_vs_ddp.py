@@ -375,9 +375,9 @@ def _plot(path: Path, rows: list[dict[str, Any]], rss: dict[str, Any] | None) ->
         ax2.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"fleetlike data parallel vs PyTorch DDP, gloo, {WORLD} ranks, bucket {BUCKET_MB} MB")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 _SPEED_COLS = [

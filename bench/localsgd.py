@@ -110,9 +110,9 @@ def plot_convergence(path: Path, data: dict) -> None:
     axes[1].set_title("loss vs bytes sent")
     fig.suptitle("digits, 4 gloo ranks: sync SGD vs local SGD k=4 vs adaptive")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ (b) speed over a slow link
@@ -241,9 +241,9 @@ def plot_speed(path: Path, data: dict) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{data['layout']}, link tbf {data['rate']}; {data['model']}", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

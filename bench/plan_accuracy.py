@@ -169,9 +169,9 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7)
     ax.set_title("planner: predicted vs measured step time")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 def report(args: argparse.Namespace, info: dict[str, Any], strategies: list[str], rows: list[dict[str, Any]],

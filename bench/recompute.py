@@ -184,9 +184,9 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.set_title(f"recompute trade-off: {BLOCKS} transformer blocks, width {WIDTH}, seq {SEQ}, batch {BATCH}",
                  fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 COLS = [

@@ -165,9 +165,9 @@ def _plot(path: Path, rounds: list[dict[str, Any]], ratio: float) -> None:
     ax.set_title(f"ResNet18, digits folder: fleetlike / DDP = {ratio:.2f}x (median)")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from bench._common import save_figure
+
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
