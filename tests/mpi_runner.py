@@ -9,7 +9,8 @@ name the rank.
 
 Tasks:
     cases          run a list of `comm_cases.Case` on ``MPICommunicator()`` (COMM_WORLD)
-    split          ``world.split(colors[rank], key=-rank)``, then an allreduce of the ranks
+    split          for each colouring: ``world.split(colors[rank], key=-rank)``, then an allreduce
+                   of the ranks
     create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role, and
                    its `CommGroups` (intra, inter, rings)
     stall          rank 0 issues an allreduce rank 1 never joins (the watchdog's case)
@@ -139,21 +140,27 @@ def _task_cases(cases: list[Any]) -> Any:
         world.close()
 
 
-def _task_split(colors: list[int | None]) -> Any:
+def _task_split(colorings: list[list[int | None]]) -> Any:
+    """One split per colouring, in order, on the same world (one job covers several draws)."""
     import torch
 
     from fleetlike.comm.mpi import MPICommunicator
 
     world = MPICommunicator()
-    sub = world.split(colors[world.rank], key=-world.rank)
+    results = []
     try:
-        if sub is None:
-            return None
-        total = sub.all_reduce(torch.tensor([world.rank])).item()
-        return sub.ranks, sub.rank, sub.size, total
+        for colors in colorings:
+            sub = world.split(colors[world.rank], key=-world.rank)
+            if sub is None:
+                results.append(None)
+                continue
+            try:
+                total = sub.all_reduce(torch.tensor([world.rank])).item()
+                results.append((sub.ranks, sub.rank, sub.size, total))
+            finally:
+                sub.close()
+        return results
     finally:
-        if sub is not None:
-            sub.close()
         world.close()
 
 
