@@ -44,6 +44,8 @@ def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: P
                                "of --max_restarts=1")
     assert lines[2] == ("fleetlike.launch: job succeeded at start 2 after 1 worker failure(s) "
                         "(start 1: rank 1 was killed by signal SIGKILL)")
+    assert lines[3] == ("fleetlike.launch: summary: job succeeded; worker failures: rank 1 was killed "
+                        "by signal SIGKILL at start 1; restarted 1/1")  # no nodes: not an elastic job
     starts = (out / "starts.0").read_text().splitlines()
     assert starts == ["gen 0 resumed False at step 0", "gen 1 resumed True at step 8"]
     assert (tmp_path / "logk" / "restart1" / "workerlog.1").exists()
@@ -56,18 +58,23 @@ def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: P
 def test_restarts_run_out_and_step_zero_failures_are_not_retried(launchers: Launchers, out: Path) -> None:
     code, stderr = _run(launchers, out, "killall", "--max_restarts=1")
     assert code == 128 + signal.SIGKILL
-    assert stderr.splitlines()[-1] == (
+    assert stderr.splitlines()[-2:] == [
         "fleetlike.launch: --max_restarts=1 exhausted: 2 worker failures (start 1: rank 1 was "
-        "killed by signal SIGKILL; start 2: rank 1 was killed by signal SIGKILL); the job is stopped")
+        "killed by signal SIGKILL; start 2: rank 1 was killed by signal SIGKILL); the job is stopped",
+        "fleetlike.launch: summary: job ended with code 137; worker failures: rank 1 was killed by "
+        "signal SIGKILL at start 1, rank 1 was killed by signal SIGKILL at start 2; restarted 1/1"]
     for f in out.glob("starts.*"):
         f.unlink()
     code, stderr = _run(launchers, out, "raise", "--max_restarts=5")
     assert code == 1
-    assert stderr.splitlines()[-1] == (
+    assert stderr.splitlines()[-2] == (
         "fleetlike.launch: not retryable: starts 1 and 2 both failed before any worker reported "
         "progress (no State.commit() / mark_progress()), rank 0 the same way (exited with code 1; "
         "last line: RuntimeError: bad configuration found at step 0); stopping after 2 worker "
         "failure(s) (start 1: rank 0 exited with code 1; start 2: rank 0 exited with code 1)")
+    assert stderr.splitlines()[-1] == (
+        "fleetlike.launch: summary: job ended with code 1; worker failures: rank 0 exited with code 1 "
+        "at start 1, rank 0 exited with code 1 at start 2; restarted 1/5")
     assert len((out / "starts.0").read_text().splitlines()) == 2  # two starts, not six
 
 
