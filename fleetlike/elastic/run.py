@@ -15,7 +15,8 @@ re-forms with the joiners, keeping the state just committed.
 
 Each re-formation prints one line (stderr): the cause, the old and new sizes, the nodes lost or
 joined (a node whose IP left the world entirely is a node loss; fewer workers on a node that
-is still there is a worker failure), the commit rolled back to, and how long it took.
+is still there is a worker failure), the commit rolled back to, and how long it took; rank 0 of
+the new world also records it on the rendezvous store for the launchers' summaries.
 
 Example::
 
