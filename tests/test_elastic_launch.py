@@ -82,3 +82,30 @@ def test_flags_and_names_agree() -> None:
     assert PROGRESS_DIR_VAR == AGENT_PROGRESS_DIR_VAR
     assert launch_main(["--max_restarts=-1", "x.py"]) == 2
     assert launch_main(["--max_restarts=1", "--cluster_node_ips=127.0.0.1,127.0.0.2", "x.py"]) == 2
+
+
+def test_node_watch_tells_why_a_node_left() -> None:
+    """Three launchers' watches on one real store: one ends with code 7, one stops answering
+    (its heartbeat stops, no goodbye), and the workers' records name both lost and one joiner."""
+    import json
+    import time
+
+    from fleetlike.comm import host_store
+    from fleetlike.launch.nodewatch import EVENTS_KEY, NodeWatch
+
+    store = host_store("127.0.0.1", "watch-test")
+    endpoint = f"127.0.0.1:{store.port}"
+    here = NodeWatch(endpoint, "127.0.0.1", store=store)
+    silent, ended = NodeWatch(endpoint, "127.0.0.2"), NodeWatch(endpoint, "127.0.0.3")
+    for watch in (here, silent, ended):
+        watch.start()
+    time.sleep(2.5)
+    ended.finish(7)
+    silent._stopping.set()  # its heartbeat stops without a "done": as if its link were cut
+    for record in ({"nodes_lost": ["127.0.0.2", "127.0.0.3"], "nodes_joined": [], "commit": 4},
+                   {"nodes_lost": [], "nodes_joined": ["127.0.0.4"], "commit": 9}):
+        store.set(f"{EVENTS_KEY}/{store.add(EVENTS_KEY, 1)}", json.dumps(record))
+    here.finish(0)
+    assert here.summary() == (
+        "nodes lost: node 127.0.0.2 lost at commit 4 (its launcher stopped answering), node 127.0.0.3 "
+        "lost at commit 4 (its launcher ended with code 7); nodes joined: node 127.0.0.4 joined at commit 9")
