@@ -44,6 +44,8 @@ def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: P
                                "of --max_restarts=1")
     assert lines[2] == ("fleetlike.launch: job succeeded at start 2 after 1 worker failure(s) "
                         "(start 1: rank 1 was killed by signal SIGKILL)")
+    assert lines[3] == ("fleetlike.launch: summary: job succeeded; worker failures: rank 1 was killed "
+                        "by signal SIGKILL at start 1; restarted 1/1")  # no nodes: not an elastic job
     starts = (out / "starts.0").read_text().splitlines()
     assert starts == ["gen 0 resumed False at step 0", "gen 1 resumed True at step 8"]
     assert (tmp_path / "logk" / "restart1" / "workerlog.1").exists()
@@ -56,18 +58,23 @@ def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: P
 def test_restarts_run_out_and_step_zero_failures_are_not_retried(launchers: Launchers, out: Path) -> None:
     code, stderr = _run(launchers, out, "killall", "--max_restarts=1")
     assert code == 128 + signal.SIGKILL
-    assert stderr.splitlines()[-1] == (
+    assert stderr.splitlines()[-2:] == [
         "fleetlike.launch: --max_restarts=1 exhausted: 2 worker failures (start 1: rank 1 was "
-        "killed by signal SIGKILL; start 2: rank 1 was killed by signal SIGKILL); the job is stopped")
+        "killed by signal SIGKILL; start 2: rank 1 was killed by signal SIGKILL); the job is stopped",
+        "fleetlike.launch: summary: job ended with code 137; worker failures: rank 1 was killed by "
+        "signal SIGKILL at start 1, rank 1 was killed by signal SIGKILL at start 2; restarted 1/1"]
     for f in out.glob("starts.*"):
         f.unlink()
     code, stderr = _run(launchers, out, "raise", "--max_restarts=5")
     assert code == 1
-    assert stderr.splitlines()[-1] == (
+    assert stderr.splitlines()[-2] == (
         "fleetlike.launch: not retryable: starts 1 and 2 both failed before any worker reported "
         "progress (no State.commit() / mark_progress()), rank 0 the same way (exited with code 1; "
         "last line: RuntimeError: bad configuration found at step 0); stopping after 2 worker "
         "failure(s) (start 1: rank 0 exited with code 1; start 2: rank 0 exited with code 1)")
+    assert stderr.splitlines()[-1] == (
+        "fleetlike.launch: summary: job ended with code 1; worker failures: rank 0 exited with code 1 "
+        "at start 1, rank 0 exited with code 1 at start 2; restarted 1/5")
     assert len((out / "starts.0").read_text().splitlines()) == 2  # two starts, not six
 
 
@@ -75,3 +82,30 @@ def test_flags_and_names_agree() -> None:
     assert PROGRESS_DIR_VAR == AGENT_PROGRESS_DIR_VAR
     assert launch_main(["--max_restarts=-1", "x.py"]) == 2
     assert launch_main(["--max_restarts=1", "--cluster_node_ips=127.0.0.1,127.0.0.2", "x.py"]) == 2
+
+
+def test_node_watch_tells_why_a_node_left() -> None:
+    """Three launchers' watches on one real store: one ends with code 7, one stops answering
+    (its heartbeat stops, no goodbye), and the workers' records name both lost and one joiner."""
+    import json
+    import time
+
+    from fleetlike.comm import host_store
+    from fleetlike.launch.nodewatch import EVENTS_KEY, NodeWatch
+
+    store = host_store("127.0.0.1", "watch-test")
+    endpoint = f"127.0.0.1:{store.port}"
+    here = NodeWatch(endpoint, "127.0.0.1", store=store)
+    silent, ended = NodeWatch(endpoint, "127.0.0.2"), NodeWatch(endpoint, "127.0.0.3")
+    for watch in (here, silent, ended):
+        watch.start()
+    time.sleep(2.5)
+    ended.finish(7)
+    silent._stopping.set()  # its heartbeat stops without a "done": as if its link were cut
+    for record in ({"nodes_lost": ["127.0.0.2", "127.0.0.3"], "nodes_joined": [], "commit": 4},
+                   {"nodes_lost": [], "nodes_joined": ["127.0.0.4"], "commit": 9}):
+        store.set(f"{EVENTS_KEY}/{store.add(EVENTS_KEY, 1)}", json.dumps(record))
+    here.finish(0)
+    assert here.summary() == (
+        "nodes lost: node 127.0.0.2 lost at commit 4 (its launcher stopped answering), node 127.0.0.3 "
+        "lost at commit 4 (its launcher ended with code 7); nodes joined: node 127.0.0.4 joined at commit 9")

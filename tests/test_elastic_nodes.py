@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetlike.elastic.membership import ENV
+from fleetlike.elastic.membership import ENV, EVENTS_KEY
 from fleetlike.launch.elastic_agent import ELASTIC_ENV
+from fleetlike.launch.nodewatch import EVENTS_KEY as LAUNCH_EVENTS_KEY
 from test_launch_run import WORKERS, Launchers, assert_all_gone, finish, launchers  # noqa: F401
 
 pytestmark = pytest.mark.timeout(150)
@@ -36,8 +38,8 @@ def free_port() -> int:
 
 
 def start(launchers: Launchers, port: int, ip: str, out: Path, epochs: int, pause: float,
-          style: str) -> subprocess.Popen[str]:
-    return launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_ip={ip}",
+          style: str, *flags: str) -> subprocess.Popen[str]:
+    return launchers.start("--nnodes=1:2", *flags, f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_ip={ip}",
                            "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
                            f"--log_dir=log-{ip}-{out.name}", SCRIPT, str(out), str(epochs), str(pause), style)
 
@@ -68,7 +70,7 @@ def check_epochs(report: dict, n: int) -> None:
 
 
 def lose_a_node(launchers: Launchers, tmp_path: Path, style: str, epochs: int, pause: float,
-                join_late: bool) -> list[dict]:
+                join_late: bool) -> tuple[list[dict], str]:
     """Node A (and B at once, or once A trains); once the world has 4 ranks, B is lost."""
     out = tmp_path / f"out-{style}"
     out.mkdir()
@@ -88,7 +90,14 @@ def lose_a_node(launchers: Launchers, tmp_path: Path, style: str, epochs: int, p
     assert {r["pid"] for r in done} == started_on_a  # the survivors are the processes that started
     assert all(r["world"] == 2 for r in done)
     assert_all_gone(out)
-    return done
+    return done, stderr
+
+
+def summary(stderr: str) -> str:
+    """The launcher's last line, its summary (`fleetlike.launch.elastic_agent`)."""
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith("fleetlike.launch: summary: ")]
+    assert stderr.splitlines()[-1] == line
+    return line
 
 
 @pytest.mark.slow
@@ -101,7 +110,10 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
     (uninterrupted,) = {r["accuracy"] for r in reports(reference)}
     assert all(r["resets"] == [] for r in reports(reference))
 
-    done = lose_a_node(launchers, tmp_path, "eager", 3, 0.03, join_late=True)
+    done, stderr = lose_a_node(launchers, tmp_path, "eager", 3, 0.03, join_late=True)
+    assert re.fullmatch(r"fleetlike\.launch: summary: job succeeded; worker failures: -; nodes lost: node "
+                        r"127\.0\.0\.2 lost at commit \d+ \(its launcher stopped answering\); nodes "
+                        r"joined: node 127\.0\.0\.2 joined at commit \d+", summary(stderr))
     for report in done:
         joined, lost = report["resets"]
         assert joined["cause"] == "workers waiting to join (admitted at a commit)"
@@ -114,8 +126,13 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
 
 
 def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
-    done = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
+    done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
+    commit = done[0]["resets"][-1]["commit"]  # the commit the world rolled back to
+    assert summary(stderr) == (
+        "fleetlike.launch: summary: job succeeded; worker failures: -; nodes lost: node 127.0.0.2 "
+        f"lost at commit {commit} (its launcher stopped answering); nodes joined: -")
     for report in done:
+        assert report["resets"][-1]["commit"] == commit
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         assert report["resets"][-1]["new_size"] == 2
         check_epochs(report, 1400)
@@ -123,12 +140,59 @@ def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
 
 def test_launcher_and_workers_agree_on_names() -> None:
     assert ENV == ELASTIC_ENV
+    assert EVENTS_KEY == LAUNCH_EVENTS_KEY
+
+
+def test_worker_killed_in_an_elastic_job_is_restarted_alone(launchers: Launchers, tmp_path: Path) -> None:
+    """``--nnodes 1:2 --max_restarts 1``: one of two workers SIGKILLed mid-epoch is started again
+    alone (its peer keeps running: the world of MIN=2 re-forms when it is back), the restart uses
+    the budget, and the job finishes with every sample seen once; the summary says so."""
+    out = tmp_path / "out-restart"
+    out.mkdir()
+    a = start(launchers, free_port(), "127.0.0.1", out, 1, 0.02, "eager", "--max_restarts=1")
+    wait_until("steps on 2 ranks", lambda: progress(out) >= (12, 2), a)
+    first = sorted(int(p.name.split(".")[1]) for p in out.glob("pid.*"))
+    os.kill(first[-1], signal.SIGKILL)
+    code, _, stderr = finish(a, timeout=100)
+    assert code == 0, stderr
+    done = reports(out)
+    assert len(done) == 2 and all(r["world"] == 2 for r in done)
+    pids = {r["pid"] for r in done}
+    assert first[0] in pids and first[-1] not in pids  # the peer was not restarted; the killed one was
+    for report in done:
+        check_epochs(report, 1400)
+    assert re.fullmatch(r"fleetlike\.launch: summary: job succeeded; worker failures: local rank [01] was "
+                        r"killed by signal SIGKILL; restarted 1/1; nodes lost: -; nodes joined: -",
+                        summary(stderr)), stderr
+    assert "starting it again alone (restart 1 of --max_restarts=1" in stderr
+    assert_all_gone(out)
 
 
 def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
     """hvd.init() in an elastic launch, hvd.elastic.TorchState / @hvd.elastic.run, hvd.size()
     and hvd.allgather_object on the re-formed world."""
-    done = lose_a_node(launchers, tmp_path, "horovod", 1, 0.01, join_late=False)
+    done, _ = lose_a_node(launchers, tmp_path, "horovod", 1, 0.01, join_late=False)
     for report in done:
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         check_epochs(report, 1400)
+
+
+def test_hvd_distributed_optimizer_is_refused_and_not_retried(launchers: Launchers, tmp_path: Path) -> None:
+    """hvd.DistributedOptimizer in an elastic job fails at construction naming the fix; the
+    same error before any progress is not retried although --max_restarts=3 would allow it."""
+    out = tmp_path / "out-hvd"
+    out.mkdir()
+    proc = launchers.start("--nnodes=1:2", "--max_restarts=3", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                           "--node_ip=127.0.0.1", "--nproc_per_node=1", "--started_port=auto",
+                           "--log_dir=log-hvd", str(WORKERS / "elastic_hvd_optimizer.py"), str(out))
+    code, _, stderr = finish(proc, timeout=60)
+    assert code == 1, stderr
+    assert ("last line: RuntimeError: hvd.DistributedOptimizer cannot be used in an elastic job (this "
+            "process was started with python -m fleetlike.launch --nnodes MIN:MAX)") in stderr
+    assert "Wrap the optimizer with fleet.distributed_optimizer(optimizer) instead" in stderr
+    assert len(list(out.glob("pid.*"))) == 2 and not list(out.glob("built.*"))  # two starts, not four
+    assert "not retryable: two workers failed the same way before reporting progress" in stderr
+    assert summary(stderr) == (
+        "fleetlike.launch: summary: job ended with code 1; worker failures: local rank 0 exited with "
+        "code 1, local rank 0 exited with code 1; restarted 1/3; nodes lost: -; nodes joined: -")
+    assert_all_gone(out)

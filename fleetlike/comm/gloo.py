@@ -11,8 +11,10 @@ several communicators (``nccl_comm_num``) really run concurrently on CPU.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import ipaddress
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +57,9 @@ def _device(host: str) -> Any:
 #: Options objects, built once per (kind, reduction, root): the process group copies what it
 #: needs from them, and a fresh one per call costs several pybind calls on the hot path.
 _OPTIONS: dict[tuple[str, ReduceOp | None, int | None], Any] = {}
+#: Aborted groups left alive on purpose (`GlooCommunicator._close`); appended only.
+_ABANDONED: list[Any] = []  # guarded by _ABANDONED_LOCK
+_ABANDONED_LOCK = threading.Lock()
 
 
 def _options(kind: str, op: ReduceOp | None = None, root: int | None = None) -> Any:
@@ -110,6 +115,7 @@ class GlooCommunicator(Communicator):
         opts._timeout = datetime.timedelta(seconds=timeout)
         opts._devices = [_device(host)]
         self._pg = ProcessGroupGloo(store, rank, size, opts)
+        self._aborted = False
         self.timeout = timeout
         self._diag_store = store
 
@@ -156,12 +162,24 @@ class GlooCommunicator(Communicator):
 
     def _abort(self) -> None:
         super()._abort()
+        self._aborted = True
         try:
             self._pg.abort()
         except Exception:  # noqa: BLE001 - best effort: the group is already broken
             pass
 
     def _close(self) -> None:
+        if self._aborted and self._pg is not None:
+            # A failed collective may still sit in gloo's worker thread, waiting on a peer whose
+            # link is cut (nothing closes, so gloo only gives up at the op's timeout: 1800 s by
+            # default). Shutting down would join that thread and hold the caller (an elastic
+            # re-formation) as long; the broken group is left alive instead, never destroyed
+            # (so neither now nor at exit does anything join it): a few idle threads per failure.
+            with _ABANDONED_LOCK:
+                _ABANDONED.append(self._pg)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
+            self._pg = None  # type: ignore[assignment]
+            return
         # Shut the group down and drop it while the interpreter is alive: torch's destructor
         # joins gloo's worker threads with the GIL released. Left to interpreter teardown, a
         # worker thread releasing its last tensor races finalization and aborts the process

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import threading
@@ -38,7 +39,7 @@ from fleetlike.comm import Communicator
 from fleetlike.comm.gloo import GlooCommunicator
 from fleetlike.roles import Role, parse_endpoint
 
-__all__ = ["ENV", "ElasticSettings", "Membership"]
+__all__ = ["ENV", "EVENTS_KEY", "ElasticSettings", "Membership"]
 
 #: What the launcher gives each worker of an elastic job (``--nnodes MIN:MAX``).
 ENV = {
@@ -48,6 +49,11 @@ ENV = {
     "last_call": "FLEETLIKE_ELASTIC_LAST_CALL",  # seconds a round waits for more after MIN
     "run_id": "FLEETLIKE_ELASTIC_RUN_ID",        # the job id
 }
+
+#: Where rank 0 of each re-formed world records it (a counter; the records at ``<key>/<n>``) on
+#: the rendezvous store, for the launchers' summaries (``fleetlike.launch.nodewatch.EVENTS_KEY``:
+#: the same name, a test checks the two agree).
+EVENTS_KEY = "fleetlike.elastic/events"
 
 #: Seconds between a worker's heartbeats, and how many may be missed before it counts as gone.
 HEARTBEAT_SECONDS = 1
@@ -138,6 +144,10 @@ class Membership:
         self._watch = Watch(store, info.rank, info.world_size, world.interrupt)
         self._watch.start()
         return role, world
+
+    def record(self, event: Mapping[str, object]) -> None:
+        """Append one re-formation record (`EVENTS_KEY`) for the launchers to report."""
+        self._store.set(f"{EVENTS_KEY}/{self._store.add(EVENTS_KEY, 1)}", json.dumps(dict(event)))
 
     def waiting(self) -> int:
         """Workers waiting to join (admitted when the world next re-forms)."""

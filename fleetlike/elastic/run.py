@@ -15,7 +15,8 @@ re-forms with the joiners, keeping the state just committed.
 
 Each re-formation prints one line (stderr): the cause, the old and new sizes, the nodes lost or
 joined (a node whose IP left the world entirely is a node loss; fewer workers on a node that
-is still there is a worker failure), the commit rolled back to, and how long it took.
+is still there is a worker failure), the commit rolled back to, and how long it took; rank 0 of
+the new world also records it on the rendezvous store for the launchers' summaries.
 
 Example::
 
@@ -139,7 +140,7 @@ def _survivor(state: State) -> int:
     return int(world.all_reduce(torch.tensor([mine]), op=ReduceOp.MIN).item())
 
 
-def _reform(cause: str, started: float) -> None:
+def _reform(cause: str, started: float) -> dict[str, Any]:
     members = membership()
     before = list(members.members)
     old_size = fleet.worker_num()
@@ -153,6 +154,19 @@ def _reform(cause: str, started: float) -> None:
         print(f"fleetlike.elastic: world re-formed after {cause}: {old_size} -> {role.world_size} ranks; "
               f"nodes lost: {lost or '-'}; nodes joined: {joined or '-'}; worker failures on: "
               f"{shrunk or '-'}; {record['seconds']:.1f}s", file=sys.stderr, flush=True)
+    return record
+
+
+def _publish(record: dict[str, Any], state: State) -> None:
+    """After the state is synced: note the commit rolled back to, and (rank 0) tell the
+    launchers (`Membership.record`), so their summaries name the nodes lost and joined."""
+    record["commit"] = state.commits
+    if fleet.worker_index() == 0:
+        try:
+            membership().record(record)
+        except Exception as exc:  # noqa: BLE001 - the summary is a report; training goes on
+            print(f"fleetlike.elastic: could not record the re-formation for the launcher: {exc}",
+                  file=sys.stderr, flush=True)
 
 
 def run(func: Callable[..., R]) -> Callable[..., R]:
@@ -169,10 +183,14 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             role, world = members.form(fleet.context().timeout)
             _replace(role, world)
         state._host_check = _check_hosts
+        record: dict[str, Any] | None = None
         try:
             while True:
                 try:
                     state.sync(root=_survivor(state))
+                    if record is not None:
+                        _publish(record, state)
+                        record = None
                     return func(state, *args, **kwargs)
                 except CommError as exc:
                     started = time.monotonic()
@@ -180,7 +198,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 except HostsUpdatedInterrupt:
                     started = time.monotonic()
                     cause = "workers waiting to join (admitted at a commit)"
-                _reform(cause, started)
+                record = _reform(cause, started)
                 state.on_reset()
         finally:
             state._host_check = None

@@ -191,6 +191,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         ...                                named_parameters=model.named_parameters(),
         ...                                compression=hvd.Compression.fp16)
     """
+    if elastic.ElasticSettings.launched():
+        raise RuntimeError(
+            "hvd.DistributedOptimizer cannot be used in an elastic job (this process was started "
+            "with python -m fleetlike.launch --nnodes MIN:MAX): its communicators are built once "
+            "and cannot follow the world when it is re-formed. Wrap the optimizer with "
+            "fleet.distributed_optimizer(optimizer) instead (the same gradient averaging, rebound "
+            "at every re-formation); hvd.rank(), hvd.size() and the hvd collectives do follow")
     if process_set is not None:
         raise ValueError("hvd.DistributedOptimizer: fleetlike's Horovod face has only the global process set")
     if num_groups and groups is None:

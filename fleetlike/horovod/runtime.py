@@ -237,7 +237,8 @@ def shutdown() -> None:
 def _follow_world() -> None:
     """An elastic job re-formed the fleet's world (`fleetlike.elastic.run`): ``hvd.rank()``,
     ``hvd.size()`` and the collectives move to it. ``hvd.DistributedOptimizer`` keeps
-    communicators of its own built at construction and cannot move, so it is refused here with
+    communicators of its own built at construction and cannot move: it is refused when built in
+    an elastic launch (``hvd.DistributedOptimizer``), and here too for one built otherwise, with
     the way out; a ``comm=`` subset cannot be re-derived from a new membership either."""
     global _RUNTIME
     with _INIT_LOCK:

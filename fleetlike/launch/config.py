@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "already sets tcache_count is kept. off: the environment is left as it is")
     p.add_argument("--max_restarts", default="0", metavar="N",
                    help="restart all local workers up to N times after a worker fails, each start "
-                   "a new rendezvous generation (default: 0, a failure ends the job); see "
-                   "docs/launching.md, 'Elastic jobs'")
+                   "a new rendezvous generation (default: 0, a failure ends the job); with --nnodes "
+                   "only the failed worker is started again, and nodes lost or joining use none of "
+                   "the N; see docs/launching.md, 'Elastic jobs'")
     p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
                    help="an elastic job of MIN to MAX nodes (or exactly N): the workers meet through "
                    "--rdzv_endpoint and must use fleetlike.elastic (elastic.init, @elastic.run); a "

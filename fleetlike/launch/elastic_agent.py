@@ -19,8 +19,13 @@ A failure is final when:
   (`fleetlike.elastic`) or by calling ``fleetlike.elastic.mark_progress()`` itself; restarting
   a script that fails identically before doing any work would only repeat the failure N times.
 
-The final line names the cause and counts what happened (worker failures restarted), and the
-exit code is the last failed worker's, as without restarts.
+In an elastic job (``--nnodes MIN:MAX``) the workers re-form their world in place, so a failed
+worker is started again alone (`_elastic_job`) and joins at the next commit; the budget counts
+worker failures only: nodes lost or joining use none of it (torchrun's accounting).
+
+The final line is a ``summary:`` of the worker failures (and restarts used) and, in an elastic
+job, of the nodes lost and joined with the reason (`fleetlike.launch.nodewatch`); the exit code
+is the last failed worker's, as without restarts.
 
 Example::
 
@@ -39,6 +44,7 @@ from typing import Any
 from fleetlike.comm import JOB_KEY, host_store
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
 from fleetlike.launch.discovery import HostDiscovery
+from fleetlike.launch.nodewatch import NodeWatch
 from fleetlike.launch.remote import agent_grace
 from fleetlike.launch.workers import Worker, describe_exit, last_line
 from fleetlike.roles import parse_endpoint
@@ -79,6 +85,7 @@ class Attempt:
     how: str
     last_line: str
     progressed: bool
+    who: str = ""
 
     def same_failure(self, other: Attempt) -> bool:
         """The same rank failing the same way with the same last words, both before progress."""
@@ -140,29 +147,105 @@ def _progressed(path: str) -> bool:
 
 
 def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any | None) -> int:
-    """Run generations of ``config``'s workers until one succeeds or a failure is final.
+    """Run ``config``'s workers, restarting failed ones, until they succeed or a failure is final.
 
-    ``run_once(config, stop, extra_env, failed_out)`` is the launcher's own start-watch-stop
-    (`fleetlike.launch.main`); ``store`` the store the launcher hosts (``--started_port=auto``)
-    or None. ``stop`` is the launcher's signal record: a signal ends the loop at once. With
+    ``run_once(config, stop, extra_env, failed_out, replace)`` is the launcher's own
+    start-watch-stop (`fleetlike.launch.main`); ``store`` the store the launcher hosts
+    (``--started_port=auto``) or None. ``stop`` is the launcher's signal record: a signal ends
+    the loop at once. Without ``--nnodes`` a failure restarts every local worker as a new
+    generation; with it, only the failed worker is started again (`_elastic_job`). With
     ``--host_discovery_script`` the hosts it finds are started meanwhile
-    (`fleetlike.launch.discovery`) and stopped with the job."""
-    rendezvous = host_rendezvous(config)  # noqa: F841 - held until the job ends here
+    (`fleetlike.launch.discovery`) and stopped with the job. The last line is the summary:
+    the worker failures, and (elastic jobs) the nodes lost and joined (`NodeWatch`)."""
+    rendezvous = host_rendezvous(config)
+    watch = NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous) if config.min_nodes else None
+    if watch is not None:
+        watch.start()
     discovery = HostDiscovery(config) if config.host_discovery_script is not None else None
     if discovery is not None:  # after the store is up: the nodes it starts meet there
         discovery.check()
         discovery.start()
     code = 1
+    attempts: list[Attempt] = []
     try:
-        code = _generations(config, stop, run_once, store)
+        if config.min_nodes:
+            code = _elastic_job(config, stop, run_once, attempts)
+        else:
+            code = _generations(config, stop, run_once, store, attempts)
         return code
     finally:
         if discovery is not None:  # a job that succeeded ends on every node by itself
             discovery.close(wait=agent_grace(config.kill_grace) if code == 0 else 0)
+        if watch is not None:
+            watch.finish(code)
+        if stop.signum is None:
+            _say(_summary(config, code, attempts, watch))
 
 
-def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any | None) -> int:
-    attempts: list[Attempt] = []
+def _summary(config: LaunchConfig, code: int, attempts: list[Attempt], watch: NodeWatch | None) -> str:
+    """``summary: job succeeded; worker failures: ...; nodes lost: ...; nodes joined: ...``."""
+    head = "job succeeded" if code == 0 else f"job ended with code {code}"
+    restarted = len(attempts) if code == 0 else len(attempts) - 1
+    failures = ", ".join(
+        f"{a.who} {a.how} at start {a.generation + 1}" if not config.min_nodes else f"{a.who} {a.how}"
+        for a in attempts)
+    if attempts:
+        failures += f"; restarted {max(restarted, 0)}/{config.max_restarts}"
+    nodes = f"; {watch.summary()}" if watch is not None else ""
+    return f"summary: {head}; worker failures: {failures or '-'}{nodes}"
+
+
+def _elastic_job(config: LaunchConfig, stop: Any, run_once: RunOnce, attempts: list[Attempt]) -> int:
+    """``--nnodes MIN:MAX``: the workers re-form their world by themselves when a peer goes, so a
+    failed worker is started again alone (its local peers and the other nodes keep running); it
+    rejoins the rendezvous and is admitted at the next commit, as a joining node is. Each such
+    restart uses one of ``--max_restarts``; nodes lost or joining use none (they are no failure
+    of this launcher's workers). Past the budget, or for a failure that is not retryable, every
+    local worker is stopped and the launcher ends with the failed worker's code."""
+    gen = generation_config(config, 0)
+    progress = _progress_dir(config, 0)
+    shutil.rmtree(progress, ignore_errors=True)
+    os.makedirs(progress)
+    base = {**elastic_env(config), **_restart_env(config, 0), PROGRESS_DIR_VAR: os.path.abspath(progress)}
+
+    def replace(failed: Worker, respawn: Callable[[int, str, dict[str, str]], Worker]) -> Worker | None:
+        attempt = Attempt(len(attempts), failed.process.returncode, failed.rank,
+                          describe_exit(failed.process.returncode), last_line(failed.log_path),
+                          os.path.exists(os.path.join(progress, f"pid{failed.process.pid}")),
+                          f"local rank {failed.local_rank}")
+        attempts.append(attempt)
+        if len(attempts) >= 2 and attempt.same_failure(attempts[-2]):
+            _say(f"not retryable: two workers failed the same way before reporting progress (no "
+                 f"State.commit() / mark_progress()): {attempt.how}; last line: "
+                 f"{attempt.last_line or '-'}; stopping the local workers")
+            return None
+        if len(attempts) > config.max_restarts:
+            if config.max_restarts:
+                _say(f"--max_restarts={config.max_restarts} exhausted: {len(attempts)} worker failures "
+                     f"({'; '.join(f'{a.who} {a.how}' for a in attempts)}); the job is stopped on this node")
+            return None
+        n = len(attempts)
+        logs = os.path.join(config.log_dir, f"restart{n}")
+        os.makedirs(logs, exist_ok=True)
+        log_path = os.path.join(logs, os.path.basename(config.log_path(failed.local_rank)))
+        _say(f"worker failure: {attempt.who} {attempt.how}; starting it again alone (restart {n} of "
+             f"--max_restarts={config.max_restarts}; it rejoins at the next commit; log: {log_path})")
+        try:
+            return respawn(failed.local_rank, log_path, {**base, **_restart_env(config, n)})
+        except OSError as exc:
+            _say(f"cannot start {attempt.who} again: {exc}")
+            return None
+
+    return run_once(gen, stop, base, [], replace)
+
+
+def _restart_env(config: LaunchConfig, generation: int) -> dict[str, str]:
+    return {RESTART_COUNT_VAR: str(generation), "TORCHELASTIC_RESTART_COUNT": str(generation),
+            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts)}
+
+
+def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any | None,
+                 attempts: list[Attempt]) -> int:
     for generation in range(config.max_restarts + 1):
         gen = generation_config(config, generation)
         os.makedirs(gen.log_dir, exist_ok=True)
@@ -171,13 +254,7 @@ def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
         os.makedirs(progress)
         if store is not None:
             store.set(JOB_KEY, gen.job_id)  # the workers of this generation check it
-        env = {
-            **elastic_env(config),
-            PROGRESS_DIR_VAR: os.path.abspath(progress),
-            RESTART_COUNT_VAR: str(generation),
-            "TORCHELASTIC_RESTART_COUNT": str(generation),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-        }
+        env = {**_restart_env(config, generation), PROGRESS_DIR_VAR: os.path.abspath(progress)}
         failed: list[Worker] = []
         code = run_once(gen, stop, env, failed)
         if stop.signum is not None or code == 0 or not failed:
@@ -187,7 +264,7 @@ def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
             return code
         worker = failed[0]
         attempt = Attempt(generation, code, worker.rank, describe_exit(worker.process.returncode),
-                          last_line(worker.log_path), _progressed(progress))
+                          last_line(worker.log_path), _progressed(progress), f"rank {worker.rank}")
         attempts.append(attempt)
         if len(attempts) >= 2 and attempt.same_failure(attempts[-2]):
             _say(
@@ -212,7 +289,7 @@ def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
 
 
 def _history(attempts: list[Attempt]) -> str:
-    return "; ".join(f"start {a.generation + 1}: rank {a.rank} {a.how}" for a in attempts)
+    return "; ".join(f"start {a.generation + 1}: {a.who} {a.how}" for a in attempts)
 
 
 def _say(text: str) -> None:

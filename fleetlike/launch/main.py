@@ -44,6 +44,9 @@ from fleetlike.launch.workers import (
 __all__ = ["main", "launch", "worker_command"]
 
 _POLL_SECONDS = 0.1
+
+#: ``replace(failed_worker, respawn)`` of an elastic job (`fleetlike.launch.elastic_agent`).
+Replace = Callable[[Worker, Callable[[int, str, dict[str, str]], Worker]], "Worker | None"]
 _PREFIX = "fleetlike.launch:"
 
 
@@ -121,28 +124,27 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
 
 
 def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | None = None,
-         failed_out: list[Worker] | None = None) -> int:
+         failed_out: list[Worker] | None = None, replace: Replace | None = None) -> int:
     """Start, watch and stop the workers of a checked ``config`` whose ports are settled.
 
     ``extra_env`` is added to every worker's environment; ``failed_out`` receives the failed
-    worker (`fleetlike.launch.elastic_agent` restarts after it)."""
+    worker (`fleetlike.launch.elastic_agent` restarts after it). ``replace(failed, respawn)``,
+    given for an elastic job, may start the failed worker again alone (``respawn(local_rank,
+    log_path, env)``) instead of ending the local job; it returns the new worker or None."""
     if config.print_config:
         print(format_config(config), flush=True)
     workers: list[Worker] = []
+    command = worker_command(config)
+
+    def respawn(local: int, log_path: str, env: dict[str, str]) -> Worker:
+        return start_worker(command, {**worker_env(config, local), **(extra_env or {}), **env},
+                            local_rank=local, rank=config.rank(local), log_path=log_path,
+                            echo=local == 0)
+
     try:
-        command = worker_command(config)
         for local in range(config.nproc_per_node):
             try:
-                workers.append(
-                    start_worker(
-                        command,
-                        {**worker_env(config, local), **(extra_env or {})},
-                        local_rank=local,
-                        rank=config.rank(local),
-                        log_path=config.log_path(local),
-                        echo=local == 0,
-                    )
-                )
+                workers.append(respawn(local, config.log_path(local), {}))
             except OSError as exc:
                 print(f"{_PREFIX} cannot start rank {config.rank(local)}: {exc}", file=sys.stderr)
                 stop_workers(workers, grace=config.kill_grace)
@@ -152,11 +154,8 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
                 return _stopped_by_signal(workers, config, stop.signum)
             failed, all_done = _first_failure(workers)
             if failed is not None:
-                stop_workers(workers, grace=config.kill_grace)
-                close_logs(workers)
+                stop_workers([failed], grace=config.kill_grace)  # its children, and its log
                 code = failed.process.returncode
-                if failed_out is not None:
-                    failed_out.append(failed)
                 said = last_line(failed.log_path)
                 print(
                     f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
@@ -165,6 +164,14 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
                     file=sys.stderr,
                     flush=True,
                 )
+                again = replace(failed, respawn) if replace is not None else None
+                if again is not None:
+                    workers[workers.index(failed)] = again
+                    continue
+                stop_workers(workers, grace=config.kill_grace)
+                close_logs(workers)
+                if failed_out is not None:
+                    failed_out.append(failed)
                 return code if code > 0 else 128 - code
             if all_done:
                 # children the workers left behind do not outlive the job

@@ -1,0 +1,191 @@
+"""Which nodes an elastic job lost, and why: the launchers' heartbeats on the rendezvous store.
+
+In an elastic job (``--nnodes MIN:MAX``) the workers re-form their world by themselves
+(`fleetlike.elastic`), so a launcher sees no failure when another node goes away: its own
+workers carry on. To say in its summary which nodes were lost, and tell that apart from a
+worker that failed and was restarted, each launcher
+
+- heartbeats on the job's rendezvous store (the one ``--rdzv_endpoint`` names): key
+  ``fleetlike.launch/beat/<node ip>`` holds ``"<counter> up"``, then ``"<counter> done <code>"``
+  when the launcher ends by itself; a counter that stops moving for `MISSED` periods (by this
+  launcher's clock) means that launcher stopped answering: its machine died, or its link was cut;
+- reads the re-formations the workers record there (`EVENTS_KEY`: rank 0 of each new world
+  appends one JSON line: the nodes lost and joined, the commit the world rolled back to).
+
+At the end, `NodeWatch.summary` joins the two: for every node a re-formation lost, why (its
+launcher stopped answering / ended with a code / still answers, so its workers left), and at
+which commit. A store that cannot be reached (this node's link is cut) ends the watch quietly:
+the summary then says the store was lost.
+
+Example::
+
+    watch = NodeWatch(config.rdzv_endpoint, config.node_ip, store=hosted_or_none)
+    watch.start(); ...; watch.finish(code); print(watch.summary())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import json
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from fleetlike.roles import parse_endpoint
+
+__all__ = ["BEAT_PREFIX", "EVENTS_KEY", "MISSED", "PERIOD", "EventKind", "NodeWatch", "NodeEvent"]
+
+#: Seconds between two heartbeats, and how many may be missed before a node counts as lost.
+PERIOD = 1.0
+MISSED = 3
+BEAT_PREFIX = "fleetlike.launch/beat/"
+NODES_KEY = "fleetlike.launch/nodes"
+#: The workers' re-formation records (``fleetlike.elastic.membership.EVENTS_KEY``: the same name,
+#: a test checks the two agree): a counter at this key, the records at ``<key>/<n>``.
+EVENTS_KEY = "fleetlike.elastic/events"
+
+
+class EventKind(str, enum.Enum):
+    """What a re-formation did to a node."""
+
+    LOST = "lost"
+    JOINED = "joined"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEvent:
+    """A node that left or joined the world, at the commit the world re-formed from."""
+
+    kind: EventKind
+    ip: str
+    commit: int
+    why: str
+
+    def describe(self) -> str:
+        if self.kind is EventKind.JOINED:
+            return f"node {self.ip} joined at commit {self.commit}"
+        return f"node {self.ip} lost at commit {self.commit} ({self.why})"
+
+
+class NodeWatch(threading.Thread):
+    """This launcher's heartbeat and its view of the other launchers' (see the module docstring)."""
+
+    def __init__(self, endpoint: str, ip: str, *, store: Any | None = None, timeout: float = 10.0) -> None:
+        super().__init__(name="fleetlike-launch-nodewatch", daemon=True)
+        self._endpoint, self._ip, self._store, self._timeout = endpoint, ip, store, timeout
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._seen: dict[str, tuple[str, float]] = {}  # guarded by _lock: ip -> (beat, when it changed)
+        self._store_lost: str | None = None  # guarded by _lock
+        self._beat = 0
+
+    def _connect(self) -> Any:
+        host, port = parse_endpoint(self._endpoint, name="--rdzv_endpoint")
+        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=self._timeout))
+
+    def run(self) -> None:
+        try:
+            if self._store is None:
+                self._store = self._connect()
+            self._store.set(BEAT_PREFIX + self._ip, "0 up")
+            self._store.set(f"{NODES_KEY}/{self._store.add(NODES_KEY, 1)}", self._ip)
+            while not self._stopping.wait(PERIOD):
+                self._beat += 1
+                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat} up")
+                self._look()
+        except Exception as exc:  # noqa: BLE001 - the store's host or the link is gone
+            with self._lock:
+                self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+    def _look(self) -> None:
+        count = int(self._store.add(NODES_KEY, 0))
+        ips = sorted({v.decode() for v in self._store.multi_get([f"{NODES_KEY}/{i}" for i in range(1, count + 1)])})
+        beats = self._store.multi_get([BEAT_PREFIX + ip for ip in ips])
+        now = time.monotonic()
+        with self._lock:
+            for ip, beat in zip(ips, beats):
+                text = beat.decode()
+                if self._seen.get(ip, ("", 0.0))[0] != text:
+                    self._seen[ip] = (text, now)
+
+    def _why(self, ip: str, now: float) -> str:
+        beat, since = self._seen.get(ip, ("", now))
+        if " done " in beat:
+            return f"its launcher ended with code {beat.rsplit(' ', 1)[1]}"
+        if now - since > PERIOD * MISSED:
+            return "its launcher stopped answering"
+        return "its launcher still answers: its workers left the world"
+
+    def _settle(self, ips: set[str]) -> None:
+        """Look on (at most `MISSED` + 1 periods) until each of ``ips`` has either ended or
+        stopped answering, or is seen answering: a node lost just before the job ended."""
+        deadline = time.monotonic() + PERIOD * (MISSED + 1)
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            with self._lock:
+                undecided = [ip for ip in ips if self._why(ip, now).startswith("its launcher still")]
+            if not undecided:
+                return
+            time.sleep(PERIOD / 2)
+            try:
+                self._look()
+            except Exception:  # noqa: BLE001 - decide with what was seen
+                return
+
+    def finish(self, code: int) -> None:
+        """Say this launcher is done (so no other reports it lost) and stop the heartbeat. A
+        watch stuck in a store call (this node's link is cut) is left behind (it is a daemon):
+        the launcher does not wait for the store's timeout to end."""
+        self._stopping.set()
+        self.join(timeout=PERIOD * 2)
+        with self._lock:
+            if self.is_alive() and self._store_lost is None:
+                self._store_lost = "no answer within 2 s"
+            lost = self._store_lost
+        if lost is None and self._store is not None:
+            try:
+                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat + 1} done {code}")
+            except Exception as exc:  # noqa: BLE001 - same as in run
+                with self._lock:
+                    self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+    def events(self) -> list[NodeEvent]:
+        """The nodes the workers' re-formations lost or admitted, in order, with the reasons."""
+        with self._lock:
+            if self._store_lost is not None or self._store is None:
+                return []
+        records = []
+        try:
+            count = int(self._store.add(EVENTS_KEY, 0))
+            if count:
+                keys = [f"{EVENTS_KEY}/{i}" for i in range(1, count + 1)]
+                records = [json.loads(v.decode()) for v in self._store.multi_get(keys)]
+        except Exception as exc:  # noqa: BLE001 - same as in run
+            with self._lock:
+                self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
+            return []
+        self._settle({ip for r in records for ip in r.get("nodes_lost", [])})
+        now = time.monotonic()
+        out: list[NodeEvent] = []
+        with self._lock:
+            for record in records:
+                for ip in record.get("nodes_lost", []):
+                    out.append(NodeEvent(EventKind.LOST, ip, int(record["commit"]), self._why(ip, now)))
+                for ip in record.get("nodes_joined", []):
+                    out.append(NodeEvent(EventKind.JOINED, ip, int(record["commit"]), ""))
+        return out
+
+    def summary(self) -> str:
+        """``nodes lost: ...; nodes joined: ...`` (``-`` for none), or why nothing is known."""
+        events = self.events()
+        with self._lock:
+            lost_store = self._store_lost
+        if lost_store is not None:
+            return f"nodes: unknown (the rendezvous store at {self._endpoint} was lost: {lost_store})"
+        lost = [e.describe() for e in events if e.kind is EventKind.LOST]
+        joined = [e.describe() for e in events if e.kind is EventKind.JOINED]
+        return f"nodes lost: {', '.join(lost) or '-'}; nodes joined: {', '.join(joined) or '-'}"
