@@ -59,9 +59,8 @@ from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
-from fleetlike.horovod.collectives import OP_NAMES, OPS
-from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, describe, exchange
-from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
+from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
+from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
 
@@ -302,10 +301,12 @@ class HorovodOptimizer(HorovodWrapper):
     def _agree(self, kind: Kind = Kind.OPTIMIZER) -> None:
         """The ranks agree on this reduction (model, op) and joined ranks learn of it."""
         rt = self._rt
-        row = describe(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
+        row = descriptor(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
                        name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
-            ag = exchange(rt.comm, row, rt.device)
+            ag = rt.speculator.agree(row).agreement
+            if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
+                raise RuntimeError("hvd.DistributedOptimizer: agreed by prediction (a fleetlike bug)")
             rt.note_states([r[0] for r in ag.rows])
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
