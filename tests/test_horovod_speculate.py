@@ -24,9 +24,11 @@ import torch
 
 import fleetlike.horovod as hvd
 from fleetlike.horovod.runtime import runtime
+from fleetlike.horovod.speculate import SLOT_MAX_BYTES
 from fleetlike.testing import run_ranks
 
 PASSES = 3
+BIG = SLOT_MAX_BYTES // 4 + 1000
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +56,9 @@ def _pattern(r: int, step: int) -> dict[str, Any]:
     out["grouped"] = [a.numpy() for a in hvd.grouped_allreduce(g, op=hvd.Sum, name="grouped")]
     h = hvd.allreduce_async_(_x(r, step, 4096), op=hvd.Min, name="min")
     out["min"] = hvd.synchronize(h).numpy()
+    big = _x(r, step, BIG)  # over SLOT_MAX_BYTES: agreed first, reduced in place without slots
+    hvd.allreduce_(big, op=hvd.Sum, name="big")
+    out["big"] = big.numpy()
     return out
 
 
@@ -108,7 +113,7 @@ def _sum(arrays: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("world", [2, 3])
 def test_speculative_agreement(world: int) -> None:
     results = run_ranks(_rank, world, timeout=120)
-    calls = 5  # allreduces per pass, predicted from the second pass on (the first of the
+    calls = 5  # small allreduces per pass, predicted from the second pass on (the first of the
     # second pass not yet: what follows the last call of a pass is learnt there)
     for r, res in enumerate(results):
         assert res["hits"] >= calls * (PASSES - 1) - 1, (res["hits"], res["misses"])
@@ -129,6 +134,8 @@ def test_speculative_agreement(world: int) -> None:
             np.testing.assert_allclose(got["grouped"][1], _sum([_x(i, s + 50, 20).view(4, 5).numpy()
                                                                 for i in range(world)]), rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(got["min"], np.min([_x(i, s, 4096).numpy() for i in range(world)], axis=0))
+            np.testing.assert_allclose(got["big"], _sum([_x(i, s, BIG).numpy() for i in range(world)]), rtol=1e-5,
+                                       atol=1e-5)
         # join: at step s the ranks still active are those with 3 + i > s
         got, last, join_hits = res["join"]
         assert last == world - 1

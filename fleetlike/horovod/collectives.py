@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +40,8 @@ from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
 from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, identity, resolve_op
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.horovod.speculate import REAL, Round, Slotted, slotted, start_slotted
+
+T = TypeVar("T")
 
 __all__ = [
     "Handle",
@@ -175,31 +177,47 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
 
 def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Tensor], Any], counts: Sequence[int],
             dtype: torch.dtype, device: torch.device, op: ReduceOp, pre: float, post: float,
-            **fields: Any) -> tuple[Work, Callable[[], torch.Tensor]]:
+            direct: torch.Tensor | None = None,
+            **fields: Any) -> tuple[Work, Callable[[Callable[[torch.Tensor, bool], T]], T]]:
     """Agree on an allreduce of ``sum(counts)`` elements that ``fill`` writes into a flat buffer
-    and start it; ``finish`` returns the reduced flat data. Every op but Adasum travels with one
-    slot per rank after the data (`speculate`), the same whether predicted or agreed first."""
+    and start it; ``finish(consume)`` returns ``consume(reduced flat data, pooled)`` (pooled: the
+    data go back to the pool after ``consume``, so keep a copy). A small allreduce
+    (any op but Adasum) travels with one slot per rank after the data (`speculate`), the same
+    whether predicted or agreed first, in a pooled buffer; a large one reduces ``direct`` (a flat
+    contiguous view of the caller's tensor) in place when given."""
     numel = sum(counts)
     row = descriptor(kind, name=name or "", op=OPS.index(op), dtype=dtype, **fields)
     if not slotted(row):
         _round(rt, row, name, None)
         if op is ReduceOp.ADASUM:
             check_adasum(rt.comm.size, dtype)
-        flat = torch.empty(numel, dtype=dtype, device=device)
-        fill(flat)
-        return _reduce_start(rt, flat, op, pre, post, counts)
-    buf = torch.empty(numel + rt.comm.size, dtype=dtype, device=device)
+        flat = direct
+        if flat is None:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            fill(flat)
+        work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
+        return work, lambda consume: consume(finish_flat(), False)
+    spec = rt.speculator
+    buf = spec.take(dtype, numel, device)
     data = buf[:numel]
     fill(data)
     if pre != 1.0:
         data.mul_(pre)
-    rnd = _round(rt, row, name, Slotted(buf, numel, op))
+    try:
+        rnd = _round(rt, row, name, Slotted(buf, numel, op))
+    except Exception:
+        spec.give(buf)
+        raise
     work = CompletedWork(buf) if rnd.done else start_slotted(rt.comm, buf, numel, op, REAL)
 
-    def finish() -> torch.Tensor:
-        if post != 1.0:
-            data.mul_(post)
-        return data
+    def finish(consume: Callable[[torch.Tensor, bool], T]) -> T:
+        try:
+            if post != 1.0:
+                data.mul_(post)
+            return consume(data, True)
+        finally:
+            with rt.lock:
+                spec.give(buf)
 
     return work, finish
 
@@ -211,15 +229,19 @@ def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
     with rt.lock:
         _claim(rt, name, what)
         src = tensor.detach().reshape(-1)
+        direct = src if in_place and tensor.is_contiguous() else None
         work, finish_flat = _reduce(rt, Kind.ALLREDUCE, name, lambda d: d.copy_(src), [tensor.numel()],
-                                    tensor.dtype, tensor.device, op, pre, post, shape=tuple(tensor.shape))
+                                    tensor.dtype, tensor.device, op, pre, post, direct, shape=tuple(tensor.shape))
+
+    def consume(flat: torch.Tensor, pooled: bool) -> torch.Tensor:
+        if not in_place:
+            return flat.view(tensor.shape).clone() if pooled else flat.view(tensor.shape)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(flat.view(tensor.shape))
+        return tensor
 
     def finish() -> torch.Tensor:
-        out = finish_flat().view(tensor.shape)
-        if not in_place:
-            return out
-        tensor.detach().copy_(out)
-        return tensor
+        return finish_flat(consume)
 
     return Handle(rt, name, work, finish)
 
@@ -297,14 +319,16 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
             counts, tensors[0].dtype, tensors[0].device, op, pre, post, ntensors=len(tensors),
             shape=(sum(counts), shapes_crc))
 
-    def finish() -> list[torch.Tensor]:
-        done = finish_flat()
+    def consume(done: torch.Tensor, pooled: bool) -> list[torch.Tensor]:
         offset = 0
         with torch.no_grad():
             for t, c in zip(tensors, counts):
                 t.copy_(done[offset : offset + c].view_as(t))
                 offset += c
         return list(tensors)
+
+    def finish() -> list[torch.Tensor]:
+        return finish_flat(consume)
 
     return Handle(rt, name, work, finish)
 

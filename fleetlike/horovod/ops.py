@@ -37,6 +37,7 @@ __all__ = [
     "ReduceOp",
     "Sum",
     "identity",
+    "identity_value",
     "resolve_op",
 ]
 
@@ -74,12 +75,18 @@ COMM_OP = {ReduceOp.AVERAGE: "avg", ReduceOp.SUM: "sum", ReduceOp.MIN: "min", Re
 
 def identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
     """What a joined rank contributes: the identity of ``op`` (zeros for Sum/Average/Adasum)."""
+    return torch.full((numel,), identity_value(op, dtype), dtype=dtype, device=device)
+
+
+def identity_value(op: ReduceOp, dtype: torch.dtype) -> float | int:
+    """The identity of ``op`` in ``dtype`` (0 for Sum/Average/Adasum, 1 for Product, the
+    dtype's largest / smallest value for Min / Max)."""
     if op is ReduceOp.PRODUCT:
-        return torch.ones(numel, dtype=dtype, device=device)
+        return 1
     if op in (ReduceOp.MIN, ReduceOp.MAX):
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        return torch.full((numel,), info.max if op is ReduceOp.MIN else info.min, dtype=dtype, device=device)
-    return torch.zeros(numel, dtype=dtype, device=device)
+        return info.max if op is ReduceOp.MIN else info.min
+    return 0
 
 
 def resolve_op(op: ReduceOp | str | None, average: bool | None, default: ReduceOp = Average) -> ReduceOp:

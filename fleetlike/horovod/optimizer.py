@@ -241,6 +241,8 @@ class HorovodOptimizer(HorovodWrapper):
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
             buckets[0] = Bucket(0, buckets[0].params, (buckets[0].offsets, self._slots + n))
         self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets)
+        self._flag_view: torch.Tensor | None = None
+        self._one_hot: torch.Tensor | None = None
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
         self._params = params
         self._numel = sum(p.numel() for p in params)
@@ -311,14 +313,18 @@ class HorovodOptimizer(HorovodWrapper):
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
     def _flags(self) -> torch.Tensor:
-        return self.reducer.buckets[0].buffer[self._slots : self._slots + self._rt.comm.size]
+        if self._flag_view is None:  # the buffer is fixed: slice it once (twice per step otherwise)
+            self._flag_view = self.reducer.buckets[0].buffer[self._slots : self._slots + self._rt.comm.size]
+        return self._flag_view
 
     def _mark_active(self) -> None:
         """This rank's slot 1, the others' 0, before the first bucket starts."""
         if self._slots >= 0:
             flags = self._flags()
-            flags.zero_()
-            flags[self._rt.comm.rank] = 1
+            if self._one_hot is None:
+                self._one_hot = torch.zeros_like(flags)
+                self._one_hot[self._rt.comm.rank] = 1
+            flags.copy_(self._one_hot)  # one op per step
 
     def _read_flags(self) -> None:
         """After a reduction: a slot still 0 is a rank inside ``hvd.join()`` (every rank reads the

@@ -52,13 +52,19 @@ from fleetlike.horovod.negotiate import (
     signature,
     start_exchange,
 )
-from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity
+from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
 
 __all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Round", "Slotted", "Speculator", "read_slots",
            "slotted", "start_slotted"]
 
 #: slot codes: this rank's call is not the prediction / it is inside hvd.join() / it is
 OTHER, JOINED_CODE, REAL = 0, 1, 2
+#: allreduces up to this many bytes of data travel with slots (and may be predicted); larger ones
+#: agree first: the exchange (~0.4 ms) is small beside their data, while copying them into a
+#: slotted buffer and back costs more than it saves (measured, docs/BENCHMARKS.md)
+SLOT_MAX_BYTES = 2 << 20
+#: pooled slotted buffers per (dtype, count, device) at most (reuse skips page faults)
+_POOL_PER_KEY = 2
 #: predictions kept at most (a new name per step would grow them without end); cleared past it,
 #: on every rank at the same agreement
 _MAX_PREDICTIONS = 4096
@@ -66,11 +72,14 @@ _MAX_PREDICTIONS = 4096
 
 def slotted(row: list[int]) -> bool:
     """Whether the collective of ``row`` is an allreduce that travels with slots (and so may be
-    predicted): single or grouped, any op but Adasum, not a bool tensor nor an integer Average."""
+    predicted): single or grouped, any op but Adasum, not a bool tensor nor an integer Average,
+    up to `SLOT_MAX_BYTES` of data."""
     if row[1] not in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE) or not 0 <= row[3] < len(DTYPES):
         return False
     op, dtype = OPS[row[2]], DTYPES[row[3]]
     if op is ReduceOp.ADASUM or dtype is torch.bool:
+        return False
+    if allreduce_count(row) * dtype.itemsize > SLOT_MAX_BYTES:
         return False
     return dtype.is_floating_point or op is not ReduceOp.AVERAGE
 
@@ -88,7 +97,7 @@ def start_slotted(comm: Communicator, buf: torch.Tensor, numel: int, op: ReduceO
     """Fill the slots after the ``numel`` data (the identity, this rank's ``code`` in its own)
     and start the allreduce of the whole buffer."""
     slots = buf[numel:]
-    slots.copy_(identity(op, buf.dtype, comm.size, buf.device))
+    slots.fill_(identity_value(op, buf.dtype))
     slots[comm.rank] = code
     return comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
 
@@ -137,9 +146,26 @@ class Speculator:
         #: False: every collective agrees first (the path tests compare with). Set it on every
         #: rank alike, between collectives.
         self.enabled = True
+        self._pool: dict[tuple[torch.dtype, int, torch.device], list[torch.Tensor]] = {}
         #: predicted agreements confirmed / wasted (tests and benchmarks read them)
         self.hits = 0
         self.misses = 0
+
+    def take(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
+        """A buffer of ``count`` elements + the slots (pooled: `give` it back when consumed)."""
+        free = self._pool.get((dtype, count, device))
+        if free:
+            return free.pop()
+        return torch.empty(count + self.comm.size, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer from `take` (its data no longer read)."""
+        key = (buf.dtype, buf.numel() - self.comm.size, buf.device)
+        free = self._pool.setdefault(key, [])
+        if len(free) < _POOL_PER_KEY:
+            free.append(buf)
+        if len(self._pool) > 64:  # many sizes: start again rather than hold them all
+            self._pool = {key: free}
 
     def prediction(self) -> list[int] | None:
         """The row every rank predicts for the next agreement, when it is a slotted allreduce."""
@@ -155,7 +181,8 @@ class Speculator:
         if real is not None and row[0] == ACTIVE and signature(row) == signature(pred):
             buf, code = real.buf, REAL
         else:
-            buf = identity(op, dtype, count + self.comm.size, self.device)
+            buf = self.take(dtype, count, self.device)
+            buf.fill_(identity_value(op, dtype))
             code = JOINED_CODE if row[0] == JOINED else OTHER
         return Pending(start_slotted(self.comm, buf, count, op, code), row, real, pred, buf)
 
@@ -172,6 +199,8 @@ class Speculator:
         pending.work.wait()
         assert pending.buf is not None
         codes = read_slots(pending.buf, allreduce_count(pred), OPS[pred[2]], self.comm.size)
+        if pending.real is None or pending.buf is not pending.real.buf:
+            self.give(pending.buf)  # an identity buffer, done with
         if OTHER not in codes and REAL in codes:
             self.hits += 1
             self._learn(pred)
