@@ -6,8 +6,9 @@ negotiation with a response cache; fleetlike predicts instead, and lets the data
 
 The prediction is a pure function of the agreed history, which every rank saw alike: after an
 agreed descriptor D, the descriptor agreed next the last time D came. Training loops repeat, so
-after one pass it names each call, on every rank the same. Every allreduce (single or grouped,
-any reduction but Adasum, `slotted`) travels with one extra element per rank, its *slot*. When
+after one pass it names each call, on every rank the same. Every allreduce of up to
+`SLOT_MAX_BYTES` (single or grouped, any reduction but Adasum, `slotted`) travels with one extra
+element per rank, its *slot*, in a pooled buffer (a copy in and out). When
 the prediction P is such an allreduce, *every* rank skips the exchange and runs an allreduce of
 P's dtype, count (+ slots) and op at once: its own data when its call is P (slot: ``REAL``),
 else a buffer of the reduction's identity (slot ``OTHER``, or ``JOINED`` from a rank inside
@@ -38,6 +39,7 @@ Example (two ranks; from the second pass on each call is predicted and needs no 
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from fleetlike.comm import Communicator, Work
