@@ -4,7 +4,8 @@
 Two gloo ranks (``fleetlike.testing.run_ranks``), both parts side by side in one run:
 
 1. allreduce busbw (nccl-tests' definition, 2(n-1)/n x bytes / time) from 1 MiB up, of
-   ``hvd.allreduce_(t, op=hvd.Sum)`` (its agreement exchange included), fleetlike's own
+   ``hvd.allreduce_(t, op=hvd.Sum)`` (its agreement included: from the second call of a size
+   on predicted, so carried in the data's slots, `fleetlike.horovod.speculate`), fleetlike's own
    ``world.all_reduce(t)`` (its default size check included), and the raw backend: torch's
    ``ProcessGroupGloo.allreduce`` on the same gloo group, nothing around it. Interleaved reps,
    median per size; the ratio hvd / raw has the target >= 0.95.
@@ -65,6 +66,7 @@ def _busbw_worker(role: Any, sizes: list[int], reps: int) -> dict[str, Any]:
 
     import fleetlike.horovod as hvd
     from fleetlike.fleet import fleet
+    from fleetlike.horovod.runtime import runtime
 
     torch.set_num_threads(1)
     hvd.init(role_maker=role, timeout=300)
@@ -81,6 +83,8 @@ def _busbw_worker(role: Any, sizes: list[int], reps: int) -> dict[str, Any]:
                 "raw": lambda: pg.allreduce([bufs["raw"]]).wait(),
             }, reps=reps, inner=inner, sync=world.barrier, warmup=2)
             out[str(size)] = times
+        spec = runtime().speculator
+        out["speculation"] = {"hits": spec.hits, "misses": spec.misses}
         return out
     finally:
         hvd.shutdown()
@@ -146,7 +150,7 @@ def _step_worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, w
 # ---------------------------------------------------------------------------- driver side
 
 
-def measure_busbw(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def measure_busbw(sizes: list[int], reps: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
     from fleetlike.testing import run_ranks
 
     results = run_ranks(_busbw_worker, WORLD, sizes, reps, timeout=1800)
@@ -160,7 +164,7 @@ def measure_busbw(sizes: list[int], reps: int) -> list[dict[str, Any]]:
         rows.append({"size": size, **{f"{k}_us": t[k] * 1e6 for k in t}, **{f"{k}_busbw": busbw[k] for k in t},
                      "ratio": busbw["hvd"] / busbw["raw"], "fleetlike_ratio": busbw["fleetlike"] / busbw["raw"],
                      "paired_ratio_median": median([b / a for a, b in zip(per["hvd"], per["raw"])])})
-    return rows
+    return rows, results[0]["speculation"]
 
 
 def measure_steps(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
@@ -205,7 +209,8 @@ def docs_section(payload: dict[str, Any]) -> str:
         f"{SECTION}\n\n`{payload['command']}` ({payload['date']}, {payload['world']} gloo ranks on "
         f"{payload['machine']['cpus']} CPUs; load average {load[0]:.2f} before, {load_after[0]:.2f} after; "
         "the machine is shared).\n\n"
-        "allreduce busbw, `hvd.allreduce_(t, op=hvd.Sum)` (agreement exchange included) and fleetlike's "
+        "allreduce busbw, `hvd.allreduce_(t, op=hvd.Sum)` (agreement included: none when predicted, "
+        f"{payload['speculation']['hits']} hits and {payload['speculation']['misses']} misses on rank 0) and fleetlike's "
         "`world.all_reduce` (size check included) against torch's `ProcessGroupGloo.allreduce` on the same "
         f"group (target hvd/raw >= {TARGET_BUSBW}); `paired` is the median of per-rep ratios:\n\n"
         f"{bw_table}\n\nTraining steps/s (models of `bench.dp_vs_ddp`, 25 MB buckets, SGD; "
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load = os.getloadavg()
     sizes = size_ladder(parse_bytes(args.min_size), parse_bytes(args.max_size))
-    bw = measure_busbw(sizes, args.reps)
+    bw, speculation = measure_busbw(sizes, args.reps)
     models = [m for m in args.models.split(",") if m]
     steps = [measure_steps(m, args.rounds, args.steps) for m in models]
     load_after = os.getloadavg()
@@ -235,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     print(bw_table)
     print()
     print(step_table)
+    print(f"hvd.allreduce agreements predicted (rank 0): {speculation['hits']} hits, {speculation['misses']} misses")
     info = run_info("bench.horovod_api", argv)
     payload = {**info, "world": WORLD, "load_average_before": load, "load_average_after": load_after,
-               "targets": {"busbw_ratio": TARGET_BUSBW, "step_ratio": TARGET_STEP}, "allreduce": bw, "steps": steps}
+               "targets": {"busbw_ratio": TARGET_BUSBW, "step_ratio": TARGET_STEP}, "allreduce": bw,
+               "speculation": speculation, "steps": steps}
     out = save_json(args.out, payload)
     plot_panels(out.with_suffix(".png"), "hvd.allreduce vs raw gloo (2 ranks)", [{
         "title": "allreduce busbw",

@@ -8,7 +8,7 @@ each rank's shape, and collective timeouts that name the missing ranks.
 
 Modules: `runtime` (init and topology), `collectives` (tensor collectives, handles, join),
 `scatter` (alltoall, reducescatter), `join` (barrier, join), `negotiate` (the agreement before
-each collective), `adasum`, `objects` (objects, parameters,
+each collective), `speculate` (a predicted allreduce carries its own agreement), `adasum`, `objects` (objects, parameters,
 optimizer state), `optimizer` / `adasum_optimizer` (DistributedOptimizer), `sync_bn`, `ops`.
 
 Example (Horovod's own lines):

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
-from fleetlike.horovod.negotiate import Agreement, Kind, check, describe, exchange
-from fleetlike.horovod.ops import Compression, Compressor, ReduceOp, resolve_op
+from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
+from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, identity, resolve_op
 from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.horovod.speculate import REAL, Round, Slotted, slotted, start_slotted
+
+T = TypeVar("T")
 
 __all__ = [
     "Handle",
@@ -60,10 +63,6 @@ __all__ = [
     "synchronize",
 ]
 
-OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
-OP_NAMES = tuple(o.value for o in OPS)
-_COMM_OP = {ReduceOp.AVERAGE: "avg", ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
-            ReduceOp.PRODUCT: "prod"}
 
 
 class Handle:
@@ -125,31 +124,30 @@ def _claim(rt: Runtime, name: str | None, what: str) -> None:
 
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
     """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
-    ag = exchange(rt.comm, describe(kind, name=name or "", **fields), rt.device)
-    rt.note_states([r[0] for r in ag.rows])
-    try:
-        check(ag, rt.comm, f"hvd.{kind.label}", OP_NAMES)
-    except Exception:
-        if name is not None:
-            rt.in_flight.pop(name, None)
-        raise
+    ag = _round(rt, descriptor(kind, name=name or "", **fields), name, None).agreement
+    if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
+        raise RuntimeError(f"hvd.{kind.label}: agreed by prediction without data (a fleetlike bug)")
     return ag
+
+
+def _round(rt: Runtime, row: list[int], name: str | None, real: Slotted | None) -> Round:
+    """Agree on ``row`` (`speculate`: predicted, or exchanged and checked)."""
+    rnd = rt.speculator.agree(row, real)
+    rt.note_states(rnd.states)
+    if rnd.agreement is not None:
+        try:
+            check(rnd.agreement, rt.comm, f"hvd.{Kind(row[1]).label}", OP_NAMES)
+        except Exception:
+            if name is not None:
+                rt.in_flight.pop(name, None)
+            raise
+    return rnd
 
 
 def _tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     return t
-
-
-def _identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
-    """What a joined rank contributes: the identity of ``op`` (zeros for Sum/Average/Adasum)."""
-    if op is ReduceOp.PRODUCT:
-        return torch.ones(numel, dtype=dtype, device=device)
-    if op in (ReduceOp.MIN, ReduceOp.MAX):
-        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        return torch.full((numel,), info.max if op is ReduceOp.MIN else info.min, dtype=dtype, device=device)
-    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post: float,
@@ -167,7 +165,7 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
             buf.copy_(flat)
         work: Work = CompletedWork(buf)
     else:
-        work = rt.comm.all_reduce_async(buf, _COMM_OP[op], agreed=True)
+        work = rt.comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
 
     def finish() -> torch.Tensor:
         if post != 1.0:
@@ -177,16 +175,74 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
     return work, finish
 
 
-def _allreduce_in_place(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float,
-                        what: str) -> Handle:
+def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Tensor], Any], counts: Sequence[int],
+            dtype: torch.dtype, device: torch.device, op: ReduceOp, pre: float, post: float,
+            direct: torch.Tensor | None = None,
+            **fields: Any) -> tuple[Work, Callable[[Callable[[torch.Tensor, bool], T]], T]]:
+    """Agree on an allreduce of ``sum(counts)`` elements that ``fill`` writes into a flat buffer
+    and start it; ``finish(consume)`` returns ``consume(reduced flat data, pooled)`` (pooled: the
+    data go back to the pool after ``consume``, so keep a copy). A small allreduce
+    (any op but Adasum) travels with one slot per rank after the data (`speculate`), the same
+    whether predicted or agreed first, in a pooled buffer; a large one reduces ``direct`` (a flat
+    contiguous view of the caller's tensor) in place when given."""
+    numel = sum(counts)
+    row = descriptor(kind, name=name or "", op=OPS.index(op), dtype=dtype, **fields)
+    if not slotted(row):
+        _round(rt, row, name, None)
+        if op is ReduceOp.ADASUM:
+            check_adasum(rt.comm.size, dtype)
+        flat = direct
+        if flat is None:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+            fill(flat)
+        work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
+        return work, lambda consume: consume(finish_flat(), False)
+    spec = rt.speculator
+    buf = spec.take(dtype, numel, device)
+    data = buf[:numel]
+    fill(data)
+    if pre != 1.0:
+        data.mul_(pre)
+    try:
+        rnd = _round(rt, row, name, Slotted(buf, numel, op))
+    except Exception:
+        spec.give(buf)
+        raise
+    work = CompletedWork(buf) if rnd.done else start_slotted(rt.comm, buf, numel, op, REAL)
+
+    def finish(consume: Callable[[torch.Tensor, bool], T]) -> T:
+        try:
+            if post != 1.0:
+                data.mul_(post)
+            return consume(data, True)
+        finally:
+            with rt.lock:
+                spec.give(buf)
+
+    return work, finish
+
+
+def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float, what: str,
+               in_place: bool) -> Handle:
     rt = runtime(what)
     _tensor(tensor, what)
     with rt.lock:
         _claim(rt, name, what)
-        _agree(rt, Kind.ALLREDUCE, name, op=OPS.index(op), dtype=tensor.dtype, shape=tuple(tensor.shape))
-        if op is ReduceOp.ADASUM:
-            check_adasum(rt.comm.size, tensor.dtype)
-        work, finish = _reduce_start(rt, tensor, op, pre, post, [tensor.numel()])
+        src = tensor.detach().reshape(-1)
+        direct = src if in_place and tensor.is_contiguous() else None
+        work, finish_flat = _reduce(rt, Kind.ALLREDUCE, name, lambda d: d.copy_(src), [tensor.numel()],
+                                    tensor.dtype, tensor.device, op, pre, post, direct, shape=tuple(tensor.shape))
+
+    def consume(flat: torch.Tensor, pooled: bool) -> torch.Tensor:
+        if not in_place:
+            return flat.view(tensor.shape).clone() if pooled else flat.view(tensor.shape)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(flat.view(tensor.shape))
+        return tensor
+
+    def finish() -> torch.Tensor:
+        return finish_flat(consume)
+
     return Handle(rt, name, work, finish)
 
 
@@ -195,8 +251,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     """Start reducing ``tensor`` in place over all ranks; returns a handle."""
     _no_process_set(process_set, "hvd.allreduce_async_")
-    return _allreduce_in_place(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
-                               "hvd.allreduce_async_")
+    return _allreduce(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
+                      "hvd.allreduce_async_", True)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -211,9 +267,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     """Start reducing a copy of ``tensor``; ``synchronize`` returns the reduced copy."""
     _no_process_set(process_set, "hvd.allreduce_async")
-    out = _tensor(tensor, "hvd.allreduce_async").detach().clone()
-    return _allreduce_in_place(out, name, resolve_op(op, average), prescale_factor, postscale_factor,
-                               "hvd.allreduce_async")
+    return _allreduce(_tensor(tensor, "hvd.allreduce_async"), name, resolve_op(op, average), prescale_factor,
+                      postscale_factor, "hvd.allreduce_async", False)
 
 
 class _AllreduceFn(torch.autograd.Function):
@@ -259,21 +314,21 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
     shapes_crc = zlib.crc32(repr([tuple(t.shape) for t in tensors]).encode()) & 0x7FFFFFFF
     with rt.lock:
         _claim(rt, name, what)
-        _agree(rt, Kind.GROUPED_ALLREDUCE, name, op=OPS.index(op), dtype=tensors[0].dtype,
-               ntensors=len(tensors), shape=(sum(counts), shapes_crc))
-        if op is ReduceOp.ADASUM:
-            check_adasum(rt.comm.size, tensors[0].dtype)
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
+        work, finish_flat = _reduce(
+            rt, Kind.GROUPED_ALLREDUCE, name, lambda d: torch.cat([t.detach().reshape(-1) for t in tensors], out=d),
+            counts, tensors[0].dtype, tensors[0].device, op, pre, post, ntensors=len(tensors),
+            shape=(sum(counts), shapes_crc))
 
-    def finish() -> list[torch.Tensor]:
-        done = finish_flat()
+    def consume(done: torch.Tensor, pooled: bool) -> list[torch.Tensor]:
         offset = 0
         with torch.no_grad():
             for t, c in zip(tensors, counts):
                 t.copy_(done[offset : offset + c].view_as(t))
                 offset += c
         return list(tensors)
+
+    def finish() -> list[torch.Tensor]:
+        return finish_flat(consume)
 
     return Handle(rt, name, work, finish)
 

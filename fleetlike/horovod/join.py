@@ -1,6 +1,7 @@
 """``hvd.barrier()`` and ``hvd.join()``: ranks that ran out of data keep answering the others.
 
-A joined rank loops on the agreement exchange (`negotiate`) marked "joined": while some rank is
+A joined rank loops on the agreement (`negotiate`; a predicted allreduce, `speculate`) marked
+"joined": while some rank is
 active it takes part in the collective the active ranks agreed on (an allreduce with the
 identity of its reduction, zeros for Sum / Average / Adasum, or a DistributedOptimizer's buckets
 on zeros); once every rank has joined, each returns the rank that joined last (the highest of
@@ -30,10 +31,11 @@ from typing import Any
 
 from fleetlike.comm import Work
 from fleetlike.horovod.adasum import check_adasum
-from fleetlike.horovod.collectives import OP_NAMES, OPS, _agree, _identity, _no_process_set, _reduce_start
-from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, check, describe, finish_exchange, start_exchange
-from fleetlike.horovod.ops import ReduceOp
+from fleetlike.horovod.collectives import _agree, _no_process_set, _reduce_start
+from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, allreduce_count, check, descriptor
+from fleetlike.horovod.ops import OP_NAMES, OPS, ReduceOp, identity
 from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.horovod.speculate import JOINED_CODE, Pending, Round, slotted, start_slotted
 
 __all__ = ["barrier", "join"]
 
@@ -55,9 +57,14 @@ def join(device: int = -1) -> int:
         for opt in posted:
             opt.post_join_answer()
         while True:
-            work, table = start_exchange(rt.comm, describe(Kind.JOIN, state=JOINED), rt.device)
-            posted = _answer_posted_until(work, posted)
-            ag = finish_exchange(work, table, rt.comm.size)
+            step: Round | Pending = rt.speculator.begin(descriptor(Kind.JOIN, state=JOINED))
+            while isinstance(step, Pending):  # a predicted allreduce, then maybe the exchange
+                posted = _answer_posted_until(step.work, posted)
+                step = rt.speculator.finish(step)
+            ag = step.agreement
+            if ag is None:  # this rank's identity answered the active ranks' predicted allreduce
+                rt.note_states(step.states)
+                continue
             states = [r[0] for r in ag.rows]
             if all(s == JOINED for s in states):
                 for opt in posted:  # every rank posted these: they complete one another
@@ -95,11 +102,15 @@ def _answer(rt: Runtime, ag: Agreement) -> None:
     kind = ag.kind(i)
     if kind in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE):
         op = OPS[ag.op(i)]
-        numel = ag.numel(i) if kind is Kind.ALLREDUCE else ag.shape(i)[0]
+        numel = allreduce_count(ag.rows[i])
+        if slotted(ag.rows[i]):  # the active ranks' buffer has a slot per rank after the data
+            buf = identity(op, ag.dtype(i), numel + rt.comm.size, rt.device)
+            start_slotted(rt.comm, buf, numel, op, JOINED_CODE).wait()
+            return
         counts = [numel] + [0] * (ag.ntensors(i) - 1)
         if op is ReduceOp.ADASUM:
             check_adasum(rt.comm.size, ag.dtype(i))
-        work, finish = _reduce_start(rt, _identity(op, ag.dtype(i), numel, rt.device), op, 1.0, 1.0, counts)
+        work, finish = _reduce_start(rt, identity(op, ag.dtype(i), numel, rt.device), op, 1.0, 1.0, counts)
         work.wait()
         finish()
     elif kind is Kind.OPTIMIZER:

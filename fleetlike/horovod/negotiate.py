@@ -2,7 +2,7 @@
 
 Horovod's coordinator lets ranks announce tensors by name and starts a collective once all
 ranks (less those that called ``join``) announced it. fleetlike has no background coordinator:
-every hvd collective first all-gathers one fixed-size descriptor per rank (`describe`): whether
+every hvd collective first all-gathers one fixed-size descriptor per rank (`descriptor`): whether
 the rank is active or has joined, the collective, its reduction, dtype, root, name and shape.
 From that table every rank decides the same thing (`check` is a pure function of it):
 
@@ -17,7 +17,8 @@ From that table every rank decides the same thing (`check` is a pure function of
 
 The exchange is one small collective (a SUM all-reduce of a table in which each rank fills its
 row; an all-gather in large worlds), about the cost of fleetlike's default size check, which
-the data collective then skips (``agreed=True``). A DistributedOptimizer's reduction carries the
+the data collective then skips (``agreed=True``); an allreduce every rank predicts from this
+history needs none: its data carry the agreement (`fleetlike.horovod.speculate`). A DistributedOptimizer's reduction carries the
 join flags in its first bucket instead and agrees only once a rank has joined (`fleetlike.horovod.optimizer`;
 ``agree=False`` drops both, and join with them). Unlike Horovod, ranks must
 issue their collectives in the same order (a different order raises here, naming both names).
@@ -49,10 +50,11 @@ __all__ = [
     "Agreement",
     "HorovodInternalError",
     "Kind",
+    "allreduce_count",
     "check",
-    "describe",
-    "exchange",
+    "descriptor",
     "finish_exchange",
+    "signature",
     "start_exchange",
 ]
 
@@ -110,7 +112,7 @@ def _name_text(slots: Sequence[int]) -> str:
     return raw.rstrip(b"\0").decode(errors="replace")
 
 
-def describe(
+def descriptor(
     kind: Kind,
     *,
     state: int = ACTIVE,
@@ -121,8 +123,8 @@ def describe(
     name: str = "",
     shape: Sequence[int] = (),
     numel: int | None = None,
-) -> torch.Tensor:
-    """This rank's descriptor row (int64, `WIDTH` wide)."""
+) -> list[int]:
+    """This rank's descriptor row: `WIDTH` ints (int64 on the wire)."""
     if len(shape) > MAX_DIMS:
         raise ValueError(
             f"hvd.{kind.label}: a tensor of {len(shape)} dims; fleetlike's Horovod collectives take "
@@ -137,7 +139,18 @@ def describe(
     count = numel if numel is not None else (int(torch.Size(shape).numel()) if shape else 0)
     row = [state, int(kind), op, code, root, ntensors, zlib.crc32(name.encode()) if name else 0,
            *_name_slots(name), len(shape), count, *shape]
-    return torch.tensor(row + [0] * (WIDTH - len(row)), dtype=torch.int64)
+    return row + [0] * (WIDTH - len(row))
+
+
+def allreduce_count(row: Sequence[int]) -> int:
+    """The element count of an allreduce's row (a grouped allreduce's shape is (total, crc))."""
+    return int(row[_HEAD - 1]) if row[1] == Kind.ALLREDUCE else int(row[_HEAD])
+
+
+def signature(row: Sequence[int]) -> tuple[int, ...]:
+    """What `check` compares of a row, less its state: equal signatures of the active ranks are
+    an agreement (kind, op, dtype, root, ntensors, the name's crc32, ndim, numel, dims)."""
+    return (*row[1:7], *row[_HEAD - 2 : _HEAD + row[_HEAD - 2]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +217,6 @@ def finish_exchange(work: Any, table: torch.Tensor, size: int) -> Agreement:
     work.wait()
     rows = table.view(size, WIDTH).tolist()
     return Agreement(rows, [i for i, r in enumerate(rows) if r[0] == JOINED])
-
-
-def exchange(comm: Communicator, row: torch.Tensor, device: torch.device | None = None) -> Agreement:
-    """Every rank's descriptor, in rank order (blocking)."""
-    work, table = start_exchange(comm, row, device)
-    return finish_exchange(work, table, comm.size)
 
 
 def _fields(kind: Kind) -> tuple[str, ...]:

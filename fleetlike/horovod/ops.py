@@ -21,6 +21,9 @@ import torch
 from fleetlike.comm import parse_choice
 
 __all__ = [
+    "COMM_OP",
+    "OPS",
+    "OP_NAMES",
     "Adasum",
     "Average",
     "BF16Compressor",
@@ -33,6 +36,8 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "identity",
+    "identity_value",
     "resolve_op",
 ]
 
@@ -59,6 +64,29 @@ Adasum = ReduceOp.ADASUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+
+#: the reductions in descriptor order (a descriptor carries the position, `negotiate`)
+OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
+OP_NAMES = tuple(o.value for o in OPS)
+#: the communicator's op for each reduction but Adasum (which has its own algorithm, `adasum`)
+COMM_OP = {ReduceOp.AVERAGE: "avg", ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
+           ReduceOp.PRODUCT: "prod"}
+
+
+def identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+    """What a joined rank contributes: the identity of ``op`` (zeros for Sum/Average/Adasum)."""
+    return torch.full((numel,), identity_value(op, dtype), dtype=dtype, device=device)
+
+
+def identity_value(op: ReduceOp, dtype: torch.dtype) -> float | int:
+    """The identity of ``op`` in ``dtype`` (0 for Sum/Average/Adasum, 1 for Product, the
+    dtype's largest / smallest value for Min / Max)."""
+    if op is ReduceOp.PRODUCT:
+        return 1
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        return info.max if op is ReduceOp.MIN else info.min
+    return 0
 
 
 def resolve_op(op: ReduceOp | str | None, average: bool | None, default: ReduceOp = Average) -> ReduceOp:

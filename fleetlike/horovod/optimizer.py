@@ -59,9 +59,8 @@ from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
-from fleetlike.horovod.collectives import OP_NAMES, OPS
-from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, describe, exchange
-from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
+from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
+from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
 
@@ -242,6 +241,8 @@ class HorovodOptimizer(HorovodWrapper):
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
             buckets[0] = Bucket(0, buckets[0].params, (buckets[0].offsets, self._slots + n))
         self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets)
+        self._flag_view: torch.Tensor | None = None
+        self._one_hot: torch.Tensor | None = None
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
         self._params = params
         self._numel = sum(p.numel() for p in params)
@@ -302,22 +303,28 @@ class HorovodOptimizer(HorovodWrapper):
     def _agree(self, kind: Kind = Kind.OPTIMIZER) -> None:
         """The ranks agree on this reduction (model, op) and joined ranks learn of it."""
         rt = self._rt
-        row = describe(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
+        row = descriptor(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
                        name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
-            ag = exchange(rt.comm, row, rt.device)
+            ag = rt.speculator.agree(row).agreement
+            if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
+                raise RuntimeError("hvd.DistributedOptimizer: agreed by prediction (a fleetlike bug)")
             rt.note_states([r[0] for r in ag.rows])
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
     def _flags(self) -> torch.Tensor:
-        return self.reducer.buckets[0].buffer[self._slots : self._slots + self._rt.comm.size]
+        if self._flag_view is None:  # the buffer is fixed: slice it once (twice per step otherwise)
+            self._flag_view = self.reducer.buckets[0].buffer[self._slots : self._slots + self._rt.comm.size]
+        return self._flag_view
 
     def _mark_active(self) -> None:
         """This rank's slot 1, the others' 0, before the first bucket starts."""
         if self._slots >= 0:
             flags = self._flags()
-            flags.zero_()
-            flags[self._rt.comm.rank] = 1
+            if self._one_hot is None:
+                self._one_hot = torch.zeros_like(flags)
+                self._one_hot[self._rt.comm.rank] = 1
+            flags.copy_(self._one_hot)  # one op per step
 
     def _read_flags(self) -> None:
         """After a reduction: a slot still 0 is a rank inside ``hvd.join()`` (every rank reads the

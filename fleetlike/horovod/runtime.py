@@ -32,6 +32,7 @@ from fleetlike.config import DistributedStrategy
 from fleetlike import elastic
 from fleetlike.fleet import fleet
 from fleetlike.horovod.negotiate import JOINED
+from fleetlike.horovod.speculate import Speculator
 from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_endpoint
 
 __all__ = [
@@ -77,6 +78,9 @@ class Runtime:
         #: same order on every rank even when hooks run on another thread)
         self.lock = threading.RLock()
         self.in_flight: dict[str, Any] = {}
+        #: the agreed history, from which every rank predicts the next allreduce alike, which
+        #: then needs no exchange (`speculate`)
+        self.speculator = Speculator(comm, device)
         self.counters: dict[str, int] = {}
         #: DistributedOptimizers by their join id (a joined rank answers their reductions)
         self.optimizers: dict[int, Any] = {}

@@ -20,8 +20,6 @@ import torch
 
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.collectives import (
-    _COMM_OP,
-    OPS,
     Handle,
     _agree,
     _claim,
@@ -31,7 +29,7 @@ from fleetlike.horovod.collectives import (
     synchronize,
 )
 from fleetlike.horovod.negotiate import Kind
-from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
+from fleetlike.horovod.ops import COMM_OP, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.runtime import Runtime, runtime
 
 __all__ = ["alltoall", "alltoall_async", "reducescatter", "reducescatter_async"]
@@ -181,7 +179,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         if prescale_factor != 1.0:
             padded.mul_(prescale_factor)
         mine = torch.empty(widest, dtype=t.dtype, device=t.device)
-        work = rt.comm.reduce_scatter_async(padded.view(-1), _COMM_OP[red], out=mine, agreed=True)
+        work = rt.comm.reduce_scatter_async(padded.view(-1), COMM_OP[red], out=mine, agreed=True)
 
     def finish() -> torch.Tensor:
         out = mine[: rows[me] * per_row].view(rows[me], *trailing)

@@ -1,0 +1,233 @@
+"""Speculative agreement: a predicted allreduce carries its own agreement, no exchange first.
+
+Every hvd collective agrees before it runs (`negotiate`): one small exchange of descriptors,
+0.3-0.5 ms on loopback gloo, as long as a 1 MiB allreduce's data. Horovod hides its
+negotiation with a response cache; fleetlike predicts instead, and lets the data confirm.
+
+The prediction is a pure function of the agreed history, which every rank saw alike: after an
+agreed descriptor D, the descriptor agreed next the last time D came. Training loops repeat, so
+after one pass it names each call, on every rank the same. Every allreduce of up to
+`SLOT_MAX_BYTES` (single or grouped, any reduction but Adasum, `slotted`) travels with one extra
+element per rank, its *slot*, in a pooled buffer (a copy in and out). When
+the prediction P is such an allreduce, *every* rank skips the exchange and runs an allreduce of
+P's dtype, count (+ slots) and op at once: its own data when its call is P (slot: ``REAL``),
+else a buffer of the reduction's identity (slot ``OTHER``, or ``JOINED`` from a rank inside
+``hvd.join()``, whose identity is exactly its answer). Every other slot holds the identity, so
+the reduced slots are each rank's code, whatever the op. So every rank enters the same backend
+collective whatever it was called with (the backend never meets mismatched sizes), and the
+slots decide alike everywhere:
+
+- no ``OTHER`` and at least one ``REAL``: a *hit*; the reduced data is the call's result and a
+  joined rank has answered;
+- otherwise a *miss*: the allreduce is dropped (one wasted collective of P's size, when the
+  pattern changes) and the ranks exchange descriptors as without prediction, so a disagreement
+  raises `CollectiveMismatchError` with the per-rank table on every rank (a rank whose call was P
+  is then in a disagreement), a joined rank answers, a call that is not P runs. The data travel
+  in a buffer of their own, so a tensor reduced in place is untouched by a miss.
+
+First calls, changed calls and other collectives agree first, as before; with the same layout
+(slots included), so results are bit for bit those of a predicted call (`tests`). A predicted
+call completes before it returns (its agreement is in its data): the ``_async`` forms of a
+predicted allreduce return a completed handle.
+
+Example (two ranks; from the second pass on each call is predicted and needs no exchange)::
+
+    >>> for step in range(3):
+    ...     hvd.allreduce_(grad, name="grad"); hvd.allreduce_(loss, name="loss")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fleetlike.comm import Communicator, Work
+from fleetlike.horovod.negotiate import (
+    ACTIVE,
+    DTYPES,
+    JOINED,
+    Agreement,
+    Kind,
+    allreduce_count,
+    finish_exchange,
+    signature,
+    start_exchange,
+)
+from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
+
+__all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Round", "Slotted", "Speculator", "read_slots",
+           "slotted", "start_slotted"]
+
+#: slot codes: this rank's call is not the prediction / it is inside hvd.join() / it is
+OTHER, JOINED_CODE, REAL = 0, 1, 2
+#: allreduces up to this many bytes of data travel with slots (and may be predicted); larger ones
+#: agree first: the exchange (~0.4 ms) is small beside their data, while copying them into a
+#: slotted buffer and back costs more than it saves (measured, docs/BENCHMARKS.md)
+SLOT_MAX_BYTES = 2 << 20
+#: pooled slotted buffers per (dtype, count, device) at most (reuse skips page faults)
+_POOL_PER_KEY = 2
+#: predictions kept at most (a new name per step would grow them without end); cleared past it,
+#: on every rank at the same agreement
+_MAX_PREDICTIONS = 4096
+
+
+def slotted(row: list[int]) -> bool:
+    """Whether the collective of ``row`` is an allreduce that travels with slots (and so may be
+    predicted): single or grouped, any op but Adasum, not a bool tensor nor an integer Average,
+    up to `SLOT_MAX_BYTES` of data."""
+    if row[1] not in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE) or not 0 <= row[3] < len(DTYPES):
+        return False
+    op, dtype = OPS[row[2]], DTYPES[row[3]]
+    if op is ReduceOp.ADASUM or dtype is torch.bool:
+        return False
+    if allreduce_count(row) * dtype.itemsize > SLOT_MAX_BYTES:
+        return False
+    return dtype.is_floating_point or op is not ReduceOp.AVERAGE
+
+
+@dataclasses.dataclass
+class Slotted:
+    """This rank's data for a slotted allreduce: ``buf`` is ``numel`` data elements + the slots."""
+
+    buf: torch.Tensor
+    numel: int
+    op: ReduceOp
+
+
+def start_slotted(comm: Communicator, buf: torch.Tensor, numel: int, op: ReduceOp, code: int) -> Work:
+    """Fill the slots after the ``numel`` data (the identity, this rank's ``code`` in its own)
+    and start the allreduce of the whole buffer."""
+    slots = buf[numel:]
+    slots.fill_(identity_value(op, buf.dtype))
+    slots[comm.rank] = code
+    return comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
+
+
+def read_slots(buf: torch.Tensor, numel: int, op: ReduceOp, size: int) -> list[int]:
+    """Every rank's code from a reduced buffer (Average divided them by the size)."""
+    vals = buf[numel:].double()
+    if op is ReduceOp.AVERAGE:
+        vals = vals * size
+    return [int(v) for v in vals.round().tolist()]
+
+
+@dataclasses.dataclass
+class Round:
+    """One agreement: the table (None when predicted) and who has joined."""
+
+    agreement: Agreement | None
+    states: list[int]
+    #: the predicted allreduce ran this rank's data (``real.buf`` holds the result)
+    done: bool = False
+    #: a joined rank's identity answered the active ranks' predicted allreduce
+    answered: bool = False
+
+
+@dataclasses.dataclass
+class Pending:
+    """An agreement under way (`Speculator.begin`): ``work`` completes it (poll it)."""
+
+    work: Work
+    row: list[int]
+    real: Slotted | None
+    prediction: list[int] | None = None
+    buf: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+
+
+class Speculator:
+    """The agreement history of one Horovod world. Not thread-safe on its own: every call runs
+    under the runtime's lock."""
+
+    def __init__(self, comm: Communicator, device: torch.device | None) -> None:
+        self.comm = comm
+        self.device = device or torch.device("cpu")
+        self._last: tuple[int, ...] | None = None
+        self._next: dict[tuple[int, ...] | None, list[int] | None] = {}
+        #: False: every collective agrees first (the path tests compare with). Set it on every
+        #: rank alike, between collectives.
+        self.enabled = True
+        self._pool: dict[tuple[torch.dtype, int, torch.device], list[torch.Tensor]] = {}
+        #: predicted agreements confirmed / wasted (tests and benchmarks read them)
+        self.hits = 0
+        self.misses = 0
+
+    def take(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
+        """A buffer of ``count`` elements + the slots (pooled: `give` it back when consumed)."""
+        free = self._pool.get((dtype, count, device))
+        if free:
+            return free.pop()
+        return torch.empty(count + self.comm.size, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer from `take` (its data no longer read)."""
+        key = (buf.dtype, buf.numel() - self.comm.size, buf.device)
+        free = self._pool.setdefault(key, [])
+        if len(free) < _POOL_PER_KEY:
+            free.append(buf)
+        if len(self._pool) > 64:  # many sizes: start again rather than hold them all
+            self._pool = {key: free}
+
+    def prediction(self) -> list[int] | None:
+        """The row every rank predicts for the next agreement, when it is a slotted allreduce."""
+        row = self._next.get(self._last) if self.enabled else None
+        return row if row is not None and slotted(row) else None
+
+    def begin(self, row: list[int], real: Slotted | None = None) -> Pending:
+        """Start this rank's agreement on ``row`` (``real``: its slotted allreduce's data)."""
+        pred = self.prediction()
+        if pred is None:
+            return self._begin_exchange(row, real)
+        op, dtype, count = OPS[pred[2]], DTYPES[pred[3]], allreduce_count(pred)
+        if real is not None and row[0] == ACTIVE and signature(row) == signature(pred):
+            buf, code = real.buf, REAL
+        else:
+            buf = self.take(dtype, count, self.device)
+            buf.fill_(identity_value(op, dtype))
+            code = JOINED_CODE if row[0] == JOINED else OTHER
+        return Pending(start_slotted(self.comm, buf, count, op, code), row, real, pred, buf)
+
+    def finish(self, pending: Pending) -> Round | Pending:
+        """Wait for ``pending``: its `Round`, or after a missed prediction the exchange that
+        follows (a new `Pending`; finish it in turn)."""
+        pred = pending.prediction
+        if pred is None:
+            assert pending.table is not None
+            ag = finish_exchange(pending.work, pending.table, self.comm.size)
+            active = ag.active
+            self._learn(ag.rows[active[0]] if active else None)
+            return Round(ag, [r[0] for r in ag.rows])
+        pending.work.wait()
+        assert pending.buf is not None
+        codes = read_slots(pending.buf, allreduce_count(pred), OPS[pred[2]], self.comm.size)
+        if pending.real is None or pending.buf is not pending.real.buf:
+            self.give(pending.buf)  # an identity buffer, done with
+        if OTHER not in codes and REAL in codes:
+            self.hits += 1
+            self._learn(pred)
+            states = [JOINED if c == JOINED_CODE else ACTIVE for c in codes]
+            joined = pending.row[0] == JOINED
+            return Round(None, states, done=not joined, answered=joined)
+        self.misses += 1
+        return self._begin_exchange(pending.row, pending.real)
+
+    def agree(self, row: list[int], real: Slotted | None = None) -> Round:
+        """`begin`, then `finish` until agreed (blocking)."""
+        step: Round | Pending = self.begin(row, real)
+        while isinstance(step, Pending):
+            step = self.finish(step)
+        return step
+
+    def _begin_exchange(self, row: list[int], real: Slotted | None) -> Pending:
+        work, table = start_exchange(self.comm, torch.tensor(row, dtype=torch.int64), self.device)
+        return Pending(work, row, real, table=table)
+
+    def _learn(self, row: list[int] | None) -> None:
+        """``row`` (the first active rank's; None: every rank had joined) came after the last
+        agreed one; every rank learns the same, from the same table or slots."""
+        if len(self._next) >= _MAX_PREDICTIONS:
+            self._next.clear()
+        self._next[self._last] = row
+        self._last = signature(row) if row is not None else (Kind.JOIN,)
+

@@ -1,0 +1,158 @@
+"""Speculative agreement (`fleetlike.horovod.speculate`) on real gloo ranks, 2 and 3.
+
+One multi-rank run per world size checks, against the sequential path (speculation off, same
+ranks, same inputs: bit for bit) and against numpy sums:
+
+- a repeating pattern of allreduces (single and grouped, several ops and dtypes, prescale and
+  postscale, async and in place) is predicted after one pass (the hits are counted) and gives
+  the sequential path's results;
+- ``join`` while the active ranks' allreduce is predicted: the joined rank's identity answers
+  the predicted allreduce, every step's sum is right and ``join`` returns the last rank;
+- a mismatch on a predicted call (shape with another byte count, op, dtype on one rank) raises
+  `CollectiveMismatchError` naming each rank's value on every rank, leaves the in-place tensor
+  as it was, and the next calls run;
+- every rank changing the call together (a miss) still gives the right result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fleetlike.horovod as hvd
+from fleetlike.horovod.runtime import runtime
+from fleetlike.horovod.speculate import SLOT_MAX_BYTES
+from fleetlike.testing import run_ranks
+
+PASSES = 3
+BIG = SLOT_MAX_BYTES // 4 + 1000
+
+
+@pytest.fixture(autouse=True)
+def _no_hvd():  # type: ignore[no-untyped-def]
+    hvd.shutdown()
+    yield
+    hvd.shutdown()
+
+
+def _x(rank: int, step: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    t = torch.randn(n, generator=g)
+    return (t * 100).to(dtype) if not dtype.is_floating_point else t.to(dtype)
+
+
+def _pattern(r: int, step: int) -> dict[str, Any]:
+    """One pass of a training-like loop of hvd allreduces; results as numpy arrays."""
+    out: dict[str, Any] = {}
+    out["sum"] = hvd.allreduce(_x(r, step, 1000), op=hvd.Sum, name="sum").numpy()
+    t = _x(r, step, 333, torch.float64)
+    hvd.allreduce_(t, name="avg", prescale_factor=0.5, postscale_factor=3.0)
+    out["avg"] = t.numpy()
+    out["max"] = hvd.synchronize(hvd.allreduce_async(_x(r, step, 77, torch.int32), op=hvd.Max)).numpy()
+    g = [_x(r, step, 10), _x(r, step + 50, 4 * 5).view(4, 5)]
+    out["grouped"] = [a.numpy() for a in hvd.grouped_allreduce(g, op=hvd.Sum, name="grouped")]
+    h = hvd.allreduce_async_(_x(r, step, 4096), op=hvd.Min, name="min")
+    out["min"] = hvd.synchronize(h).numpy()
+    big = _x(r, step, BIG)  # over SLOT_MAX_BYTES: agreed first, reduced in place without slots
+    hvd.allreduce_(big, op=hvd.Sum, name="big")
+    out["big"] = big.numpy()
+    return out
+
+
+def _rank(role: Any) -> dict[str, Any]:
+    hvd.init(role_maker=role, timeout=60)
+    try:
+        r, n = hvd.rank(), hvd.size()
+        spec = runtime().speculator
+        res: dict[str, Any] = {}
+        # 1. the pattern with speculation, then again without (the sequential path)
+        res["spec"] = [_pattern(r, s) for s in range(PASSES)]
+        res["hits"], res["misses"] = spec.hits, spec.misses
+        spec.enabled = False
+        res["seq"] = [_pattern(r, s) for s in range(PASSES)]
+        res["hits_off"] = spec.hits - res["hits"]
+        spec.enabled = True
+        # 2. join while the active ranks' allreduce is predicted (rank i has 3 + i steps)
+        hits = spec.hits
+        got = [hvd.allreduce(_x(r, s, 512), op=hvd.Sum, name="uneven").numpy() for s in range(3 + r)]
+        res["join"] = (got, hvd.join(), spec.hits - hits)
+        # 3. a mismatch on a predicted call, on one rank: another byte count, op, dtype
+        for case in ("numel", "op", "dtype"):
+            for s in range(2):
+                hvd.allreduce(_x(r, s, 256), op=hvd.Sum, name="m")
+            t, op = _x(r, 9, 256), hvd.Sum
+            if r == n - 1:
+                t, op = {"numel": (_x(r, 9, 300), op), "op": (t, hvd.Max),
+                         "dtype": (t.to(torch.int32), op)}[case]
+            before = t.clone()
+            try:
+                hvd.allreduce_(t, op=op, name="m")
+                res[f"mismatch.{case}"] = "no error"
+            except hvd.CollectiveMismatchError as e:
+                res[f"mismatch.{case}"] = str(e)
+            res[f"untouched.{case}"] = torch.equal(t, before)  # reduced in a buffer of its own
+            res[f"after.{case}"] = hvd.allreduce(_x(r, 5, 64), op=hvd.Sum, name="after").numpy()
+        # 4. every rank moves to a new size at once: a miss, then the sequential path
+        for s in range(2):
+            hvd.allreduce(_x(r, s, 128), op=hvd.Sum, name="grow")
+        misses = spec.misses
+        res["grow"] = (hvd.allreduce(_x(r, 7, 200), op=hvd.Sum, name="grow").numpy(), spec.misses - misses)
+        return res
+    finally:
+        hvd.shutdown()
+
+
+def _sum(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.sum(np.stack(arrays), axis=0)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_speculative_agreement(world: int) -> None:
+    results = run_ranks(_rank, world, timeout=120)
+    calls = 5  # small allreduces per pass, predicted from the second pass on (the first of the
+    # second pass not yet: what follows the last call of a pass is learnt there)
+    for r, res in enumerate(results):
+        assert res["hits"] >= calls * (PASSES - 1) - 1, (res["hits"], res["misses"])
+        assert res["hits_off"] == 0
+        # speculative == sequential, bit for bit, on every call of every pass
+        for spec, seq in zip(res["spec"], res["seq"]):
+            for k in spec:
+                for a, b in zip(*(v if isinstance(v, list) else [v] for v in (spec[k], seq[k]))):
+                    np.testing.assert_array_equal(a, b, err_msg=k)
+        # and both are the reduction of every rank's input
+        for s, got in enumerate(res["spec"]):
+            np.testing.assert_allclose(got["sum"], _sum([_x(i, s, 1000).numpy() for i in range(world)]), rtol=1e-5,
+                                       atol=1e-5)
+            want = np.mean([_x(i, s, 333, torch.float64).numpy() * 0.5 for i in range(world)], axis=0) * 3.0
+            np.testing.assert_allclose(got["avg"], want, rtol=1e-12)
+            np.testing.assert_array_equal(got["max"], np.max([_x(i, s, 77, torch.int32).numpy()
+                                                              for i in range(world)], axis=0))
+            np.testing.assert_allclose(got["grouped"][1], _sum([_x(i, s + 50, 20).view(4, 5).numpy()
+                                                                for i in range(world)]), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got["min"], np.min([_x(i, s, 4096).numpy() for i in range(world)], axis=0))
+            np.testing.assert_allclose(got["big"], _sum([_x(i, s, BIG).numpy() for i in range(world)]), rtol=1e-5,
+                                       atol=1e-5)
+        # join: at step s the ranks still active are those with 3 + i > s
+        got, last, join_hits = res["join"]
+        assert last == world - 1
+        for s, g in enumerate(got):
+            want = _sum([_x(i, s, 512).numpy() for i in range(world) if s < 3 + i])
+            np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5, err_msg=f"join step {s}")
+        for case in ("numel", "op", "dtype"):
+            msg = res[f"mismatch.{case}"]
+            assert "disagree" in msg and str(world - 1) in msg, msg
+            np.testing.assert_allclose(res[f"after.{case}"], _sum([_x(i, 5, 64).numpy() for i in range(world)]),
+                                       rtol=1e-5, atol=1e-5)
+            assert res[f"untouched.{case}"], case
+        assert "(256,)" in res["mismatch.numel"] and "(300,)" in res["mismatch.numel"]
+        assert "sum" in res["mismatch.op"] and "max" in res["mismatch.op"]
+        assert "int32" in res["mismatch.dtype"] and "float32" in res["mismatch.dtype"]
+        grown, misses = res["grow"]
+        assert misses == 1
+        np.testing.assert_allclose(grown, _sum([_x(i, 7, 200).numpy() for i in range(world)]), rtol=1e-5, atol=1e-5)
+    # the joined ranks answered predicted allreduces with their identity (rank 0 joins first)
+    assert results[0]["join"][2] >= 1
