@@ -24,7 +24,9 @@ from fleetlike.collectives import (
     HierarchicalAllReduce,
     cross_node_bytes_flat,
     hierarchical_pairs,
+    segmented_all_reduce,
 )
+from fleetlike.collectives.segments import Scratch
 from fleetlike.roles import Role
 from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.testing import make_world, run_ranks
@@ -393,3 +395,14 @@ def test_fp16_guard_keeps_float64_beyond_float32_range_finite(values, grad_scale
     assert torch.isfinite(got).all(), got
     big = x.abs() >= x.abs().max() * 2.0**-13  # float16 keeps ~14 binades below the bucket's maximum
     assert big.sum() == 2 and torch.allclose(got[big], x[big], rtol=2.0**-10, atol=0.0), (got, x)
+
+
+def test_intra_form_is_checked_and_scratch_is_reused():
+    with pytest.raises(ValueError, match=r"intra_form='ring' is not one of \('broadcast', 'reduce_scatter'\)"):
+        segmented_all_reduce(torch.ones(4), None, None, intra_form="ring")  # type: ignore[arg-type]
+    scratch = Scratch()
+    a = scratch.get(100, torch.float16, torch.device("cpu"))
+    b = scratch.get(60, torch.float16, torch.device("cpu"))
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr()  # a smaller request reuses the buffer
+    c = scratch.get(60, torch.float16, torch.device("cpu"), slot="recv")
+    assert c.data_ptr() != a.data_ptr()  # slots never alias each other
