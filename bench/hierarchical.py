@@ -1,8 +1,9 @@
 """Flat vs hierarchical vs hierarchical + fp16 vs hierarchical + 2 communicators, over a slow link.
 
 Two simulated nodes x 2 workers: network namespaces joined by a veth pair limited with ``tbf``
-(`bench.netns`); ranks 0-1 live in node A (10.77.0.1), ranks 2-3 in node B (10.77.0.2). All four
-allreduce variants run side by side, interleaved rep by rep, in one invocation; then a short
+(`bench.netns`); ranks 0-1 live in node A (10.77.0.1), ranks 2-3 in node B (10.77.0.2). All five
+allreduce variants (hier_fp16_rs: hier_fp16 with the node-local hops as gloo's reduce-scatter and
+allgather, the form before issue 15) run side by side, interleaved rep by rep, in one invocation; then a short
 data-parallel training run (fleet, program style) reports steps/s for the same configurations.
 Needs root (skips with the reason otherwise).
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ("flat", "hier", "hier_fp16", "hier_2comm")
+IMPLS = ("flat", "hier", "hier_fp16", "hier_2comm", "hier_fp16_rs")
 TRAIN = {
     "flat": {},
     "hier": {"use_hierarchical_allreduce": True},
@@ -47,6 +48,9 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
     hier = HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes)
     hier2 = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes)
     fp16 = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes), HalfCodec("float16"))
+    # the same with the node-local hops as gloo's reduce-scatter + allgather (the form before issue 15)
+    fp16_rs = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes, intra_form="reduce_scatter"),
+                                  HalfCodec("float16"))
     rows = []
     for size in sizes:
         x = torch.randn(size // 4)
@@ -62,6 +66,7 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
             "hier": lambda: hier.start_tensor(x, 0, "avg").wait(),
             "hier_fp16": lambda: fp16.start_tensor(x, 0).wait(),
             "hier_2comm": two,
+            "hier_fp16_rs": lambda: fp16_rs.start_tensor(x, 0).wait(),
         }
         r = reps if size <= (64 << 20) else max(2, reps - 1)
         cpu: dict[str, list[float]] = {k: [] for k in fns}
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIPPED: {why}")
         return 0
     sizes = size_ladder(parse_bytes(args.min_size), parse_bytes(args.max_size))
+    load = os.getloadavg()
     with netns.TwoNodes(rate=args.rate) as nodes, tempfile.TemporaryDirectory() as tmp:
         ports = free_ports(8)
         eps = [f"{netns.ADDRESSES[r // 2]}:{ports[r]}" for r in range(4)]
@@ -147,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.dumps({"eps": eps, "eps2": eps2, "sizes": sizes, "reps": args.reps, "steps": args.steps, "out": result,
                            "segment_bytes": parse_bytes(args.segment_size)})
         tx0 = [nodes.tx_bytes(i) for i in range(2)]
-        codes = nodes.run_all(
-            [(r // 2, [sys.executable, "-m", "bench.hierarchical", "--worker", str(r), "--spec", spec]) for r in range(4)],
-            cwd=ROOT,
-        )
+        codes = nodes.run_module("bench.hierarchical", spec, 4, cwd=ROOT)
         if any(codes):
             print(f"workers failed: exit codes {codes}")
             return 1
@@ -167,20 +170,24 @@ def main(argv: list[str] | None = None) -> int:
         row["hier/flat"] = r["flat"] / r["hier"]
         row["fp16/hier"] = r["hier"] / r["hier_fp16"]
         row["2comm/hier"] = r["hier"] / r["hier_2comm"]
+        row["fp16_rs/hier"] = r["hier"] / r["hier_fp16_rs"]
         rows.append(row)
     from bench._common import human_bytes
 
     cols = [Column("size", "size", human_bytes)] + [Column(f"{k}_busbw", f"{k} GB/s", "{:.3f}") for k in IMPLS] + [
         Column("hier/flat", "hier/flat", "{:.2f}x"), Column("fp16/hier", "fp16/hier", "{:.2f}x"),
-        Column("2comm/hier", "2comm/hier", "{:.2f}x")] + [Column(f"{k}_cpu_ms", f"{k} cpu ms", "{:.0f}") for k in ("hier", "hier_fp16")]
+        Column("2comm/hier", "2comm/hier", "{:.2f}x"), Column("fp16_rs/hier", "fp16_rs/hier", "{:.2f}x")] + [
+        Column(f"{k}_cpu_ms", f"{k} cpu ms", "{:.0f}") for k in ("hier", "hier_fp16", "hier_fp16_rs")]
     print(format_table(cols, rows))
     print(format_table(cols, rows, markdown=True))
     if data["train"]:
         print("training steps/s: " + ", ".join(f"{k} {v:.2f}" for k, v in data["train"].items()))
     print(f"veth tx bytes during the run: node A {tx[0]}, node B {tx[1]}")
+    print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*load))
     info = run_info("bench.hierarchical", argv)
     save_json(args.out + ".json", {**info, "rate": args.rate, "layout": "2 nodes x 2 ranks (netns + veth + tbf)",
-                                   "rows": rows, "train_steps_per_s": data["train"], "veth_tx_bytes": tx})
+                                   "rows": rows, "train_steps_per_s": data["train"], "veth_tx_bytes": tx,
+                                   "loadavg_start": load})
     xs = [r["size"] for r in rows]
     plot_panels(args.out + ".png", f"allreduce, 2 nodes x 2 ranks, inter-node link tbf {args.rate}", [
         {"title": "busbw; ratio hier/flat", "x": xs, "series": {k: [r[f"{k}_busbw"] for r in rows] for k in IMPLS},

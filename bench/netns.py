@@ -21,6 +21,7 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +104,13 @@ class TwoNodes:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+
+    def run_module(self, module: str, spec: str, ranks: int = 4, **kw: Any) -> list[int]:
+        """`run_all` of ``python -m module --worker r --spec spec`` for ranks ``0..ranks-1``,
+        the first half in node 0 (the worker protocol of the netns benchmarks)."""
+        per_node = max(1, ranks // 2)
+        return self.run_all([(r // per_node, [sys.executable, "-m", module, "--worker", str(r), "--spec", spec])
+                             for r in range(ranks)], **kw)
 
     def tx_bytes(self, node: int) -> int:
         """Bytes sent so far on node ``node``'s end of the veth (the real inter-node traffic)."""

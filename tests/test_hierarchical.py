@@ -24,7 +24,9 @@ from fleetlike.collectives import (
     HierarchicalAllReduce,
     cross_node_bytes_flat,
     hierarchical_pairs,
+    segmented_all_reduce,
 )
+from fleetlike.collectives.segments import Scratch
 from fleetlike.roles import Role
 from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.testing import make_world, run_ranks
@@ -48,6 +50,8 @@ def _compare(role, cases, segment_bytes=1000):
         hier_rb = HierarchicalAllReduce(pairs[:1], world, algorithm="reduce_broadcast")
         # tiny segments: every case of a few hundred elements or more is pipelined
         hier_seg = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes)
+        # the node-local hops as gloo's reduce-scatter + allgather instead of reduces + broadcasts
+        hier_seg_rs = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes, intra_form="reduce_scatter")
         rings3 = FlatAllReduce(groups.rings(3))
         out = []
         for i, (numel, dtype, seed) in enumerate(cases):
@@ -58,7 +62,8 @@ def _compare(role, cases, segment_bytes=1000):
                 rb = hier_rb.start_tensor(x.clone(), i, op).wait()
                 ring = rings3.rings[i % 3].all_reduce(x.clone(), op)
                 seg = hier_seg.start_tensor(x.clone(), i, op).wait()
-                out.append((op, dtype, flat.numpy(), h.numpy(), rb.numpy(), ring.numpy(), seg.numpy()))
+                seg_rs = hier_seg_rs.start_tensor(x.clone(), i, op).wait()
+                out.append((op, dtype, flat.numpy(), h.numpy(), rb.numpy(), ring.numpy(), seg.numpy(), seg_rs.numpy()))
         return out
     finally:
         groups.close()
@@ -88,6 +93,8 @@ def test_hierarchical_and_rings_equal_flat(nodes, per_node, cases):
         for op, dtype, flat, *others in rank_out:
             for got in others:
                 _check_equal(op, dtype, flat, got)
+            if per_node == 2:  # the two intra forms add the same partial sums: bit for bit
+                np.testing.assert_array_equal(others[-2], others[-1])
     for a, b in zip(results[0], results[-1]):  # every rank holds the same result
         np.testing.assert_array_equal(a[3], b[3])
 
@@ -110,6 +117,8 @@ def _fp16(role, cases):
                 # pipelined over 512-byte segments: the casts happen segment by segment
                 "hier_seg": CompressedAllReduce(HierarchicalAllReduce(pairs, world, segment_bytes=512), codec),
                 "mixed_seg": HierarchicalAllReduce(pairs, world, inter_codec=codec, segment_bytes=512),
+                "hier_seg_rs": CompressedAllReduce(HierarchicalAllReduce(pairs, world, segment_bytes=512, intra_form="reduce_scatter"), codec),
+                "mixed_seg_rs": HierarchicalAllReduce(pairs, world, inter_codec=codec, segment_bytes=512, intra_form="reduce_scatter"),
                 # Fleet's reduce -> leaders' allreduce -> broadcast, compressed on every hop / across only
                 "rb": CompressedAllReduce(HierarchicalAllReduce(pairs, world, algorithm="reduce_broadcast"), codec),
                 "mixed_rb": HierarchicalAllReduce(pairs, world, algorithm="reduce_broadcast", inter_codec=codec),
@@ -165,6 +174,7 @@ def _bytes(role, numel):
         for name, fn in {
             "flat": lambda: world.all_reduce(x.clone(), "sum"),
             "hier": lambda: HierarchicalAllReduce(pairs, world).start_tensor(x.clone(), 0, "sum").wait(),
+            "hier_rs": lambda: HierarchicalAllReduce(pairs, world, intra_form="reduce_scatter").start_tensor(x.clone(), 0, "sum").wait(),
             "hier_fp16": lambda: CompressedAllReduce(HierarchicalAllReduce(pairs, world), HalfCodec()).start_tensor(x.clone(), 0).wait(),
             "mixed": lambda: HierarchicalAllReduce(pairs, world, inter_codec=HalfCodec()).start_tensor(x.clone(), 0).wait(),
         }.items():
@@ -198,12 +208,19 @@ def test_cross_node_bytes_match_formulas():
         assert r["flat"]["cross_flat"] == (ring(s, n) if last_of_node else 0)
         # hierarchical: every inter-group byte crosses nodes, 2(K-1)/K * S/L per rank
         assert r["hier"]["inter"] == ring(padded // L, k)
-        assert r["hier"]["intra"] == 2 * ((L - 1) * padded // L)
+        # inside the node (the default intra_form "broadcast", two ranks per node): each rank
+        # broadcasts the half its peer sums, then each chunk is broadcast from its owner, 2 x 2
+        # broadcasts of S/2; the stats count a broadcast as its whole payload on every rank
+        # (`ring_send_bytes`), 2 S in all, where gloo's reduce-scatter + allgather counts
+        # 2 (L-1)/L S = S (a rank really sends S/2 per phase either way)
+        assert r["hier"]["intra"] == 2 * padded
+        assert r["hier_rs"]["intra"] == 2 * ((L - 1) * padded // L)
+        assert r["hier_rs"]["inter"] == r["hier"]["inter"]
         # fp16 everywhere: half the bytes, plus the overflow guard's 1-double MAX on each level
         assert r["hier_fp16"]["inter"] == ring(padded // 2 // L, k) + ring(8, k)
-        assert r["hier_fp16"]["intra"] == 2 * ((L - 1) * (padded // 2) // L) + ring(8, L)
+        assert r["hier_fp16"]["intra"] == 2 * (padded // 2) + ring(8, L)
         # mixed: full precision inside the node, half across; the scale is agreed on both levels
-        assert r["mixed"]["intra"] == 2 * ((L - 1) * padded // L) + ring(8, L)
+        assert r["mixed"]["intra"] == 2 * padded + ring(8, L)
         assert r["mixed"]["inter"] == ring(padded // 2 // L, k) + ring(8, k)
     per_node_flat = sum(r["flat"]["cross_flat"] for r in res[:L])
     per_node_hier = sum(r["hier"]["inter"] for r in res[:L])
@@ -361,9 +378,11 @@ def test_pipelined_segments_equal_flat():
     cases = [(2_621_447, "float32", 1), (1_310_723, "int64", 2), (2_097_152, "float64", 3)]
     results = run_ranks(_compare, 4, cases, (3 << 20) + 7, nodes=2, timeout=100)
     for rank_out in results:
-        for op, dtype, flat, h, _rb, _ring, seg in rank_out:
+        for op, dtype, flat, h, _rb, _ring, seg, seg_rs in rank_out:
             _check_equal(op, dtype, flat, h)
             _check_equal(op, dtype, flat, seg)
+            # the broadcast form adds the same two partial sums as gloo's reduce-scatter: bit for bit
+            np.testing.assert_array_equal(seg, seg_rs)
 
 
 @pytest.mark.parametrize("values, grad_scale", [([1e300, -3e299, 1e-300], 1.0), ([1e30, -2e29, 5.0], 1e10)])
@@ -376,3 +395,14 @@ def test_fp16_guard_keeps_float64_beyond_float32_range_finite(values, grad_scale
     assert torch.isfinite(got).all(), got
     big = x.abs() >= x.abs().max() * 2.0**-13  # float16 keeps ~14 binades below the bucket's maximum
     assert big.sum() == 2 and torch.allclose(got[big], x[big], rtol=2.0**-10, atol=0.0), (got, x)
+
+
+def test_intra_form_is_checked_and_scratch_is_reused():
+    with pytest.raises(ValueError, match=r"intra_form='ring' is not one of \('broadcast', 'reduce_scatter'\)"):
+        segmented_all_reduce(torch.ones(4), None, None, intra_form="ring")  # type: ignore[arg-type]
+    scratch = Scratch()
+    a = scratch.get(100, torch.float16, torch.device("cpu"))
+    b = scratch.get(60, torch.float16, torch.device("cpu"))
+    assert b.numel() == 60 and b.data_ptr() == a.data_ptr()  # a smaller request reuses the buffer
+    c = scratch.get(60, torch.float16, torch.device("cpu"), slot="recv")
+    assert c.data_ptr() != a.data_ptr()  # slots never alias each other

@@ -46,7 +46,7 @@ import torch
 
 from fleetlike.collectives.buckets import Bucket
 from fleetlike.collectives.codec import HalfCodec
-from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
+from fleetlike.collectives.segments import INTRA_FORMS, SEGMENT_BYTES, Scratch, agree_max, segmented_all_reduce
 from fleetlike.comm import CommGroups, Communicator, Work, divide_, dtype_name
 
 __all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
@@ -100,6 +100,10 @@ class HierarchicalAllReduce:
         node_label: how the listing names the intra scope (e.g. "node 0").
         segment_bytes: the reduce-scatter form pipelines buffers in segments of this many wire
             bytes (`fleetlike.collectives.segments`).
+        intra_form: how that form runs its node-local hops: "broadcast" (default; see
+            `fleetlike.collectives.segments`) or "reduce_scatter" (gloo's reduce-scatter and
+            allgather). The same sums bit for bit and the same bytes across nodes; "broadcast"
+            costs less CPU on gloo.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class HierarchicalAllReduce:
         inter_codec: HalfCodec | None = None,
         node_label: str = "node",
         segment_bytes: int = SEGMENT_BYTES,
+        intra_form: str = "broadcast",
     ) -> None:
         if not pairs:
             raise ValueError("HierarchicalAllReduce needs at least one (intra, inter) pair")
@@ -130,6 +135,10 @@ class HierarchicalAllReduce:
         if int(segment_bytes) < 1:
             raise ValueError(f"segment_bytes={segment_bytes!r} must be a positive number of bytes")
         self.segment_bytes = int(segment_bytes)
+        if str(intra_form) not in INTRA_FORMS:
+            raise ValueError(f"intra_form={intra_form!r} is not one of {', '.join(map(repr, INTRA_FORMS))}")
+        self.intra_form = str(intra_form)
+        self._scratch = threading.local()  # a wire-buffer cache per issuing thread (ring workers)
         self.workers = RingWorkers(len(self.pairs), "fleetlike-hier")
 
     @property
@@ -150,11 +159,12 @@ class HierarchicalAllReduce:
         wire = dtype
         if self.inter_codec is not None and self.inter_codec.applies_to(bucket.dtype):
             wire = f"{dtype} intra, {self.inter_codec.name} inter"
-        steps = (
-            "reduce_scatter->allreduce->allgather"
-            if self.algorithm == "reduce_scatter"
-            else "reduce->leaders' allreduce->broadcast"
-        )
+        if self.algorithm == "reduce_broadcast":
+            steps = "reduce->leaders' allreduce->broadcast"
+        elif self.intra_form == "broadcast":
+            steps = "exchange+add (2 ranks) or reduce_scatter->allreduce->broadcast per chunk"
+        else:
+            steps = "reduce_scatter->allreduce->allgather"
         return {
             "op": "c_hierarchical_allreduce_avg",
             "algorithm": steps,
@@ -186,8 +196,11 @@ class HierarchicalAllReduce:
             if codec is not None and not codec.applies_to(flat.dtype):
                 codec = None
         if self.algorithm == "reduce_scatter":
+            scratch = getattr(self._scratch, "buffers", None)
+            if scratch is None:
+                scratch = self._scratch.buffers = Scratch()
             segmented_all_reduce(flat, intra, inter, divide=divide, codec=codec, scope=scope,
-                                 segment_bytes=self.segment_bytes)
+                                 segment_bytes=self.segment_bytes, intra_form=self.intra_form, scratch=scratch)
         elif codec is not None and scope == "all":
             codec.all_reduce_(flat, lambda t: self._reduce_broadcast(t, intra, inter, None, 1),
                               lambda t: agree_max(t, intra, inter), summands=self._world.size, divide=divide)
