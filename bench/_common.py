@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "parse_or_run_worker",
     "parse_bytes",
     "human_bytes",
     "size_ladder",
@@ -338,3 +340,20 @@ def save_figure(fig: Any, path: Path | str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def parse_or_run_worker(ap: argparse.ArgumentParser, argv: Sequence[str] | None,
+                        worker: Callable[..., Any]) -> argparse.Namespace | None:
+    """Parse a multi-process benchmark's flags, or be one of its workers.
+
+    The netns benchmarks start their ranks as ``python -m bench.X --worker R --spec JSON``
+    (`bench.netns.TwoNodes.run_module`); such a process runs ``worker(R, **spec)`` and gets None,
+    so ``main`` returns at once. The driver gets its parsed flags.
+    """
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is None:
+        return args
+    worker(args.worker, **json.loads(args.spec))
+    return None

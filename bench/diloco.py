@@ -263,11 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=lambda s: s.split(","), default=None,
                     help="comma-separated subset of sync,localsgd,diloco,streaming (the table needs sync and localsgd)")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        worker(args.worker, **json.loads(args.spec))
+    from bench._common import parse_or_run_worker
+
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
         return 0
     if args.H % args.fragments:
         ap.error(f"--fragments {args.fragments} must divide --H {args.H}")

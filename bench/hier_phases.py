@@ -117,11 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="64M", help="float32 buffer size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hier_phases"))
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        worker(args.worker, **json.loads(args.spec))
+    from bench._common import parse_or_run_worker
+
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
         return 0
     why = netns.unavailable()
     if why:

@@ -132,12 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="training steps per configuration (0: skip)")
     ap.add_argument("--segment-size", default="1M", help="segment of the hierarchical pipeline (wire bytes)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hierarchical"))
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        spec = json.loads(args.spec)
-        worker(args.worker, **spec)
+    from bench._common import parse_or_run_worker
+
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
         return 0
     why = netns.unavailable()
     if why:

@@ -259,11 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--diloco", action="store_true", help="(c): also run bench.diloco at --rate")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        worker(args.worker, **json.loads(args.spec))
+    from bench._common import parse_or_run_worker
+
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
         return 0
     out_dir = Path(args.out_dir)
     info = run_info("bench.localsgd", argv)

@@ -212,11 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per strategy (rounded to the period)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        worker(args.worker, **json.loads(args.spec))
+    from bench._common import parse_or_run_worker
+
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
         return 0
     from bench import netns
 
