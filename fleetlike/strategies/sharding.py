@@ -247,7 +247,7 @@ class ShardingUnit(Unit):
         opt = self.ctx.optimizer
         if self.overlap:
             self.whole_reason = "no optimizer bound" if opt is None else whole_update_reason(opt)
-        if not self._masked or self.whole_reason is not None:
+        if not self._masked or self.whole_reason is not None or opt is None:
             return step()
         grads = {id(p): p.grad for p in self.mine}
         # parameters the optimizer holds beyond the model's (every rank keeps and steps those):
