@@ -3,9 +3,11 @@
 
 Each of the ``--world`` rank processes builds the same model (``--layers`` x
 ``Linear(--width, --width)``, Adam) three times from one seed: fleetlike unsharded data parallel
-(eager loop), fleetlike with ``strategy.sharding`` (eager loop), and
-``DistributedDataParallel`` + ``torch.distributed.optim.ZeroRedundancyOptimizer`` over its own
-gloo group (file rendezvous), with the same bucket size (25 MB) and batches. After warm-up it
+(eager loop), fleetlike with ``strategy.sharding`` (eager loop; its update interleaved with the
+parameter gather, the default), the same with ``sharding_configs.overlap_update = False``
+(``sharded_serial``: the whole update, then the gather), and ``DistributedDataParallel`` +
+``torch.distributed.optim.ZeroRedundancyOptimizer`` over its own gloo group (file rendezvous),
+with the same bucket size (25 MB) and batches. After warm-up it
 alternates timed segments of ``--steps`` steps, rotating which goes first, and reports the
 median seconds per step over ``--rounds``.
 
@@ -18,6 +20,7 @@ Usage (from the repository root)::
 
     python -m bench.sharding                          # 2 ranks, ~2 minutes
     python -m bench.sharding --world 4 --rounds 3 --no-rss
+    python -m bench.sharding --out /tmp/run2 --no-docs  # a repeat: its own JSON, docs untouched
 
 Writes ``docs/benchmarks/sharding.json`` and ``.png`` and (re)writes the "## Optimizer-state
 sharding" section of ``docs/BENCHMARKS.md``.
@@ -41,6 +44,8 @@ __all__ = ["TARGET_DP", "main"]
 #: issue 18's targets: sharded step time <= 1.05 x unsharded data parallel, <= torch's ZeRO
 TARGET_DP = 1.05
 KINDS = ("dp", "sharded", "torch_zero")
+#: timed side by side; peak RSS is measured for KINDS
+TIMED = (*KINDS, "sharded_serial")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -76,7 +81,7 @@ def _trainers(role: Any, kinds: tuple[str, ...], args: argparse.Namespace, rdv: 
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
     out: dict[str, Any] = {}
-    if {"dp", "sharded"} & set(kinds):
+    if set(kinds) - {"torch_zero"}:
         fleet.init(role, timeout=120)
     for kind in kinds:
         model = _model(args.layers, args.width)
@@ -87,8 +92,9 @@ def _trainers(role: Any, kinds: tuple[str, ...], args: argparse.Namespace, rdv: 
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
         else:
             options = {"fuse_grad_size_in_MB": 25}
-            if kind == "sharded":
-                options.update(sharding=True, sharding_configs={"sharding_degree": 0, "segment_broadcast_MB": 25})
+            if kind.startswith("sharded"):
+                options.update(sharding=True, sharding_configs={"sharding_degree": 0, "segment_broadcast_MB": 25,
+                                                                "overlap_update": kind == "sharded"})
             wrapped = fleet.distributed_model(model)
             opt = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
                                               DistributedStrategy.from_dict(options))
@@ -107,16 +113,16 @@ def _time(role: Any, args: argparse.Namespace, rdv: str) -> dict[str, Any]:
 
     from fleetlike import fleet
 
-    trainers = _trainers(role, KINDS, args, rdv)
+    trainers = _trainers(role, TIMED, args, rdv)
     world = fleet.util  # barrier between timed segments, on fleetlike's world
     sync = world.barrier
-    times = interleaved_timings({k: trainers[k][0] for k in KINDS}, reps=args.rounds, inner=args.steps,
+    times = interleaved_timings({k: trainers[k][0] for k in TIMED}, reps=args.rounds, inner=args.steps,
                                 sync=sync, warmup=2)
     largest = max(p.numel() for p in trainers["dp"][2].parameters()) * 4
     result = {
         "times": {k: median(v) for k, v in times.items()},
         "samples": times,
-        "state_bytes": {k: _state_bytes(trainers[k][1]) for k in KINDS},
+        "state_bytes": {k: _state_bytes(trainers[k][1]) for k in TIMED},
         "largest_param_bytes": largest,
         "param_bytes": sum(p.numel() * 4 for p in trainers["dp"][2].parameters()),
         "applied": [str(a) for a in fleet.applied_strategy()],
@@ -154,10 +160,11 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["kind"] for r in rows]
-    a.bar(names, [r["ms"] for r in rows], color=["#888", "#2a7", "#47c"])
+    colors = ["#888", "#2a7", "#47c", "#9c7"][: len(rows)]
+    a.bar(names, [r["ms"] for r in rows], color=colors)
     a.set_ylabel("ms / step (median)")
     a.set_title("step time")
-    b.bar(names, [r["state_mib"] for r in rows], color=["#888", "#2a7", "#47c"])
+    b.bar(names, [r["state_mib"] for r in rows], color=colors)
     b.set_ylabel("optimizer state per rank (MiB)")
     b.set_title("optimizer state (rank 0)")
     fig.suptitle(title)
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "sharding"))
     args = parser.parse_args(argv)
 
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     unsharded = r0["state_bytes"]["dp"]
     bound = unsharded / args.world + 2 * r0["largest_param_bytes"]  # Adam: two moments
     rows = []
-    for kind in KINDS:
+    for kind in TIMED:
         t = median([r["times"][kind] for r in ranks])
         rows.append({
             "kind": kind,
@@ -201,15 +209,15 @@ def main(argv: list[str] | None = None) -> int:
             "vs_torch": t / median([r["times"]["torch_zero"] for r in ranks]),
             "state_mib": max(r["state_bytes"][kind] for r in ranks) / (1 << 20),
             "state_ratio": max(r["state_bytes"][kind] for r in ranks) / unsharded,
-            "rss_mib": max(rss[kind]) if rss else None,
+            "rss_mib": max(rss[kind]) if kind in rss else None,
         })
     cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("vs_dp", "x DP", "{:.3f}"),
             Column("vs_torch", "x torch ZeRO", "{:.3f}"), Column("state_mib", "opt state/rank MiB", "{:.1f}"),
             Column("state_ratio", "x unsharded", "{:.3f}"), Column("rss_mib", "peak RSS MiB", "{:.0f}")]
     table = format_table(cols, rows)
-    sharded = rows[1]
+    sharded, serial = rows[1], rows[3]
     verdict = (f"sharded step {sharded['vs_dp']:.3f}x DP (target <= {TARGET_DP}), {sharded['vs_torch']:.3f}x "
-               f"torch ZeRO (target <= 1); state {sharded['state_mib']:.1f} MiB/rank vs bound "
+               f"torch ZeRO (target <= 1); update then gather (overlap_update off) {serial['vs_dp']:.3f}x DP; state {sharded['state_mib']:.1f} MiB/rank vs bound "
                f"{bound / (1 << 20):.1f} MiB (1/{args.world} of {unsharded / (1 << 20):.1f} + one largest parameter's)")
     print(table)
     print(verdict)
@@ -229,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         + format_table(cols, rows, markdown=True) + "\n\n" + verdict + ".\n\n"
         "![sharding](benchmarks/sharding.png)\n"
     )
-    replace_section(ROOT / "docs" / "BENCHMARKS.md", "## Optimizer-state sharding", section)
+    if not args.no_docs:
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", "## Optimizer-state sharding", section)
     return 0
 
 

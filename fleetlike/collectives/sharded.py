@@ -35,7 +35,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -309,23 +309,25 @@ def two_level_positions(world: Communicator, intra: Communicator, inter: Communi
 
 
 
-class _AllWork:
-    """Waits for several handles."""
-
-    def __init__(self, works: list[Work]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
 #: parameters of at least this many bytes travel straight from their owner into every rank's
 #: parameter (no copies); smaller ones are packed per owner into one small buffer per bucket
 DIRECT_BYTES = 256 << 10
+
+#: an interleaved update steps each owner's parameters in chunks of about this many bytes (see
+#: `ParamGather.chunk_bytes`): few enough optimizer calls, small enough that the first broadcast
+#: starts early and the last one, which nothing overlaps, is short
+CHUNK_BYTES = (256 << 10, 4 << 20)
+
+
+class _Piece:
+    """One broadcast of the gather: a parameter straight from its owner (``lo`` None), or one
+    owner's packed small parameters, ``buffer[lo:hi]``."""
+
+    __slots__ = ("owner", "params", "lo", "hi", "nbytes")
+
+    def __init__(self, owner: int, params: list[torch.nn.Parameter], lo: int | None = None, hi: int = 0) -> None:
+        self.owner, self.params, self.lo, self.hi = owner, params, lo, hi
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
 
 
 class ParamGather:
@@ -341,82 +343,104 @@ class ParamGather:
     gradient buckets are zeroed afterwards: gradients read zero after a sharded update (as
     after ``zero_grad``), on every backend alike.
 
+    Interleaved with the update (``run(step)``): each bucket's broadcasts are grouped into
+    *chunks*, every owner's pieces cut into runs of about `chunk_bytes`, and the chunks of the
+    owners taken in turn. A rank steps its own chunk (``step(params)``) just before issuing that
+    chunk's broadcasts, and only posts the others' (asynchronously), so the bytes of one chunk
+    travel while the owners step the next: the gather hides behind the update instead of
+    following it. The order is the same on every rank; only what each rank steps differs.
+
     Example:
         >>> gather = ParamGather(reducer.buckets, world.rank, [world], 32 << 20)
         >>> optimizer.step(); gather.run()        # every rank holds every updated parameter
+        >>> gather.run(step_only)                 # or: step chunk by chunk, broadcasting as it goes
     """
 
     def __init__(self, buckets: Sequence[ShardedBucket], rank: int, rings: Sequence[Communicator],
-                 window_bytes: int, direct_bytes: int | None = None) -> None:
+                 window_bytes: int, direct_bytes: int | None = None, chunk_bytes: int | None = None) -> None:
         direct_bytes = DIRECT_BYTES if direct_bytes is None else direct_bytes
         self.rank = rank
         self.rings = list(rings)
         self.window_bytes = max(1, int(window_bytes))
         self.buckets = list(buckets)
-        # per bucket: the directly broadcast (param, owner), and the packed ones: (param,
-        # owner, offset in the packed buffer), with each owner's (start, end) in that buffer
-        self._direct: list[list[tuple[torch.nn.Parameter, int]]] = []
-        self._packed: list[list[tuple[torch.nn.Parameter, int, int]]] = []
-        self._spans: list[list[tuple[int, int, int]]] = []
+        world = self.buckets[0].world if self.buckets else 1
+        share = sum(b.nbytes for b in self.buckets) // world
+        lo, hi = CHUNK_BYTES
+        #: bytes per chunk of an interleaved update: an eighth of a rank's share, within CHUNK_BYTES
+        self.chunk_bytes = int(chunk_bytes) if chunk_bytes is not None else min(hi, max(lo, share // 8))
+        # per bucket: the buffer of its packed small parameters, and its chunks (lists of pieces)
         self._buffers: list[torch.Tensor | None] = []
+        self._chunks: list[list[list[_Piece]]] = []
         for b in self.buckets:
-            direct = [(p, r) for p, r in zip(b.params, b.owners)
-                      if p.numel() * p.element_size() >= direct_bytes and p.is_contiguous()]
-            chosen = {id(p) for p, _ in direct}
-            packed, spans, total = [], [], 0
+            direct = [p for p in b.params if p.numel() * p.element_size() >= direct_bytes and p.is_contiguous()]
+            chosen = {id(p) for p in direct}
+            pieces: list[list[_Piece]] = [[] for _ in range(b.world)]
+            total = 0
             for r in range(b.world):
-                start = total
-                for p, owner in zip(b.params, b.owners):
-                    if owner == r and id(p) not in chosen:
-                        packed.append((p, r, total))
-                        total += p.numel()
-                if total > start:
-                    spans.append((r, start, total))
-            self._direct.append(direct)
-            self._packed.append(packed)
-            self._spans.append(spans)
+                small = [p for p, owner in zip(b.params, b.owners) if owner == r and id(p) not in chosen]
+                if small:
+                    n = sum(p.numel() for p in small)
+                    pieces[r].append(_Piece(r, small, total, total + n))
+                    total += n
+            for p, r in zip(b.params, b.owners):
+                if id(p) in chosen:
+                    pieces[r].append(_Piece(r, [p]))
             self._buffers.append(torch.empty(total, dtype=b.dtype, device=b.device) if total else None)
+            self._chunks.append(_interleave([_cut(ps, self.chunk_bytes) for ps in pieces]))
         self.collectives_issued = 0
         self.bytes_issued = 0
 
-    def _start(self, i: int) -> Work:
-        b = self.buckets[i]
+    def _issue(self, i: int, chunk: list[_Piece], works: list[Work],
+               step: Callable[[list[torch.nn.Parameter]], Any] | None) -> None:
         ring = self.rings[i % len(self.rings)]
         buf = self._buffers[i]
-        works: list[Work] = []
+        if step is not None and chunk[0].owner == self.rank:
+            step([p for piece in chunk for p in piece.params])
         with torch.no_grad():
-            if buf is not None:
-                for p, r, off in self._packed[i]:
-                    if r == self.rank:
+            for piece in chunk:
+                if piece.lo is None:
+                    works.append(ring.broadcast_async(piece.params[0].detach(), piece.owner, agreed=True))
+                    continue
+                assert buf is not None
+                if piece.owner == self.rank:
+                    off = piece.lo
+                    for p in piece.params:
                         buf[off : off + p.numel()].copy_(p.detach().reshape(-1))
-                for r, lo, hi in self._spans[i]:
-                    works.append(ring.broadcast_async(buf[lo:hi], r, agreed=True))
-            for p, r in self._direct[i]:
-                works.append(ring.broadcast_async(p.detach(), r, agreed=True))
-        self.collectives_issued += len(works)
-        self.bytes_issued += b.nbytes
-        return _AllWork(works)
+                        off += p.numel()
+                works.append(ring.broadcast_async(buf[piece.lo : piece.hi], piece.owner, agreed=True))
+        self.collectives_issued += len(chunk)
 
-    def _finish(self, i: int, work: Work) -> None:
-        work.wait()
+    def _finish(self, i: int, works: list[Work]) -> None:
+        for w in works:
+            w.wait()
         buf = self._buffers[i]
         with torch.no_grad():
-            if buf is not None:
-                for p, r, off in self._packed[i]:
-                    if r != self.rank:
-                        p.copy_(buf[off : off + p.numel()].view_as(p))
-        self.buckets[i].zero_()
+            for chunk in self._chunks[i]:
+                for piece in chunk:
+                    if piece.lo is not None and piece.owner != self.rank:
+                        assert buf is not None
+                        off = piece.lo
+                        for p in piece.params:
+                            p.copy_(buf[off : off + p.numel()].view_as(p))
+                            off += p.numel()
 
-    def run(self) -> None:
-        """Gather every parameter from its owner (blocking)."""
-        inflight: list[tuple[int, Work]] = []
+    def run(self, step: Callable[[list[torch.nn.Parameter]], Any] | None = None) -> None:
+        """Gather every parameter from its owner (blocking). With ``step``, first call it on
+        each of this rank's chunks just before that chunk is broadcast (the interleaved update:
+        ``step(params)`` must update exactly ``params``)."""
+        inflight: list[tuple[int, list[Work]]] = []
         size = 0
         for i, b in enumerate(self.buckets):
             if inflight and size + b.nbytes > self.window_bytes:
                 j, w = inflight.pop(0)
                 self._finish(j, w)
                 size -= self.buckets[j].nbytes
-            inflight.append((i, self._start(i)))
+            works: list[Work] = []
+            for chunk in self._chunks[i]:
+                self._issue(i, chunk, works, step)
+            b.zero_()  # its gradients are spent: cleared while the broadcasts travel
+            self.bytes_issued += b.nbytes
+            inflight.append((i, works))
             size += b.nbytes
         for j, w in inflight:
             self._finish(j, w)
@@ -425,6 +449,30 @@ class ParamGather:
         out = []
         for i, b in enumerate(self.buckets):
             ring = self.rings[i % len(self.rings)].name
+            pieces = [piece for chunk in self._chunks[i] for piece in chunk]
+            direct = sum(1 for piece in pieces if piece.lo is None)
             out.append({"op": "c_allgather", "bucket": b.index, "params": len(b.params), "size": b.describe()["size"],
-                        "comm": ring, "as": f"{len(self._direct[i])} direct + {len(self._spans[i])} packed broadcasts"})
+                        "comm": ring, "as": f"{direct} direct + {len(pieces) - direct} packed broadcasts",
+                        "chunks": len(self._chunks[i])})
         return out
+
+
+def _cut(pieces: list[_Piece], chunk_bytes: int) -> list[list[_Piece]]:
+    """One owner's pieces in runs of at least ``chunk_bytes`` (the last may be shorter)."""
+    runs: list[list[_Piece]] = []
+    size = chunk_bytes
+    for piece in pieces:
+        if size >= chunk_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(piece)
+        size += piece.nbytes
+    return runs
+
+
+def _interleave(runs: list[list[list[_Piece]]]) -> list[list[_Piece]]:
+    """The owners' chunks taken in turn: rank 0's first, rank 1's first, ..., rank 0's second."""
+    out = []
+    for k in range(max((len(r) for r in runs), default=0)):
+        out += [r[k] for r in runs if k < len(r)]
+    return out

@@ -392,6 +392,11 @@ ENTRIES: tuple[Field | Section, ...] = (
             "True clips the reduced gradient by its global norm over all shards (equals data "
             "parallel then clip_grad_norm_); False (EPL's default) clips each rank's own gradient "
             "before communication, which delays the reduce-scatter to the end of backward")),
+        Field("overlap_update", Bool(), True, note=(
+            "step the owned partition chunk by chunk and broadcast each chunk as soon as it is "
+            "updated, so the parameter gather overlaps the update (torch.optim's per-parameter "
+            "optimizers without step hooks; others update whole, then gather); False: update, "
+            "then gather")),
     )),
     Field("sync_batch_norm", Bool(), False, feature=True, note=(
         "BatchNorm statistics over the global batch; helps small per-GPU batches (detection) "

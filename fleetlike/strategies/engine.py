@@ -89,6 +89,11 @@ class Engine:
         self._watchers = [u for u in units if type(u).outputs is not Unit.outputs]
         #: names of the units that act at the optimizer step (checked at each step's begin)
         self.needs_optimizer = [u.name for u in units if u.needs_optimizer]
+        runners = [u for u in units if type(u).run_update is not Unit.run_update]
+        if len(runners) > 1:
+            raise ValueError(f"units {[u.name for u in runners]} each run the update; only one may")
+        #: the unit that runs the optimizer update (`Unit.run_update`), in both styles
+        self.updater = runners[0] if runners else Unit()
         self.state: StepState | None = None  # the step in progress (eager style)
         self.last: StepState | None = None  # the step the last update ended
         self._synchronized = False
@@ -216,7 +221,7 @@ class Engine:
         if loss is not None:
             st.loss = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self._run("before_update", st)
-        result = None if (st.skip_update or st.accumulate) else step()
+        result = None if (st.skip_update or st.accumulate) else self.updater.run_update(st, step)
         self._run("after_update", st)
         self._keep_grads = st.accumulate
         self.state, self.last = None, st

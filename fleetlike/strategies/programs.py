@@ -106,7 +106,7 @@ def build_programs(engine: Engine, loss_fn: LossFn) -> tuple[Program, Program, P
 
     def update(st: StepState) -> None:
         if not (st.skip_update or st.accumulate):
-            opt.step()
+            engine.updater.run_update(st, opt.step)
 
     def listed(phase: Any) -> list[Op]:
         return [h.op() for h in engine.hooks(phase) if h.listed]

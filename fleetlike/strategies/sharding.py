@@ -12,9 +12,15 @@ parameters, balanced by bytes inside every gradient bucket). A step then runs:
 3. the update is the user's own optimizer object: every ``torch.optim`` optimizer skips a
    parameter whose ``.grad`` is None, so it steps (and creates state for) the owned partition
    only, with its param groups, per-group hyper-parameters and any LR scheduler untouched;
-4. after the update the owners' parameters are **all-gathered** in place in the gradient
-   buckets (`ParamGather`; at most ``segment_broadcast_MB`` in flight), which are zeroed after:
-   under sharding the gradients read zero after ``step()``, as after ``zero_grad()``.
+4. the owners' parameters are **all-gathered** in place in the gradient buckets
+   (`ParamGather`; at most ``segment_broadcast_MB`` in flight), which are zeroed after: under
+   sharding the gradients read zero after ``step()``, as after ``zero_grad()``. With
+   ``overlap_update`` (the default) the update and the gather are interleaved: the partition
+   is stepped chunk by chunk (one optimizer call per chunk, the other chunks' gradients hidden
+   as None) and each chunk is broadcast as soon as it is updated, while the next one steps.
+   That needs an optimizer whose update is per parameter (torch.optim's own classes, exactly)
+   and no step hooks (they would fire once per chunk); otherwise the update runs whole, then
+   the gather, and ``fleet.applied_strategy()`` says why.
 
 Using the user's optimizer rather than a copy over the shard is why nothing else changes: its
 ``state_dict()`` simply holds the owned parameters' state (a shard, in the ordinary format), and
@@ -31,9 +37,11 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import optimizer as _optim_base
 
 from fleetlike.collectives import BucketCollective, ParamGather, ShardReduceScatter, make_reducer, plan_shards
 from fleetlike.program import Op, StepState
@@ -43,6 +51,26 @@ __all__ = ["ShardingUnit"]
 
 #: optimizers that cannot step a partition: they need every parameter in one closure
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
+
+#: torch.optim classes (exactly these, not subclasses) whose state and update are per parameter,
+#: so stepping a partition in several calls, each seeing some gradients, updates every parameter
+#: exactly as one call does: what the interleaved update (``overlap_update``) needs
+_PER_PARAMETER = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+    "Adafactor", "SparseAdam") if hasattr(torch.optim, n))
+
+
+def whole_update_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` must be stepped in one call (None when it can be stepped chunk by
+    chunk): a class not known to update per parameter, or step hooks, which would run per chunk."""
+    if type(optimizer) not in _PER_PARAMETER:
+        return (f"{type(optimizer).__name__} is not one of torch.optim's per-parameter optimizers, so its "
+                "update may depend on all parameters at once; it runs whole, then the gather")
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None),
+             getattr(_optim_base, "_global_optimizer_pre_hooks", None), getattr(_optim_base, "_global_optimizer_post_hooks", None))
+    if any(hooks):
+        return "the optimizer has step hooks, which would run once per chunk; it runs whole, then the gather"
+    return None
 
 
 def _mb(x: float) -> str:
@@ -92,6 +120,11 @@ class ShardingUnit(Unit):
         self._step: StepState | None = None
         self._issued = (0, 0)
         self._masked = False
+        self._gathered = False
+        self._started = (0, 0)
+        self.overlap = bool(cfg["overlap_update"])
+        #: why the last update ran whole (None: interleaved with the gather)
+        self.whole_reason: str | None = None if self.overlap else "sharding_configs.overlap_update is False"
         loads = [0] * world.size
         for b in buckets:
             for p, r in zip(b.params, b.owners):
@@ -103,7 +136,9 @@ class ShardingUnit(Unit):
             f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding"
             + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
             + "), all-gathered in place, "
-            f"<= {cfg['segment_broadcast_MB']} MB in flight; gradients {cfg['gradients_reduce_method']}"
+            f"<= {cfg['segment_broadcast_MB']} MB in flight"
+            + (f", interleaved with the update in chunks of {_mb(self.gather.chunk_bytes)}" if self.overlap else "")
+            + f"; gradients {cfg['gradients_reduce_method']}"
             + (f", clipped to global norm {self.clip_norm:g} "
                + ("after the reduce-scatter" if self.clip_after else "per rank before communication")
                if self.clip_norm > 0 else "")
@@ -127,6 +162,10 @@ class ShardingUnit(Unit):
                 "partition; use another optimizer or turn sharding off"
             )
         self.drop_foreign_state(optimizer)
+        if self.overlap:
+            why = whole_update_reason(optimizer)
+            if why is not None:
+                self.ctx.record("sharding_configs.overlap_update", False, why)
 
     def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the state of parameters another rank owns (after loading a full state)."""
@@ -153,7 +192,9 @@ class ShardingUnit(Unit):
             Hook("before_update", "sharding_select_partition", self._select,
                  {"owned_params": len(self.mine), "of": len(self.mine) + len(self.others)}),
             Hook("after_update", "c_allgather_params", self._gather,
-                 {"gathers": len(self.buckets), "in_flight_MB": self.ctx.strategy.sharding_configs["segment_broadcast_MB"]}),
+                 {"gathers": len(self.buckets), "in_flight_MB": self.ctx.strategy.sharding_configs["segment_broadcast_MB"],
+                  "interleaved": lambda: ("no: " + self.whole_reason) if self.whole_reason else
+                  f"each {_mb(self.gather.chunk_bytes)} chunk broadcast as optimizer_update steps it"}),
         ]
         return hooks
 
@@ -200,12 +241,59 @@ class ShardingUnit(Unit):
             p.grad = None
         self._masked = True
 
+    def run_update(self, st: StepState, step: Callable[[], Any]) -> Any:
+        """The update of this rank's partition: interleaved with the gather, chunk by chunk,
+        where the optimizer allows (module docstring), else ``step()`` whole (gathered after)."""
+        opt = self.ctx.optimizer
+        if self.overlap:
+            self.whole_reason = "no optimizer bound" if opt is None else whole_update_reason(opt)
+        if not self._masked or self.whole_reason is not None or opt is None:
+            return step()
+        grads = {id(p): p.grad for p in self.mine}
+        # parameters the optimizer holds beyond the model's (every rank keeps and steps those):
+        # stepped in a call of their own, which also keeps one call on a rank owning nothing
+        extra = [p for g in opt.param_groups for p in g["params"] if id(p) not in self.owner and p.grad is not None]
+        result: list[Any] = []
+        for p in self.mine:
+            p.grad = None
+        try:
+            if extra or not self.mine:
+                result.append(step())
+            held = [(p, p.grad) for p in extra]
+            for p, _ in held:
+                p.grad = None
+
+            def step_chunk(params: list[torch.nn.Parameter]) -> None:
+                for p in params:
+                    p.grad = grads[id(p)]
+                try:
+                    result.append(step())
+                finally:
+                    for p in params:
+                        p.grad = None
+
+            self._started = self.gather.collectives_issued, self.gather.bytes_issued
+            try:
+                self.gather.run(step_chunk)  # the buckets are zeroed after: the gradients read zero now
+            finally:
+                for p, g in held:
+                    p.grad = g
+        finally:
+            for p in self.mine:
+                p.grad = grads[id(p)]
+        self._gathered = True
+        return result[-1] if result else None
+
     def _gather(self, st: StepState) -> None:
         if not self._masked:
             return
         self._masked = False
         started = self.gather.collectives_issued, self.gather.bytes_issued
-        self.gather.run()  # the bucket buffers are zeroed after: the gradients read zero now
+        if self._gathered:  # run_update gathered while it stepped
+            self._gathered = False
+            started = self._started
+        else:
+            self.gather.run()  # the bucket buffers are zeroed after: the gradients read zero now
         for b in self.buckets:
             b.attach()  # the gradient views are back
         self.reducer.mark_zeroed()  # so the zero_grad that usually follows skips its memset

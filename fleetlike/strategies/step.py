@@ -156,6 +156,12 @@ class Unit:
     def hooks(self) -> list[Hook]:
         return []
 
+    def run_update(self, st: StepState, step: Callable[[], Any]) -> Any:
+        """Run the update: ``step()`` is the user's whole ``optimizer.step()``. The engine lets
+        the one unit that overrides this run it (sharding steps its partition chunk by chunk,
+        broadcasting each chunk as it goes); the default simply calls it."""
+        return step()
+
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer that drives the model is known (``minimize``, or in eager style when
         ``fleet.distributed_optimizer`` meets the wrapped model): check it fits the strategy."""
