@@ -145,14 +145,27 @@ def _refusals(role) -> list[str]:
                 msgs.append("no error")
             except ValueError as exc:
                 msgs.append(str(exc))
+        # one sharded optimizer over two wrapped models (eager style): refused when they meet
+        enc, head = fleet.distributed_model(torch.nn.Linear(4, 4)), fleet.distributed_model(torch.nn.Linear(4, 2))
+        opt = fleet.distributed_optimizer(torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1),
+                                          DistributedStrategy.from_dict({"sharding": True, "sharding_configs": {"sharding_degree": 0}}))
+        try:
+            opt.zero_grad()
+            head(enc(torch.ones(2, 4))).sum().backward()
+            opt.step()
+            msgs.append("no error")
+        except ValueError as exc:
+            msgs.append(str(exc))
     return msgs
 
 
 @pytest.mark.timeout(60)
-def test_degree_and_whole_model_optimizers_are_refused():
-    degree, lbfgs = run_ranks(_refusals, 2, timeout=45)[0]
-    assert "sharding_degree=8, but this job has 2 ranks" in degree and "set it to 2, or 0" in degree
-    assert "cannot drive LBFGS" in lbfgs
+def test_degree_whole_model_optimizers_and_two_wrapped_models_are_refused():
+    for degree, lbfgs, two_models in run_ranks(_refusals, 2, timeout=45):
+        assert "sharding_degree=8, but this job has 2 ranks" in degree and "set it to 2, or 0" in degree
+        assert "cannot drive LBFGS" in lbfgs
+        assert "strategy.sharding runs the optimizer update of one wrapped model" in two_models, two_models
+        assert "call fleet.distributed_model once" in two_models
 
 
 def test_sharding_changes_nothing_else_it_need_not():

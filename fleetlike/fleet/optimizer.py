@@ -110,6 +110,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Drive ``engine``'s model (called by the fleet when the two meet)."""
         if engine in self.engines:
             return
+        runner = next((e.update_runner for e in [*self.engines, engine] if e.update_runner), None)
+        if self.engines and runner is not None:
+            # the runner steps and gathers one model's partition; with a second model the first
+            # would gather before the shared update ran (its owned parameters never broadcast)
+            raise ValueError(
+                f"strategy.{runner} runs the optimizer update of one wrapped model, but this "
+                f"distributed_optimizer already drives {len(self.engines)} other wrapped model(s): "
+                "wrap the modules in one (e.g. torch.nn.ModuleDict({'encoder': enc, 'head': head})) and "
+                "call fleet.distributed_model once, or give each model its own distributed_optimizer"
+            )
         if engine.ctx.optimizer is not None and engine.ctx.optimizer is not self.inner_optimizer:
             if engine.needs_optimizer:
                 raise RuntimeError(

@@ -94,6 +94,8 @@ class Engine:
             raise ValueError(f"units {[u.name for u in runners]} each run the update; only one may")
         #: the unit that runs the optimizer update (`Unit.run_update`), in both styles
         self.updater = runners[0] if runners else Unit()
+        #: its strategy name (None when the update is the plain ``optimizer.step()``)
+        self.update_runner: str | None = runners[0].name if runners else None
         self.state: StepState | None = None  # the step in progress (eager style)
         self.last: StepState | None = None  # the step the last update ended
         self._synchronized = False
