@@ -266,9 +266,12 @@ def test_trace_costs_and_annotates_hierarchical_segments():
     cand = {c.name: c for c in candidates("basic", CLUSTER)}["hier"]
     t = trace(_spec(), cand.strategy(), CLUSTER, repeats=1)
     kinds = {(e.op, e.comm) for e in t.events()}
-    assert kinds == {("reduce_scatter", "intra[node 0]"), ("all_reduce", "inter[local 0]"), ("all_gather", "intra[node 0]")}
+    # two ranks per node: the node-local hops are broadcasts (`intra_form="broadcast"`)
+    assert kinds == {("broadcast", "intra[node 0]"), ("all_reduce", "inter[local 0]")}
     nparam = sum(p.numel() for p in build(1)[0].parameters())
-    assert sum(e.nbytes for e in t.events() if e.op == "reduce_scatter") >= nparam * 4
+    sent = {op: sum(e.nbytes for e in t.events() if e.op == op) for op in ("broadcast", "all_reduce")}
+    assert sent["broadcast"] == 2 * nparam * 4  # the halves exchanged, then the sums gathered
+    assert sent["all_reduce"] >= nparam * 4 // 2  # this rank's half crosses the nodes
     links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=CLUSTER)
     cost = step_time(t, links)
     assert cost.seconds > cost.compute > 0

@@ -14,8 +14,10 @@ fleetlike's own collectives on the real cluster instead, which is what the plann
 
 **Algorithms.** The trace gives each bucket's calls in issue order, so the algorithm is
 whatever the program did: one ring allreduce (flat); a max-allreduce and a 16-bit allreduce
-(compressed: half the bytes, the casts are in the measured backward); reduce-scatter /
-allreduce / all-gather per 1 MiB segment on the intra and inter groups (hierarchical). Calls on
+(compressed: half the bytes, the casts are in the measured backward); per 1 MiB segment on the
+intra and inter groups, the node-local reduce, the allreduce across nodes and the node-local
+gather (hierarchical: broadcasts inside a node of two ranks, else reduce-scatter and all-gather,
+`fleetlike.collectives.segments`). Calls on
 different group kinds overlap (their own communicators and threads, the segment pipeline), calls
 on one kind queue, and a segment's phase waits for its previous phase (`_bucket_cost`'s list
 schedule). One segment degenerates to the plain sum.
