@@ -117,14 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="64M", help="float32 buffer size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hier_phases"))
-    from bench._common import parse_or_run_worker
-
-    args = parse_or_run_worker(ap, argv, worker)
+    args = netns.driver_args(ap, argv, worker)
     if args is None:
-        return 0
-    why = netns.unavailable()
-    if why:
-        print(f"SKIPPED: {why}")
         return 0
     load = os.getloadavg()
     with netns.TwoNodes(rate=args.rate) as nodes, tempfile.TemporaryDirectory() as tmp:

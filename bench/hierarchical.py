@@ -132,14 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="training steps per configuration (0: skip)")
     ap.add_argument("--segment-size", default="1M", help="segment of the hierarchical pipeline (wire bytes)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hierarchical"))
-    from bench._common import parse_or_run_worker
-
-    args = parse_or_run_worker(ap, argv, worker)
+    args = netns.driver_args(ap, argv, worker)
     if args is None:
-        return 0
-    why = netns.unavailable()
-    if why:
-        print(f"SKIPPED: {why}")
         return 0
     sizes = size_ladder(parse_bytes(args.min_size), parse_bytes(args.max_size))
     load = os.getloadavg()

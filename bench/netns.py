@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import shutil
@@ -25,7 +26,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TwoNodes", "unavailable", "ADDRESSES"]
+from bench._common import parse_or_run_worker
+
+__all__ = ["TwoNodes", "unavailable", "driver_args", "ADDRESSES"]
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 
@@ -38,6 +41,21 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` is missing: apt-get install -y iproute2"
     return None
+
+
+def driver_args(ap: argparse.ArgumentParser, argv: Sequence[str] | None,
+                worker: Any) -> argparse.Namespace | None:
+    """The flags of a two-node benchmark's driver, or None when ``main`` has nothing more to do:
+    this process was one of its workers (`parse_or_run_worker`), or namespaces cannot be built
+    here (the reason is printed as ``SKIPPED: ...``)."""
+    args = parse_or_run_worker(ap, argv, worker)
+    if args is None:
+        return None
+    why = unavailable()
+    if why:
+        print(f"SKIPPED: {why}")
+        return None
+    return args
 
 
 def _ip(*args: str, check: bool = True) -> None:

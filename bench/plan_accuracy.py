@@ -212,16 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per strategy (rounded to the period)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
-    from bench._common import parse_or_run_worker
-
-    args = parse_or_run_worker(ap, argv, worker)
-    if args is None:
-        return 0
     from bench import netns
 
-    why = netns.unavailable()
-    if why:
-        print(f"SKIPPED: {why}")
+    args = netns.driver_args(ap, argv, worker)
+    if args is None:
         return 0
     models = [m for m in args.models.split(",") if m]
     strategies = [s for s in args.strategies.split(",") if s]
