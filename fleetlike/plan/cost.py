@@ -46,9 +46,9 @@ from typing import Any
 from fleetlike.comm.stats import ring_send_bytes
 from fleetlike.plan.dry import Event
 from fleetlike.plan.spec import Cluster
-from fleetlike.plan.trace import StepTrace, Trace
+from fleetlike.plan.trace import GatherTrace, StepTrace, Trace
 
-__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "group_kind", "step_time"]
+__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "step_time"]
 
 KINDS = ("intra", "inter", "world")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -65,11 +65,14 @@ class Links:
     source: str = ""
     raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def cost(self, kind: str, op: str, nbytes: int) -> float:
+    def cost(self, kind: str, op: str, nbytes: int, root: int | None = None) -> float:
+        """``alpha + beta * nbytes`` of ``op`` on ``kind``; a rooted op's own root's figures
+        (``"broadcast@2"``) where probed, else the op's, else the allreduce's."""
         if kind not in self.fits:
             raise KeyError(f"the link figures have no {kind!r} entry (have {sorted(self.fits)}); "
                            "run --probe on a cluster of this shape")
-        alpha, beta = self.fits[kind].get(op) or self.fits[kind]["all_reduce"]
+        ops = self.fits[kind]
+        alpha, beta = (ops.get(f"{op}@{root}") if root is not None else None) or ops.get(op) or ops["all_reduce"]
         return alpha + beta * nbytes
 
     @classmethod
@@ -134,7 +137,7 @@ def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:
 def event_cost(e: Event, cluster: Cluster, links: Links) -> float:
     if e.size <= 1 or e.op == "barrier":
         return 0.0
-    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes)
+    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes, e.root)
 
 
 def _bucket_cost(events: list[Event], cluster: Cluster, links: Links) -> float:
@@ -189,9 +192,74 @@ def _crossing(e: Event, cluster: Cluster) -> tuple[float, float]:
     return sent * (1 - nodes / e.size), sent * nodes / e.size
 
 
+def gather_cost(g: GatherTrace, events: list[Event], cluster: Cluster, links: Links) -> tuple[float, float]:
+    """``(seconds, network seconds)`` of sharding's update + parameter gather, a list schedule
+    of what `ParamGather.run` issues (``g``, the op's broadcasts ``events``).
+
+    Every rank walks the same chunks in the same order: before a chunk's broadcasts, the owner
+    steps the chunk (rank 0's steps as traced; another owner's at rank 0's seconds per byte),
+    every rank does the traced local work (zeroing, copies); a broadcast starts once every rank
+    has posted it and its communicator is free (calls on one communicator queue); before a
+    bucket that would exceed the window every rank waits for the oldest bucket in flight. The
+    phase ends when the last broadcast and every rank's work are done. Not interleaved, nobody
+    steps here (the update ran whole before, in compute) and it is the sum of the broadcasts
+    plus the local work."""
+    scale = links.compute_scale
+    own = [(k, nbytes) for owner, k, nbytes in _chunks(g) if owner == 0]
+    own_bytes = sum(nbytes for _, nbytes in own)
+    rate = sum(g.steps[k] for k, _ in own) / own_bytes if own_bytes else 0.0  # rank 0's seconds per byte
+    n = cluster.world_size
+    clock = [0.0] * n
+    free: dict[str, float] = {}
+    inflight: list[tuple[float, int]] = []
+    held = 0
+    k = 0
+    net = 0.0
+    for bucket_bytes, chunks in g.buckets:
+        while inflight and held + bucket_bytes > g.window:
+            done, nbytes = inflight.pop(0)
+            held -= nbytes
+            clock = [max(c, done) for c in clock]
+        end = 0.0
+        for owner, pieces in chunks:
+            for j, _ in enumerate(pieces):
+                e = events[k]
+                clock = [c + g.gaps[k] * scale for c in clock]
+                if j == 0 and g.interleaved:
+                    clock[owner] += (g.steps[k] if owner == 0 else rate * sum(pieces)) * scale
+                c = event_cost(e, cluster, links)
+                start = max(free.get(e.comm, 0.0), max(clock))
+                free[e.comm] = end_e = start + c
+                end = max(end, end_e)
+                net += c
+                k += 1
+        inflight.append((end, bucket_bytes))
+        held += bucket_bytes
+    last = max([d for d, _ in inflight] + [0.0])
+    return max(max(clock) + g.tail * scale, last), net
+
+
+def _chunks(g: GatherTrace) -> list[tuple[int, int, int]]:
+    """``(owner, index of its first broadcast, bytes)`` of every chunk, in issue order."""
+    out, k = [], 0
+    for _, chunks in g.buckets:
+        for owner, pieces in chunks:
+            out.append((owner, k, sum(pieces)))
+            k += len(pieces)
+    return out
+
+
 def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int, float]) -> tuple[float, float, float, float]:
     scale = links.compute_scale
-    compute = sum(t for op, t in s.times.items()) * scale
+    times = dict(s.times)
+    gather = 0.0
+    gather_net = 0.0
+    gathered: list[Event] = []
+    if s.gather is not None:  # sharding's update and gather: one schedule (`gather_cost`)
+        gathered = [e for op, es in s.blocking if op == s.gather.op for e in es]
+        gather, gather_net = gather_cost(s.gather, gathered, cluster, links)
+        times.pop(s.gather.op, None)
+    compute = sum(times.values()) * scale
     backward = s.times.get("backward", 0.0) * scale
     free = 0.0
     comm = 0.0
@@ -201,8 +269,13 @@ def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int
         comm += c
         free = max(free, b.ready * scale) + c
     exposed = max(0.0, free - backward)
-    blocking = sum(event_cost(e, cluster, links) for _, es in s.blocking for e in es)
-    return compute + exposed + blocking, compute, exposed + blocking, comm + blocking
+    blocking = sum(event_cost(e, cluster, links) for op, es in s.blocking
+                   if s.gather is None or op != s.gather.op for e in es)
+    # the gather phase counts as compute for rank 0's own local work, the rest is exposed
+    local = s.times.get(s.gather.op, 0.0) * scale if s.gather is not None else 0.0
+    gather_exposed = max(0.0, gather - local)
+    return (compute + exposed + blocking + gather, compute + gather - gather_exposed,
+            exposed + blocking + gather_exposed, comm + blocking + gather_net)
 
 
 def step_time(t: Trace, links: Links) -> StepCost:
