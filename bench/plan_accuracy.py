@@ -52,24 +52,25 @@ def _role(rank: int, eps: list[str]) -> Any:
     return Role.from_endpoints(rank, eps, job_id=f"bench-plan-{os.getppid()}")
 
 
-def _model_seconds(build: Any, batch: int, reps: int = 5) -> Any:
-    """The model's own forward + loss + backward, median seconds of ``reps`` (after one
-    untimed): the work whose slowdown under all ranks at once the planner's compute needs."""
-    import torch
-
+def _model_run(build: Any, batch: int) -> Any:
+    """One run of the model's own forward + loss + backward (returns its seconds): the work
+    whose time under all ranks at once the planner's compute is scaled to."""
     net, loss_fn, feed = build(batch)
-    del torch  # the model runs on this process's torch threads (one, set by the worker)
 
     def work() -> float:
-        times = []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            loss_fn(net, feed).backward()
-            times.append(time.perf_counter() - t0)
-            net.zero_grad(set_to_none=True)
-        return statistics.median(times[1:])
+        t0 = time.perf_counter()
+        loss_fn(net, feed).backward()
+        net.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
 
     return work
+
+
+def _alone_here(build: Any, batch: int) -> float:
+    """The model's forward/backward in this process, alone (median of 8 after one), with the
+    torch threads the planner times with: the denominator of the compute scale."""
+    work = _model_run(build, batch)
+    return statistics.median([work() for _ in range(9)][1:])
 
 
 def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,
@@ -96,10 +97,10 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
         cands = {c.name: c for c in candidates("basic", cluster)}
         build = getattr(plan_models, model)
         names = list(strategies or [])
-        # the compute slowdown of this model's own forward/backward, all ranks at once vs rank 0
-        # alone, right before its measurement (the same contention as the steps below)
+        # this model's own forward/backward timed on every rank at once right before its
+        # measurement (the same contention as the steps below); rank 0 alone for the record
         world = fleet.context().groups.world
-        slowdown, alone, together = compute_slowdown(world, _model_seconds(build, MODELS[model]))
+        slowdown, alone, together = compute_slowdown(world, _model_run(build, MODELS[model]))
         # every strategy built once and warmed up (its own model, optimizer and programs), then
         # timed in rounds, the order rotated each round: load that drifts during the job falls
         # on every strategy alike, and each figure is the median of its rounds
@@ -164,9 +165,11 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def predict(links_path: str, models: list[str], strategies: list[str],
-            slowdown: dict[str, float] | None = None) -> tuple[dict[str, Any], Any]:
-    """Plan ``models`` with the probe's figures; ``slowdown[m]``, where given, replaces the
-    probe's compute slowdown for model ``m`` (measured on its own forward/backward)."""
+            together: dict[str, float] | None = None) -> tuple[dict[str, Any], Any, dict[str, float]]:
+    """Plan ``models`` with the probe's link figures. ``together[m]``, where given, is model
+    ``m``'s forward/backward seconds on every rank at once in its measurement job: the compute
+    scale is that over the same work timed here, alone, just before ``m`` is traced (the
+    planner's compute is timed here, so the ratio's two ends are this process and the job)."""
     import dataclasses
 
     import torch
@@ -178,12 +181,17 @@ def predict(links_path: str, models: list[str], strategies: list[str],
     torch.set_num_threads(1)
     links = Links.load(links_path)
     out = {}
+    scales: dict[str, float] = {}
     for m in models:
-        spec = ModelSpec(getattr(plan_models, m), MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
-        mine = links if not slowdown or m not in slowdown else dataclasses.replace(links, compute_scale=slowdown[m])
+        build = getattr(plan_models, m)
+        spec = ModelSpec(build, MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
+        mine = links
+        if together and m in together:
+            scales[m] = max(1.0, together[m] / _alone_here(build, MODELS[m]))
+            mine = dataclasses.replace(links, compute_scale=scales[m])
         res = plan(spec, Cluster(2, PER_NODE), mine, allow=set(MathChange), only=strategies)
         out[m] = res
-    return out, links
+    return out, links, scales
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             with netns.TwoNodes(rate=rate) as nodes:
                 _run_job(nodes, {"task": "probe", "out": lp})
                 measured: dict[str, dict[str, list[float]]] = {}
-                slowdown: dict[str, float] = {}
+                together: dict[str, float] = {}
                 for m in models:
                     print(f"link {rate}: measure {m}", flush=True)
                     mp = os.path.join(tmp, f"m-{rate}-{m}.json")
@@ -286,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "steps": args.steps, "rounds": args.rounds})
                     got = json.loads(Path(mp).read_text())
                     measured[m] = got["times"]
-                    slowdown[m] = got["compute_slowdown"]
+                    together[m] = got["model_seconds_all_ranks"]
                     compute_json.setdefault(rate, {})[m] = {k: v for k, v in got.items() if k != "times"}
-                    print(f"    {m}: compute slowdown x{slowdown[m]:.2f} (own forward/backward, all ranks at once)",
-                          flush=True)
             print(f"link {rate}: predict", flush=True)
-            preds, links = predict(lp, models, strategies, slowdown)
+            preds, links, slowdown = predict(lp, models, strategies, together)
+            for m, x in slowdown.items():
+                compute_json[rate][m]["compute_scale"] = x
+                print(f"    {m}: compute x{x:.2f} (forward/backward on all ranks in its job / alone here; "
+                      f"in-job rank 0 alone: x{compute_json[rate][m]['compute_slowdown']:.2f})", flush=True)
             links_json[rate] = {**links.to_json(), "compute_per_model": compute_json.get(rate, {})}
             for m in models:
                 res = preds[m]

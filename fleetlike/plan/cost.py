@@ -9,8 +9,11 @@ each op (all_reduce, reduce_scatter, all_gather, broadcast, reduce) `Links` hold
 `Links.from_rates` derives them from a link's latency and bandwidth with the ring algorithm's
 step counts (``2(n-1)`` steps of ``S/n`` for an allreduce, ``n-1`` for reduce-scatter and
 all-gather, a binomial tree for broadcast and reduce; a world ring is as slow as its slowest
-hop, the crossing between nodes); `fleetlike.plan.probe` fits them from measurements of
-fleetlike's own collectives on the real cluster instead, which is what the planner prefers.
+hop, the crossing between nodes); `fleetlike.plan.probe` measures fleetlike's own collectives
+on the real cluster instead, which is what the planner prefers: its ladder of sizes is kept
+(``Links.raw``) and read directly (`ladder_cost`: linear between the sizes, the last slope
+beyond), since a rate-limited link is not one straight line; the world's broadcast is probed
+from every root (``"broadcast@<root>"``).
 
 **Algorithms.** The trace gives each bucket's calls in issue order, so the algorithm is
 whatever the program did: one ring allreduce (flat); a max-allreduce and a 16-bit allreduce
@@ -26,8 +29,10 @@ schedule). One segment degenerates to the plain sum.
 (the measured time its last gradient arrived in backward) and the previous bucket is done. The
 step is: the ops' compute (scaled by ``compute_scale``, the slowdown the probe measured when
 all ranks compute at once) + the end of backward or of the last bucket, whichever is later +
-the blocking collectives of the other ops (AMP's finite flag, local SGD's average, sharding's
-parameter gather). A period of k steps (gradient merge, local SGD) is averaged.
+the blocking collectives of the other ops (AMP's finite flag, local SGD's average). Sharding's
+update and parameter gather are priced together (`gather_cost`): issue 18's interleaved update
+steps each owner's chunk just before broadcasting it, so the gather hides behind the update.
+A period of k steps (gradient merge, local SGD) is averaged.
 
 Example:
     >>> links = Links.from_rates(intra=(50e-6, 2e9), inter=(100e-6, 125e6))
@@ -48,7 +53,7 @@ from fleetlike.plan.dry import Event
 from fleetlike.plan.spec import Cluster
 from fleetlike.plan.trace import GatherTrace, StepTrace, Trace
 
-__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "step_time"]
+__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "ladder_cost", "step_time"]
 
 KINDS = ("intra", "inter", "world")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -66,13 +71,19 @@ class Links:
     raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def cost(self, kind: str, op: str, nbytes: int, root: int | None = None) -> float:
-        """``alpha + beta * nbytes`` of ``op`` on ``kind``; a rooted op's own root's figures
-        (``"broadcast@2"``) where probed, else the op's, else the allreduce's."""
+        """Seconds of ``op`` on ``kind`` for ``nbytes``; a rooted op's own root's figures
+        (``"broadcast@2"``) where probed, else the op's, else the allreduce's. Probed figures
+        are read off the measured ladder (`ladder_cost`), others are ``alpha + beta * nbytes``."""
         if kind not in self.fits:
             raise KeyError(f"the link figures have no {kind!r} entry (have {sorted(self.fits)}); "
                            "run --probe on a cluster of this shape")
         ops = self.fits[kind]
-        alpha, beta = (ops.get(f"{op}@{root}") if root is not None else None) or ops.get(op) or ops["all_reduce"]
+        names = ([f"{op}@{root}"] if root is not None else []) + [op, "all_reduce"]
+        name = next(n for n in names if n in ops or n == "all_reduce")
+        ladder = self.raw.get(kind, {}).get(name) if isinstance(self.raw.get(kind), dict) else None
+        if ladder and len(ladder) >= 2:
+            return ladder_cost(ladder, nbytes)
+        alpha, beta = ops[name]
         return alpha + beta * nbytes
 
     @classmethod
@@ -124,6 +135,29 @@ class Links:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--links {str(p)!r} is not JSON ({exc})") from exc
         return cls.from_json(data, str(p))
+
+
+def ladder_cost(points: list[Any], nbytes: int) -> float:
+    """Seconds for ``nbytes`` read off a probed ladder ``[(bytes, seconds), ...]``: linear
+    between the measured sizes, the smallest size's time below it (latency), and past the
+    largest the slope of the last two (the link's sustained rate). Why not the fitted line: a
+    rate-limited link (tbf, a switch's buffer) passes small messages at burst speed, so one
+    line through every size gets the slope of large messages wrong (the 1 Gbit netns link: 109
+    MB/s at 1 MiB, 70 MB/s from 4 to 8 MiB); times are made non-decreasing in size first."""
+    pts = sorted((int(x), float(y)) for x, y in points)
+    xs = [x for x, _ in pts]
+    ys: list[float] = []
+    for _, y in pts:
+        ys.append(max(y, ys[-1]) if ys else y)
+    if nbytes <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if nbytes <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (nbytes - xs[i - 1]) / (xs[i] - xs[i - 1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    if slope <= 0:
+        slope = ys[-1] / xs[-1]
+    return ys[-1] + slope * (nbytes - xs[-1])
 
 
 def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:

@@ -41,19 +41,16 @@ __all__ = ["SIZES", "compute_slowdown", "fit", "kernel_seconds", "probe_worker"]
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 
 
-def kernel_seconds(reps: int = 8) -> float:
-    """Median seconds of a fixed training-like workload (an MLP's forward and backward: matmuls
-    and memory-bound elementwise ops) on this process's torch threads."""
+def kernel_seconds() -> float:
+    """Seconds of one run of a fixed training-like workload (an MLP's forward and backward five
+    times: matmuls and memory-bound elementwise ops) on this process's torch threads."""
     g = torch.Generator().manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     x = torch.randn(128, 512, generator=g)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            net(x).square().mean().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        net(x).square().mean().backward()
+    return time.perf_counter() - t0
 
 
 #: what `_measure` returns for a call it could not time (the barriers' own jitter took it to
@@ -120,21 +117,29 @@ def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: in
     return max((statistics.median(times[1:]) - statistics.median(base)) / calls, UNTIMED_S)
 
 
-def compute_slowdown(world: Communicator, work: Callable[[], float]) -> tuple[float, float, float]:
-    """``(slowdown, seconds alone, seconds all at once)`` of ``work`` (returns its own median
-    seconds): rank 0 alone while the others wait in a barrier, then every rank at once (the
-    average over ranks). Collective over ``world``; every rank gets the figures."""
+def compute_slowdown(world: Communicator, work: Callable[[], float], window: float = 1.5) -> tuple[float, float, float]:
+    """``(slowdown, seconds alone, seconds all at once)`` of ``work`` (one run, returns its
+    seconds): rank 0 alone (median of 5 runs after one) while the others wait in a barrier,
+    then every rank repeating it until one shared deadline (at least ``window`` seconds and 6
+    runs of rank 0's time), so that every timed run competes with all the others (ranks that
+    stop early would leave the rest a quieter machine); the median run of each rank, averaged
+    over ranks. Collective over ``world``; every rank gets the figures."""
     world.barrier()
-    solo = work() if world.rank == 0 else 0.0
+    solo = statistics.median([work() for _ in range(6)][1:]) if world.rank == 0 else 0.0
+    span = torch.tensor([max(window, 6 * solo)], dtype=torch.float64)
+    world.broadcast(span, 0, agreed=True)
     world.barrier()
-    both = torch.tensor([work(), solo], dtype=torch.float64)
-    both[0] /= world.size
+    deadline = time.monotonic() + float(span.item())  # one clock for every process of a machine
+    runs = [work()]
+    while time.monotonic() < deadline or len(runs) < 3:
+        runs.append(work())
+    both = torch.tensor([statistics.median(runs[1:]) / world.size, solo], dtype=torch.float64)
     world.all_reduce(both, "sum", agreed=True)
     together, alone = float(both[0]), float(both[1])
     return max(1.0, together / alone), alone, together
 
 
-def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 3,
+def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 5,
                  ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")) -> Links | None:
     """Collective over every rank of ``groups``; returns the fitted `Links` on rank 0 (else None)."""
     role, world = groups.role, groups.world
@@ -160,6 +165,7 @@ def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: in
                 raw[kind][f"broadcast@{root}"] = pts
                 fits[kind][f"broadcast@{root}"] = fit(pts)
             fits[kind]["broadcast@0"] = fits[kind]["broadcast"]
+            raw[kind]["broadcast@0"] = raw[kind]["broadcast"]
     scale, solo, together = compute_slowdown(world, kernel_seconds)
     if world.rank != 0:
         return None

@@ -177,10 +177,11 @@ def _build(spec: ModelSpec, strategy: DistributedStrategy, role: Role, fabric: D
     return engine, main, startup, feed
 
 
-def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 2) -> Trace:
+def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 3) -> Trace:
     """Build ``strategy``'s programs for every rank of ``cluster`` and run rank 0's dry.
 
-    ``repeats`` periods are run after the warm-up; op times are the median over them."""
+    ``repeats`` periods are run after the warm-up; op times are the median over them (three by
+    default: one period disturbed by the machine cannot move a median of three)."""
     n = cluster.world_size
     fabric = DryFabric(n)
     built: dict[int, Any] = {}
