@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import statistics
 import threading
@@ -232,47 +233,56 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
                 stepped.append((t, fabric.now()))
 
         opt.step = timed_step  # this process's own optimizer: the real ranks' are not touched
-    for i in range(warm + repeats * period):
-        st = StepState(feed=feed)
-        times: dict[str, float] = {}
-        blocking: list[tuple[str, list[Event]]] = []
-        spans: dict[str, tuple[float, float]] = {}
-        stepped.clear()
-        if tagged is not None:
-            tagged.ready, tagged.step = {}, i
-        for op in main.ops:
-            if op.fn is None:
-                continue
-            fabric.tag = (i, op.type)
-            before = len(fabric.events)
-            start = fabric.now()
-            t0 = time.perf_counter()
-            if op.type == "backward":
-                t_bwd[0] = t0
-            if op.type == "forward" and i == warm:
-                with activation_bytes(engine.ctx.model) as counted:
+    # the op times are what the planner charges: no garbage collection of earlier traces'
+    # objects inside them (what timeit does too; a full collection takes ~1 s once many are kept)
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warm + repeats * period):
+            st = StepState(feed=feed)
+            times: dict[str, float] = {}
+            blocking: list[tuple[str, list[Event]]] = []
+            spans: dict[str, tuple[float, float]] = {}
+            stepped.clear()
+            if tagged is not None:
+                tagged.ready, tagged.step = {}, i
+            for op in main.ops:
+                if op.fn is None:
+                    continue
+                fabric.tag = (i, op.type)
+                before = len(fabric.events)
+                start = fabric.now()
+                t0 = time.perf_counter()
+                if op.type == "backward":
+                    t_bwd[0] = t0
+                if op.type == "forward" and i == warm:
+                    with activation_bytes(engine.ctx.model) as counted:
+                        op.fn(st)
+                    act = (counted.total, counted.half)
+                else:
                     op.fn(st)
-                act = (counted.total, counted.half)
-            else:
-                op.fn(st)
-            times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
-            mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
-            if mine:
-                blocking.append((op.type, mine))
-                if gather is not None and op.type == gather[0]:
-                    spans[op.type] = (start, fabric.now())
-        if i < warm:
+                times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
+                mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
+                if mine:
+                    blocking.append((op.type, mine))
+                    if gather is not None and op.type == gather[0]:
+                        spans[op.type] = (start, fabric.now())
+            if i < warm:
+                fabric.events.clear()
+                continue
+            buckets = []
+            if tagged is not None:
+                for b, ready in sorted(tagged.ready.items()):
+                    buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
+            j = (i - warm) // period
+            if j == len(recorded):
+                recorded.append([])
+            recorded[j].append(StepTrace(times, buckets, blocking, _gather_trace(gather, blocking, spans, stepped)))
             fabric.events.clear()
-            continue
-        buckets = []
-        if tagged is not None:
-            for b, ready in sorted(tagged.ready.items()):
-                buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
-        j = (i - warm) // period
-        if j == len(recorded):
-            recorded.append([])
-        recorded[j].append(StepTrace(times, buckets, blocking, _gather_trace(gather, blocking, spans, stepped)))
-        fabric.events.clear()
+    finally:
+        if gc_was:
+            gc.enable()
     steps = _median_steps(recorded)
     memory = measure_state(engine, act, strategy)
     return Trace(strategy, cluster, steps, str(main), memory, main,
