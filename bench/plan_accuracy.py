@@ -6,21 +6,22 @@ tbf-limited veth (`bench.netns`), 2 ranks in each (4 gloo ranks, one torch threa
 1. probe: the four ranks run `fleetlike.plan.probe` (fleetlike's collectives on the intra,
    inter and world groups, a ladder of sizes, the world's broadcast from every root);
 2. measure: per model (`bench.plan_models`: the 50 MB MLP, a conv net, a small transformer)
-   one job first times the model's own forward/backward on rank 0 alone and on every rank at
-   once (the compute slowdown under this very contention), then builds every strategy of
+   one job first times the model's own forward/backward on every rank at once until a shared
+   deadline (the compute under this very contention; rank 0 alone too, for the record), then
+   builds every strategy of
    ``--strategies`` in program style (startup, the warm-up and one period untimed), then times
    ``--rounds`` rounds of ``--steps`` steps per strategy between barriers on rank 0, the order
    of the strategies rotated (and reversed every other round) so drifting load falls on all;
    each figure is the median of its rounds;
 3. predict: this process plans the same models and strategies (`fleetlike.plan.plan`, compute
-   timed here with one torch thread, scaled by that model's measured slowdown) with the
-   probe's link figures.
+   timed here with one torch thread, scaled by the job's all-ranks forward/backward time over
+   the same work timed here alone just before) with the probe's link figures.
 
 Printed side by side with the error of each, Kendall's tau of the two rankings, the median
 absolute error, and whether the recommended strategy (every strategy allowed) is the measured
 best or within 5% of it. JSON and a scatter plot -> docs/benchmarks/plan_accuracy.json/.png.
 
-    python -m bench.plan_accuracy                                    # ~20 minutes here
+    python -m bench.plan_accuracy                                    # ~15 minutes here
     python -m bench.plan_accuracy --rates 1gbit --models convnet --rounds 1
 
 Needs root for the namespaces (says so and stops otherwise).
