@@ -4,19 +4,25 @@ For each link rate (``--rates``, default 1gbit and 250mbit): two network namespa
 tbf-limited veth (`bench.netns`), 2 ranks in each (4 gloo ranks, one torch thread each):
 
 1. probe: the four ranks run `fleetlike.plan.probe` (fleetlike's collectives on the intra,
-   inter and world groups, a ladder of sizes; the reference kernel on all ranks at once);
+   inter and world groups, a ladder of sizes, the world's broadcast from every root);
 2. measure: per model (`bench.plan_models`: the 50 MB MLP, a conv net, a small transformer)
-   one job runs every strategy of ``--strategies`` in program style: startup, the warm-up and
-   one period untimed, then ``--steps`` steps between barriers, timed on rank 0;
+   one job first times the model's own forward/backward on every rank at once until a shared
+   deadline (the compute under this very contention; rank 0 alone too, for the record), then
+   builds every strategy of
+   ``--strategies`` in program style (startup, the warm-up and one period untimed), then times
+   ``--rounds`` rounds of ``--steps`` steps per strategy between barriers on rank 0, the order
+   of the strategies rotated (and reversed every other round) so drifting load falls on all;
+   each figure is the median of its rounds;
 3. predict: this process plans the same models and strategies (`fleetlike.plan.plan`, compute
-   timed here with one torch thread) with the probe's figures.
+   timed here with one torch thread, scaled by the job's all-ranks forward/backward time over
+   the same work timed here alone just before) with the probe's link figures.
 
 Printed side by side with the error of each, Kendall's tau of the two rankings, the median
 absolute error, and whether the recommended strategy (every strategy allowed) is the measured
 best or within 5% of it. JSON and a scatter plot -> docs/benchmarks/plan_accuracy.json/.png.
 
     python -m bench.plan_accuracy                                    # ~15 minutes here
-    python -m bench.plan_accuracy --rates 1gbit --models convnet --steps 4
+    python -m bench.plan_accuracy --rates 1gbit --models convnet --rounds 1
 
 Needs root for the namespaces (says so and stops otherwise).
 """
@@ -47,12 +53,33 @@ def _role(rank: int, eps: list[str]) -> Any:
     return Role.from_endpoints(rank, eps, job_id=f"bench-plan-{os.getppid()}")
 
 
+def _model_run(build: Any, batch: int) -> Any:
+    """One run of the model's own forward + loss + backward (returns its seconds): the work
+    whose time under all ranks at once the planner's compute is scaled to."""
+    net, loss_fn, feed = build(batch)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        loss_fn(net, feed).backward()
+        net.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    return work
+
+
+def _alone_here(build: Any, batch: int) -> float:
+    """The model's forward/backward in this process, alone (median of 8 after one), with the
+    torch threads the planner times with: the denominator of the compute scale."""
+    work = _model_run(build, batch)
+    return statistics.median([work() for _ in range(9)][1:])
+
+
 def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,
-           steps: int = 4, rounds: int = 1) -> None:
+           steps: int = 2, rounds: int = 3) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, Executor, fleet
-    from fleetlike.plan.probe import probe_worker, save
+    from fleetlike.plan.probe import compute_slowdown, probe_worker, save
     from fleetlike.plan.space import candidates
     from fleetlike.plan.spec import Cluster, OptimizerKind
     from fleetlike.plan.trace import period_of
@@ -70,28 +97,44 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
         cluster = Cluster(2, PER_NODE)
         cands = {c.name: c for c in candidates("basic", cluster)}
         build = getattr(plan_models, model)
-        times: dict[str, list[float]] = {s: [] for s in strategies or []}
+        names = list(strategies or [])
+        # this model's own forward/backward timed on every rank at once right before its
+        # measurement (the same contention as the steps below); rank 0 alone for the record
+        world = fleet.context().groups.world
+        slowdown, alone, together = compute_slowdown(world, _model_run(build, MODELS[model]))
+        # every strategy built once and warmed up (its own model, optimizer and programs), then
+        # timed in rounds, the order rotated each round: load that drifts during the job falls
+        # on every strategy alike, and each figure is the median of its rounds
+        progs: dict[str, tuple[Any, int]] = {}
+        for name in names:
+            s = cands[name].strategy()
+            net, loss_fn, feed = build(MODELS[model])
+            opt = OptimizerKind.MOMENTUM.factory(0.01)(net)
+            main, startup = fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(s.to_dict())).minimize(loss_fn, net)
+            Executor().run(startup)
+            warm, period = period_of(s)
+            for _ in range(warm + period):
+                main.run(feed)
+            progs[name] = (main, max(period, -(-steps // period) * period), feed)
+        times: dict[str, list[float]] = {s: [] for s in names}
         for rnd in range(rounds):
-            for name in strategies or []:
-                s = cands[name].strategy()
-                net, loss_fn, feed = build(MODELS[model])
-                opt = OptimizerKind.MOMENTUM.factory(0.01)(net)
-                fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(s.to_dict())).minimize(loss_fn, net)
-                Executor().run(fleet.startup_program)
-                warm, period = period_of(s)
-                for _ in range(warm + period):
-                    fleet.main_program.run(feed)
-                n = max(period, steps // period * period)
+            shift = rnd * len(names) // max(rounds, 1)
+            order = names[shift:] + names[:shift]
+            if rnd % 2:
+                order.reverse()
+            for name in order:
+                main, n, feed = progs[name]
                 fleet.barrier_worker()
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    fleet.main_program.run(feed)
+                    main.run(feed)
                 fleet.barrier_worker()
                 times[name].append((time.perf_counter() - t0) / n)
                 if rank == 0:
                     print(f"    {model} {name}: {times[name][-1] * 1e3:.1f} ms/step (round {rnd})", flush=True)
         if rank == 0:
-            Path(out).write_text(json.dumps(times))
+            Path(out).write_text(json.dumps({"times": times, "compute_slowdown": slowdown,
+                                             "model_seconds_alone": alone, "model_seconds_all_ranks": together}))
     finally:
         fleet.shutdown()
 
@@ -122,7 +165,14 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return s / (n * (n - 1) / 2) if n > 1 else 1.0
 
 
-def predict(links_path: str, models: list[str], strategies: list[str]) -> tuple[dict[str, Any], Any]:
+def predict(links_path: str, models: list[str], strategies: list[str],
+            together: dict[str, float] | None = None) -> tuple[dict[str, Any], Any, dict[str, float]]:
+    """Plan ``models`` with the probe's link figures. ``together[m]``, where given, is model
+    ``m``'s forward/backward seconds on every rank at once in its measurement job: the compute
+    scale is that over the same work timed here, alone, just before ``m`` is traced (the
+    planner's compute is timed here, so the ratio's two ends are this process and the job)."""
+    import dataclasses
+
     import torch
 
     from bench import plan_models
@@ -132,11 +182,17 @@ def predict(links_path: str, models: list[str], strategies: list[str]) -> tuple[
     torch.set_num_threads(1)
     links = Links.load(links_path)
     out = {}
+    scales: dict[str, float] = {}
     for m in models:
-        spec = ModelSpec(getattr(plan_models, m), MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
-        res = plan(spec, Cluster(2, PER_NODE), links, allow=set(MathChange), only=strategies)
+        build = getattr(plan_models, m)
+        spec = ModelSpec(build, MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
+        mine = links
+        if together and m in together:
+            scales[m] = max(1.0, together[m] / _alone_here(build, MODELS[m]))
+            mine = dataclasses.replace(links, compute_scale=scales[m])
+        res = plan(spec, Cluster(2, PER_NODE), mine, allow=set(MathChange), only=strategies)
         out[m] = res
-    return out, links
+    return out, links, scales
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -196,7 +252,7 @@ def report(args: argparse.Namespace, info: dict[str, Any], strategies: list[str]
             print(format_table(scols, summary, markdown=markdown))
     out_dir = Path(args.out_dir)
     save_json(out_dir / "plan_accuracy.json", {**info, "layout": f"2 netns nodes x {PER_NODE} ranks, 1 torch thread each",
-                                               "models": MODELS, "strategies": strategies, "steps": args.steps,
+                                               "models": MODELS, "strategies": strategies, "steps": args.steps, "rounds": args.rounds,
                                                "links": links_json, "rows": rows, "summary": summary,
                                                "complete": final})
     plot(out_dir / "plan_accuracy.png", rows)
@@ -209,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="1gbit,250mbit")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per strategy (rounded to the period)")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per strategy and round (rounded up to the period)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the strategies, the order rotated each round")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     from bench import netns
 
@@ -223,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
     links_json: dict[str, Any] = {}
+    compute_json: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates.split(","):
             print(f"link {rate}: probe", flush=True)
@@ -230,15 +287,23 @@ def main(argv: list[str] | None = None) -> int:
             with netns.TwoNodes(rate=rate) as nodes:
                 _run_job(nodes, {"task": "probe", "out": lp})
                 measured: dict[str, dict[str, list[float]]] = {}
+                together: dict[str, float] = {}
                 for m in models:
                     print(f"link {rate}: measure {m}", flush=True)
                     mp = os.path.join(tmp, f"m-{rate}-{m}.json")
                     _run_job(nodes, {"task": "measure", "out": mp, "model": m, "strategies": strategies,
                                      "steps": args.steps, "rounds": args.rounds})
-                    measured[m] = json.loads(Path(mp).read_text())
+                    got = json.loads(Path(mp).read_text())
+                    measured[m] = got["times"]
+                    together[m] = got["model_seconds_all_ranks"]
+                    compute_json.setdefault(rate, {})[m] = {k: v for k, v in got.items() if k != "times"}
             print(f"link {rate}: predict", flush=True)
-            preds, links = predict(lp, models, strategies)
-            links_json[rate] = links.to_json()
+            preds, links, slowdown = predict(lp, models, strategies, together)
+            for m, x in slowdown.items():
+                compute_json[rate][m]["compute_scale"] = x
+                print(f"    {m}: compute x{x:.2f} (forward/backward on all ranks in its job / alone here; "
+                      f"in-job rank 0 alone: x{compute_json[rate][m]['compute_slowdown']:.2f})", flush=True)
+            links_json[rate] = {**links.to_json(), "compute_per_model": compute_json.get(rate, {})}
             for m in models:
                 res = preds[m]
                 by = {r.name: r for r in res.rows}
@@ -247,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s, p, x in zip(strategies, pr, me):
                     rows.append({"rate": rate, "model": m, "strategy": s, "predicted_s": p, "measured_s": x,
                                  "error": p / x - 1, "rounds": measured[m][s],
-                                 "compute_s": by[s].cost.compute, "exposed_comm_s": by[s].cost.exposed_comm,
+                                 "compute_scale": slowdown[m], "compute_s": by[s].cost.compute, "exposed_comm_s": by[s].cost.exposed_comm,
                                  "inter_bytes": by[s].cost.inter_bytes, "peak_bytes": by[s].memory.peak})
                 best = strategies[me.index(min(me))]
                 rec = res.recommended.name if res.recommended else None

@@ -13,6 +13,7 @@ is what ranks hold, its inputs fail clearly.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import warnings
@@ -278,3 +279,105 @@ def test_trace_costs_and_annotates_hierarchical_segments():
     listing = str(annotate(t.program, t, links))
     assert "predicted=" in listing and "c_hierarchical_allreduce_avg" in listing
     assert np.isfinite(cost.inter_bytes) and cost.inter_bytes > 0
+
+
+def _gather_events(g, ranks=(0, 1, 2, 3)):
+    return [Event("broadcast", n, "world", ranks, (), root=owner) for _, chunks in g.buckets
+            for owner, pieces in chunks for n in pieces]
+
+
+def test_gather_cost_schedules_the_interleaved_update_by_hand():
+    from fleetlike.plan.cost import gather_cost
+    from fleetlike.plan.trace import GatherTrace
+
+    cluster = Cluster(2, 1)  # two ranks, one per node: the gather runs on the world
+    links = Links({"world": {"broadcast": (0.0, 1e-4), "broadcast@1": (0.0, 2e-4)}})
+    g_, s0 = 0.001, 0.010  # local work before each broadcast; rank 0's step of its 100 bytes
+    g = GatherTrace("optimizer_update", True, 1 << 20, [(200, [(0, [100]), (1, [100])])], [g_, g_], 0.0, [s0, 0.0])
+    ev = _gather_events(g, (0, 1))
+    # rank 0 steps (s0), broadcasts 100 B at 1e-4 s/B; rank 1 steps its 100 B at rank 0's rate,
+    # then broadcasts from root 1 (its own figures, 2e-4 s/B) once the link is free
+    first_end = g_ + s0 + 0.01
+    expected = max(first_end, 2 * g_ + s0) + 0.02
+    seconds, net = gather_cost(g, ev, cluster, links)
+    assert seconds == pytest.approx(expected) and net == pytest.approx(0.03)
+    # the update run whole before the gather: no steps here, the broadcasts queue after the work
+    whole = dataclasses.replace(g, interleaved=False, steps=[0.0, 0.0])
+    assert gather_cost(whole, ev, cluster, links)[0] == pytest.approx(g_ + 0.01 + 0.02)
+    # a window smaller than two buckets: every rank waits for the first bucket's broadcast
+    # before the second bucket's work starts
+    two = GatherTrace("optimizer_update", True, 150, [(100, [(0, [100])]), (100, [(1, [100])])], [g_, g_], 0.0,
+                      [s0, 0.0])
+    assert gather_cost(two, ev, cluster, links)[0] == pytest.approx(first_end + g_ + s0 + 0.02)
+
+
+@given(layout=st.lists(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(1, 4096), min_size=1, max_size=3)),
+                                min_size=1, max_size=5), min_size=1, max_size=4),
+       beta=st.floats(1e-9, 1e-5), step=st.floats(0.0, 1e-5), gap=st.floats(0.0, 1e-3), window=st.integers(1, 1 << 15))
+def test_gather_cost_between_its_busiest_resource_and_everything_serial(layout, beta, step, gap, window):
+    from fleetlike.plan.cost import gather_cost
+    from fleetlike.plan.trace import GatherTrace
+
+    buckets = [(sum(sum(p) for _, p in chunks), chunks) for chunks in layout]
+    n = sum(len(p) for chunks in layout for _, p in chunks)
+    steps: list[float] = []
+    for chunks in layout:
+        for owner, pieces in chunks:
+            steps += [step * sum(pieces) if owner == 0 else 0.0] + [0.0] * (len(pieces) - 1)
+    g = GatherTrace("optimizer_update", True, window, buckets, [gap] * n, gap, steps)
+    ev = _gather_events(g)
+    links = Links({"world": {"broadcast": (1e-4, beta)}})
+    seconds, net = gather_cost(g, ev, CLUSTER, links)
+    assert net == pytest.approx(sum(event_cost(e, CLUSTER, links) for e in ev))
+    # each rank's own work: every gap and the tail, and its chunks' steps at rank 0's rate
+    per_rank = [gap * (n + 1) + (step * sum(sum(p) for chunks in layout for o, p in chunks if o == r)
+                                 if any(o == 0 for chunks in layout for o, _ in chunks) else 0.0) for r in range(4)]
+    assert max(net, *per_rank) - 1e-12 <= seconds <= net + sum(per_rank) + 1e-12
+
+
+def test_trace_records_sharding_gather_as_issued():
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    t = trace(_spec(), cands["sharding"].strategy(), CLUSTER, repeats=1)
+    g = t.steps[0].gather
+    # issue 18's default: the update interleaved with the gather, so the broadcasts are the
+    # optimizer update's, in the layout's order, each from its chunk's owner
+    assert g is not None and g.interleaved and g.op == "optimizer_update"
+    ev = [e for op, es in t.steps[0].blocking if op == g.op for e in es]
+    assert [(e.op, e.root, e.nbytes) for e in ev] == [("broadcast", o, n) for _, ch in g.buckets for o, p in ch for n in p]
+    assert {o for _, ch in g.buckets for o, _ in ch} == set(range(CLUSTER.world_size))
+    starts = [k for k in range(len(ev)) if g.steps[k] > 0]
+    assert starts and all(ev[k].root == 0 for k in starts)  # rank 0 steps its own chunks only
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=CLUSTER)
+    cost = step_time(t, links)
+    assert cost.seconds > cost.compute > 0 and cost.exposed_comm > 0
+    # overlap_update off: the update runs whole, then c_allgather_params broadcasts
+    opts = dict(cands["sharding"].options)
+    opts["sharding_configs"] = {**opts["sharding_configs"], "overlap_update": False}
+    from fleetlike import DistributedStrategy
+
+    w = trace(_spec(), DistributedStrategy.from_dict(opts), CLUSTER, repeats=1).steps[0].gather
+    assert w is not None and not w.interleaved and w.op == "c_allgather_params" and not any(w.steps)
+    assert w.buckets == g.buckets
+
+
+@given(pts=st.lists(st.tuples(st.integers(1, 1 << 24), st.floats(1e-5, 1.0)), min_size=2, max_size=6, unique_by=lambda p: p[0]),
+       size=st.integers(0, 1 << 26))
+def test_ladder_cost_reads_the_probed_sizes(pts, size):
+    from fleetlike.plan.cost import ladder_cost
+
+    xs = sorted(x for x, _ in pts)
+    mono = []
+    for _, y in sorted(pts):
+        mono.append(max([y, *mono[-1:]]))
+    for x, y in zip(xs, mono):  # a probed size costs what was measured (made non-decreasing)
+        assert ladder_cost(pts, x) == pytest.approx(y)
+    c = ladder_cost(pts, size)
+    assert c >= mono[0] - 1e-12  # never below the smallest call's time
+    if size <= xs[-1]:
+        assert c <= mono[-1] + 1e-12
+    else:  # past the ladder: at least the largest size's time, growing with the size
+        assert c >= mono[-1] - 1e-12 and ladder_cost(pts, size + 1024) >= c
+    # probed links read the ladder; the line (alpha, beta) serves only where there is none
+    links = Links({"world": {"all_reduce": (0.5, 0.0)}}, raw={"world": {"all_reduce": pts}})
+    assert links.cost("world", "all_reduce", xs[0]) == pytest.approx(mono[0])
+    assert Links({"world": {"all_reduce": (0.5, 0.0)}}).cost("world", "all_reduce", xs[0]) == 0.5

@@ -445,6 +445,13 @@ class ParamGather:
         for j, w in inflight:
             self._finish(j, w)
 
+    def layout(self) -> list[tuple[int, list[tuple[int, list[int]]]]]:
+        """What `run` issues, in order: per bucket, its bytes (what the window counts) and its
+        chunks as ``(owner, [bytes of each broadcast])``. The planner prices the interleaved
+        update from it (`fleetlike.plan.cost`)."""
+        return [(b.nbytes, [(chunk[0].owner, [piece.nbytes for piece in chunk]) for chunk in chunks])
+                for b, chunks in zip(self.buckets, self._chunks)]
+
     def describe(self) -> list[dict[str, Any]]:
         out = []
         for i, b in enumerate(self.buckets):

@@ -9,8 +9,11 @@ each op (all_reduce, reduce_scatter, all_gather, broadcast, reduce) `Links` hold
 `Links.from_rates` derives them from a link's latency and bandwidth with the ring algorithm's
 step counts (``2(n-1)`` steps of ``S/n`` for an allreduce, ``n-1`` for reduce-scatter and
 all-gather, a binomial tree for broadcast and reduce; a world ring is as slow as its slowest
-hop, the crossing between nodes); `fleetlike.plan.probe` fits them from measurements of
-fleetlike's own collectives on the real cluster instead, which is what the planner prefers.
+hop, the crossing between nodes); `fleetlike.plan.probe` measures fleetlike's own collectives
+on the real cluster instead, which is what the planner prefers: its ladder of sizes is kept
+(``Links.raw``) and read directly (`ladder_cost`: linear between the sizes, the last slope
+beyond), since a rate-limited link is not one straight line; the world's broadcast is probed
+from every root (``"broadcast@<root>"``).
 
 **Algorithms.** The trace gives each bucket's calls in issue order, so the algorithm is
 whatever the program did: one ring allreduce (flat); a max-allreduce and a 16-bit allreduce
@@ -26,8 +29,10 @@ schedule). One segment degenerates to the plain sum.
 (the measured time its last gradient arrived in backward) and the previous bucket is done. The
 step is: the ops' compute (scaled by ``compute_scale``, the slowdown the probe measured when
 all ranks compute at once) + the end of backward or of the last bucket, whichever is later +
-the blocking collectives of the other ops (AMP's finite flag, local SGD's average, sharding's
-parameter gather). A period of k steps (gradient merge, local SGD) is averaged.
+the blocking collectives of the other ops (AMP's finite flag, local SGD's average). Sharding's
+update and parameter gather are priced together (`gather_cost`): issue 18's interleaved update
+steps each owner's chunk just before broadcasting it, so the gather hides behind the update.
+A period of k steps (gradient merge, local SGD) is averaged.
 
 Example:
     >>> links = Links.from_rates(intra=(50e-6, 2e9), inter=(100e-6, 125e6))
@@ -46,9 +51,9 @@ from typing import Any
 from fleetlike.comm.stats import ring_send_bytes
 from fleetlike.plan.dry import Event
 from fleetlike.plan.spec import Cluster
-from fleetlike.plan.trace import StepTrace, Trace
+from fleetlike.plan.trace import GatherTrace, StepTrace, Trace
 
-__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "group_kind", "step_time"]
+__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "ladder_cost", "step_time"]
 
 KINDS = ("intra", "inter", "world")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -65,11 +70,20 @@ class Links:
     source: str = ""
     raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def cost(self, kind: str, op: str, nbytes: int) -> float:
+    def cost(self, kind: str, op: str, nbytes: int, root: int | None = None) -> float:
+        """Seconds of ``op`` on ``kind`` for ``nbytes``; a rooted op's own root's figures
+        (``"broadcast@2"``) where probed, else the op's, else the allreduce's. Probed figures
+        are read off the measured ladder (`ladder_cost`), others are ``alpha + beta * nbytes``."""
         if kind not in self.fits:
             raise KeyError(f"the link figures have no {kind!r} entry (have {sorted(self.fits)}); "
                            "run --probe on a cluster of this shape")
-        alpha, beta = self.fits[kind].get(op) or self.fits[kind]["all_reduce"]
+        ops = self.fits[kind]
+        names = ([f"{op}@{root}"] if root is not None else []) + [op, "all_reduce"]
+        name = next(n for n in names if n in ops or n == "all_reduce")
+        ladder = self.raw.get(kind, {}).get(name) if isinstance(self.raw.get(kind), dict) else None
+        if ladder and len(ladder) >= 2:
+            return ladder_cost(ladder, nbytes)
+        alpha, beta = ops[name]
         return alpha + beta * nbytes
 
     @classmethod
@@ -123,6 +137,29 @@ class Links:
         return cls.from_json(data, str(p))
 
 
+def ladder_cost(points: list[Any], nbytes: int) -> float:
+    """Seconds for ``nbytes`` read off a probed ladder ``[(bytes, seconds), ...]``: linear
+    between the measured sizes, the smallest size's time below it (latency), and past the
+    largest the slope of the last two (the link's sustained rate). Why not the fitted line: a
+    rate-limited link (tbf, a switch's buffer) passes small messages at burst speed, so one
+    line through every size gets the slope of large messages wrong (the 1 Gbit netns link: 109
+    MB/s at 1 MiB, 70 MB/s from 4 to 8 MiB); times are made non-decreasing in size first."""
+    pts = sorted((int(x), float(y)) for x, y in points)
+    xs = [x for x, _ in pts]
+    ys: list[float] = []
+    for _, y in pts:
+        ys.append(max(y, ys[-1]) if ys else y)
+    if nbytes <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if nbytes <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (nbytes - xs[i - 1]) / (xs[i] - xs[i - 1])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    if slope <= 0:
+        slope = ys[-1] / xs[-1]
+    return ys[-1] + slope * (nbytes - xs[-1])
+
+
 def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:
     nodes = [r // cluster.per_node for r in ranks]
     distinct = len(set(nodes))
@@ -134,7 +171,7 @@ def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:
 def event_cost(e: Event, cluster: Cluster, links: Links) -> float:
     if e.size <= 1 or e.op == "barrier":
         return 0.0
-    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes)
+    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes, e.root)
 
 
 def _bucket_cost(events: list[Event], cluster: Cluster, links: Links) -> float:
@@ -189,9 +226,74 @@ def _crossing(e: Event, cluster: Cluster) -> tuple[float, float]:
     return sent * (1 - nodes / e.size), sent * nodes / e.size
 
 
+def gather_cost(g: GatherTrace, events: list[Event], cluster: Cluster, links: Links) -> tuple[float, float]:
+    """``(seconds, network seconds)`` of sharding's update + parameter gather, a list schedule
+    of what `ParamGather.run` issues (``g``, the op's broadcasts ``events``).
+
+    Every rank walks the same chunks in the same order: before a chunk's broadcasts, the owner
+    steps the chunk (rank 0's steps as traced; another owner's at rank 0's seconds per byte),
+    every rank does the traced local work (zeroing, copies); a broadcast starts once every rank
+    has posted it and its communicator is free (calls on one communicator queue); before a
+    bucket that would exceed the window every rank waits for the oldest bucket in flight. The
+    phase ends when the last broadcast and every rank's work are done. Not interleaved, nobody
+    steps here (the update ran whole before, in compute) and it is the sum of the broadcasts
+    plus the local work."""
+    scale = links.compute_scale
+    own = [(k, nbytes) for owner, k, nbytes in _chunks(g) if owner == 0]
+    own_bytes = sum(nbytes for _, nbytes in own)
+    rate = sum(g.steps[k] for k, _ in own) / own_bytes if own_bytes else 0.0  # rank 0's seconds per byte
+    n = cluster.world_size
+    clock = [0.0] * n
+    free: dict[str, float] = {}
+    inflight: list[tuple[float, int]] = []
+    held = 0
+    k = 0
+    net = 0.0
+    for bucket_bytes, chunks in g.buckets:
+        while inflight and held + bucket_bytes > g.window:
+            done, nbytes = inflight.pop(0)
+            held -= nbytes
+            clock = [max(c, done) for c in clock]
+        end = 0.0
+        for owner, pieces in chunks:
+            for j, _ in enumerate(pieces):
+                e = events[k]
+                clock = [c + g.gaps[k] * scale for c in clock]
+                if j == 0 and g.interleaved:
+                    clock[owner] += (g.steps[k] if owner == 0 else rate * sum(pieces)) * scale
+                c = event_cost(e, cluster, links)
+                start = max(free.get(e.comm, 0.0), max(clock))
+                free[e.comm] = end_e = start + c
+                end = max(end, end_e)
+                net += c
+                k += 1
+        inflight.append((end, bucket_bytes))
+        held += bucket_bytes
+    last = max([d for d, _ in inflight] + [0.0])
+    return max(max(clock) + g.tail * scale, last), net
+
+
+def _chunks(g: GatherTrace) -> list[tuple[int, int, int]]:
+    """``(owner, index of its first broadcast, bytes)`` of every chunk, in issue order."""
+    out, k = [], 0
+    for _, chunks in g.buckets:
+        for owner, pieces in chunks:
+            out.append((owner, k, sum(pieces)))
+            k += len(pieces)
+    return out
+
+
 def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int, float]) -> tuple[float, float, float, float]:
     scale = links.compute_scale
-    compute = sum(t for op, t in s.times.items()) * scale
+    times = dict(s.times)
+    gather = 0.0
+    gather_net = 0.0
+    gathered: list[Event] = []
+    if s.gather is not None:  # sharding's update and gather: one schedule (`gather_cost`)
+        gathered = [e for op, es in s.blocking if op == s.gather.op for e in es]
+        gather, gather_net = gather_cost(s.gather, gathered, cluster, links)
+        times.pop(s.gather.op, None)
+    compute = sum(times.values()) * scale
     backward = s.times.get("backward", 0.0) * scale
     free = 0.0
     comm = 0.0
@@ -201,8 +303,13 @@ def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int
         comm += c
         free = max(free, b.ready * scale) + c
     exposed = max(0.0, free - backward)
-    blocking = sum(event_cost(e, cluster, links) for _, es in s.blocking for e in es)
-    return compute + exposed + blocking, compute, exposed + blocking, comm + blocking
+    blocking = sum(event_cost(e, cluster, links) for op, es in s.blocking
+                   if s.gather is None or op != s.gather.op for e in es)
+    # the gather phase counts as compute for rank 0's own local work, the rest is exposed
+    local = s.times.get(s.gather.op, 0.0) * scale if s.gather is not None else 0.0
+    gather_exposed = max(0.0, gather - local)
+    return (compute + exposed + blocking + gather, compute + gather - gather_exposed,
+            exposed + blocking + gather_exposed, comm + blocking + gather_net)
 
 
 def step_time(t: Trace, links: Links) -> StepCost:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,10 @@ class Event:
         nbytes: payload bytes as ``comm.stats`` counts them (the wire dtype's size).
         comm: the communicator's name; ``ranks``: its members (world ranks).
         tag: what the step was doing: ``(step, op type)`` or ``(step, "bucket", index)``.
+        root: a broadcast's or reduce's root (its index in ``ranks``), else None: where the data
+            starts decides which links a tree crosses (`fleetlike.plan.cost`).
+        at: seconds since the fabric started when the call was issued (the interleaved sharded
+            update's chunks are stepped between their broadcasts: the gaps are the step times).
     """
 
     op: str
@@ -54,6 +59,8 @@ class Event:
     comm: str
     ranks: tuple[int, ...]
     tag: tuple[Any, ...]
+    root: int | None = None
+    at: float = 0.0
 
     @property
     def size(self) -> int:
@@ -79,6 +86,7 @@ class DryFabric:
         self.live = True
         self.events: list[Event] = []
         self.tag: tuple[Any, ...] = ("build",)
+        self._t0 = time.perf_counter()
 
     def exchange(self, key: tuple[Any, ...], members: Sequence[int], rank: int, value: Any) -> dict[int, Any]:
         """Deposit this rank's ``value`` for exchange ``key``; return every member's when all came."""
@@ -93,11 +101,16 @@ class DryFabric:
                     "split or collective issued by one rank only cannot be planned")
             return dict(entry)
 
-    def log(self, rank: int, op: str, nbytes: int, comm: Communicator) -> None:
+    def now(self) -> float:
+        """Seconds since the fabric started (the clock of `Event.at`)."""
+        return time.perf_counter() - self._t0
+
+    def log(self, rank: int, op: str, nbytes: int, comm: Communicator, root: int | None = None) -> None:
         if rank != self.traced:
             return
+        at = time.perf_counter() - self._t0
         with self._cond:
-            self.events.append(Event(op, int(nbytes), comm.name, tuple(comm.ranks), self.tag))
+            self.events.append(Event(op, int(nbytes), comm.name, tuple(comm.ranks), self.tag, root, at))
 
 
 class DryCommunicator(Communicator):
@@ -112,10 +125,22 @@ class DryCommunicator(Communicator):
         self.check_sizes = False  # nothing to agree with: the ranks' sizes agree by construction
         self._nsplits = 0
         self._ncoll = 0
+        self._root: int | None = None
 
     def _record(self, op: str, nbytes: int) -> None:
         super()._record(op, nbytes)
-        self.fabric.log(self.ranks[self.rank], op, nbytes, self)
+        self.fabric.log(self.ranks[self.rank], op, nbytes, self, self._root if op in ("broadcast", "reduce") else None)
+
+    # the root is known to the rooted calls' bodies only: kept for ``_record`` (one rank thread
+    # per communicator, so no lock)
+    def _broadcast(self, tensor: torch.Tensor, root: int, out: torch.Tensor | None, blocking: bool, agreed: bool) -> Any:
+        self._root = root
+        return super()._broadcast(tensor, root, out, blocking, agreed)
+
+    def _reduce(self, tensor: torch.Tensor, root: int, op: Any, out: torch.Tensor | None, blocking: bool,
+                agreed: bool) -> Any:
+        self._root = root
+        return super()._reduce(tensor, root, op, out, blocking, agreed)
 
     # While the engines are built (``fabric.live``) every rank thread is present, and results
     # matter (sharding agrees on segment positions with an all-gather): the values really are

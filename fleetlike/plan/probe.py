@@ -9,7 +9,9 @@ Each group kind of `fleetlike.plan.cost` is measured the way a training job uses
 groups of all nodes at once, the inter groups of all local ranks at once (they share the node's
 link, as the two-level allreduce's do), and the world. For each op (all_reduce, reduce_scatter,
 all_gather, broadcast) a ladder of sizes is timed (median of repeats, barrier before each) and
-``t = alpha + beta * bytes`` fitted by least squares weighted by 1/t (relative error). The
+``t = alpha + beta * bytes`` fitted by least squares weighted by 1/t (relative error; small
+calls timed several at a time, a call the barriers' jitter hid left out); the world's broadcast is timed from
+every root (a binomial tree crosses the node links once or more, by root). The
 probe also times a reference kernel (an MLP's forward and backward) on rank 0 alone and on every
 rank at once: the ratio is the slowdown of compute when all ranks of a node share its cores
 (``Links.compute_scale``), applied to the compute the planner times alone. Rank 0 writes the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,37 +36,52 @@ import torch
 from fleetlike.comm import CommGroups, Communicator
 from fleetlike.plan.cost import Links
 
-__all__ = ["SIZES", "fit", "kernel_seconds", "probe_worker"]
+__all__ = ["SIZES", "compute_slowdown", "fit", "kernel_seconds", "probe_worker"]
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 
 
-def kernel_seconds(reps: int = 8) -> float:
-    """Median seconds of a fixed training-like workload (an MLP's forward and backward: matmuls
-    and memory-bound elementwise ops) on this process's torch threads."""
+def kernel_seconds() -> float:
+    """Seconds of one run of a fixed training-like workload (an MLP's forward and backward five
+    times: matmuls and memory-bound elementwise ops) on this process's torch threads."""
     g = torch.Generator().manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
     x = torch.randn(128, 512, generator=g)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            net(x).square().mean().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        net(x).square().mean().backward()
+    return time.perf_counter() - t0
+
+
+#: what `_measure` returns for a call it could not time (the barriers' own jitter took it to
+#: zero or below): such a point says nothing and is left out of the fit
+UNTIMED_S = 1e-7
+
+#: calls timed back to back between two barriers, by size: a small call is shorter than the
+#: barrier's own jitter, so several are averaged (a large one is timed alone)
+BATCH_BYTES = 1 << 20
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """``(alpha, beta)`` of ``t = alpha + beta * bytes``, weighted by 1/t; both kept >= 0."""
+    """``(alpha, beta)`` of ``t = alpha + beta * bytes``, weighted by 1/t (relative error),
+    without the points `_measure` could not time; both kept >= 0."""
+    timed = [p for p in points if p[1] > UNTIMED_S]
+    if len(timed) >= 2:
+        points = timed
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
-    w = 1.0 / np.maximum(y, 1e-9)
+    w = 1.0 / np.maximum(y, UNTIMED_S)
     A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
     (alpha, beta), *_ = np.linalg.lstsq(A, y * w, rcond=None)
-    return max(float(alpha), 0.0), max(float(beta), 0.0)
+    if beta <= 0:  # a flat or inverted ladder: the slope of the largest point, no latency
+        i = int(np.argmax(x))
+        return 0.0, max(float(y[i] / x[i]), 0.0)
+    if alpha < 0:  # through the origin instead
+        return 0.0, max(float(np.sum(w * w * x * y) / np.sum(w * w * x * x)), 0.0)
+    return float(alpha), float(beta)
 
 
-def _run(comm: Communicator, op: str, nbytes: int) -> None:
+def _run(comm: Communicator, op: str, nbytes: int, root: int = 0) -> None:
     n = max(1, nbytes // 4)
     n -= n % comm.size
     n = max(n, comm.size)
@@ -75,18 +93,20 @@ def _run(comm: Communicator, op: str, nbytes: int) -> None:
     elif op == "all_gather":
         comm.all_gather_flat(t[: n // comm.size], agreed=True)
     elif op == "broadcast":
-        comm.broadcast(t, 0, agreed=True)
+        comm.broadcast(t, root, agreed=True)
     else:
         raise ValueError(f"op={op!r} is not probed")
 
 
-def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: int, reps: int) -> float:
+def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: int, reps: int, root: int = 0) -> float:
+    calls = max(1, min(8, BATCH_BYTES // max(nbytes, 1)))
     times = []
     for _ in range(reps + 1):
         world.barrier()
         t0 = time.perf_counter()
         if comm is not None:
-            _run(comm, op, nbytes)
+            for _ in range(calls):
+                _run(comm, op, nbytes, root)
         world.barrier()
         times.append(time.perf_counter() - t0)
     base = []
@@ -94,10 +114,32 @@ def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: in
         t0 = time.perf_counter()
         world.barrier()
         base.append(time.perf_counter() - t0)
-    return max(statistics.median(times[1:]) - statistics.median(base), 1e-7)
+    return max((statistics.median(times[1:]) - statistics.median(base)) / calls, UNTIMED_S)
 
 
-def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 3,
+def compute_slowdown(world: Communicator, work: Callable[[], float], window: float = 1.5) -> tuple[float, float, float]:
+    """``(slowdown, seconds alone, seconds all at once)`` of ``work`` (one run, returns its
+    seconds): rank 0 alone (median of 5 runs after one) while the others wait in a barrier,
+    then every rank repeating it until one shared deadline (at least ``window`` seconds and 6
+    runs of rank 0's time), so that every timed run competes with all the others (ranks that
+    stop early would leave the rest a quieter machine); the median run of each rank, averaged
+    over ranks. Collective over ``world``; every rank gets the figures."""
+    world.barrier()
+    solo = statistics.median([work() for _ in range(6)][1:]) if world.rank == 0 else 0.0
+    span = torch.tensor([max(window, 6 * solo)], dtype=torch.float64)
+    world.broadcast(span, 0, agreed=True)
+    world.barrier()
+    deadline = time.monotonic() + float(span.item())  # one clock for every process of a machine
+    runs = [work()]
+    while time.monotonic() < deadline or len(runs) < 3:
+        runs.append(work())
+    both = torch.tensor([statistics.median(runs[1:]) / world.size, solo], dtype=torch.float64)
+    world.all_reduce(both, "sum", agreed=True)
+    together, alone = float(both[0]), float(both[1])
+    return max(1.0, together / alone), alone, together
+
+
+def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 5,
                  ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")) -> Links | None:
     """Collective over every rank of ``groups``; returns the fitted `Links` on rank 0 (else None)."""
     role, world = groups.role, groups.world
@@ -117,16 +159,18 @@ def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: in
             pts = [(s, _measure(world, comm, op, s, reps)) for s in sizes]
             raw[kind][op] = pts
             fits[kind][op] = fit(pts)
-    world.barrier()
-    solo = kernel_seconds() if world.rank == 0 else 0.0  # rank 0 alone, the others wait
-    world.barrier()
-    kt = torch.tensor([kernel_seconds()], dtype=torch.float64)  # every rank at once
-    world.all_reduce(kt, "avg", agreed=True)
+        if kind == "world" and "broadcast" in ops:  # a tree from each root crosses the node links
+            for root in range(1, comm.size):  # differently: sharding's owners are every rank
+                pts = [(s, _measure(world, comm, "broadcast", s, reps, root)) for s in sizes]
+                raw[kind][f"broadcast@{root}"] = pts
+                fits[kind][f"broadcast@{root}"] = fit(pts)
+            fits[kind]["broadcast@0"] = fits[kind]["broadcast"]
+            raw[kind]["broadcast@0"] = raw[kind]["broadcast"]
+    scale, solo, together = compute_slowdown(world, kernel_seconds)
     if world.rank != 0:
         return None
-    raw["kernel_seconds_all_ranks"] = float(kt.item())
+    raw["kernel_seconds_all_ranks"] = together
     raw["kernel_seconds_alone"] = solo
-    scale = max(1.0, float(kt.item()) / solo)
     return Links(fits, scale, f"probe: {role.node_num} nodes x {role.local_size} ranks", raw)
 
 

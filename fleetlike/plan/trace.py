@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import statistics
 import threading
@@ -35,9 +36,10 @@ from fleetlike.program import Program, StepState
 from fleetlike.roles.role import Role
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.programs import build_programs
+from fleetlike.strategies.sharding import ShardingUnit, whole_update_reason
 from fleetlike.strategies.step import StepContext
 
-__all__ = ["BucketTrace", "StepTrace", "Trace", "period_of", "trace"]
+__all__ = ["BucketTrace", "GatherTrace", "StepTrace", "Trace", "period_of", "trace"]
 
 
 @dataclasses.dataclass
@@ -55,12 +57,35 @@ class BucketTrace:
 
 
 @dataclasses.dataclass
+class GatherTrace:
+    """Sharding's parameter gather as the program issues it (`ParamGather.layout`).
+
+    ``op``: the op whose blocking calls are the gather's broadcasts (``optimizer_update`` when
+    the update is interleaved with them, else ``c_allgather_params``); ``window``: bytes of
+    buckets in flight before a rank waits for the oldest; ``buckets``: per bucket its bytes and
+    its chunks ``(owner, [broadcast bytes])`` in issue order; ``gaps``: seconds rank 0 spent
+    before each broadcast since the previous one (or the op's start) in the traced run, and
+    ``tail`` after the last, both without its optimizer steps (the buckets' zeroing, the
+    copies out of the packed buffers); ``steps``: seconds rank 0 spent in optimizer steps
+    before each broadcast (its own chunks' updates, measured around ``optimizer.step``)."""
+
+    op: str
+    interleaved: bool
+    window: int
+    buckets: list[tuple[int, list[tuple[int, list[int]]]]]
+    gaps: list[float]
+    tail: float
+    steps: list[float]
+
+
+@dataclasses.dataclass
 class StepTrace:
     """One step of the period: op times (seconds), buckets, other collectives by op."""
 
     times: dict[str, float]
     buckets: list[BucketTrace]
     blocking: list[tuple[str, list[Event]]]
+    gather: GatherTrace | None = None
 
     @property
     def events(self) -> list[Event]:
@@ -153,10 +178,11 @@ def _build(spec: ModelSpec, strategy: DistributedStrategy, role: Role, fabric: D
     return engine, main, startup, feed
 
 
-def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 2) -> Trace:
+def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 3) -> Trace:
     """Build ``strategy``'s programs for every rank of ``cluster`` and run rank 0's dry.
 
-    ``repeats`` periods are run after the warm-up; op times are the median over them."""
+    ``repeats`` periods are run after the warm-up; op times are the median over them (three by
+    default: one period disturbed by the machine cannot move a median of three)."""
     n = cluster.world_size
     fabric = DryFabric(n)
     built: dict[int, Any] = {}
@@ -193,46 +219,106 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
         reducer.collective = tagged
     recorded: list[list[StepTrace]] = []
     act: tuple[int, int] = (0, 0)
-    for i in range(warm + repeats * period):
-        st = StepState(feed=feed)
-        times: dict[str, float] = {}
-        blocking: list[tuple[str, list[Event]]] = []
-        if tagged is not None:
-            tagged.ready, tagged.step = {}, i
-        for op in main.ops:
-            if op.fn is None:
-                continue
-            fabric.tag = (i, op.type)
-            before = len(fabric.events)
-            t0 = time.perf_counter()
-            if op.type == "backward":
-                t_bwd[0] = t0
-            if op.type == "forward" and i == warm:
-                with activation_bytes(engine.ctx.model) as counted:
+    gather = _gather_of(engine)
+    stepped: list[tuple[float, float]] = []  # rank 0's optimizer steps on the fabric's clock
+    if gather is not None and gather[1]:
+        opt = engine.ctx.optimizer
+        inner_step = opt.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            t = fabric.now()
+            try:
+                return inner_step(*args, **kwargs)
+            finally:
+                stepped.append((t, fabric.now()))
+
+        opt.step = timed_step  # this process's own optimizer: the real ranks' are not touched
+    # the op times are what the planner charges: no garbage collection of earlier traces'
+    # objects inside them (what timeit does too; a full collection takes ~1 s once many are kept)
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warm + repeats * period):
+            st = StepState(feed=feed)
+            times: dict[str, float] = {}
+            blocking: list[tuple[str, list[Event]]] = []
+            spans: dict[str, tuple[float, float]] = {}
+            stepped.clear()
+            if tagged is not None:
+                tagged.ready, tagged.step = {}, i
+            for op in main.ops:
+                if op.fn is None:
+                    continue
+                fabric.tag = (i, op.type)
+                before = len(fabric.events)
+                start = fabric.now()
+                t0 = time.perf_counter()
+                if op.type == "backward":
+                    t_bwd[0] = t0
+                if op.type == "forward" and i == warm:
+                    with activation_bytes(engine.ctx.model) as counted:
+                        op.fn(st)
+                    act = (counted.total, counted.half)
+                else:
                     op.fn(st)
-                act = (counted.total, counted.half)
-            else:
-                op.fn(st)
-            times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
-            mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
-            if mine:
-                blocking.append((op.type, mine))
-        if i < warm:
+                times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
+                mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
+                if mine:
+                    blocking.append((op.type, mine))
+                    if gather is not None and op.type == gather[0]:
+                        spans[op.type] = (start, fabric.now())
+            if i < warm:
+                fabric.events.clear()
+                continue
+            buckets = []
+            if tagged is not None:
+                for b, ready in sorted(tagged.ready.items()):
+                    buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
+            j = (i - warm) // period
+            if j == len(recorded):
+                recorded.append([])
+            recorded[j].append(StepTrace(times, buckets, blocking, _gather_trace(gather, blocking, spans, stepped)))
             fabric.events.clear()
-            continue
-        buckets = []
-        if tagged is not None:
-            for b, ready in sorted(tagged.ready.items()):
-                buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
-        j = (i - warm) // period
-        if j == len(recorded):
-            recorded.append([])
-        recorded[j].append(StepTrace(times, buckets, blocking))
-        fabric.events.clear()
+    finally:
+        if gc_was:
+            gc.enable()
     steps = _median_steps(recorded)
     memory = measure_state(engine, act, strategy)
     return Trace(strategy, cluster, steps, str(main), memory, main,
                  reducer.describe() if reducer is not None else [])
+
+
+def _gather_of(engine: Engine) -> tuple[str, bool, Any] | None:
+    """``(op type, interleaved, ParamGather)`` of a sharding engine, else None."""
+    for unit in engine.units:
+        if isinstance(unit, ShardingUnit):
+            opt = engine.ctx.optimizer
+            whole = (not unit.overlap or opt is None or whole_update_reason(opt) is not None)
+            return ("c_allgather_params" if whole else "optimizer_update", not whole, unit.gather)
+    return None
+
+
+def _gather_trace(gather: tuple[str, bool, Any] | None, blocking: list[tuple[str, list[Event]]],
+                  spans: dict[str, tuple[float, float]], stepped: list[tuple[float, float]]) -> GatherTrace | None:
+    if gather is None:
+        return None
+    op, interleaved, pg = gather
+    events = [e for name, es in blocking if name == op for e in es]
+    layout = pg.layout()
+    sizes = [n for _, chunks in layout for _, pieces in chunks for n in pieces]
+    if op not in spans or [e.nbytes for e in events] != sizes:
+        raise RuntimeError(f"planner: the traced gather ({len(events)} calls in {op}) does not match the "
+                           f"sharding layout ({len(sizes)} broadcasts); the cost model would misprice it")
+    start, end = spans[op]
+    at = [start] + [e.at for e in events] + [end]
+
+    def stepping(lo: float, hi: float) -> float:
+        return sum(b - a for a, b in stepped if lo <= a and b <= hi)
+
+    steps = [stepping(a, b) for a, b in zip(at, at[1:])]
+    gaps = [max(0.0, b - a - st) for a, b, st in zip(at, at[1:], steps)]
+    return GatherTrace(op, interleaved, pg.window_bytes, layout, gaps[:-1], gaps[-1], steps[:-1])
 
 
 def _median_steps(recorded: list[list[StepTrace]]) -> list[StepTrace]:
@@ -243,5 +329,11 @@ def _median_steps(recorded: list[list[StepTrace]]) -> list[StepTrace]:
         times = {k: statistics.median(s.times.get(k, 0.0) for s in same) for k in first.times}
         buckets = [BucketTrace(b.index, statistics.median(s.buckets[k].ready for s in same), b.events)
                    for k, b in enumerate(first.buckets)]
-        out.append(StepTrace(times, buckets, first.blocking))
+        gather = first.gather
+        if gather is not None:
+            gs = [s.gather for s in same if s.gather is not None]
+            gather = dataclasses.replace(gather, gaps=[statistics.median(g) for g in zip(*(g.gaps for g in gs))],
+                                         tail=statistics.median(g.tail for g in gs),
+                                         steps=[statistics.median(g) for g in zip(*(g.steps for g in gs))])
+        out.append(StepTrace(times, buckets, first.blocking, gather))
     return out
