@@ -11,7 +11,8 @@ ranks, same inputs: bit for bit) and against numpy sums:
 - a mismatch on a predicted call (shape with another byte count, op, dtype on one rank) raises
   `CollectiveMismatchError` naming each rank's value on every rank, leaves the in-place tensor
   as it was, and the next calls run;
-- every rank changing the call together (a miss) still gives the right result.
+- every rank changing the call together (a miss) still gives the right result;
+- a repeated call builds no descriptor (its `Plan` is reused, the fast path of a hit).
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def _rank(role: Any) -> dict[str, Any]:
         spec = runtime().speculator
         res: dict[str, Any] = {}
         # 1. the pattern with speculation, then again without (the sequential path)
-        res["spec"] = [_pattern(r, s) for s in range(PASSES)]
+        res["spec"] = [_pattern(r, 0)]
+        plans = dict(spec._plans)
+        built = _count_descriptors()
+        res["spec"] += [_pattern(r, s) for s in range(1, PASSES)]
+        # a repeated call reuses its plan: no descriptor built, the same plan objects
+        res["built_again"] = built()
+        res["same_plans"] = spec._plans.keys() == plans.keys() and all(spec._plans[k] is v for k, v in plans.items())
         res["hits"], res["misses"] = spec.hits, spec.misses
         spec.enabled = False
         res["seq"] = [_pattern(r, s) for s in range(PASSES)]
@@ -105,6 +112,25 @@ def _rank(role: Any) -> dict[str, Any]:
         hvd.shutdown()
 
 
+def _count_descriptors() -> Any:
+    """Count the descriptors `collectives` builds from now on; the reader returns the count and
+    puts the real function back."""
+    import fleetlike.horovod.collectives as coll
+
+    real, calls = coll.descriptor, [0]
+
+    def counting(*args: Any, **kwargs: Any) -> list[int]:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    def read() -> int:
+        coll.descriptor = real
+        return calls[0]
+
+    coll.descriptor = counting
+    return read
+
+
 def _sum(arrays: list[np.ndarray]) -> np.ndarray:
     return np.sum(np.stack(arrays), axis=0)
 
@@ -118,6 +144,7 @@ def test_speculative_agreement(world: int) -> None:
     for r, res in enumerate(results):
         assert res["hits"] >= calls * (PASSES - 1) - 1, (res["hits"], res["misses"])
         assert res["hits_off"] == 0
+        assert res["built_again"] == 0 and res["same_plans"], (res["built_again"], res["same_plans"])
         # speculative == sequential, bit for bit, on every call of every pass
         for spec, seq in zip(res["spec"], res["seq"]):
             for k in spec:

@@ -39,7 +39,7 @@ from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adas
 from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
 from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, identity, resolve_op
 from fleetlike.horovod.runtime import Runtime, runtime
-from fleetlike.horovod.speculate import REAL, Round, Slotted, slotted, start_slotted
+from fleetlike.horovod.speculate import REAL, Plan, Round, SlotBuffer
 
 T = TypeVar("T")
 
@@ -124,19 +124,19 @@ def _claim(rt: Runtime, name: str | None, what: str) -> None:
 
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
     """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
-    ag = _round(rt, descriptor(kind, name=name or "", **fields), name, None).agreement
+    ag = _round(rt, Plan(descriptor(kind, name=name or "", **fields)), name, None).agreement
     if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
         raise RuntimeError(f"hvd.{kind.label}: agreed by prediction without data (a fleetlike bug)")
     return ag
 
 
-def _round(rt: Runtime, row: list[int], name: str | None, real: Slotted | None) -> Round:
-    """Agree on ``row`` (`speculate`: predicted, or exchanged and checked)."""
-    rnd = rt.speculator.agree(row, real)
+def _round(rt: Runtime, plan: Plan, name: str | None, real: SlotBuffer | None) -> Round:
+    """Agree on ``plan`` (`speculate`: predicted, or exchanged and checked)."""
+    rnd = rt.speculator.agree(plan, real)
     rt.note_states(rnd.states)
     if rnd.agreement is not None:
         try:
-            check(rnd.agreement, rt.comm, f"hvd.{Kind(row[1]).label}", OP_NAMES)
+            check(rnd.agreement, rt.comm, f"hvd.{Kind(plan.row[1]).label}", OP_NAMES)
         except Exception:
             if name is not None:
                 rt.in_flight.pop(name, None)
@@ -177,18 +177,22 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
 
 def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Tensor], Any], counts: Sequence[int],
             dtype: torch.dtype, device: torch.device, op: ReduceOp, pre: float, post: float,
-            direct: torch.Tensor | None = None,
-            **fields: Any) -> tuple[Work, Callable[[Callable[[torch.Tensor, bool], T]], T]]:
+            direct: torch.Tensor | None = None, ntensors: int = 1,
+            shape: tuple[int, ...] = ()) -> tuple[Work, Callable[[Callable[[torch.Tensor, bool], T]], T]]:
     """Agree on an allreduce of ``sum(counts)`` elements that ``fill`` writes into a flat buffer
     and start it; ``finish(consume)`` returns ``consume(reduced flat data, pooled)`` (pooled: the
     data go back to the pool after ``consume``, so keep a copy). A small allreduce
     (any op but Adasum) travels with one slot per rank after the data (`speculate`), the same
     whether predicted or agreed first, in a pooled buffer; a large one reduces ``direct`` (a flat
-    contiguous view of the caller's tensor) in place when given."""
+    contiguous view of the caller's tensor) in place when given. The descriptor and what the
+    agreement derives from it are built once per distinct call (`Speculator.plan`)."""
     numel = sum(counts)
-    row = descriptor(kind, name=name or "", op=OPS.index(op), dtype=dtype, **fields)
-    if not slotted(row):
-        _round(rt, row, name, None)
+    spec = rt.speculator
+    plan = spec.plan((kind, name, op, dtype, shape, ntensors),
+                     lambda: descriptor(kind, name=name or "", op=OPS.index(op), dtype=dtype, ntensors=ntensors,
+                                        shape=shape))
+    if not plan.slotted:
+        _round(rt, plan, name, None)
         if op is ReduceOp.ADASUM:
             check_adasum(rt.comm.size, dtype)
         flat = direct
@@ -197,18 +201,17 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
             fill(flat)
         work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
         return work, lambda consume: consume(finish_flat(), False)
-    spec = rt.speculator
-    buf = spec.take(dtype, numel, device)
-    data = buf[:numel]
+    sb = spec.take(dtype, numel, device)
+    data = sb.data
     fill(data)
     if pre != 1.0:
         data.mul_(pre)
     try:
-        rnd = _round(rt, row, name, Slotted(buf, numel, op))
+        rnd = _round(rt, plan, name, sb)
     except Exception:
-        spec.give(buf)
+        spec.give(sb)
         raise
-    work = CompletedWork(buf) if rnd.done else start_slotted(rt.comm, buf, numel, op, REAL)
+    work = CompletedWork(sb.buf) if rnd.done else spec.start(sb, op, REAL)
 
     def finish(consume: Callable[[torch.Tensor, bool], T]) -> T:
         try:
@@ -217,7 +220,7 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
             return consume(data, True)
         finally:
             with rt.lock:
-                spec.give(buf)
+                spec.give(sb)
 
     return work, finish
 
@@ -236,8 +239,11 @@ def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
     def consume(flat: torch.Tensor, pooled: bool) -> torch.Tensor:
         if not in_place:
             return flat.view(tensor.shape).clone() if pooled else flat.view(tensor.shape)
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(flat.view(tensor.shape))
+        if flat is not direct:  # pooled: back into the tensor (through its flat view if it has one)
+            if direct is not None:
+                direct.copy_(flat)
+            else:
+                tensor.detach().copy_(flat.view(tensor.shape))
         return tensor
 
     def finish() -> torch.Tensor:

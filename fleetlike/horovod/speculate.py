@@ -39,6 +39,8 @@ Example (two ranks; from the second pass on each call is predicted and needs no 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -56,7 +58,7 @@ from fleetlike.horovod.negotiate import (
 )
 from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
 
-__all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Round", "Slotted", "Speculator", "read_slots",
+__all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Plan", "Round", "SlotBuffer", "Speculator", "read_slots",
            "slotted", "start_slotted"]
 
 #: slot codes: this rank's call is not the prediction / it is inside hvd.join() / it is
@@ -72,7 +74,7 @@ _POOL_PER_KEY = 2
 _MAX_PREDICTIONS = 4096
 
 
-def slotted(row: list[int]) -> bool:
+def slotted(row: Sequence[int]) -> bool:
     """Whether the collective of ``row`` is an allreduce that travels with slots (and so may be
     predicted): single or grouped, any op but Adasum, not a bool tensor nor an integer Average,
     up to `SLOT_MAX_BYTES` of data."""
@@ -86,13 +88,30 @@ def slotted(row: list[int]) -> bool:
     return dtype.is_floating_point or op is not ReduceOp.AVERAGE
 
 
-@dataclasses.dataclass
-class Slotted:
-    """This rank's data for a slotted allreduce: ``buf`` is ``numel`` data elements + the slots."""
+class Plan:
+    """A descriptor row and what the agreement derives from it, computed once: its `signature`,
+    whether it is `slotted`, and then its op, dtype and element count. A repeated call reuses
+    its plan (`Speculator.plan`), so a predicted call compares two signatures and nothing else."""
 
-    buf: torch.Tensor
-    numel: int
-    op: ReduceOp
+    __slots__ = ("row", "sig", "slotted", "op", "dtype", "count")
+
+    def __init__(self, row: list[int]) -> None:
+        self.row = row
+        self.sig = signature(row)
+        self.slotted = slotted(row)
+        self.op = OPS[row[2]] if self.slotted else None
+        self.dtype = DTYPES[row[3]] if self.slotted else None
+        self.count = allreduce_count(row) if self.slotted else 0
+
+
+class SlotBuffer:
+    """A pooled buffer of ``numel`` data elements + one slot per rank, with both views made once."""
+
+    __slots__ = ("buf", "data", "slots", "numel")
+
+    def __init__(self, buf: torch.Tensor, numel: int) -> None:
+        self.buf, self.numel = buf, numel
+        self.data, self.slots = buf[:numel], buf[numel:]
 
 
 def start_slotted(comm: Communicator, buf: torch.Tensor, numel: int, op: ReduceOp, code: int) -> Work:
@@ -104,12 +123,12 @@ def start_slotted(comm: Communicator, buf: torch.Tensor, numel: int, op: ReduceO
     return comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
 
 
-def read_slots(buf: torch.Tensor, numel: int, op: ReduceOp, size: int) -> list[int]:
-    """Every rank's code from a reduced buffer (Average divided them by the size)."""
-    vals = buf[numel:].double()
+def read_slots(slots: torch.Tensor, op: ReduceOp, size: int) -> list[int]:
+    """Every rank's code from the reduced slots (Average divided them by the size)."""
+    vals = slots.tolist()
     if op is ReduceOp.AVERAGE:
-        vals = vals * size
-    return [int(v) for v in vals.round().tolist()]
+        return [round(v * size) for v in vals]
+    return [round(v) for v in vals]
 
 
 @dataclasses.dataclass
@@ -129,11 +148,15 @@ class Pending:
     """An agreement under way (`Speculator.begin`): ``work`` completes it (poll it)."""
 
     work: Work
-    row: list[int]
-    real: Slotted | None
-    prediction: list[int] | None = None
-    buf: torch.Tensor | None = None
+    plan: Plan
+    real: SlotBuffer | None
+    prediction: Plan | None = None
+    buf: SlotBuffer | None = None
     table: torch.Tensor | None = None
+
+    @property
+    def row(self) -> list[int]:
+        return self.plan.row
 
 
 class Speculator:
@@ -144,49 +167,77 @@ class Speculator:
         self.comm = comm
         self.device = device or torch.device("cpu")
         self._last: tuple[int, ...] | None = None
-        self._next: dict[tuple[int, ...] | None, list[int] | None] = {}
+        self._next: dict[tuple[int, ...] | None, Plan | None] = {}
+        #: the slotted plan predicted next (None: the next agreement exchanges)
+        self._pred: Plan | None = None
         #: False: every collective agrees first (the path tests compare with). Set it on every
         #: rank alike, between collectives.
         self.enabled = True
-        self._pool: dict[tuple[torch.dtype, int, torch.device], list[torch.Tensor]] = {}
+        self._pool: dict[tuple[torch.dtype, int, torch.device], list[SlotBuffer]] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+        #: the slots this rank writes, per (op, dtype, code): the identity, the code in its own
+        self._slot_rows: dict[tuple[ReduceOp, torch.dtype, int], torch.Tensor] = {}
         #: predicted agreements confirmed / wasted (tests and benchmarks read them)
         self.hits = 0
         self.misses = 0
 
-    def take(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
+    def plan(self, key: tuple[Any, ...], make: Callable[[], list[int]]) -> Plan:
+        """The plan of the descriptor ``make()`` builds, cached under ``key`` (every field that
+        goes into the row), so that a repeated call builds none."""
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) >= _MAX_PREDICTIONS:
+                self._plans.clear()
+            got = self._plans[key] = Plan(make())
+        return got
+
+    def take(self, dtype: torch.dtype, count: int, device: torch.device) -> SlotBuffer:
         """A buffer of ``count`` elements + the slots (pooled: `give` it back when consumed)."""
         free = self._pool.get((dtype, count, device))
         if free:
             return free.pop()
-        return torch.empty(count + self.comm.size, dtype=dtype, device=device)
+        return SlotBuffer(torch.empty(count + self.comm.size, dtype=dtype, device=device), count)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, sb: SlotBuffer) -> None:
         """Return a buffer from `take` (its data no longer read)."""
-        key = (buf.dtype, buf.numel() - self.comm.size, buf.device)
+        key = (sb.buf.dtype, sb.numel, sb.buf.device)
         free = self._pool.setdefault(key, [])
         if len(free) < _POOL_PER_KEY:
-            free.append(buf)
+            free.append(sb)
         if len(self._pool) > 64:  # many sizes: start again rather than hold them all
             self._pool = {key: free}
 
+    def start(self, sb: SlotBuffer, op: ReduceOp, code: int) -> Work:
+        """`start_slotted` on a pooled buffer: the slots are one copy of a row made once."""
+        key = (op, sb.buf.dtype, code)
+        row = self._slot_rows.get(key)
+        if row is None:
+            row = torch.full((self.comm.size,), identity_value(op, sb.buf.dtype), dtype=sb.buf.dtype,
+                             device=sb.buf.device)
+            row[self.comm.rank] = code
+            self._slot_rows[key] = row
+        sb.slots.copy_(row)
+        return self.comm.all_reduce_async(sb.buf, COMM_OP[op], agreed=True)
+
     def prediction(self) -> list[int] | None:
         """The row every rank predicts for the next agreement, when it is a slotted allreduce."""
-        row = self._next.get(self._last) if self.enabled else None
-        return row if row is not None and slotted(row) else None
+        pred = self._pred if self.enabled else None
+        return None if pred is None else pred.row
 
-    def begin(self, row: list[int], real: Slotted | None = None) -> Pending:
+    def begin(self, row: list[int] | Plan, real: SlotBuffer | None = None) -> Pending:
         """Start this rank's agreement on ``row`` (``real``: its slotted allreduce's data)."""
-        pred = self.prediction()
+        plan = row if isinstance(row, Plan) else Plan(row)
+        pred = self._pred if self.enabled else None
         if pred is None:
-            return self._begin_exchange(row, real)
-        op, dtype, count = OPS[pred[2]], DTYPES[pred[3]], allreduce_count(pred)
-        if real is not None and row[0] == ACTIVE and signature(row) == signature(pred):
-            buf, code = real.buf, REAL
+            return self._begin_exchange(plan, real)
+        state = plan.row[0]
+        if real is not None and state == ACTIVE and plan.sig == pred.sig:
+            buf, code = real, REAL
         else:
-            buf = self.take(dtype, count, self.device)
-            buf.fill_(identity_value(op, dtype))
-            code = JOINED_CODE if row[0] == JOINED else OTHER
-        return Pending(start_slotted(self.comm, buf, count, op, code), row, real, pred, buf)
+            buf = self.take(pred.dtype, pred.count, self.device)
+            buf.data.fill_(identity_value(pred.op, pred.dtype))
+            code = JOINED_CODE if state == JOINED else OTHER
+        return Pending(self.start(buf, pred.op, code), plan, real, pred, buf)
 
     def finish(self, pending: Pending) -> Round | Pending:
         """Wait for ``pending``: its `Round`, or after a missed prediction the exchange that
@@ -196,38 +247,43 @@ class Speculator:
             assert pending.table is not None
             ag = finish_exchange(pending.work, pending.table, self.comm.size)
             active = ag.active
-            self._learn(ag.rows[active[0]] if active else None)
+            self._learn(Plan(ag.rows[active[0]]) if active else None)
             return Round(ag, [r[0] for r in ag.rows])
         pending.work.wait()
-        assert pending.buf is not None
-        codes = read_slots(pending.buf, allreduce_count(pred), OPS[pred[2]], self.comm.size)
-        if pending.real is None or pending.buf is not pending.real.buf:
-            self.give(pending.buf)  # an identity buffer, done with
+        buf = pending.buf
+        assert buf is not None
+        codes = read_slots(buf.slots, pred.op, self.comm.size)
+        if buf is not pending.real:
+            self.give(buf)  # an identity buffer, done with
         if OTHER not in codes and REAL in codes:
             self.hits += 1
             self._learn(pred)
+            joined = pending.plan.row[0] == JOINED
+            if JOINED_CODE not in codes:
+                return Round(None, [ACTIVE] * len(codes), done=not joined, answered=joined)
             states = [JOINED if c == JOINED_CODE else ACTIVE for c in codes]
-            joined = pending.row[0] == JOINED
             return Round(None, states, done=not joined, answered=joined)
         self.misses += 1
-        return self._begin_exchange(pending.row, pending.real)
+        return self._begin_exchange(pending.plan, pending.real)
 
-    def agree(self, row: list[int], real: Slotted | None = None) -> Round:
+    def agree(self, row: list[int] | Plan, real: SlotBuffer | None = None) -> Round:
         """`begin`, then `finish` until agreed (blocking)."""
         step: Round | Pending = self.begin(row, real)
         while isinstance(step, Pending):
             step = self.finish(step)
         return step
 
-    def _begin_exchange(self, row: list[int], real: Slotted | None) -> Pending:
-        work, table = start_exchange(self.comm, torch.tensor(row, dtype=torch.int64), self.device)
-        return Pending(work, row, real, table=table)
+    def _begin_exchange(self, plan: Plan, real: SlotBuffer | None) -> Pending:
+        work, table = start_exchange(self.comm, torch.tensor(plan.row, dtype=torch.int64), self.device)
+        return Pending(work, plan, real, table=table)
 
-    def _learn(self, row: list[int] | None) -> None:
-        """``row`` (the first active rank's; None: every rank had joined) came after the last
-        agreed one; every rank learns the same, from the same table or slots."""
+    def _learn(self, plan: Plan | None) -> None:
+        """``plan`` (the first active rank's; None: every rank had joined) came after the last
+        agreed one; every rank learns the same, from the same table or slots. The prediction
+        for the next agreement follows."""
         if len(self._next) >= _MAX_PREDICTIONS:
             self._next.clear()
-        self._next[self._last] = row
-        self._last = signature(row) if row is not None else (Kind.JOIN,)
-
+        self._next[self._last] = plan
+        self._last = plan.sig if plan is not None else (Kind.JOIN,)
+        nxt = self._next.get(self._last)
+        self._pred = nxt if nxt is not None and nxt.slotted else None
