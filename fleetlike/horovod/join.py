@@ -35,7 +35,7 @@ from fleetlike.horovod.collectives import _agree, _no_process_set, _reduce_start
 from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, allreduce_count, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, ReduceOp, identity
 from fleetlike.horovod.runtime import Runtime, runtime
-from fleetlike.horovod.speculate import JOINED_CODE, Pending, Round, slotted, start_slotted
+from fleetlike.horovod.speculate import JOINED_CODE, Pending, Round, SlotBuffer, slotted
 
 __all__ = ["barrier", "join"]
 
@@ -105,7 +105,7 @@ def _answer(rt: Runtime, ag: Agreement) -> None:
         numel = allreduce_count(ag.rows[i])
         if slotted(ag.rows[i]):  # the active ranks' buffer has a slot per rank after the data
             buf = identity(op, ag.dtype(i), numel + rt.comm.size, rt.device)
-            start_slotted(rt.comm, buf, numel, op, JOINED_CODE).wait()
+            rt.speculator.start(SlotBuffer(buf, numel), op, JOINED_CODE).wait()
             return
         counts = [numel] + [0] * (ag.ntensors(i) - 1)
         if op is ReduceOp.ADASUM:

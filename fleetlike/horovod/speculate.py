@@ -59,7 +59,7 @@ from fleetlike.horovod.negotiate import (
 from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
 
 __all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Plan", "Round", "SlotBuffer", "Speculator", "read_slots",
-           "slotted", "start_slotted"]
+           "slotted"]
 
 #: slot codes: this rank's call is not the prediction / it is inside hvd.join() / it is
 OTHER, JOINED_CODE, REAL = 0, 1, 2
@@ -112,15 +112,6 @@ class SlotBuffer:
     def __init__(self, buf: torch.Tensor, numel: int) -> None:
         self.buf, self.numel = buf, numel
         self.data, self.slots = buf[:numel], buf[numel:]
-
-
-def start_slotted(comm: Communicator, buf: torch.Tensor, numel: int, op: ReduceOp, code: int) -> Work:
-    """Fill the slots after the ``numel`` data (the identity, this rank's ``code`` in its own)
-    and start the allreduce of the whole buffer."""
-    slots = buf[numel:]
-    slots.fill_(identity_value(op, buf.dtype))
-    slots[comm.rank] = code
-    return comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
 
 
 def read_slots(slots: torch.Tensor, op: ReduceOp, size: int) -> list[int]:
@@ -208,7 +199,8 @@ class Speculator:
             self._pool = {key: free}
 
     def start(self, sb: SlotBuffer, op: ReduceOp, code: int) -> Work:
-        """`start_slotted` on a pooled buffer: the slots are one copy of a row made once."""
+        """Fill the slots after the data (the identity, this rank's ``code`` in its own: one copy of
+        a row made once) and start the allreduce of the whole buffer."""
         key = (op, sb.buf.dtype, code)
         row = self._slot_rows.get(key)
         if row is None:
