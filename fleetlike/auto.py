@@ -40,6 +40,7 @@ from fleetlike.comm import CommGroups, create_world
 from fleetlike.config import DistributedStrategy
 from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, register, strategy_from_env
 from fleetlike.roles import detect_role
+from fleetlike.roles.settings import env_settings
 
 __all__ = ["settings", "install", "uninstall"]
 
@@ -60,10 +61,13 @@ class _Settings:
         self.printed = False
         self.by_param: weakref.WeakValueDictionary[int, FleetHookState] = weakref.WeakValueDictionary()
 
-    def connect(self) -> CommGroups:
+    def connect(self, device: torch.device | None = None) -> CommGroups:
+        """The process's groups, met on the first DDP model (a backend for its ``device``:
+        NCCL for a model on a GPU, so its CUDA buckets are not refused by gloo)."""
         if self.groups is None:
             role = detect_role()
-            self.groups = CommGroups(create_world(role), role)
+            backend = env_settings().backend or "auto"  # FLEETLIKE_BACKEND, as fleet.init reads it
+            self.groups = CommGroups(create_world(role, backend=backend, device=device), role)
         return self.groups
 
 
@@ -106,7 +110,8 @@ def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
     if "bucket_cap_mb" not in bound.arguments and "FLEETLIKE_FUSION_MB" in cfg.knobs:
         kwargs["bucket_cap_mb"] = float(cfg.strategy.fuse_grad_size_in_MB)
     _ORIGINAL_DDP_INIT(self, *args, **kwargs)
-    state = FleetHookState(cfg.strategy, groups=cfg.connect())
+    device = next((p.device for p in self.parameters()), None)
+    state = FleetHookState(cfg.strategy, groups=cfg.connect(device))
     if cfg.knobs.get("FLEETLIKE_ALLREDUCE_MODE", "").strip().lower() == "hierarchical":
         for name, applied, why in state.notes:
             if name == "use_hierarchical_allreduce" and not applied:

@@ -125,8 +125,9 @@ def test_unique_id_travels_as_raw_bytes():
     uid = tuple((i * 37 % 256) - 128 for i in range(128))  # CuPy's signed chars
     raw = nccl_mod._uid_to_bytes(uid)
     assert isinstance(raw, bytes) and len(raw) == 128
-    assert nccl_mod._uid_candidates(raw)[0] == uid
-    assert nccl_mod._uid_candidates(raw)[1] == tuple(v & 0xFF for v in uid)
+    assert nccl_mod._uid_candidates(raw) == [raw, uid, tuple(v & 0xFF for v in uid)]
+    # CuPy >= 14 hands the id over as bytes: the same raw bytes reach the store
+    assert nccl_mod._uid_to_bytes(raw) == raw
 
 
 def test_exports():
@@ -169,14 +170,17 @@ class _FakeNccl(types.ModuleType):
     class NcclError(RuntimeError):
         pass
 
-    def __init__(self):
+    def __init__(self, uid_type: type = tuple):
         super().__init__("cupy.cuda.nccl")
         self.depth, self.queued, self.log, self.uids = 0, [], [], []
+        self.uid_type = uid_type  # tuple of signed chars (CuPy < 14) or bytes (CuPy >= 14)
         fake = self
 
         class NcclCommunicator:
             def __init__(self, ndev, uid, rank):
-                assert isinstance(uid, tuple) and len(uid) == 128 and 0 <= rank < ndev
+                if not isinstance(uid, fake.uid_type):  # what Cython's typed argument raises
+                    raise TypeError(f"Argument 'commId' has incorrect type (got {type(uid)})")
+                assert len(uid) == 128 and 0 <= rank < ndev
                 fake.uids.append(uid)
                 self.ndev = ndev
 
@@ -226,7 +230,8 @@ class _FakeNccl(types.ModuleType):
         return 22703
 
     def get_unique_id(self):
-        return tuple(range(-64, 64))
+        uid = tuple(range(-64, 64))
+        return self.uid_type(v & 0xFF for v in uid) if self.uid_type is bytes else uid
 
     def groupStart(self):
         self.depth += 1
@@ -277,6 +282,9 @@ def fake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    # torch's C stream query (CUDA builds) would bypass the fake current_stream and cache fake
+    # Stream objects for the real GPU tests after these (seen on the first GPU run)
+    monkeypatch.setattr(nccl_mod, "_GET_CURRENT_STREAM", None)
 
     def make(size: int = 1) -> NcclCommunicator:
         store = dist.PrefixStore("nccl/world/", dist.HashStore())
@@ -296,6 +304,18 @@ def test_fake_every_collective_dtype_op_goes_through_nccl_at_size_one(fake):
     assert len(fake.nccl.log) == 2 * sum(1 for c in cases if 0 not in c.shape)
     comm.close()
     assert fake.nccl.log[-1] == "destroy"
+
+
+@pytest.mark.parametrize("uid_type", [tuple, bytes], ids=["cupy<14-chars", "cupy>=14-bytes"])
+def test_fake_either_cupy_form_of_the_unique_id_forms_the_communicator(fake, uid_type):
+    fake.nccl.uid_type = uid_type  # the first GPU run (CuPy 14.2) failed here: it takes bytes
+    comm = fake()
+    assert fake.nccl.uids == [bytes(range(192, 256)) + bytes(range(64)) if uid_type is bytes
+                              else tuple(range(-64, 64))]
+    x = torch.arange(6, dtype=torch.float32)
+    comm.all_reduce(x, op="sum")
+    assert x.tolist() == list(range(6))
+    comm.close()
 
 
 def test_fake_group_defers_launch_and_integer_avg_division(fake):

@@ -185,14 +185,48 @@ def _resolve_device(role: Role, device: torch.device | str | int | None) -> torc
     return torch.device("cuda", index)
 
 
-def _uid_to_bytes(uid: Sequence[int]) -> bytes:
-    """NCCL's unique id (CuPy gives 128 C ``char`` values) as its raw bytes."""
+def _uid_to_bytes(uid: bytes | Sequence[int]) -> bytes:
+    """NCCL's unique id as its raw bytes.
+
+    CuPy 14 gives the 128 bytes as ``bytes``; older CuPy gave a tuple of 128 C ``char`` values
+    (signed on x86, unsigned on Arm). Both land in the store as the same raw bytes.
+    """
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
     return bytes(v & 0xFF for v in uid)
 
 
-def _uid_candidates(raw: bytes) -> list[tuple[int, ...]]:
-    """The id as CuPy takes it back: signed chars (x86) first, unsigned chars (Arm) second."""
-    return [struct.unpack(f"{len(raw)}b", raw), tuple(raw)]
+def _uid_candidates(raw: bytes) -> list[bytes | tuple[int, ...]]:
+    """The id in each form a CuPy binding may take back, the newest first.
+
+    ``bytes`` (CuPy >= 14), then signed chars (older CuPy on x86), then unsigned chars (Arm).
+    A binding refuses the wrong form with ``TypeError`` (bytes vs tuple) or ``OverflowError``
+    (char signedness), so the caller tries them in turn.
+    """
+    return [bytes(raw), struct.unpack(f"{len(raw)}b", raw), tuple(raw)]
+
+
+_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)  # absent in CPU builds
+_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    """torch's current stream on ``device``, as ``torch.cuda.current_stream(device)`` gives it.
+
+    That call parses its argument and builds a new ``Stream`` object: 7.5 us a call on the H100
+    host of the first GPU run, two calls per collective (the launch waits on the current stream,
+    ``wait()`` makes it wait). This reads the same (id, device, type) triple from torch's C API
+    and reuses one ``Stream`` object per triple (torch pools its streams, so there are few).
+    ``setdefault`` keeps the cache consistent between threads without a lock.
+    """
+    if _GET_CURRENT_STREAM is None:
+        return torch.cuda.current_stream(device)
+    key = _GET_CURRENT_STREAM(torch.cuda.current_device() if device.index is None else device.index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        made = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        stream = _STREAMS.setdefault(key, made)
+    return stream
 
 
 def _exit_process(code: int) -> None:
@@ -254,7 +288,7 @@ class _NcclWork(Work):
                 "wait() on an NCCL collective inside `with comm.group():`; its kernel is launched "
                 "at the end of the block, so wait on the handle after the block"
             )
-        torch.cuda.current_stream(self._device).wait_event(self._event)
+        _current_stream(self._device).wait_event(self._event)
         if self._blocking:
             self._event.synchronize()
         self._keep = ()
@@ -395,7 +429,7 @@ class NcclCommunicator(Communicator):
                 try:
                     comm = nccl.NcclCommunicator(size, uid, rank)
                     break
-                except OverflowError:  # the binding's char has the other signedness
+                except (TypeError, OverflowError):  # another CuPy's form of the id
                     continue
                 except nccl.NcclError as exc:
                     raise CommError(
@@ -404,7 +438,8 @@ class NcclCommunicator(Communicator):
                     ) from exc
             if comm is None:
                 raise CommError(
-                    f"{name!r}: CuPy rejected the NCCL unique id as signed and as unsigned chars"
+                    f"{name!r}: CuPy rejected the NCCL unique id as bytes and as signed and "
+                    "unsigned chars"
                 )
         return cls(nccl, comm, store, rank, size, ranks, name, device, timeout)
 
@@ -445,7 +480,7 @@ class NcclCommunicator(Communicator):
     ) -> Work:
         stream = self._stream
         with torch.cuda.device(self._device):
-            stream.wait_stream(torch.cuda.current_stream(self._device))
+            stream.wait_stream(_current_stream(self._device))
             try:
                 call(self._handle)
             except self._nccl.NcclError as exc:

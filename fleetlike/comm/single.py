@@ -23,6 +23,12 @@ class SingleCommunicator(Communicator):
     def __init__(self, name: str = "world", world_rank: int = 0) -> None:
         super().__init__(0, 1, [world_rank], name)
 
+    def _check_device(self, name: str, tensor: torch.Tensor, what: str) -> None:
+        """Any device: nothing leaves this process, so a one-GPU job keeps its CUDA tensors.
+
+        (The first GPU run found a single-GPU ResNet job refused here: its world is `single`.)
+        """
+
     def _all_reduce_start(self, buf: torch.Tensor, op: ReduceOp) -> Work:
         return CompletedWork(buf)
 

@@ -43,7 +43,7 @@ def fleetlike_hook(state: FleetHookState, bucket: dist.GradBucket) -> torch.futu
     if not state.communicating:  # an accumulating pass: as no_sync, the gradients stay local
         fut.set_result(buf)
         return fut
-    state.ensure_connected()
+    state.ensure_connected(buf.device)
     if state.sampler is not None:
         state.record_sizes(params)
     local_bad = state.non_finite(buf, params, state.name) if state.nan_check else []

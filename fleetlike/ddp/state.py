@@ -41,6 +41,7 @@ from fleetlike.collectives import Downsampler, RingWorkers
 from fleetlike.comm import CommGroups, Communicator, Work, create_world
 from fleetlike.config import DistributedStrategy
 from fleetlike.roles import Role, detect_role, parse_endpoint
+from fleetlike.roles.settings import env_settings
 from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.strategies.health import DATA_WAIT, slow_ranks
 
@@ -105,6 +106,7 @@ class FleetHookState:
         self._done_at: float | None = None
         self._launched_at = 0.0
         self._comm_state()
+        self._role_hint = role  # whom to meet on the first bucket when no groups are given
         if model is not None:
             self.bind(model)
         if groups is not None:
@@ -126,12 +128,16 @@ class FleetHookState:
         module = getattr(model, "module", model)
         self.names = {id(p): n for n, p in module.named_parameters()}
 
-    def connect(self, groups: CommGroups | None = None, role: Role | None = None) -> None:
+    def connect(
+        self, groups: CommGroups | None = None, role: Role | None = None, device: torch.device | None = None
+    ) -> None:
         """Build the collective on ``groups`` (collective: every rank calls it, in the same order
-        as its other group creations); None meets the job from the environment."""
+        as its other group creations); None meets the job from the environment, on a backend
+        that moves tensors of ``device`` (the buckets' device: NCCL for CUDA buckets)."""
         if groups is None:
-            role = detect_role() if role is None else role
-            groups, self._owns_groups = CommGroups(create_world(role), role), True
+            role = role or self._role_hint or detect_role()
+            backend = env_settings().backend or "auto"  # FLEETLIKE_BACKEND, as fleet.init reads it
+            groups, self._owns_groups = CommGroups(create_world(role, backend=backend, device=device), role), True
         role = groups.role if role is None else role
         plain = self.strategy.copy()
         plain.gossip = False  # gossip is applied by the hook itself (keys survive DDP's re-bucketing)
@@ -141,9 +147,10 @@ class FleetHookState:
             self.health = groups.extra("ddp slow-rank check", 0, groups.world.rank)
         self._finishers = RingWorkers(max(1, int(self.strategy.nccl_comm_num)), "fleetlike-ddp")
 
-    def ensure_connected(self) -> None:
+    def ensure_connected(self, device: torch.device | None = None) -> None:
+        """Connect on the first bucket (``device``: where DDP keeps its buckets)."""
         if self.collective is None:
-            self.connect()
+            self.connect(device=device)
 
     def close(self) -> None:
         """Stop the helper threads; close the communicators this state created itself."""

@@ -52,10 +52,25 @@ __all__ = ["Fleet", "fleet", "load_inference_model"]
 load_inference_model = ckpt.load_inference_model
 
 
-def _device_for(role: Role, env: EnvSettings) -> torch.device:
-    if torch.cuda.is_available() and (role.selected_gpus or env.cuda_visible_devices):
-        gpus = role.selected_gpus
-        return torch.device("cuda", gpus[0] if gpus else role.local_rank % torch.cuda.device_count())
+def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> torch.device:
+    """This rank's device: its selected GPU, else the CPU.
+
+    A GPU is selected by ``FLAGS_selected_gpus`` (fleetlike's and Paddle's launchers), by
+    ``CUDA_VISIBLE_DEVICES``, or, where CUDA is available, by any other launcher (torchrun,
+    mpirun, Slurm, a plain ``python``): GPU ``local_rank % device_count``, as DDP and Horovod
+    scripts assume. Only fleetlike's/Paddle's launcher can say "CPU workers on a GPU machine"
+    (``--nproc_per_node`` without GPUs leaves ``FLAGS_selected_gpus`` empty); anyone else asks
+    for the CPU with ``CUDA_VISIBLE_DEVICES=`` or a CPU backend (``backend`` / ``FLEETLIKE_BACKEND``
+    gloo or mpi, which move CPU tensors only).
+    """
+    chosen = (backend or env.backend or "auto").lower()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0 or chosen in ("gloo", "mpi"):
+        return torch.device("cpu")
+    if role.selected_gpus:
+        return torch.device("cuda", role.selected_gpus[0])
+    if env.cuda_visible_devices or role.source != "paddle" or chosen == "nccl":
+        return torch.device("cuda", role.local_rank % count)
     return torch.device("cpu")
 
 
@@ -99,7 +114,7 @@ class Fleet:
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
-        device = _device_for(role, env)
+        device = _device_for(role, env, backend)
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
         world = create_world(role, backend=backend or env.backend or "auto", timeout=limit, device=device)
         world.timeout = limit

@@ -150,6 +150,20 @@ def _tensor(t: Any, what: str) -> torch.Tensor:
     return t
 
 
+def comm_device(rt: Runtime, t: torch.Tensor) -> torch.device:
+    """Where ``t``'s data must be to travel: its own device, or the communicator's.
+
+    Horovod takes CPU and GPU tensors in one job (``hvd.allreduce(torch.tensor(loss))`` beside
+    CUDA gradients). NCCL moves CUDA tensors only and gloo/MPI CPU tensors only, so a tensor on
+    the other kind of device is staged: copied to the communicator's device, moved, and the
+    result copied back (as Horovod's own CPU ops do for GPU tensors). The `single` world of one
+    moves nothing and takes any device.
+    """
+    if t.device == rt.device or rt.comm.backend == "single":
+        return t.device
+    return rt.device
+
+
 def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post: float,
                   counts: Sequence[int]) -> tuple[Work, Callable[[], torch.Tensor]]:
     """Start reducing ``buf`` in place over the Horovod world (agreement already done)."""
@@ -232,12 +246,16 @@ def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
     with rt.lock:
         _claim(rt, name, what)
         src = tensor.detach().reshape(-1)
-        direct = src if in_place and tensor.is_contiguous() else None
+        device = comm_device(rt, tensor)
+        staged = device != tensor.device
+        direct = src if in_place and tensor.is_contiguous() and not staged else None
         work, finish_flat = _reduce(rt, Kind.ALLREDUCE, name, lambda d: d.copy_(src), [tensor.numel()],
-                                    tensor.dtype, tensor.device, op, pre, post, direct, shape=tuple(tensor.shape))
+                                    tensor.dtype, device, op, pre, post, direct, shape=tuple(tensor.shape))
 
     def consume(flat: torch.Tensor, pooled: bool) -> torch.Tensor:
         if not in_place:
+            if staged:
+                return flat.view(tensor.shape).to(tensor.device)
             return flat.view(tensor.shape).clone() if pooled else flat.view(tensor.shape)
         if flat is not direct:  # pooled: back into the tensor (through its flat view if it has one)
             if direct is not None:
@@ -318,11 +336,16 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
                         "Group them by dtype (one call per dtype)")
     counts = [t.numel() for t in tensors]
     shapes_crc = zlib.crc32(repr([tuple(t.shape) for t in tensors]).encode()) & 0x7FFFFFFF
+    device = comm_device(rt, tensors[0])
+
+    def fill(d: torch.Tensor) -> None:
+        torch.cat([t.detach().reshape(-1).to(device) for t in tensors], out=d)
+
     with rt.lock:
         _claim(rt, name, what)
         work, finish_flat = _reduce(
-            rt, Kind.GROUPED_ALLREDUCE, name, lambda d: torch.cat([t.detach().reshape(-1) for t in tensors], out=d),
-            counts, tensors[0].dtype, tensors[0].device, op, pre, post, ntensors=len(tensors),
+            rt, Kind.GROUPED_ALLREDUCE, name, fill,
+            counts, tensors[0].dtype, device, op, pre, post, ntensors=len(tensors),
             shape=(sum(counts), shapes_crc))
 
     def consume(done: torch.Tensor, pooled: bool) -> list[torch.Tensor]:
@@ -400,6 +423,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     t = _tensor(tensor, what).detach()
     if t.dim() == 0:
         t = t.reshape(1)
+    home, t = t.device, t.to(comm_device(rt, t))
     with rt.lock:
         _claim(rt, name, what)
         ag = _agree(rt, Kind.ALLGATHER, name, dtype=t.dtype, shape=tuple(t.shape))
@@ -414,7 +438,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
 
     def finish() -> torch.Tensor:
         parts = flat.view(rt.comm.size, width)
-        return torch.cat([parts[i, : rows[i] * per_row] for i in range(rt.comm.size)]).view(sum(rows), *trailing)
+        out = torch.cat([parts[i, : rows[i] * per_row] for i in range(rt.comm.size)]).view(sum(rows), *trailing)
+        return out.to(home)
 
     return Handle(rt, name, work, finish)
 
@@ -459,9 +484,15 @@ def _broadcast_in_place(tensor: torch.Tensor, root_rank: int, name: str | None, 
         if not 0 <= int(root_rank) < rt.comm.size:
             rt.in_flight.pop(name or "", None)
             raise ValueError(f"{what}: root_rank={root_rank} is not a rank of this job (0..{rt.comm.size - 1})")
-        buf = tensor.data
+        buf = tensor.data.to(comm_device(rt, tensor))
         work = rt.comm.broadcast_async(buf, int(root_rank), agreed=True)
-    return Handle(rt, name, work, lambda: tensor)
+
+    def finish() -> torch.Tensor:
+        if buf.device != tensor.device:  # staged (see `comm_device`): the result goes back
+            tensor.data.copy_(buf)
+        return tensor
+
+    return Handle(rt, name, work, finish)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Handle:

@@ -25,6 +25,7 @@ from fleetlike.horovod.collectives import (
     _claim,
     _no_process_set,
     _tensor,
+    comm_device,
     allgather,
     synchronize,
 )
@@ -102,6 +103,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         raise ValueError(f"{what}: the tensor needs at least one dimension to split")
     n = rt.comm.size
     send = _splits_list(splits, t.shape[0], n, what)
+    home, t = t.device, t.to(comm_device(rt, t))
     with rt.lock:
         _claim(rt, name, what)
         _agree(rt, Kind.ALLTOALL, name, dtype=t.dtype, shape=tuple(t.shape))
@@ -116,7 +118,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         received = torch.tensor(recv, dtype=splits.dtype)
     else:
         received = torch.tensor(recv, dtype=torch.int32)
-    return Handle(rt, name, work, lambda: (out, received))
+    return Handle(rt, name, work, lambda: (out.to(home), received))
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -163,6 +165,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     if t.dim() == 0:
         raise ValueError(f"{what}: the tensor needs at least one dimension to scatter")
     n, me = rt.comm.size, rt.comm.rank
+    home, t = t.device, t.to(comm_device(rt, t))
     dim0 = t.shape[0]
     rows = [dim0 // n + (1 if r < dim0 % n else 0) for r in range(n)]
     trailing = tuple(t.shape[1:])
@@ -185,7 +188,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         out = mine[: rows[me] * per_row].view(rows[me], *trailing)
         if postscale_factor != 1.0:
             out.mul_(postscale_factor)
-        return out
+        return out.to(home)
 
     return Handle(rt, name, work, finish)
 
