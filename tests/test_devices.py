@@ -1,0 +1,104 @@
+"""Which device and backend each face picks, checked on the CPU with torch.cuda's answers
+patched (the GPU runs of tests/test_gpu_faces.py check the same choices on a real GPU).
+
+The first GPU run (session 8) found: a one-GPU job's `single` world refused CUDA tensors; a DDP
+hook on CUDA buckets met its job on gloo (which refuses them); a job started by torchrun, MPI or
+Slurm on a GPU machine trained on the CPU unless CUDA_VISIBLE_DEVICES was set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fleetlike.comm import SingleCommunicator
+from fleetlike.ddp import FleetHookState
+from fleetlike.fleet import facade
+from fleetlike.horovod.collectives import comm_device
+from fleetlike.roles import Role
+from fleetlike.roles.settings import EnvSettings
+
+
+def _role(source: str, gpus: tuple[int, ...] = ()) -> Role:
+    """Rank 1 of two on one node (local rank 1), as ``source`` would start it."""
+    base = Role.from_endpoints(1, ["127.0.0.1:6170", "127.0.0.1:6171"])
+    return dataclasses.replace(base, source=source, selected_gpus=gpus)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.parametrize("source,gpus,env,backend,want", [
+    ("paddle", (1,), {}, None, "cuda:1"),            # fleetlike.launch --selected_gpus
+    ("paddle", (), {}, None, "cpu"),                 # fleetlike.launch --nproc_per_node on CPU
+    ("paddle", (), {"cuda_visible_devices": "0,1"}, None, "cuda:1"),
+    ("paddle", (), {}, "nccl", "cuda:1"),            # asked for NCCL: a GPU
+    ("torchrun", (), {}, None, "cuda:1"),            # local rank 1 of a DDP/Horovod script
+    ("openmpi", (), {}, None, "cuda:1"),
+    ("slurm", (), {}, None, "cuda:1"),
+    ("single", (), {}, None, "cuda:1"),
+    ("torchrun", (), {}, "gloo", "cpu"),             # a CPU backend keeps CPU tensors
+    ("torchrun", (), {"backend": "mpi"}, None, "cpu"),
+])
+def test_device_for_each_launcher(two_gpus, source, gpus, env, backend, want):
+    got = facade._device_for(_role(source, gpus), EnvSettings(**env), backend)
+    assert str(got) == want
+
+
+def test_device_for_without_a_usable_gpu_is_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # CUDA_VISIBLE_DEVICES=""
+    assert str(facade._device_for(_role("torchrun"), EnvSettings())) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert str(facade._device_for(_role("paddle", gpus=(0,)), EnvSettings())) == "cpu"
+
+
+def test_the_single_world_takes_tensors_of_any_device():
+    """A one-GPU job's world is `single`: nothing moves, so CUDA tensors stay (meta stands in)."""
+    comm = SingleCommunicator()
+    x = torch.empty(4, device="meta")
+    assert comm.all_reduce(x, "avg") is x
+    assert comm.broadcast(x, 0) is x
+    assert comm.all_gather_flat(x).device.type == "meta"
+    assert comm.reduce_scatter(torch.empty(4, device="meta")).device.type == "meta"
+    assert comm.all_reduce(torch.arange(3.0), "sum").tolist() == [0.0, 1.0, 2.0]
+
+
+def test_ddp_hook_meets_its_job_on_the_buckets_device(monkeypatch):
+    import fleetlike.ddp.state as ddp_state
+
+    seen = []
+
+    def create_world(role, *, backend="auto", timeout=0, device=None):
+        seen.append((backend, device))
+        return SingleCommunicator("world", 0)
+
+    monkeypatch.setattr(ddp_state, "create_world", create_world)
+    monkeypatch.setenv("FLEETLIKE_BACKEND", "nccl")
+    role = Role.from_endpoints(0, ["127.0.0.1:6170"])
+    state = FleetHookState(role=role)
+    state.ensure_connected(torch.device("cuda", 0))
+    state.ensure_connected(torch.device("cuda", 0))  # once
+    assert seen == [("nccl", torch.device("cuda", 0))]
+    assert state.role is role  # the role given to the state, not the environment's
+    state.close()
+
+
+@pytest.mark.parametrize("backend,tensor_dev,want", [
+    ("nccl", "cpu", "cuda:0"),     # hvd.allreduce(torch.tensor(loss)) in a GPU job: staged
+    ("nccl", "cuda:0", "cuda:0"),
+    ("gloo", "cuda:0", "cpu"),     # a CUDA tensor in a CPU job: staged through the host
+    ("gloo", "cpu", "cpu"),
+    ("single", "cpu", "cpu"),      # a world of one moves nothing: no staging
+])
+def test_horovod_stages_a_tensor_on_the_other_device(backend, tensor_dev, want):
+    rt = SimpleNamespace(device=torch.device("cuda:0" if backend != "gloo" else "cpu"),
+                         comm=SimpleNamespace(backend=backend))
+    t = SimpleNamespace(device=torch.device(tensor_dev))
+    assert str(comm_device(rt, t)) == want
