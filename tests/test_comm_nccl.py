@@ -371,6 +371,28 @@ def test_fake_a_kernel_past_its_deadline_aborts_the_communicator_and_exits(fake,
     assert "fleetlike: collective #2 all_reduce on 'world' (nccl) has not finished after" in err, err
 
 
+def test_fake_an_abort_that_hangs_still_ends_the_process(fake, monkeypatch, capsys):
+    """The first GPU run: ``ncclCommAbort`` did not return under a stuck kernel, and the process
+    ran on. The watchdog gives the abort a grace period, then exits regardless."""
+    import threading
+
+    from fleetlike.comm import nccl as nccl_module
+
+    exits: list[int] = []
+    fired, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(nccl_module, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    monkeypatch.setattr(nccl_module, "_ABORT_GRACE_S", 0.3)
+    comm = fake()
+    monkeypatch.setattr(comm._comm, "abort", lambda: release.wait(30), raising=False)
+    monkeypatch.setattr(_FakeEvent, "query", lambda self: False)
+    comm.timeout = 0.2
+    comm.all_reduce_async(torch.ones(3))
+    assert fired.wait(10), "the watchdog never ended the process"
+    release.set()
+    assert exits == [1]
+    assert "ncclCommAbort on 'world' (nccl) did not return within 0.3s" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------- GPU
 
 _REASON = nccl_unavailable_reason()
@@ -670,3 +692,37 @@ def test_overhead_against_raw_cupy_nccl(world):
             json.dump({"device": torch.cuda.get_device_name(world.device), "torch": torch.__version__,
                        "nccl": world.nccl_version, "rows": rows}, f, indent=1)
     assert all(r["fleetlike_us"] > 0 for r in rows)
+
+
+_STUCK = """
+import sys, time, torch
+from fleetlike.comm import create_world
+from fleetlike.testing import hosted_job
+with hosted_job(1, 1, job_id="nccl-watchdog") as job:
+    comm = create_world(job.role(0), backend="nccl", timeout=60)
+    comm.all_reduce(torch.ones(4, device=comm.device))
+    torch.cuda.synchronize()
+    comm.timeout = 2.0
+    torch.cuda._sleep(int(4e11))  # minutes of GPU spin on torch's stream: the next kernel waits
+    comm.all_reduce_async(torch.ones(4, device=comm.device))
+    print("launched", flush=True)
+    time.sleep(90)
+    print("never aborted", flush=True)
+"""
+
+
+@gpu
+@needs_gpu
+@pytest.mark.timeout(150)
+def test_a_collective_stuck_on_the_gpu_aborts_the_communicator_and_ends_the_process():
+    """The watchdog on a real GPU: its thread polls the launch's CUDA event, and a collective
+    queued behind a kernel that outlives the timeout gets the report, `ncclCommAbort` and exit 1
+    (what the fake-NCCL test checks with a fake event)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _STUCK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    took = time.monotonic() - t0
+    assert "launched" in proc.stdout and "never aborted" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "all_reduce on 'world' (nccl) has not finished after" in proc.stderr, proc.stderr[-2000:]
+    assert took < 60, took  # 2 s timeout + at most 10 s for ncclCommAbort + start-up

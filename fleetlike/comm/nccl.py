@@ -46,6 +46,7 @@ import contextlib
 import datetime
 import os
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -227,6 +228,32 @@ def _current_stream(device: torch.device) -> torch.cuda.Stream:
         made = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
         stream = _STREAMS.setdefault(key, made)
     return stream
+
+
+#: how long the watchdog lets ``ncclCommAbort`` take before it ends the process anyway
+_ABORT_GRACE_S = 10.0
+
+
+def _abort_within(comm: Any, grace: float, label: str) -> None:
+    """``comm.abort()`` on a helper thread, waited for at most ``grace`` seconds.
+
+    On the first GPU run (H100, NCCL 2.28.9) ``ncclCommAbort`` did not return while the
+    collective's kernel was still queued behind a running kernel, and the process the watchdog
+    meant to end ran on. The exit must not depend on the abort (torch's NCCL watchdog has the
+    same escape: a monitor that ends the process when the abort hangs).
+    """
+    finished = threading.Event()
+
+    def abort() -> None:
+        try:
+            comm.abort()
+        finally:
+            finished.set()
+
+    threading.Thread(target=abort, name="fleetlike-nccl-abort", daemon=True).start()
+    if not finished.wait(grace):
+        print(f"fleetlike: ncclCommAbort on {label} did not return within {grace:g}s; "
+              "ending the process without it", file=sys.stderr, flush=True)
 
 
 def _exit_process(code: int) -> None:
@@ -523,7 +550,7 @@ class NcclCommunicator(Communicator):
                 comm = self._comm if self._comm is not None else self._closing
                 self._aborted = comm is not None
             if comm is not None:
-                comm.abort()
+                _abort_within(comm, _ABORT_GRACE_S, item.comm)
         finally:
             _exit_process(1)
 
