@@ -43,6 +43,8 @@ def two_gpus(monkeypatch):
     ("openmpi", (), {}, None, "cuda:1"),
     ("slurm", (), {}, None, "cuda:1"),
     ("single", (), {}, None, "cuda:1"),
+    ("user", (), {}, None, "cpu"),                   # a Role built by hand (tests, UserDefinedRoleMaker)
+    ("user", (), {"cuda_visible_devices": "1"}, None, "cuda:1"),
     ("torchrun", (), {}, "gloo", "cpu"),             # a CPU backend keeps CPU tensors
     ("torchrun", (), {"backend": "mpi"}, None, "cpu"),
 ])

@@ -86,10 +86,9 @@ def _device_env(device: str, backend: str | None) -> None:
     os.environ.pop("FLEETLIKE_BACKEND", None)
     if backend:
         os.environ["FLEETLIKE_BACKEND"] = backend
-    if device == "cuda":
-        os.environ["FLAGS_selected_gpus"] = "0"
+    if device == "cuda":  # the rank's role is built by hand (run_ranks): it needs a GPU named
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     else:  # before CUDA is initialised in this fresh rank: torch sees no GPU
-        os.environ.pop("FLAGS_selected_gpus", None)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 

@@ -52,16 +52,22 @@ __all__ = ["Fleet", "fleet", "load_inference_model"]
 load_inference_model = ckpt.load_inference_model
 
 
+#: launchers whose ranks get GPU ``local_rank`` by default (their scripts assume it, as DDP's
+#: and Horovod's do); fleetlike's/Paddle's launcher says which GPU itself, and a `Role` built by
+#: hand (``UserDefinedRoleMaker``, tests) stays on the CPU unless a GPU is named
+_GPU_BY_LOCAL_RANK = frozenset({"torchrun", "openmpi", "mpich", "slurm", "single"})
+
+
 def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> torch.device:
     """This rank's device: its selected GPU, else the CPU.
 
     A GPU is selected by ``FLAGS_selected_gpus`` (fleetlike's and Paddle's launchers), by
-    ``CUDA_VISIBLE_DEVICES``, or, where CUDA is available, by any other launcher (torchrun,
-    mpirun, Slurm, a plain ``python``): GPU ``local_rank % device_count``, as DDP and Horovod
-    scripts assume. Only fleetlike's/Paddle's launcher can say "CPU workers on a GPU machine"
-    (``--nproc_per_node`` without GPUs leaves ``FLAGS_selected_gpus`` empty); anyone else asks
-    for the CPU with ``CUDA_VISIBLE_DEVICES=`` or a CPU backend (``backend`` / ``FLEETLIKE_BACKEND``
-    gloo or mpi, which move CPU tensors only).
+    ``CUDA_VISIBLE_DEVICES``, by asking for NCCL, or, where CUDA is available, by being started
+    by torchrun, mpirun, Slurm or a plain ``python`` (GPU ``local_rank % device_count``, as DDP
+    and Horovod scripts assume: before, such a rank trained on the CPU). fleetlike's launcher
+    with ``--nproc_per_node`` and no GPUs, and a role built by hand, stay on the CPU; a CPU
+    backend (``backend`` / ``FLEETLIKE_BACKEND`` gloo or mpi, which move CPU tensors only) or
+    ``CUDA_VISIBLE_DEVICES=`` asks for the CPU anywhere.
     """
     chosen = (backend or env.backend or "auto").lower()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -69,7 +75,7 @@ def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> tor
         return torch.device("cpu")
     if role.selected_gpus:
         return torch.device("cuda", role.selected_gpus[0])
-    if env.cuda_visible_devices or role.source != "paddle" or chosen == "nccl":
+    if env.cuda_visible_devices or role.source in _GPU_BY_LOCAL_RANK or chosen == "nccl":
         return torch.device("cuda", role.local_rank % count)
     return torch.device("cpu")
 
