@@ -11,6 +11,7 @@ ProgressMeter, ``DistributedSampler``, ``DistributedDataParallel``, ``save_check
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -111,6 +112,11 @@ def main_worker(args):
         save_checkpoint({"epoch": args.epochs, "state_dict": model.module.state_dict(),
                          "optimizer": optimizer.state_dict()}, args.checkpoint)
     dist.barrier()
+    # DDP keeps the process group in reference cycles: free it now, so its gloo threads end here
+    # and not in the interpreter's teardown (where torch can abort: "terminate called without an
+    # active exception", pytorch/pytorch#190489)
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 
