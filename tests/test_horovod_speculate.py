@@ -57,9 +57,11 @@ def _pattern(r: int, step: int) -> dict[str, Any]:
     out["grouped"] = [a.numpy() for a in hvd.grouped_allreduce(g, op=hvd.Sum, name="grouped")]
     h = hvd.allreduce_async_(_x(r, step, 4096), op=hvd.Min, name="min")
     out["min"] = hvd.synchronize(h).numpy()
-    big = _x(r, step, BIG)  # over SLOT_MAX_BYTES: agreed first, reduced in place without slots
+    big = _x(r, step, BIG)  # over SLOT_MAX_BYTES: a coded ring on the tensor itself (no slots, no copy)
     hvd.allreduce_(big, op=hvd.Sum, name="big")
     out["big"] = big.numpy()
+    out["big_avg"] = hvd.allreduce(_x(r, step + 70, BIG, torch.float64), name="big_avg", postscale_factor=2.0).numpy()
+    out["big_max"] = hvd.allreduce(_x(r, step, BIG + 1, torch.int32), op=hvd.Max, name="big_max").numpy()
     return out
 
 
@@ -82,26 +84,30 @@ def _rank(role: Any) -> dict[str, Any]:
         res["seq"] = [_pattern(r, s) for s in range(PASSES)]
         res["hits_off"] = spec.hits - res["hits"]
         spec.enabled = True
-        # 2. join while the active ranks' allreduce is predicted (rank i has 3 + i steps)
-        hits = spec.hits
-        got = [hvd.allreduce(_x(r, s, 512), op=hvd.Sum, name="uneven").numpy() for s in range(3 + r)]
-        res["join"] = (got, hvd.join(), spec.hits - hits)
-        # 3. a mismatch on a predicted call, on one rank: another byte count, op, dtype
-        for case in ("numel", "op", "dtype"):
-            for s in range(2):
-                hvd.allreduce(_x(r, s, 256), op=hvd.Sum, name="m")
-            t, op = _x(r, 9, 256), hvd.Sum
-            if r == n - 1:
-                t, op = {"numel": (_x(r, 9, 300), op), "op": (t, hvd.Max),
-                         "dtype": (t.to(torch.int32), op)}[case]
-            before = t.clone()
-            try:
-                hvd.allreduce_(t, op=op, name="m")
-                res[f"mismatch.{case}"] = "no error"
-            except hvd.CollectiveMismatchError as e:
-                res[f"mismatch.{case}"] = str(e)
-            res[f"untouched.{case}"] = torch.equal(t, before)  # reduced in a buffer of its own
-            res[f"after.{case}"] = hvd.allreduce(_x(r, 5, 64), op=hvd.Sum, name="after").numpy()
+        # 2. join while the active ranks' allreduce is predicted (rank i has 3 + i steps), with
+        # slots and as a coded ring (the joined rank polls its ring while answering)
+        for size in (512, BIG):
+            hits = spec.hits
+            got = [hvd.allreduce(_x(r, s, size), op=hvd.Sum, name=f"uneven{size}").numpy() for s in range(3 + r)]
+            res[f"join{size}"] = (got, hvd.join(), spec.hits - hits)
+        # 3. a mismatch on a predicted call, on one rank: another byte count, op, dtype; with
+        # slots (256) and as a coded ring (BIG, reduced in place: a refused ring writes nothing)
+        for size in (256, BIG):
+            for case in ("numel", "op", "dtype"):
+                for s in range(2):
+                    hvd.allreduce_(_x(r, s, size), op=hvd.Sum, name="m")
+                t, op = _x(r, 9, size), hvd.Sum
+                if r == n - 1:
+                    t, op = {"numel": (_x(r, 9, size + 44), op), "op": (t, hvd.Max),
+                             "dtype": (t.to(torch.int32), op)}[case]
+                before = t.clone()
+                try:
+                    hvd.allreduce_(t, op=op, name="m")
+                    res[f"mismatch.{case}.{size}"] = "no error"
+                except hvd.CollectiveMismatchError as e:
+                    res[f"mismatch.{case}.{size}"] = str(e)
+                res[f"untouched.{case}.{size}"] = torch.equal(t, before)
+                res[f"after.{case}.{size}"] = hvd.allreduce(_x(r, 5, 64), op=hvd.Sum, name="after").numpy()
         # 4. every rank moves to a new size at once: a miss, then the sequential path
         for s in range(2):
             hvd.allreduce(_x(r, s, 128), op=hvd.Sum, name="grow")
@@ -139,7 +145,7 @@ def _sum(arrays: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("world", [2, 3])
 def test_speculative_agreement(world: int) -> None:
     results = run_ranks(_rank, world, timeout=120)
-    calls = 5  # small allreduces per pass, predicted from the second pass on (the first of the
+    calls = 8  # allreduces per pass, predicted from the second pass on (the first of the
     # second pass not yet: what follows the last call of a pass is learnt there)
     for r, res in enumerate(results):
         assert res["hits"] >= calls * (PASSES - 1) - 1, (res["hits"], res["misses"])
@@ -163,23 +169,29 @@ def test_speculative_agreement(world: int) -> None:
             np.testing.assert_array_equal(got["min"], np.min([_x(i, s, 4096).numpy() for i in range(world)], axis=0))
             np.testing.assert_allclose(got["big"], _sum([_x(i, s, BIG).numpy() for i in range(world)]), rtol=1e-5,
                                        atol=1e-5)
+            want = np.mean([_x(i, s + 70, BIG, torch.float64).numpy() for i in range(world)], axis=0) * 2.0
+            np.testing.assert_allclose(got["big_avg"], want, rtol=1e-12)
+            np.testing.assert_array_equal(got["big_max"], np.max([_x(i, s, BIG + 1, torch.int32).numpy()
+                                                                  for i in range(world)], axis=0))
         # join: at step s the ranks still active are those with 3 + i > s
-        got, last, join_hits = res["join"]
-        assert last == world - 1
-        for s, g in enumerate(got):
-            want = _sum([_x(i, s, 512).numpy() for i in range(world) if s < 3 + i])
-            np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5, err_msg=f"join step {s}")
-        for case in ("numel", "op", "dtype"):
-            msg = res[f"mismatch.{case}"]
-            assert "disagree" in msg and str(world - 1) in msg, msg
-            np.testing.assert_allclose(res[f"after.{case}"], _sum([_x(i, 5, 64).numpy() for i in range(world)]),
-                                       rtol=1e-5, atol=1e-5)
-            assert res[f"untouched.{case}"], case
-        assert "(256,)" in res["mismatch.numel"] and "(300,)" in res["mismatch.numel"]
-        assert "sum" in res["mismatch.op"] and "max" in res["mismatch.op"]
-        assert "int32" in res["mismatch.dtype"] and "float32" in res["mismatch.dtype"]
+        for size in (512, BIG):
+            got, last, join_hits = res[f"join{size}"]
+            assert last == world - 1
+            for s, g in enumerate(got):
+                want = _sum([_x(i, s, size).numpy() for i in range(world) if s < 3 + i])
+                np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5, err_msg=f"join step {s} ({size})")
+        for size in (256, BIG):
+            for case in ("numel", "op", "dtype"):
+                msg = res[f"mismatch.{case}.{size}"]
+                assert "disagree" in msg and str(world - 1) in msg, msg
+                np.testing.assert_allclose(res[f"after.{case}.{size}"],
+                                           _sum([_x(i, 5, 64).numpy() for i in range(world)]), rtol=1e-5, atol=1e-5)
+                assert res[f"untouched.{case}.{size}"], (case, size)
+            assert f"({size},)" in res[f"mismatch.numel.{size}"] and f"({size + 44},)" in res[f"mismatch.numel.{size}"]
+            assert "sum" in res[f"mismatch.op.{size}"] and "max" in res[f"mismatch.op.{size}"]
+            assert "int32" in res[f"mismatch.dtype.{size}"] and "float32" in res[f"mismatch.dtype.{size}"]
         grown, misses = res["grow"]
         assert misses == 1
         np.testing.assert_allclose(grown, _sum([_x(i, 7, 200).numpy() for i in range(world)]), rtol=1e-5, atol=1e-5)
     # the joined ranks answered predicted allreduces with their identity (rank 0 joins first)
-    assert results[0]["join"][2] >= 1
+    assert results[0]["join512"][2] >= 1 and results[0]["join" + str(BIG)][2] >= 1

@@ -44,6 +44,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from fleetlike.comm import coded as _coded
 from fleetlike.comm import guard as _guard
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES, dtype_names
 from fleetlike.comm.errors import CommError
@@ -85,6 +86,9 @@ class Communicator(abc.ABC):
     #: whether a group of one still calls the backend's primitives. False short-cuts them (the
     #: result is already there); NCCL sets it so a one-GPU job really runs, and tests, its calls.
     calls_backend_at_size_one: bool = False
+    #: whether the backend moves point-to-point messages (`_send_start` / `_recv_start`), which
+    #: the coded allreduce (`all_reduce_coded_async`) is made of
+    has_p2p: bool = False
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int], name: str) -> None:
         self.rank = rank
@@ -115,6 +119,11 @@ class Communicator(abc.ABC):
         #: set by the guard while its agreement exchange runs, so a watchdog report names the
         #: collective being checked ("all_reduce"), not the exchange's primitive ("all_gather")
         self._check_label: str | None = None
+        #: a coded allreduce is in flight (`all_reduce_coded_async`: one at a time)
+        self._coded_busy = False
+        self._coded_lock = threading.Lock()
+        #: its receive space, per (dtype, device) (`_coded_scratch`; used one at a time)
+        self._coded_space: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -146,6 +155,14 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _barrier_start(self) -> Work: ...
+
+    def _send_start(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
+        """Start sending ``buf`` to group rank ``dst`` (backends with `has_p2p`)."""
+        raise CommError(f"the {self.backend!r} backend has no point-to-point messages (has_p2p is False)")
+
+    def _recv_start(self, buf: torch.Tensor, src: int, tag: int) -> Work:
+        """Start receiving into ``buf`` from group rank ``src`` (backends with `has_p2p`)."""
+        raise CommError(f"the {self.backend!r} backend has no point-to-point messages (has_p2p is False)")
 
     @abc.abstractmethod
     def _split(self, color: int | None, key: int) -> Communicator | None:
@@ -574,6 +591,67 @@ class Communicator(abc.ABC):
         agreed: bool = False,
     ) -> torch.Tensor:
         return self._reduce_scatter(tensor, op, out, True, agreed)
+
+    def all_reduce_coded_async(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp | str,
+        code: int,
+        accept: Callable[[list[int]], bool] = _coded.accept_all,
+    ) -> Work:
+        """Start reducing ``tensor`` in place together with one code per rank (`coded`): every
+        rank learns every code before any rank writes, and the result is written only when
+        ``accept(codes)`` (the same on every rank); otherwise ``tensor`` is left as it was.
+        ``wait()`` returns the codes in rank order.
+
+        Every rank passes the same element count, dtype and op (``tensor`` contiguous, any
+        supported dtype: the reduction runs in torch, in the tensor's own dtype). Needs a backend
+        with point-to-point messages (`has_p2p`); one such allreduce at a time per communicator."""
+        red = ReduceOp.parse(op)
+        self._check("all_reduce_coded", tensor)
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_coded: the tensor must be contiguous (it is reduced in place, no copy); "
+                             "pass tensor.contiguous() and read the result from it")
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise TypeError(f"all_reduce_coded: code must be an int, got {type(code).__name__}")
+        if self.size > 1 and not self.has_p2p:
+            raise CommError(f"all_reduce_coded on communicator {self.name!r}: the {self.backend!r} backend has no "
+                            "point-to-point messages; use all_reduce (agree first) on this backend")
+        with self._coded_lock:
+            if self._coded_busy:
+                raise CommError(f"all_reduce_coded on communicator {self.name!r}: another coded allreduce is still "
+                                "in flight on it; wait for it first (one at a time per communicator)")
+            self._coded_busy = True
+        self._record("all_reduce", tensor.nbytes)
+        seq = self._seq = next(self._seqs)
+        size = self.size
+
+        def finish(buf: torch.Tensor) -> None:
+            if red is ReduceOp.AVG:
+                divide_(buf, size)
+
+        def release() -> None:
+            with self._coded_lock:
+                self._coded_busy = False
+
+        def fail(exc: BaseException) -> BaseException:
+            return _guard.failure(self, "all_reduce", seq, exc)
+
+        try:
+            return _coded.CodedAllReduce(self, _flat(tensor), red, code, accept, fail, finish, release,
+                                         self._coded_scratch)
+        except BaseException:
+            release()
+            raise
+
+    def _coded_scratch(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """The coded allreduce's receive space: kept per dtype and device, grown when too small
+        (fresh pages cost more than the copy they receive: 64 MiB on two ranks took 1.6x as long)."""
+        key = (dtype, device)
+        space = self._coded_space.get(key)
+        if space is None or space.numel() < numel:
+            space = self._coded_space[key] = torch.empty(numel, dtype=dtype, device=device)
+        return space
 
     def barrier_async(self) -> Work:
         if self._closed:

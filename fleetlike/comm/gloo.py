@@ -95,6 +95,7 @@ class GlooCommunicator(Communicator):
     """
 
     backend = "gloo"
+    has_p2p = True
 
     def __init__(
         self,
@@ -141,6 +142,12 @@ class GlooCommunicator(Communicator):
 
     def _barrier_start(self) -> Work:
         return self._pg.barrier(_options("barrier"))
+
+    def _send_start(self, buf: torch.Tensor, dst: int, tag: int) -> Work:
+        return self._pg.send([buf], dst, tag)
+
+    def _recv_start(self, buf: torch.Tensor, src: int, tag: int) -> Work:
+        return self._pg.recv([buf], src, tag)
 
     def _split(self, color: int | None, key: int) -> Communicator | None:
         seq = self._splits

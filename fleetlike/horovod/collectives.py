@@ -39,7 +39,7 @@ from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adas
 from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
 from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, identity, resolve_op
 from fleetlike.horovod.runtime import Runtime, runtime
-from fleetlike.horovod.speculate import REAL, Plan, Round, SlotBuffer
+from fleetlike.horovod.speculate import REAL, RING, Plan, Round, SlotBuffer
 
 T = TypeVar("T")
 
@@ -124,7 +124,7 @@ def _claim(rt: Runtime, name: str | None, what: str) -> None:
 
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
     """Exchange descriptors, answer nothing (active rank), raise on disagreement."""
-    ag = _round(rt, Plan(descriptor(kind, name=name or "", **fields)), name, None).agreement
+    ag = _round(rt, rt.speculator.make_plan(descriptor(kind, name=name or "", **fields)), name, None).agreement
     if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
         raise RuntimeError(f"hvd.{kind.label}: agreed by prediction without data (a fleetlike bug)")
     return ag
@@ -205,7 +205,7 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
     plan = spec.plan((kind, name, op, dtype, shape, ntensors),
                      lambda: descriptor(kind, name=name or "", op=OPS.index(op), dtype=dtype, ntensors=ntensors,
                                         shape=shape))
-    if not plan.slotted:
+    if plan.carrier is None:
         _round(rt, plan, name, None)
         if op is ReduceOp.ADASUM:
             check_adasum(rt.comm.size, dtype)
@@ -215,26 +215,42 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
             fill(flat)
         work, finish_flat = _reduce_start(rt, flat, op, pre, post, counts)
         return work, lambda consume: consume(finish_flat(), False)
-    sb = spec.take(dtype, numel, device)
+    ring = plan.carrier == RING
+    if ring:  # the codes travel beside the data: reduce the caller's tensor itself when we may
+        if direct is not None and pre == 1.0:
+            sb = SlotBuffer(direct, numel)
+        else:  # out of place, or prescaled (a refused ring must leave the tensor as it was)
+            sb = SlotBuffer(torch.empty(numel, dtype=dtype, device=device), numel)
+            fill(sb.data)
+    else:
+        sb = spec.take(dtype, numel, device)
+        fill(sb.data)
     data = sb.data
-    fill(data)
     if pre != 1.0:
         data.mul_(pre)
     try:
         rnd = _round(rt, plan, name, sb)
     except Exception:
-        spec.give(sb)
+        if not ring:
+            spec.give(sb)
         raise
-    work = CompletedWork(sb.buf) if rnd.done else spec.start(sb, op, REAL)
+    if rnd.done:
+        work: Work = CompletedWork(sb.buf)
+    elif ring:  # agreed first: the same ring (the same sums, bit for bit), done before returning
+        spec.start(sb, op, REAL, ring=True).wait()
+        work = CompletedWork(sb.buf)
+    else:
+        work = spec.start(sb, op, REAL)
 
     def finish(consume: Callable[[torch.Tensor, bool], T]) -> T:
         try:
             if post != 1.0:
                 data.mul_(post)
-            return consume(data, True)
+            return consume(data, not ring)
         finally:
-            with rt.lock:
-                spec.give(sb)
+            if not ring:
+                with rt.lock:
+                    spec.give(sb)
 
     return work, finish
 

@@ -35,7 +35,7 @@ from fleetlike.horovod.collectives import _agree, _no_process_set, _reduce_start
 from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, allreduce_count, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, ReduceOp, identity
 from fleetlike.horovod.runtime import Runtime, runtime
-from fleetlike.horovod.speculate import JOINED_CODE, Pending, Round, SlotBuffer, slotted
+from fleetlike.horovod.speculate import JOINED_CODE, RING, SLOTS, Pending, Round, SlotBuffer, carrier
 
 __all__ = ["barrier", "join"]
 
@@ -103,9 +103,14 @@ def _answer(rt: Runtime, ag: Agreement) -> None:
     if kind in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE):
         op = OPS[ag.op(i)]
         numel = allreduce_count(ag.rows[i])
-        if slotted(ag.rows[i]):  # the active ranks' buffer has a slot per rank after the data
+        how = carrier(ag.rows[i], rt.speculator.ring)
+        if how == SLOTS:  # the active ranks' buffer has a slot per rank after the data
             buf = identity(op, ag.dtype(i), numel + rt.comm.size, rt.device)
             rt.speculator.start(SlotBuffer(buf, numel), op, JOINED_CODE).wait()
+            return
+        if how == RING:  # the active ranks run a coded ring (codes beside the data)
+            buf = identity(op, ag.dtype(i), numel, rt.device)
+            rt.speculator.start(SlotBuffer(buf, numel), op, JOINED_CODE, ring=True).wait()
             return
         counts = [numel] + [0] * (ag.ntensors(i) - 1)
         if op is ReduceOp.ADASUM:

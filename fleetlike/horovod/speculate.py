@@ -25,10 +25,18 @@ slots decide alike everywhere:
   is then in a disagreement), a joined rank answers, a call that is not P runs. The data travel
   in a buffer of their own, so a tensor reduced in place is untouched by a miss.
 
+Larger allreduces would pay a copy in and out of the slotted buffer (more than the exchange, from
+a few MiB). On a communicator with point-to-point messages (gloo) they are *coded rings* instead
+(`fleetlike.comm.coded`, `carrier` `RING`): the caller's own tensor is reduced in place by a ring
+whose reduce-scatter messages carry the codes beside the chunks; every rank knows every code
+before any rank writes, and a miss (``hit`` false) writes nothing, so the in-place tensor is
+untouched by a miss here too. Elsewhere (MPI, NCCL) they agree first.
+
 First calls, changed calls and other collectives agree first, as before; with the same layout
-(slots included), so results are bit for bit those of a predicted call (`tests`). A predicted
-call completes before it returns (its agreement is in its data): the ``_async`` forms of a
-predicted allreduce return a completed handle.
+(slots included; the same ring), so results are bit for bit those of a predicted call (`tests`).
+A predicted call completes before it returns (its agreement is in its data): the ``_async``
+forms of a predicted allreduce return a completed handle; so does an agreed coded ring (one at a
+time per communicator).
 
 Example (two ranks; from the second pass on each call is predicted and needs no exchange)::
 
@@ -45,6 +53,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm import Communicator, Work
+from fleetlike.comm.coded import accept_all
 from fleetlike.horovod.negotiate import (
     ACTIVE,
     DTYPES,
@@ -58,8 +67,8 @@ from fleetlike.horovod.negotiate import (
 )
 from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
 
-__all__ = ["JOINED_CODE", "OTHER", "REAL", "Pending", "Plan", "Round", "SlotBuffer", "Speculator", "read_slots",
-           "slotted"]
+__all__ = ["JOINED_CODE", "OTHER", "REAL", "RING", "SLOTS", "Pending", "Plan", "Round", "SlotBuffer", "Speculator",
+           "carrier", "hit", "read_slots", "slotted"]
 
 #: slot codes: this rank's call is not the prediction / it is inside hvd.join() / it is
 OTHER, JOINED_CODE, REAL = 0, 1, 2
@@ -67,6 +76,10 @@ OTHER, JOINED_CODE, REAL = 0, 1, 2
 #: agree first: the exchange (~0.4 ms) is small beside their data, while copying them into a
 #: slotted buffer and back costs more than it saves (measured, docs/BENCHMARKS.md)
 SLOT_MAX_BYTES = 2 << 20
+#: how a predictable allreduce carries its agreement: slots after the data in a buffer of its own
+#: (up to `SLOT_MAX_BYTES`), or the codes of a coded ring beside the caller's own data
+#: (`fleetlike.comm.coded`: larger ones, on a communicator with point-to-point messages)
+SLOTS, RING = "slots", "ring"
 #: pooled slotted buffers per (dtype, count, device) at most (reuse skips page faults)
 _POOL_PER_KEY = 2
 #: predictions kept at most (a new name per step would grow them without end); cleared past it,
@@ -74,38 +87,56 @@ _POOL_PER_KEY = 2
 _MAX_PREDICTIONS = 4096
 
 
-def slotted(row: Sequence[int]) -> bool:
-    """Whether the collective of ``row`` is an allreduce that travels with slots (and so may be
-    predicted): single or grouped, any op but Adasum, not a bool tensor nor an integer Average,
-    up to `SLOT_MAX_BYTES` of data."""
+def carrier(row: Sequence[int], ring: bool) -> str | None:
+    """How the allreduce of ``row`` carries its agreement (and so may be predicted): `SLOTS` up
+    to `SLOT_MAX_BYTES` of data, beyond that `RING` when ``ring`` (the communicator has
+    point-to-point messages), else None (it agrees first). Only single or grouped allreduces of
+    any op but Adasum, not of a bool tensor nor an integer Average, have one."""
     if row[1] not in (Kind.ALLREDUCE, Kind.GROUPED_ALLREDUCE) or not 0 <= row[3] < len(DTYPES):
-        return False
+        return None
     op, dtype = OPS[row[2]], DTYPES[row[3]]
     if op is ReduceOp.ADASUM or dtype is torch.bool:
-        return False
-    if allreduce_count(row) * dtype.itemsize > SLOT_MAX_BYTES:
-        return False
-    return dtype.is_floating_point or op is not ReduceOp.AVERAGE
+        return None
+    if not dtype.is_floating_point and op is ReduceOp.AVERAGE:
+        return None
+    if allreduce_count(row) * dtype.itemsize <= SLOT_MAX_BYTES:
+        return SLOTS
+    return RING if ring else None
+
+
+def slotted(row: Sequence[int]) -> bool:
+    """Whether the collective of ``row`` is an allreduce that travels with slots."""
+    return carrier(row, False) == SLOTS
+
+
+def hit(codes: Sequence[int]) -> bool:
+    """Whether a predicted allreduce's codes confirm it: no rank called something else, and at
+    least one called it (the others, if any, are inside ``hvd.join()``)."""
+    return OTHER not in codes and REAL in codes
 
 
 class Plan:
     """A descriptor row and what the agreement derives from it, computed once: its `signature`,
-    whether it is `slotted`, and then its op, dtype and element count. A repeated call reuses
-    its plan (`Speculator.plan`), so a predicted call compares two signatures and nothing else."""
+    its `carrier` (and so whether it is `slotted`), and then its op, dtype and element count. A
+    repeated call reuses its plan (`Speculator.plan`), so a predicted call compares two
+    signatures and nothing else. ``ring``: the communicator runs coded rings."""
 
-    __slots__ = ("row", "sig", "slotted", "op", "dtype", "count")
+    __slots__ = ("row", "sig", "carrier", "slotted", "op", "dtype", "count")
 
-    def __init__(self, row: list[int]) -> None:
+    def __init__(self, row: list[int], ring: bool = False) -> None:
         self.row = row
         self.sig = signature(row)
-        self.slotted = slotted(row)
-        self.op = OPS[row[2]] if self.slotted else None
-        self.dtype = DTYPES[row[3]] if self.slotted else None
-        self.count = allreduce_count(row) if self.slotted else 0
+        self.carrier = carrier(row, ring)
+        self.slotted = self.carrier == SLOTS
+        known = self.carrier is not None
+        self.op = OPS[row[2]] if known else None
+        self.dtype = DTYPES[row[3]] if known else None
+        self.count = allreduce_count(row) if known else 0
 
 
 class SlotBuffer:
-    """A pooled buffer of ``numel`` data elements + one slot per rank, with both views made once."""
+    """A buffer of ``numel`` data elements + one slot per rank, with both views made once (a
+    `RING` plan's buffer has no slots: ``slots`` is empty, the codes travel beside the data)."""
 
     __slots__ = ("buf", "data", "slots", "numel")
 
@@ -136,7 +167,8 @@ class Round:
 
 @dataclasses.dataclass
 class Pending:
-    """An agreement under way (`Speculator.begin`): ``work`` completes it (poll it)."""
+    """An agreement under way (`Speculator.begin`): ``work`` completes it (poll it; a coded
+    ring's ``wait()`` returns the codes, a slotted allreduce's the buffer)."""
 
     work: Work
     plan: Plan
@@ -157,6 +189,8 @@ class Speculator:
     def __init__(self, comm: Communicator, device: torch.device | None) -> None:
         self.comm = comm
         self.device = device or torch.device("cpu")
+        #: large predictable allreduces run as coded rings (`fleetlike.comm.coded`)
+        self.ring = comm.has_p2p and comm.size > 1
         self._last: tuple[int, ...] | None = None
         self._next: dict[tuple[int, ...] | None, Plan | None] = {}
         #: the slotted plan predicted next (None: the next agreement exchanges)
@@ -179,28 +213,39 @@ class Speculator:
         if got is None:
             if len(self._plans) >= _MAX_PREDICTIONS:
                 self._plans.clear()
-            got = self._plans[key] = Plan(make())
+            got = self._plans[key] = self.make_plan(make())
         return got
 
-    def take(self, dtype: torch.dtype, count: int, device: torch.device) -> SlotBuffer:
-        """A buffer of ``count`` elements + the slots (pooled: `give` it back when consumed)."""
-        free = self._pool.get((dtype, count, device))
+    def make_plan(self, row: list[int]) -> Plan:
+        """The `Plan` of ``row`` on this world (a coded ring for large allreduces where it can)."""
+        return Plan(row, self.ring)
+
+    def take(self, dtype: torch.dtype, count: int, device: torch.device, slots: bool = True) -> SlotBuffer:
+        """A buffer of ``count`` elements + the slots (none when not ``slots``; pooled: `give` it
+        back when consumed)."""
+        total = count + self.comm.size if slots else count
+        free = self._pool.get((dtype, total, device))
         if free:
             return free.pop()
-        return SlotBuffer(torch.empty(count + self.comm.size, dtype=dtype, device=device), count)
+        return SlotBuffer(torch.empty(total, dtype=dtype, device=device), count)
 
     def give(self, sb: SlotBuffer) -> None:
         """Return a buffer from `take` (its data no longer read)."""
-        key = (sb.buf.dtype, sb.numel, sb.buf.device)
+        key = (sb.buf.dtype, sb.buf.numel(), sb.buf.device)
         free = self._pool.setdefault(key, [])
         if len(free) < _POOL_PER_KEY:
             free.append(sb)
         if len(self._pool) > 64:  # many sizes: start again rather than hold them all
             self._pool = {key: free}
 
-    def start(self, sb: SlotBuffer, op: ReduceOp, code: int) -> Work:
-        """Fill the slots after the data (the identity, this rank's ``code`` in its own: one copy of
-        a row made once) and start the allreduce of the whole buffer."""
+    def start(self, sb: SlotBuffer, op: ReduceOp, code: int, ring: bool = False,
+              accept: Callable[[list[int]], bool] = accept_all) -> Work:
+        """Start the allreduce of ``sb`` carrying this rank's ``code``: as a coded ring when
+        ``ring`` (written only if ``accept(codes)``; ``wait()`` returns the codes), else with the
+        slots after the data filled (the identity, ``code`` in this rank's own: one copy of a row
+        made once)."""
+        if ring:
+            return self.comm.all_reduce_coded_async(sb.buf, COMM_OP[op], code, accept)
         key = (op, sb.buf.dtype, code)
         row = self._slot_rows.get(key)
         if row is None:
@@ -218,18 +263,19 @@ class Speculator:
 
     def begin(self, row: list[int] | Plan, real: SlotBuffer | None = None) -> Pending:
         """Start this rank's agreement on ``row`` (``real``: its slotted allreduce's data)."""
-        plan = row if isinstance(row, Plan) else Plan(row)
+        plan = row if isinstance(row, Plan) else self.make_plan(row)
         pred = self._pred if self.enabled else None
         if pred is None:
             return self._begin_exchange(plan, real)
         state = plan.row[0]
+        ring = pred.carrier == RING
         if real is not None and state == ACTIVE and plan.sig == pred.sig:
             buf, code = real, REAL
         else:
-            buf = self.take(pred.dtype, pred.count, self.device)
+            buf = self.take(pred.dtype, pred.count, self.device, slots=not ring)
             buf.data.fill_(identity_value(pred.op, pred.dtype))
             code = JOINED_CODE if state == JOINED else OTHER
-        return Pending(self.start(buf, pred.op, code), plan, real, pred, buf)
+        return Pending(self.start(buf, pred.op, code, ring, hit), plan, real, pred, buf)
 
     def finish(self, pending: Pending) -> Round | Pending:
         """Wait for ``pending``: its `Round`, or after a missed prediction the exchange that
@@ -239,15 +285,15 @@ class Speculator:
             assert pending.table is not None
             ag = finish_exchange(pending.work, pending.table, self.comm.size)
             active = ag.active
-            self._learn(Plan(ag.rows[active[0]]) if active else None)
+            self._learn(self.make_plan(ag.rows[active[0]]) if active else None)
             return Round(ag, [r[0] for r in ag.rows])
-        pending.work.wait()
+        got = pending.work.wait()
         buf = pending.buf
         assert buf is not None
-        codes = read_slots(buf.slots, pred.op, self.comm.size)
+        codes = got if pred.carrier == RING else read_slots(buf.slots, pred.op, self.comm.size)
         if buf is not pending.real:
             self.give(buf)  # an identity buffer, done with
-        if OTHER not in codes and REAL in codes:
+        if hit(codes):
             self.hits += 1
             self._learn(pred)
             joined = pending.plan.row[0] == JOINED
@@ -278,4 +324,4 @@ class Speculator:
         self._next[self._last] = plan
         self._last = plan.sig if plan is not None else (Kind.JOIN,)
         nxt = self._next.get(self._last)
-        self._pred = nxt if nxt is not None and nxt.slotted else None
+        self._pred = nxt if nxt is not None and nxt.carrier is not None else None
