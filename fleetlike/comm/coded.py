@@ -21,7 +21,10 @@ Every rank must pass the same element count, dtype and op (the codes are how a c
 that the *calls* differ; the messages themselves must match). The handle makes progress when
 polled (`CodedAllReduce.is_completed`, non-blocking) as well as when waited, so a rank can keep
 answering other collectives while one of these is in flight (``hvd.join``). One at a time per
-communicator (the messages use fixed tags).
+communicator. Each message is waited whole: a gloo point-to-point handle waited with a timeout
+is failed by it, so the sliced waits that let an elastic world's ``interrupt`` fail a blocked
+collective within 0.25 s (`guard.wait_work`) do not apply; a ring on such a communicator ends
+at the timeout (the Horovod face does not use rings there).
 
 Example (two ranks; rank 1 refuses):
     >>> work = comm.all_reduce_coded_async(t, "sum", code=2 if rank == 0 else 0,
@@ -37,7 +40,6 @@ from typing import Any, Protocol
 
 import torch
 
-from fleetlike.comm import guard as _guard
 from fleetlike.comm.errors import CommError
 from fleetlike.comm.handles import Work
 from fleetlike.comm.ops import ReduceOp
@@ -67,7 +69,6 @@ class P2P(Protocol):
 
     rank: int
     size: int
-    interrupt: threading.Event | None
 
     def _send_start(self, buf: torch.Tensor, dst: int, tag: int) -> Work: ...
 
@@ -177,7 +178,7 @@ class CodedAllReduce(Work):
 
         def wait(works: list[Any]) -> None:
             for w in works:
-                _guard.wait_work(w, comm)  # once: a gloo message's wait consumes it
+                w.wait()  # once, and whole: a gloo message's wait consumes it (see the module doc)
 
         widest = max(bounds[c + 1] - bounds[c] for c in range(n))
         # two receive buffers: one is passed on while the next chunk lands in the other
@@ -212,7 +213,7 @@ class CodedAllReduce(Work):
             arriving = post_recvs(c_next, held[nxt], bounds[c_next], 2, s + 1)
             sent = []
             for k, (a, b) in enumerate(pieces(c_in)):  # each piece passed on as soon as it is added
-                _guard.wait_work(got[k], comm)
+                got[k].wait()
                 part = held[cur][a - base : b - base]
                 _combine(part, buf[a:b], op)
                 sent.append(comm._send_start(part, right, _tag(2, s + 1, k)))
@@ -228,14 +229,14 @@ class CodedAllReduce(Work):
         arriving = post_recvs(r, buf, 0, 3, 0)
         sent = []
         for k, (a, b) in enumerate(pieces(mine)):
-            _guard.wait_work(got[k], comm)
+            got[k].wait()
             _combine(buf[a:b], last[a - base : b - base], op)
             sent.append(comm._send_start(buf[a:b], right, _tag(3, 0, k)))
         for s in range(1, n - 1):  # forward each piece of the chunk that arrived, as it arrives
             c_prev = (r - s + 1) % n
             got, arriving = arriving, post_recvs((r - s) % n, buf, 0, 3, s)
             for k, (a, b) in enumerate(pieces(c_prev)):
-                _guard.wait_work(got[k], comm)
+                got[k].wait()
                 sent.append(comm._send_start(buf[a:b], right, _tag(3, s, k)))
         wait(arriving + sent)
         finish(buf)

@@ -189,8 +189,10 @@ class Speculator:
     def __init__(self, comm: Communicator, device: torch.device | None) -> None:
         self.comm = comm
         self.device = device or torch.device("cpu")
-        #: large predictable allreduces run as coded rings (`fleetlike.comm.coded`)
-        self.ring = comm.has_p2p and comm.size > 1
+        #: large predictable allreduces run as coded rings (`fleetlike.comm.coded`); not on an
+        #: elastic world, whose interrupt must fail a blocked collective at once (a ring's
+        #: messages are waited whole)
+        self.ring = comm.has_p2p and comm.size > 1 and comm.interrupt is None
         self._last: tuple[int, ...] | None = None
         self._next: dict[tuple[int, ...] | None, Plan | None] = {}
         #: the slotted plan predicted next (None: the next agreement exchanges)
