@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import mmap
 import warnings
 
 import numpy as np
@@ -34,6 +35,7 @@ from fleetlike.plan.memory import storage_key
 from fleetlike.plan.planner import annotate
 from fleetlike.plan.probe import fit
 from fleetlike.plan.spec import OptimizerKind
+from fleetlike.plan.trace import first_touch_seconds
 from fleetlike.program import StepState
 from fleetlike.testing import run_ranks
 
@@ -279,6 +281,32 @@ def test_trace_costs_and_annotates_hierarchical_segments():
     listing = str(annotate(t.program, t, links))
     assert "predicted=" in listing and "c_hierarchical_allreduce_avg" in listing
     assert np.isfinite(cost.inter_bytes) and cost.inter_bytes > 0
+
+
+def test_trace_prices_the_first_touch_of_gradients_freed_every_step():
+    """Local SGD has no gradient buckets: its clear_grad frees every gradient and each backward
+    allocates them again, which a rank's own process pays in page faults (the planner's process
+    reuses resident free memory, so its op times miss it: issue 21's localsgd row on the 50 MB
+    MLP, 19-29% low). Data parallel's gradients are bucket views that stay: nothing to add."""
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    nbytes = sum(p.numel() * p.element_size() for p in build(1)[0].parameters())
+    pages = -(-nbytes // mmap.PAGESIZE)
+    page_s = first_touch_seconds()
+    assert 0 < page_s < 1e-3
+    ls = trace(_spec(), cands["localsgd"].strategy(), CLUSTER, repeats=1)
+    assert [s.fresh_bytes for s in ls.steps] == [nbytes] * ls.period
+    # what this process faulted itself is already in the op times: only the rest is added
+    assert all(0.0 <= s.refault <= pages * page_s + 1e-12 for s in ls.steps)
+    dp = trace(_spec(), cands["dp"].strategy(), CLUSTER, repeats=1)
+    assert [(s.fresh_bytes, s.refault) for s in dp.steps] == [(0, 0.0)]
+    # priced as compute, scaled with the op times
+    links = dataclasses.replace(Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=CLUSTER),
+                                compute_scale=2.0)
+    none = dataclasses.replace(ls, steps=[dataclasses.replace(s, refault=0.0) for s in ls.steps])
+    full = dataclasses.replace(ls, steps=[dataclasses.replace(s, refault=pages * page_s) for s in ls.steps])
+    added = step_time(full, links).compute - step_time(none, links).compute
+    assert added == pytest.approx(2.0 * pages * page_s)
+    assert step_time(full, links).seconds - step_time(none, links).seconds == pytest.approx(added)
 
 
 def _gather_events(g, ranks=(0, 1, 2, 3)):

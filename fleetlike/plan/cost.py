@@ -29,7 +29,9 @@ schedule). One segment degenerates to the plain sum.
 (the measured time its last gradient arrived in backward) and the previous bucket is done. The
 step is: the ops' compute (scaled by ``compute_scale``, the slowdown the probe measured when
 all ranks compute at once) + the end of backward or of the last bucket, whichever is later +
-the blocking collectives of the other ops (AMP's finite flag, local SGD's average). Sharding's
+the blocking collectives of the other ops (AMP's finite flag, local SGD's average). The ops'
+compute includes `StepTrace.refault`, the first touch of gradients a program without buckets
+allocates afresh every step (`fleetlike.plan.trace`), scaled like the rest. Sharding's
 update and parameter gather are priced together (`gather_cost`): issue 18's interleaved update
 steps each owner's chunk just before broadcasting it, so the gather hides behind the update.
 A period of k steps (gradient merge, local SGD) is averaged.
@@ -293,7 +295,7 @@ def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int
         gathered = [e for op, es in s.blocking if op == s.gather.op for e in es]
         gather, gather_net = gather_cost(s.gather, gathered, cluster, links)
         times.pop(s.gather.op, None)
-    compute = sum(times.values()) * scale
+    compute = (sum(times.values()) + s.refault) * scale
     backward = s.times.get("backward", 0.0) * scale
     free = 0.0
     comm = 0.0
