@@ -14,8 +14,9 @@ tbf-limited veth (`bench.netns`), 2 ranks in each (4 gloo ranks, one torch threa
    of the strategies rotated (and reversed every other round) so drifting load falls on all;
    each figure is the median of its rounds;
 3. predict: this process plans the same models and strategies (`fleetlike.plan.plan`, compute
-   timed here with one torch thread, scaled by the job's all-ranks forward/backward time over
-   the same work timed here alone just before) with the probe's link figures.
+   timed here with one torch thread, each trace's compute scaled by the job's all-ranks
+   forward/backward time over the same work timed here alongside that trace:
+   ``ModelSpec.compute_seconds``) with the probe's link figures.
 
 Printed side by side with the error of each, Kendall's tau of the two rankings, the median
 absolute error, and whether the recommended strategy (every strategy allowed) is the measured
@@ -55,23 +56,10 @@ def _role(rank: int, eps: list[str]) -> Any:
 
 def _model_run(build: Any, batch: int) -> Any:
     """One run of the model's own forward + loss + backward (returns its seconds): the work
-    whose time under all ranks at once the planner's compute is scaled to."""
-    net, loss_fn, feed = build(batch)
+    whose time under all ranks at once is ``ModelSpec.compute_seconds`` (`model_work`)."""
+    from fleetlike.plan.spec import ModelSpec, model_work
 
-    def work() -> float:
-        t0 = time.perf_counter()
-        loss_fn(net, feed).backward()
-        net.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    return work
-
-
-def _alone_here(build: Any, batch: int) -> float:
-    """The model's forward/backward in this process, alone (median of 8 after one), with the
-    torch threads the planner times with: the denominator of the compute scale."""
-    work = _model_run(build, batch)
-    return statistics.median([work() for _ in range(9)][1:])
+    return model_work(ModelSpec(build, batch))
 
 
 def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,
@@ -168,11 +156,9 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 def predict(links_path: str, models: list[str], strategies: list[str],
             together: dict[str, float] | None = None) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """Plan ``models`` with the probe's link figures. ``together[m]``, where given, is model
-    ``m``'s forward/backward seconds on every rank at once in its measurement job: the compute
-    scale is that over the same work timed here, alone, just before ``m`` is traced (the
-    planner's compute is timed here, so the ratio's two ends are this process and the job)."""
-    import dataclasses
-
+    ``m``'s forward/backward seconds on every rank at once in its measurement job: its
+    ``ModelSpec.compute_seconds``, so each trace scales its compute by that over the same work
+    timed alongside it here. Returns the results, the links and each model's median scale."""
     import torch
 
     from bench import plan_models
@@ -185,13 +171,13 @@ def predict(links_path: str, models: list[str], strategies: list[str],
     scales: dict[str, float] = {}
     for m in models:
         build = getattr(plan_models, m)
-        spec = ModelSpec(build, MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m)
-        mine = links
-        if together and m in together:
-            scales[m] = max(1.0, together[m] / _alone_here(build, MODELS[m]))
-            mine = dataclasses.replace(links, compute_scale=scales[m])
-        res = plan(spec, Cluster(2, PER_NODE), mine, allow=set(MathChange), only=strategies)
+        spec = ModelSpec(build, MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m,
+                         compute_seconds=(together or {}).get(m))
+        res = plan(spec, Cluster(2, PER_NODE), links, allow=set(MathChange), only=strategies)
         out[m] = res
+        traced = [r.trace.compute_scale for r in res.rows if r.trace.compute_scale is not None]
+        if traced:
+            scales[m] = statistics.median(traced)
     return out, links, scales
 
 
@@ -301,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             preds, links, slowdown = predict(lp, models, strategies, together)
             for m, x in slowdown.items():
                 compute_json[rate][m]["compute_scale"] = x
-                print(f"    {m}: compute x{x:.2f} (forward/backward on all ranks in its job / alone here; "
-                      f"in-job rank 0 alone: x{compute_json[rate][m]['compute_slowdown']:.2f})", flush=True)
+                print(f"    {m}: compute x{x:.2f} (median over its traces: forward/backward on all ranks in its "
+                      f"job / alongside each trace here; in-job rank 0 alone: "
+                      f"x{compute_json[rate][m]['compute_slowdown']:.2f})", flush=True)
             links_json[rate] = {**links.to_json(), "compute_per_model": compute_json.get(rate, {})}
             for m in models:
                 res = preds[m]
@@ -312,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s, p, x in zip(strategies, pr, me):
                     rows.append({"rate": rate, "model": m, "strategy": s, "predicted_s": p, "measured_s": x,
                                  "error": p / x - 1, "rounds": measured[m][s],
-                                 "compute_scale": slowdown[m], "compute_s": by[s].cost.compute, "exposed_comm_s": by[s].cost.exposed_comm,
+                                 "compute_scale": by[s].trace.compute_scale, "compute_s": by[s].cost.compute, "exposed_comm_s": by[s].cost.exposed_comm,
                                  "inter_bytes": by[s].cost.inter_bytes, "peak_bytes": by[s].memory.peak})
                 best = strategies[me.index(min(me))]
                 rec = res.recommended.name if res.recommended else None

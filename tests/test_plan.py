@@ -8,7 +8,10 @@ is what ranks hold, its inputs fail clearly.
   live tensor found by ``gc`` after the forward plus what autograd saved, or after backward);
 - bad ``--allow``, ``--model``, ``--cluster`` and ``--links`` get errors naming the fix;
 - the cost model's pieces: the probe's fit recovers alpha and beta, a pipelined bucket costs
-  between its busiest kind and the plain sum, ``annotate`` prints a time per collective.
+  between its busiest kind and the plain sum, ``annotate`` prints a time per collective, a
+  16-bit reduction (same dtype as the real ranks put on the wire) reads its own probed ladder;
+- the probe itself on four real ranks of two loopback nodes: every group kind, op and 16-bit
+  reduction gets a ladder, and rank 0 alone returns the figures.
 """
 
 from __future__ import annotations
@@ -128,10 +131,14 @@ def _issued(role, plan: dict) -> dict:
             Executor().run(fleet.startup_program)
             for _ in range(warm):
                 fleet.main_program.run(feed)
+            dtypes: dict[str, int] = {}
             for c in _comms(groups):
                 c.stats.reset()
+                c._record = _counting_dtypes(c, dtypes)
             for _ in range(period):
                 fleet.main_program.run(feed)
+            for c in _comms(groups):
+                del c._record
             stats: dict[str, list[int]] = {}
             for c in _comms(groups):
                 snap = c.stats.snapshot()
@@ -140,7 +147,27 @@ def _issued(role, plan: dict) -> dict:
                     s[0] += calls
                     s[1] += snap["bytes"][op]
             peak = _measure_step(fleet.main_program, feed, base, model) if name in MEMORY_NAMES else None
-            out[name] = {"stats": stats, "peak": peak}
+            out[name] = {"stats": stats, "peak": peak, "dtypes": dtypes}
+    return out
+
+
+def _counting_dtypes(comm, into: dict[str, int]):
+    """``comm._record`` that also counts each call's wire dtype (``op@comm:dtype``)."""
+    record = comm._record
+
+    def counted(op: str, nbytes: int, dtype=None) -> None:
+        key = f"{op}@{comm.name}:{str(dtype).replace('torch.', '')}"
+        into[key] = into.get(key, 0) + 1
+        record(op, nbytes, dtype)
+
+    return counted
+
+
+def _per_dtype(events) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in events:
+        key = f"{e.op}@{e.comm}:{e.dtype}"
+        out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -160,6 +187,8 @@ def test_collective_lists_and_memory_match_real_ranks():
         got = ranks[0][name]["stats"]
         got = {k: v for k, v in got.items() if v[0]}
         assert got == expected, (name, got, expected)
+        # and in the dtypes they carry (a 16-bit reduction is priced from its own ladder)
+        assert ranks[0][name]["dtypes"] == _per_dtype(t.events()), name
         by_op: dict[str, list[int]] = {}
         for k, (calls, nbytes) in expected.items():
             s = by_op.setdefault(k.split("@")[0], [0, 0])
@@ -172,6 +201,7 @@ def test_collective_lists_and_memory_match_real_ranks():
                 s[0] += calls
                 s[1] += nbytes
             assert {k: v for k, v in theirs.items() if v[0]} == by_op, name
+    assert any(k.endswith(":float16") for k in ranks[0]["fp16"]["dtypes"])
     # the communication choices really differ on the wire (recompute and AMP do not change it)
     assert len({json.dumps(_per_comm(t.events()), sort_keys=True) for t in traces.values()}) >= 7
     for name in MEMORY_NAMES:
@@ -263,6 +293,55 @@ def test_pipelined_bucket_cost_between_busiest_kind_and_plain_sum(segs, intra, i
     assert max(2 * segs * intra, segs * inter) - 1e-12 <= c <= total + 1e-12
     if segs == 1:
         assert c == pytest.approx(total)
+
+
+
+@given(segs=st.integers(1, 12), intra=st.floats(1e-4, 1e-2), inter=st.floats(1e-4, 1e-2),
+       work=st.lists(st.floats(0.0, 1e-2), min_size=37, max_size=37), scale=st.floats(1.0, 3.0))
+def test_bucket_work_runs_between_its_calls_on_one_thread(segs, intra, inter, work, scale):
+    links = Links({"intra": {"reduce_scatter": (intra, 0.0), "all_gather": (intra, 0.0)},
+                   "inter": {"all_reduce": (inter, 0.0)}, "world": {"all_reduce": (inter, 0.0)}})
+    # a compressed bucket: the guard's max, the cast, the 16-bit sum, the division: all in a row
+    flat = [Event("all_reduce", 8, "world", (0, 1, 2, 3), (), dtype="float64"),
+            Event("all_reduce", 1 << 20, "world", (0, 1, 2, 3), (), dtype="float16")]
+    w = tuple(work[:3])
+    assert _bucket_cost(flat, CLUSTER, links, w, scale) == pytest.approx(2 * inter + sum(w) * scale)
+    # a two-level bucket: each segment's work waits for its input, overlapping the other segments'
+    ev = []
+    for _ in range(segs):
+        ev += [Event("reduce_scatter", 8, "intra", (0, 1), ()), Event("all_reduce", 8, "inter", (0, 2), ()),
+               Event("all_gather", 8, "intra", (0, 1), ())]
+    w = tuple(work[: len(ev) + 1])
+    bare = _bucket_cost(ev, CLUSTER, links)
+    c = _bucket_cost(ev, CLUSTER, links, w, scale)
+    assert max(bare, sum(w) * scale) - 1e-12 <= c <= bare + sum(w) * scale + 1e-12
+    if segs == 1:  # one segment: nothing to overlap
+        assert c == pytest.approx(bare + sum(w) * scale)
+
+
+def test_trace_records_each_buckets_work_on_a_clock_without_page_faults():
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    t = trace(_spec(), cands["fp16"].strategy(), CLUSTER, repeats=1)
+    for b in t.steps[0].buckets:  # before each call and after the last: the scan, cast, division
+        assert len(b.work) == len(b.events) + 1 and all(w >= 0 for w in b.work) and sum(b.work) > 0
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=CLUSTER)
+    with_work = step_time(t, links)
+    for s in t.steps:
+        for b in s.buckets:
+            b.work = ()
+    assert with_work.comm > step_time(t, links).comm
+    # the fabric's clock leaves out this process's page faults at the given cost per page
+    from fleetlike.plan.dry import DryFabric
+
+    fabric = DryFabric(1)
+    fabric.fault_seconds = 1.0  # a second per fault: any fault shows
+    m = mmap.mmap(-1, 64 * mmap.PAGESIZE)
+    try:
+        t0 = fabric.now()
+        torch.frombuffer(m, dtype=torch.uint8).fill_(1)  # 64 fresh pages faulted in
+        assert fabric.now() - t0 < -60
+    finally:
+        m.close()
 
 
 def test_trace_costs_and_annotates_hierarchical_segments():
@@ -409,3 +488,83 @@ def test_ladder_cost_reads_the_probed_sizes(pts, size):
     links = Links({"world": {"all_reduce": (0.5, 0.0)}}, raw={"world": {"all_reduce": pts}})
     assert links.cost("world", "all_reduce", xs[0]) == pytest.approx(mono[0])
     assert Links({"world": {"all_reduce": (0.5, 0.0)}}).cost("world", "all_reduce", xs[0]) == 0.5
+
+
+def test_16bit_reductions_read_their_own_ladder():
+    ladder = [(1 << 10, 1e-3), (1 << 20, 1e-2)]
+    slow = [(x, 2 * y) for x, y in ladder]
+    raw = {"world": {"all_reduce": ladder, "all_reduce:float16": slow, "broadcast": ladder,
+                     "reduce_scatter": ladder}}
+    links = Links({"world": {k: (0.0, 1e-8) for k in raw["world"]}}, raw=raw)
+    size = 1 << 19
+    base = links.cost("world", "all_reduce", size)
+    assert links.cost("world", "all_reduce", size, dtype="float16") == pytest.approx(2 * base)
+    # bfloat16 not probed: float32's; a broadcast sums nothing: its own ladder, whatever the dtype
+    assert links.cost("world", "all_reduce", size, dtype="bfloat16") == pytest.approx(base)
+    assert links.cost("world", "broadcast", size, dtype="float16") == pytest.approx(base)
+    # a reduction without its own 16-bit ladder: its float32 one (not the allreduce's)
+    assert links.cost("world", "reduce_scatter", size, dtype="float16") == pytest.approx(base)
+    # the traced fp16 strategy carries float16 on the wire, and its step pays the slower sum
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    t = trace(_spec(), cands["fp16"].strategy(), CLUSTER, repeats=1)
+    buckets = [e for s in t.steps for b in s.buckets for e in b.events]
+    assert {(e.op, e.dtype) for e in buckets} == {("all_reduce", "float16"), ("all_reduce", "float64")}
+    assert all(e.nbytes == 8 for e in buckets if e.dtype == "float64")  # the overflow guard's max
+    world = {k: v for k, v in raw["world"].items()}
+    flat = Links({"world": {k: (0.0, 1e-8) for k in world}}, raw={"world": {**world, "all_reduce:float16": ladder}})
+    assert sum(event_cost(e, CLUSTER, links) for e in buckets) > sum(event_cost(e, CLUSTER, flat) for e in buckets)
+
+
+def _probe(role):
+    from fleetlike.comm import CommGroups
+    from fleetlike.plan.probe import probe_worker
+    from fleetlike.testing import make_world
+
+    torch.set_num_threads(1)
+    world = make_world(role)
+    try:
+        links = probe_worker(CommGroups(world, role), sizes=(4 << 10, 64 << 10), reps=2)
+        return None if links is None else links.to_json()
+    finally:
+        world.close()
+
+
+@pytest.mark.timeout(120)
+def test_probe_measures_every_kind_op_and_16bit_reduction_on_real_ranks():
+    got = run_ranks(_probe, 4, nodes=2, timeout=110)
+    assert got[1:] == [None, None, None]  # rank 0 writes the figures
+    links = Links.from_json(got[0])
+    for kind in ("intra", "inter", "world"):
+        names = set(links.raw[kind])
+        want = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+        want |= {f"{op}:{dt}" for op in ("all_reduce", "reduce_scatter") for dt in ("float16", "bfloat16")}
+        assert want <= names, (kind, want - names)
+        for name in want:
+            sizes = [x for x, _ in links.raw[kind][name]]
+            assert sizes == [4 << 10, 64 << 10] and all(y > 0 for _, y in links.raw[kind][name])
+        # a float16 reduction is priced from its own ladder
+        assert links.cost(kind, "all_reduce", 64 << 10, dtype="float16") == pytest.approx(
+            max(y for _, y in links.raw[kind]["all_reduce:float16"]))
+    assert {f"broadcast@{r}" for r in range(4)} <= set(links.raw["world"])
+    assert links.compute_scale >= 1.0 and links.raw["kernel_seconds_alone"] > 0
+
+
+def test_compute_seconds_scales_each_trace_by_its_own_reference():
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    spec = dataclasses.replace(_spec(), compute_seconds=0.5)
+    t = trace(spec, cands["dp"].strategy(), CLUSTER, repeats=3)
+    assert t.compute_scale is not None and t.compute_scale > 0
+    # the reference is the model's own loss and backward, timed here: about the traced ones
+    reference = 0.5 / t.compute_scale
+    traced = t.steps[0].times["forward"] + t.steps[0].times["backward"]
+    assert 0.3 * traced < reference < 3 * traced, (reference, traced)
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=CLUSTER)
+    cost = step_time(t, links)
+    # the trace's own scale wins over the links' and multiplies the compute
+    assert step_time(t, dataclasses.replace(links, compute_scale=100.0)).compute == pytest.approx(cost.compute)
+    doubled = step_time(dataclasses.replace(t, compute_scale=2 * t.compute_scale), links)
+    assert doubled.compute == pytest.approx(2 * cost.compute)
+    assert trace(_spec(), cands["dp"].strategy(), CLUSTER, repeats=1).compute_scale is None
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="compute_seconds"):
+            dataclasses.replace(_spec(), compute_seconds=bad)

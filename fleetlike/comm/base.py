@@ -266,7 +266,9 @@ class Communicator(abc.ABC):
         """True when this group of one short-cuts the backend (see `calls_backend_at_size_one`)."""
         return self.size == 1 and not self.calls_backend_at_size_one
 
-    def _record(self, op: str, nbytes: int) -> None:
+    def _record(self, op: str, nbytes: int, dtype: torch.dtype | None = None) -> None:
+        """Count one call in ``stats``. ``dtype`` (the wire's) is for subclasses that log calls
+        (`fleetlike.plan.dry`): a reduction's cost on a CPU backend depends on it."""
         self.stats.record(op, nbytes, ring_send_bytes(op, nbytes, self.size))
 
     # ----------------------------------------------------------------- public grid
@@ -308,7 +310,7 @@ class Communicator(abc.ABC):
             buf = out.copy_(tensor)
         else:
             buf = tensor.clone(memory_format=torch.contiguous_format)
-        self._record("all_reduce", buf.nbytes)
+        self._record("all_reduce", buf.nbytes, buf.dtype)
         solo = self._solo()
         if solo and buf is target:
             return target if blocking else CompletedWork(target)
@@ -358,7 +360,7 @@ class Communicator(abc.ABC):
                 out.copy_(tensor)
         else:
             buf = target.contiguous() if out is None else tensor.contiguous().clone()
-        self._record("broadcast", buf.nbytes)
+        self._record("broadcast", buf.nbytes, buf.dtype)
         start = self._broadcast_now if blocking else self._broadcast_start
         inner = CompletedWork(buf) if self._solo() else self._issue("broadcast", buf, start, (buf, root), None, root, agreed)
         if buf is target:
@@ -401,7 +403,7 @@ class Communicator(abc.ABC):
         avg_here = red is ReduceOp.AVG and not self.native_avg
         # Work on a private buffer: backends may scribble on non-root inputs.
         buf = tensor.to(wire, memory_format=torch.contiguous_format, copy=True)
-        self._record("reduce", buf.nbytes)
+        self._record("reduce", buf.nbytes, buf.dtype)
         inner = (
             CompletedWork(buf)
             if self._solo()
@@ -461,7 +463,7 @@ class Communicator(abc.ABC):
                 )
         flat_out = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         chunk = tensor if tensor.is_contiguous() else tensor.contiguous()
-        self._record("all_gather", flat_out.nbytes)
+        self._record("all_gather", flat_out.nbytes, flat_out.dtype)
         if self._solo():
             if chunk.data_ptr() != flat_out.data_ptr():
                 flat_out.view(-1).copy_(chunk.view(-1))
@@ -559,7 +561,7 @@ class Communicator(abc.ABC):
         else:
             buf = tensor.reshape(-1).to(wire)
         res = out if wire == out.dtype and out.is_contiguous() else torch.empty(n, dtype=wire, device=out.device)
-        self._record("reduce_scatter", buf.nbytes)
+        self._record("reduce_scatter", buf.nbytes, buf.dtype)
         if self._solo():
             if res.data_ptr() != buf.data_ptr():
                 res.view(-1).copy_(buf)
@@ -622,7 +624,7 @@ class Communicator(abc.ABC):
                 raise CommError(f"all_reduce_coded on communicator {self.name!r}: another coded allreduce is still "
                                 "in flight on it; wait for it first (one at a time per communicator)")
             self._coded_busy = True
-        self._record("all_reduce", tensor.nbytes)
+        self._record("all_reduce", tensor.nbytes, tensor.dtype)
         seq = self._seq = next(self._seqs)
         size = self.size
 

@@ -17,18 +17,22 @@ from every root (``"broadcast@<root>"``).
 
 **Algorithms.** The trace gives each bucket's calls in issue order, so the algorithm is
 whatever the program did: one ring allreduce (flat); a max-allreduce and a 16-bit allreduce
-(compressed: half the bytes, the casts are in the measured backward); per 1 MiB segment on the
-intra and inter groups, the node-local reduce, the allreduce across nodes and the node-local
-gather (hierarchical: broadcasts inside a node of two ranks, else reduce-scatter and all-gather,
-`fleetlike.collectives.segments`). Calls on
+(compressed: half the bytes, priced from the 16-bit ladder where probed: gloo sums float16
+element by element); per 1 MiB segment on the intra and inter groups, the node-local reduce,
+the allreduce across nodes and the node-local gather (hierarchical: broadcasts inside a node of
+two ranks, else reduce-scatter and all-gather, `fleetlike.collectives.segments`). Calls on
 different group kinds overlap (their own communicators and threads, the segment pipeline), calls
 on one kind queue, and a segment's phase waits for its previous phase (`_bucket_cost`'s list
-schedule). One segment degenerates to the plain sum.
+schedule). One segment degenerates to the plain sum. The bucket's local work between its calls
+(`BucketTrace.work`: casts, the overflow guard's scan, the segments' sums, scaled like compute)
+runs on the bucket's worker thread in that schedule too: the compressed bucket's casts lie
+between its calls (on 1gbit they were ~60 ms of a ~600 ms MLP step, missing before).
 
 **Timeline.** Buckets queue on the network in index order; bucket i starts when it is ready
 (the measured time its last gradient arrived in backward) and the previous bucket is done. The
 step is: the ops' compute (scaled by ``compute_scale``, the slowdown the probe measured when
-all ranks compute at once) + the end of backward or of the last bucket, whichever is later +
+all ranks compute at once, or by the trace's own from the model's compute on the job,
+`Trace.compute_scale`) + the end of backward or of the last bucket, whichever is later +
 the blocking collectives of the other ops (AMP's finite flag, local SGD's average). The ops'
 compute includes `StepTrace.refault`, the first touch of gradients a program without buckets
 allocates afresh every step (`fleetlike.plan.trace`), scaled like the rest. Sharding's
@@ -55,10 +59,15 @@ from fleetlike.plan.dry import Event
 from fleetlike.plan.spec import Cluster
 from fleetlike.plan.trace import GatherTrace, StepTrace, Trace
 
-__all__ = ["KINDS", "OPS", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "ladder_cost", "step_time"]
+__all__ = ["KINDS", "OPS", "REDUCTIONS", "WIRE_DTYPES", "Links", "StepCost", "event_cost", "gather_cost", "group_kind", "ladder_cost", "step_time"]
 
 KINDS = ("intra", "inter", "world")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+#: ops that sum on the way: on a CPU backend their speed depends on the dtype
+REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
+#: 16-bit wire dtypes probed apart from float32 (gloo sums float16 element by element: an
+#: allreduce of the same bytes took ~2x float32's time on loopback, bfloat16's ~1.1x)
+WIRE_DTYPES = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass
@@ -72,15 +81,21 @@ class Links:
     source: str = ""
     raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def cost(self, kind: str, op: str, nbytes: int, root: int | None = None) -> float:
-        """Seconds of ``op`` on ``kind`` for ``nbytes``; a rooted op's own root's figures
-        (``"broadcast@2"``) where probed, else the op's, else the allreduce's. Probed figures
-        are read off the measured ladder (`ladder_cost`), others are ``alpha + beta * nbytes``."""
+    def cost(self, kind: str, op: str, nbytes: int, root: int | None = None, dtype: str = "float32") -> float:
+        """Seconds of ``op`` on ``kind`` for ``nbytes`` of ``dtype``; the first of these that
+        was probed: a rooted op's own root's figures (``"broadcast@2"``), a 16-bit reduction's
+        own (``"all_reduce:float16"``), the op's, the 16-bit allreduce's, the allreduce's.
+        Probed figures are read off the measured ladder (`ladder_cost`), others are ``alpha +
+        beta * nbytes``."""
         if kind not in self.fits:
             raise KeyError(f"the link figures have no {kind!r} entry (have {sorted(self.fits)}); "
                            "run --probe on a cluster of this shape")
         ops = self.fits[kind]
-        names = ([f"{op}@{root}"] if root is not None else []) + [op, "all_reduce"]
+        names = [f"{op}@{root}"] if root is not None else []
+        if dtype in WIRE_DTYPES and op in REDUCTIONS:
+            names += [f"{op}:{dtype}", op, f"all_reduce:{dtype}", "all_reduce"]
+        else:
+            names += [op, "all_reduce"]
         name = next(n for n in names if n in ops or n == "all_reduce")
         ladder = self.raw.get(kind, {}).get(name) if isinstance(self.raw.get(kind), dict) else None
         if ladder and len(ladder) >= 2:
@@ -173,31 +188,45 @@ def group_kind(ranks: tuple[int, ...], cluster: Cluster) -> str:
 def event_cost(e: Event, cluster: Cluster, links: Links) -> float:
     if e.size <= 1 or e.op == "barrier":
         return 0.0
-    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes, e.root)
+    return links.cost(group_kind(e.ranks, cluster), e.op, e.nbytes, e.root, e.dtype)
 
 
-def _bucket_cost(events: list[Event], cluster: Cluster, links: Links) -> float:
-    """A list schedule of the bucket's calls (see the module docstring).
+def _bucket_cost(events: list[Event], cluster: Cluster, links: Links, work: tuple[float, ...] = (),
+                 scale: float = 1.0) -> float:
+    """A list schedule of the bucket's calls and its local work (see the module docstring).
 
-    A call's *stage* is its (op, group kind) in order of first appearance, its *segment* how
+    A call's *stage* is its (op, group kind, dtype) in order of first appearance (a 16-bit
+    bucket's float64 maximum is a stage of its own, before the data's), its *segment* how
     many calls of that stage came before it. Calls of one group kind run one after another in
     issue order (one communicator, one thread); a call waits for the previous stage of its own
     segment (its input). Segments of a two-level chain thus overlap across kinds, one segment
-    degenerates to the plain sum, and calls of one kind only (flat, compressed) to their sum."""
-    stages: dict[tuple[str, str], int] = {}
-    seen: dict[tuple[str, str], int] = {}
+    degenerates to the plain sum, and calls of one kind only (flat, compressed) to their sum.
+
+    ``work`` (`BucketTrace.work`, times ``scale``) runs on the bucket's one worker thread, in
+    order: the work before a call starts once the call's input is there and the previous work
+    is done (a 16-bit bucket's cast waits for the agreed maximum, its division for the sum:
+    serial with its calls; a two-level segment's sum overlaps the other segments' calls), and
+    the work after the last call ends the bucket."""
+    stages: dict[tuple[str, str, str], int] = {}
+    seen: dict[tuple[str, str, str], int] = {}
     free: dict[str, float] = {}
     done: dict[tuple[int, int], float] = {}
+    cpu = 0.0  # when the worker thread is done with the work so far
     last = 0.0
-    for e in events:
+    for i, e in enumerate(events):
         kind = group_kind(e.ranks, cluster)
-        key = (e.op, kind)
+        key = (e.op, kind, e.dtype)
         j = stages.setdefault(key, len(stages))
         k = seen[key] = seen.get(key, -1) + 1
-        start = max(free.get(kind, 0.0), done.get((j - 1, k), 0.0))
+        ready = done.get((j - 1, k), 0.0)
+        if work:
+            cpu = max(cpu, ready) + work[i] * scale
+        start = max(free.get(kind, 0.0), ready, cpu)
         end = start + event_cost(e, cluster, links)
         free[kind] = done[(j, k)] = end
         last = max(last, end)
+    if work:
+        last = max(last, cpu) + work[-1] * scale
     return last
 
 
@@ -228,7 +257,8 @@ def _crossing(e: Event, cluster: Cluster) -> tuple[float, float]:
     return sent * (1 - nodes / e.size), sent * nodes / e.size
 
 
-def gather_cost(g: GatherTrace, events: list[Event], cluster: Cluster, links: Links) -> tuple[float, float]:
+def gather_cost(g: GatherTrace, events: list[Event], cluster: Cluster, links: Links,
+                scale: float | None = None) -> tuple[float, float]:
     """``(seconds, network seconds)`` of sharding's update + parameter gather, a list schedule
     of what `ParamGather.run` issues (``g``, the op's broadcasts ``events``).
 
@@ -239,8 +269,8 @@ def gather_cost(g: GatherTrace, events: list[Event], cluster: Cluster, links: Li
     bucket that would exceed the window every rank waits for the oldest bucket in flight. The
     phase ends when the last broadcast and every rank's work are done. Not interleaved, nobody
     steps here (the update ran whole before, in compute) and it is the sum of the broadcasts
-    plus the local work."""
-    scale = links.compute_scale
+    plus the local work. ``scale``: the compute slowdown (default ``links.compute_scale``)."""
+    scale = links.compute_scale if scale is None else scale
     own = [(k, nbytes) for owner, k, nbytes in _chunks(g) if owner == 0]
     own_bytes = sum(nbytes for _, nbytes in own)
     rate = sum(g.steps[k] for k, _ in own) / own_bytes if own_bytes else 0.0  # rank 0's seconds per byte
@@ -285,22 +315,22 @@ def _chunks(g: GatherTrace) -> list[tuple[int, int, int]]:
     return out
 
 
-def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int, float]) -> tuple[float, float, float, float]:
-    scale = links.compute_scale
+def _one_step(s: StepTrace, cluster: Cluster, links: Links, scale: float,
+              per_bucket: dict[int, float]) -> tuple[float, float, float, float]:
     times = dict(s.times)
     gather = 0.0
     gather_net = 0.0
     gathered: list[Event] = []
     if s.gather is not None:  # sharding's update and gather: one schedule (`gather_cost`)
         gathered = [e for op, es in s.blocking if op == s.gather.op for e in es]
-        gather, gather_net = gather_cost(s.gather, gathered, cluster, links)
+        gather, gather_net = gather_cost(s.gather, gathered, cluster, links, scale)
         times.pop(s.gather.op, None)
     compute = (sum(times.values()) + s.refault) * scale
     backward = s.times.get("backward", 0.0) * scale
     free = 0.0
     comm = 0.0
     for b in s.buckets:
-        c = _bucket_cost(b.events, cluster, links)
+        c = _bucket_cost(b.events, cluster, links, b.work, scale)
         per_bucket[b.index] = c
         comm += c
         free = max(free, b.ready * scale) + c
@@ -315,13 +345,15 @@ def _one_step(s: StepTrace, cluster: Cluster, links: Links, per_bucket: dict[int
 
 
 def step_time(t: Trace, links: Links) -> StepCost:
-    """Predicted time of one step of ``t`` (see the module docstring)."""
+    """Predicted time of one step of ``t`` (see the module docstring): compute scaled by the
+    trace's own ``compute_scale`` where it has one, else by the links'."""
+    scale = t.compute_scale if t.compute_scale is not None else links.compute_scale
     per: list[float] = []
     comp = exposed = comm = 0.0
     per_bucket: dict[int, float] = {}
     intra = inter = 0.0
     for s in t.steps:
-        total, c, x, m = _one_step(s, t.cluster, links, per_bucket)
+        total, c, x, m = _one_step(s, t.cluster, links, scale, per_bucket)
         per.append(total)
         comp, exposed, comm = comp + c, exposed + x, comm + m
         for e in s.events:

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import resource
 import threading
 import time
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fleetlike.comm import CompletedWork, Communicator, ReduceOp, Work
+from fleetlike.comm import CompletedWork, Communicator, ReduceOp, Work, dtype_name
 
 __all__ = ["DryCommunicator", "DryFabric", "Event"]
 
@@ -52,6 +53,8 @@ class Event:
             starts decides which links a tree crosses (`fleetlike.plan.cost`).
         at: seconds since the fabric started when the call was issued (the interleaved sharded
             update's chunks are stepped between their broadcasts: the gaps are the step times).
+        dtype: the wire dtype's name: a reduction's cost depends on it where the sum runs on
+            the CPU (gloo sums float16 element by element, at about half float32's bytes/s).
     """
 
     op: str
@@ -61,6 +64,7 @@ class Event:
     tag: tuple[Any, ...]
     root: int | None = None
     at: float = 0.0
+    dtype: str = "float32"
 
     @property
     def size(self) -> int:
@@ -86,6 +90,8 @@ class DryFabric:
         self.live = True
         self.events: list[Event] = []
         self.tag: tuple[Any, ...] = ("build",)
+        #: seconds per minor page fault taken off `now` (0: a plain clock); see `now`
+        self.fault_seconds = 0.0
         self._t0 = time.perf_counter()
 
     def exchange(self, key: tuple[Any, ...], members: Sequence[int], rank: int, value: Any) -> dict[int, Any]:
@@ -102,15 +108,22 @@ class DryFabric:
             return dict(entry)
 
     def now(self) -> float:
-        """Seconds since the fabric started (the clock of `Event.at`)."""
-        return time.perf_counter() - self._t0
+        """Seconds since the fabric started (the clock of `Event.at`), less ``fault_seconds``
+        per minor page fault this process took: the planner times on a clock without this
+        process's page faults, which come from its own heap's state (`fleetlike.plan.trace`)."""
+        t = time.perf_counter() - self._t0
+        if self.fault_seconds:
+            t -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt * self.fault_seconds
+        return t
 
-    def log(self, rank: int, op: str, nbytes: int, comm: Communicator, root: int | None = None) -> None:
+    def log(self, rank: int, op: str, nbytes: int, comm: Communicator, root: int | None = None,
+            dtype: torch.dtype = torch.float32) -> None:
         if rank != self.traced:
             return
-        at = time.perf_counter() - self._t0
+        at = self.now()
         with self._cond:
-            self.events.append(Event(op, int(nbytes), comm.name, tuple(comm.ranks), self.tag, root, at))
+            self.events.append(Event(op, int(nbytes), comm.name, tuple(comm.ranks), self.tag, root, at,
+                                     dtype_name(dtype)))
 
 
 class DryCommunicator(Communicator):
@@ -127,9 +140,10 @@ class DryCommunicator(Communicator):
         self._ncoll = 0
         self._root: int | None = None
 
-    def _record(self, op: str, nbytes: int) -> None:
-        super()._record(op, nbytes)
-        self.fabric.log(self.ranks[self.rank], op, nbytes, self, self._root if op in ("broadcast", "reduce") else None)
+    def _record(self, op: str, nbytes: int, dtype: torch.dtype | None = None) -> None:
+        super()._record(op, nbytes, dtype)
+        self.fabric.log(self.ranks[self.rank], op, nbytes, self, self._root if op in ("broadcast", "reduce") else None,
+                        dtype or torch.float32)
 
     # the root is known to the rooted calls' bodies only: kept for ``_record`` (one rank thread
     # per communicator, so no lock)

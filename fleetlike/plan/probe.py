@@ -8,7 +8,8 @@ Run under the launcher on the real cluster, every rank taking part::
 Each group kind of `fleetlike.plan.cost` is measured the way a training job uses it: the intra
 groups of all nodes at once, the inter groups of all local ranks at once (they share the node's
 link, as the two-level allreduce's do), and the world. For each op (all_reduce, reduce_scatter,
-all_gather, broadcast) a ladder of sizes is timed (median of repeats, barrier before each) and
+all_gather, broadcast; the reductions again in float16 and bfloat16, whose sums a CPU backend
+runs at speeds of their own) a ladder of sizes is timed (median of repeats, barrier before each) and
 ``t = alpha + beta * bytes`` fitted by least squares weighted by 1/t (relative error; small
 calls timed several at a time, a call the barriers' jitter hid left out); the world's broadcast is timed from
 every root (a binomial tree crosses the node links once or more, by root). The
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from fleetlike.comm import CommGroups, Communicator
-from fleetlike.plan.cost import Links
+from fleetlike.plan.cost import REDUCTIONS, WIRE_DTYPES, Links
 
 __all__ = ["SIZES", "compute_slowdown", "fit", "kernel_seconds", "probe_worker"]
 
@@ -81,11 +82,11 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-def _run(comm: Communicator, op: str, nbytes: int, root: int = 0) -> None:
-    n = max(1, nbytes // 4)
+def _run(comm: Communicator, op: str, nbytes: int, root: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    n = max(1, nbytes // dtype.itemsize)
     n -= n % comm.size
     n = max(n, comm.size)
-    t = torch.ones(n)
+    t = torch.ones(n, dtype=dtype)
     if op == "all_reduce":
         comm.all_reduce(t, "sum", agreed=True)
     elif op == "reduce_scatter":
@@ -98,7 +99,8 @@ def _run(comm: Communicator, op: str, nbytes: int, root: int = 0) -> None:
         raise ValueError(f"op={op!r} is not probed")
 
 
-def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: int, reps: int, root: int = 0) -> float:
+def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: int, reps: int, root: int = 0,
+             dtype: torch.dtype = torch.float32) -> float:
     calls = max(1, min(8, BATCH_BYTES // max(nbytes, 1)))
     times = []
     for _ in range(reps + 1):
@@ -106,7 +108,7 @@ def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: in
         t0 = time.perf_counter()
         if comm is not None:
             for _ in range(calls):
-                _run(comm, op, nbytes, root)
+                _run(comm, op, nbytes, root, dtype)
         world.barrier()
         times.append(time.perf_counter() - t0)
     base = []
@@ -140,8 +142,12 @@ def compute_slowdown(world: Communicator, work: Callable[[], float], window: flo
 
 
 def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 5,
-                 ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")) -> Links | None:
-    """Collective over every rank of ``groups``; returns the fitted `Links` on rank 0 (else None)."""
+                 ops: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather", "broadcast"),
+                 dtypes: tuple[str, ...] = WIRE_DTYPES) -> Links | None:
+    """Collective over every rank of ``groups``; returns the fitted `Links` on rank 0 (else None).
+
+    ``ops`` are timed in float32; their reductions again in each of ``dtypes`` (saved as
+    ``"all_reduce:float16"``...): a CPU backend's sum runs at a speed of its own per dtype."""
     role, world = groups.role, groups.world
     kinds: dict[str, Communicator] = {}
     if role.local_size > 1:
@@ -159,6 +165,12 @@ def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: in
             pts = [(s, _measure(world, comm, op, s, reps)) for s in sizes]
             raw[kind][op] = pts
             fits[kind][op] = fit(pts)
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            for op in (o for o in ops if o in REDUCTIONS):
+                pts = [(s, _measure(world, comm, op, s, reps, dtype=dtype)) for s in sizes]
+                raw[kind][f"{op}:{name}"] = pts
+                fits[kind][f"{op}:{name}"] = fit(pts)
         if kind == "world" and "broadcast" in ops:  # a tree from each root crosses the node links
             for root in range(1, comm.size):  # differently: sharding's owners are every rank
                 pts = [(s, _measure(world, comm, "broadcast", s, reps, root)) for s in sizes]

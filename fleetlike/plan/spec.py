@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 
 from fleetlike.comm import parse_choice
 
-__all__ = ["Cluster", "ModelSpec", "OptimizerKind", "load_builder", "parse_cluster"]
+__all__ = ["Cluster", "ModelSpec", "OptimizerKind", "load_builder", "model_work", "parse_cluster"]
 
 Builder = Callable[[int], tuple[torch.nn.Module, Callable[..., Any], Any]]
 
@@ -96,13 +97,27 @@ class OptimizerKind(str, enum.Enum):
 
 @dataclasses.dataclass
 class ModelSpec:
-    """A model builder, the per-rank batch size, and how to make the optimizer."""
+    """A model builder, the per-rank batch size, and how to make the optimizer.
+
+    ``compute_seconds``, where known: seconds of the model's loss and backward (gradients kept
+    from the run before) on one rank of the real job while every rank computes (the job can
+    time it; `bench.plan_accuracy` does). Each trace then scales its compute by this over the
+    same work timed alongside that trace (`Trace.compute_scale`) instead of by
+    `Links.compute_scale`: the ratio of two figures taken side by side cancels this machine's
+    own drift between traces (the conv net's traced compute moved by 30% within a minute here).
+    """
 
     builder: Builder
     batch_size: int
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = dataclasses.field(
         default_factory=lambda: OptimizerKind.MOMENTUM.factory())
     name: str = "model"
+    compute_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.compute_seconds is not None and not self.compute_seconds > 0:
+            raise ValueError(f"ModelSpec {self.name!r}: compute_seconds={self.compute_seconds!r} must be a "
+                             "positive number of seconds (or None to scale by the links' compute_scale)")
 
     def build(self) -> tuple[torch.nn.Module, Callable[..., Any], Any]:
         out = self.builder(self.batch_size)
@@ -110,6 +125,24 @@ class ModelSpec:
             raise TypeError(f"model builder {self.name!r} must return (model, loss_fn, feed), got "
                             f"{type(out).__name__}; see fleetlike.plan.spec")
         return out
+
+
+def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
+    """The work ``ModelSpec.compute_seconds`` is the time of: a fresh copy of the model, its
+    loss and backward, the gradients of the run before kept (as a bucketed program keeps them,
+    so no run allocates them afresh but the first). Returns a function that runs it once and
+    returns its seconds on ``clock``; the job times it on every rank at once, the planner
+    alongside each trace."""
+    net, loss_fn, feed = spec.build()
+
+    def run() -> float:
+        t0 = clock()
+        loss_fn(net, feed).backward()
+        seconds = clock() - t0
+        net.zero_grad(set_to_none=False)
+        return seconds
+
+    return run
 
 
 def load_builder(path: str) -> Builder:

@@ -16,10 +16,17 @@ backward first-touches (page-faults and zeroes) all of them again: 8,164 minor f
 on the 50 MB MLP's ranks, ~11 ms of a 33 ms forward/backward alone. This process, which has
 built every rank and earlier traces, keeps free memory that the gradients reuse resident (0
 faults), so the op times alone miss that cost. `StepTrace.refault` adds it back: the pages of
-the gradients backward allocated fresh, less the faults this process did take in it, at the
-first-touch cost per page measured here (`first_touch_seconds`). An upper bound: glibc keeps
-freed blocks below its trim threshold resident (the 14 MB transformer's gradients refault ~10%
-of their pages on its ranks).
+the gradients backward allocated fresh, at the first-touch cost per page measured here
+(`first_touch_seconds`). An upper bound: glibc keeps freed blocks below its trim threshold
+resident (the 14 MB transformer's gradients refault ~10% of their pages on its ranks).
+
+**A clock without this process's faults.** Every time the trace takes (op times, bucket ready
+times and work, call times) is on `DryFabric.now` with this process's own minor faults taken
+off at that per-page cost. This process's heap faults at random: the MLP's backward, with
+its gradients in buckets, took 0, 4k, 8k or 12k faults from one step to the next and 39, 55,
+61 or 72 ms; the ranks' steady state took none (session 9's count). Left in, that noise moved
+one strategy's prediction by 10-15% between two traces. The pages a rank does fault are the
+fresh gradients above, priced by ``refault``.
 
 Example:
     >>> t = trace(ModelSpec(build, batch_size=16), DistributedStrategy(), Cluster(2, 2))
@@ -34,7 +41,6 @@ import functools
 import gc
 import math
 import mmap
-import resource
 import statistics
 import threading
 import time
@@ -47,7 +53,7 @@ from fleetlike.comm import CommGroups, CompletedWork
 from fleetlike.config import DistributedStrategy
 from fleetlike.plan.dry import DryCommunicator, DryFabric, Event
 from fleetlike.plan.memory import MemoryBreakdown, activation_bytes, measure_state
-from fleetlike.plan.spec import Cluster, ModelSpec
+from fleetlike.plan.spec import Cluster, ModelSpec, model_work
 from fleetlike.program import Program, StepState
 from fleetlike.roles.role import Role
 from fleetlike.strategies.engine import Engine, build_engine
@@ -60,12 +66,17 @@ __all__ = ["BucketTrace", "GatherTrace", "StepTrace", "Trace", "first_touch_seco
 
 @dataclasses.dataclass
 class BucketTrace:
-    """One gradient bucket in one step: when it was ready (seconds after backward began) and
-    the collectives it issued."""
+    """One gradient bucket in one step: when it was ready (seconds after backward began), the
+    collectives it issued and ``work``: the seconds of local work (in this process, alone)
+    before each of its calls and, last, after them: the copies, the 16-bit codec's scan, casts
+    and division, the two-level chain's sums. The ranks' bucket worker does that work between
+    its calls, so it lies on the bucket's path (`fleetlike.plan.cost`); the trace's calls take
+    no time, so the gaps between them are exactly that work."""
 
     index: int
     ready: float
     events: list[Event]
+    work: tuple[float, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +111,7 @@ class StepTrace:
 
     ``fresh_bytes``: gradient bytes backward allocated for parameters whose gradient the
     previous step had freed; ``refault``: seconds a rank's process spends first-touching those
-    pages beyond what the op times here already hold (see the module docstring)."""
+    pages (the op times here hold no page faults; see the module docstring)."""
 
     times: dict[str, float]
     buckets: list[BucketTrace]
@@ -125,6 +136,9 @@ class Trace:
     memory: MemoryBreakdown
     program: Program
     describe: list[dict[str, Any]]
+    #: ``spec.compute_seconds`` over the model's loss and backward timed here alongside the
+    #: traced periods (median), or None without ``compute_seconds`` (`fleetlike.plan.spec`)
+    compute_scale: float | None = None
 
     @property
     def period(self) -> int:
@@ -145,10 +159,6 @@ def period_of(s: DistributedStrategy) -> tuple[int, int]:
         k = math.lcm(k, ls)
         warm = max(warm, int(s.localsgd_configs["begin_step"]) + 1)
     return warm, k
-
-
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,6 +194,8 @@ class _Tagged:
         self.fabric = fabric
         self.clock = clock
         self.ready: dict[int, float] = {}
+        #: each bucket's (start, end) on the fabric's clock, the clock of its events' ``at``
+        self.spans: dict[int, tuple[float, float]] = {}
         self.step = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -200,11 +212,19 @@ class _Tagged:
         self.ready[bucket.index] = self.clock()
         prev = self.fabric.tag
         self.fabric.tag = (self.step, "bucket", bucket.index)
+        start = self.fabric.now()
         try:
             self.inner.start(bucket).wait()
         finally:
             self.fabric.tag = prev
+            self.spans[bucket.index] = (start, self.fabric.now())
         return CompletedWork(None)
+
+
+def _work(events: list[Event], span: tuple[float, float]) -> tuple[float, ...]:
+    """The local work before each of a bucket's calls and after the last (`BucketTrace.work`)."""
+    marks = [span[0], *(e.at for e in events), span[1]]
+    return tuple(max(0.0, b - a) for a, b in zip(marks, marks[1:]))
 
 
 def _roles(cluster: Cluster) -> list[Role]:
@@ -228,11 +248,12 @@ def _build(spec: ModelSpec, strategy: DistributedStrategy, role: Role, fabric: D
     return engine, main, startup, feed
 
 
-def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 3) -> Trace:
+def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, repeats: int = 5) -> Trace:
     """Build ``strategy``'s programs for every rank of ``cluster`` and run rank 0's dry.
 
-    ``repeats`` periods are run after the warm-up; op times are the median over them (three by
-    default: one period disturbed by the machine cannot move a median of three)."""
+    ``repeats`` periods are run after the warm-up; op times are the median over them (five by
+    default: two periods disturbed by the machine cannot move a median of five; three let one
+    strategy's prediction move by 10% between traces here)."""
     n = cluster.world_size
     fabric = DryFabric(n)
     built: dict[int, Any] = {}
@@ -265,7 +286,7 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
     t_bwd = [0.0]
     tagged = None
     if reducer is not None:
-        tagged = _Tagged(reducer.collective, fabric, lambda: time.perf_counter() - t_bwd[0])
+        tagged = _Tagged(reducer.collective, fabric, lambda: fabric.now() - t_bwd[0])
         reducer.collective = tagged
     recorded: list[list[StepTrace]] = []
     act: tuple[int, int] = (0, 0)
@@ -287,6 +308,9 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
     # objects inside them (what timeit does too; a full collection takes ~1 s once many are kept)
     params = [p for p in engine.ctx.model.parameters() if p.requires_grad]
     page_s = first_touch_seconds()
+    fabric.fault_seconds = page_s  # every time below on a clock without this process's faults
+    reference = _reference(spec, fabric) if spec.compute_seconds is not None else None
+    ref_times: list[float] = []
     gc.collect()
     gc_was = gc.isenabled()
     gc.disable()
@@ -297,29 +321,26 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
             blocking: list[tuple[str, list[Event]]] = []
             spans: dict[str, tuple[float, float]] = {}
             stepped.clear()
-            fresh, faulted = 0, 0
+            fresh = 0
             if tagged is not None:
-                tagged.ready, tagged.step = {}, i
+                tagged.ready, tagged.spans, tagged.step = {}, {}, i
             for op in main.ops:
                 if op.fn is None:
                     continue
                 fabric.tag = (i, op.type)
                 before = len(fabric.events)
                 start = fabric.now()
-                t0 = time.perf_counter()
                 if op.type == "backward":
-                    t_bwd[0] = t0
+                    t_bwd[0] = start
                     unset = [p for p in params if p.grad is None]
-                    f0 = _minor_faults()
                 if op.type == "forward" and i == warm:
                     with activation_bytes(engine.ctx.model) as counted:
                         op.fn(st)
                     act = (counted.total, counted.half)
                 else:
                     op.fn(st)
-                times[op.type] = times.get(op.type, 0.0) + time.perf_counter() - t0
+                times[op.type] = times.get(op.type, 0.0) + max(0.0, fabric.now() - start)
                 if op.type == "backward":
-                    faulted += _minor_faults() - f0
                     fresh += sum(p.grad.numel() * p.grad.element_size() for p in unset if p.grad is not None)
                 mine = [e for e in fabric.events[before:] if e.tag == (i, op.type)]
                 if mine:
@@ -329,14 +350,17 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
             if i < warm:
                 fabric.events.clear()
                 continue
+            if reference is not None and (i - warm) % period == period - 1:
+                ref_times.append(reference())
             buckets = []
             if tagged is not None:
                 for b, ready in sorted(tagged.ready.items()):
-                    buckets.append(BucketTrace(b, ready, [e for e in fabric.events if e.tag == (i, "bucket", b)]))
+                    events = [e for e in fabric.events if e.tag == (i, "bucket", b)]
+                    buckets.append(BucketTrace(b, ready, events, _work(events, tagged.spans[b])))
             j = (i - warm) // period
             if j == len(recorded):
                 recorded.append([])
-            refault = max(0, -(-fresh // mmap.PAGESIZE) - faulted) * page_s
+            refault = -(-fresh // mmap.PAGESIZE) * page_s
             recorded[j].append(StepTrace(times, buckets, blocking, _gather_trace(gather, blocking, spans, stepped),
                                          fresh, refault))
             fabric.events.clear()
@@ -345,8 +369,18 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
             gc.enable()
     steps = _median_steps(recorded)
     memory = measure_state(engine, act, strategy)
+    scale = None
+    if spec.compute_seconds is not None:
+        scale = spec.compute_seconds / max(statistics.median(ref_times), 1e-9)
     return Trace(strategy, cluster, steps, str(main), memory, main,
-                 reducer.describe() if reducer is not None else [])
+                 reducer.describe() if reducer is not None else [], scale)
+
+
+def _reference(spec: ModelSpec, fabric: DryFabric) -> Callable[[], float]:
+    """`model_work` on the fabric's clock, run once untimed (it allocates the gradients)."""
+    run = model_work(spec, fabric.now)
+    run()
+    return run
 
 
 def _gather_of(engine: Engine) -> tuple[str, bool, Any] | None:
@@ -387,7 +421,8 @@ def _median_steps(recorded: list[list[StepTrace]]) -> list[StepTrace]:
     for j, first in enumerate(recorded[0]):
         same = [rep[j] for rep in recorded]
         times = {k: statistics.median(s.times.get(k, 0.0) for s in same) for k in first.times}
-        buckets = [BucketTrace(b.index, statistics.median(s.buckets[k].ready for s in same), b.events)
+        buckets = [BucketTrace(b.index, statistics.median(s.buckets[k].ready for s in same), b.events,
+                               tuple(statistics.median(w) for w in zip(*(s.buckets[k].work for s in same))))
                    for k, b in enumerate(first.buckets)]
         gather = first.gather
         if gather is not None:
