@@ -55,11 +55,13 @@ def _role(rank: int, eps: list[str]) -> Any:
 
 
 def _model_run(build: Any, batch: int) -> Any:
-    """One run of the model's own forward + loss + backward (returns its seconds): the work
-    whose time under all ranks at once is ``ModelSpec.compute_seconds`` (`model_work`)."""
+    """One run of the model's own forward + loss + backward (returns its seconds, page faults
+    left out as the planner leaves them out): the work whose time under all ranks at once is
+    ``ModelSpec.compute_seconds`` (`model_work`)."""
     from fleetlike.plan.spec import ModelSpec, model_work
+    from fleetlike.plan.trace import first_touch_seconds
 
-    return model_work(ModelSpec(build, batch))
+    return model_work(ModelSpec(build, batch), fault_seconds=first_touch_seconds())
 
 
 def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,

@@ -240,6 +240,8 @@ def test_bad_inputs_get_clear_errors(capsys, tmp_path):
     assert plan_main([*base, "--optimizer", "lamb"]) == 2
     err = capsys.readouterr().err
     assert "optimizer='lamb'" in err and "'adamw'" in err
+    assert plan_main([*base, "--compute_seconds", "-0.5"]) == 2
+    assert "--compute_seconds -0.5 must be a positive number" in capsys.readouterr().err
 
 
 def test_cli_table_recommendation_and_annotated_program(capsys, tmp_path):
@@ -267,6 +269,9 @@ def test_cli_table_recommendation_and_annotated_program(capsys, tmp_path):
     assert plan_main([*args[:-5], "--memory", "1MiB"]) == 0
     text = capsys.readouterr().out
     assert "!mem" in text and "no recommendation: no candidate fits the memory limit" in text
+    # the model's compute measured on the job: each trace scales by it (its own ratio, shown)
+    assert plan_main([*args[:-5], "--compute_seconds", "0.05", "--json", str(tmp_path / "t3.json")]) == 0
+    assert "(median over traces, from --compute_seconds)" in capsys.readouterr().out
 
 
 @given(alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e-10, 1e-7), noise=st.lists(st.floats(-0.02, 0.02), min_size=5, max_size=5))
@@ -568,3 +573,17 @@ def test_compute_seconds_scales_each_trace_by_its_own_reference():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="compute_seconds"):
             dataclasses.replace(_spec(), compute_seconds=bad)
+
+
+def test_model_work_times_loss_and_backward_without_page_faults(monkeypatch):
+    import types
+
+    import fleetlike.plan.spec as spec_mod
+
+    ticks = iter([10.0, 10.25, 20.0, 20.5, 30.0, 31.0])
+    run = spec_mod.model_work(_spec(), clock=lambda: next(ticks))
+    assert run() == 0.25 and run() == 0.5  # the clock's difference, nothing else
+    faults = iter([1000, 1300])  # 300 faults during the run, at 1 ms each
+    monkeypatch.setattr(spec_mod.resource, "getrusage", lambda who: types.SimpleNamespace(ru_minflt=next(faults)))
+    run = spec_mod.model_work(_spec(), clock=lambda: next(ticks), fault_seconds=1e-3)
+    assert run() == pytest.approx(1.0 - 0.3)

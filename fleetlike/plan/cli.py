@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter", default=None, help="inter-node link latency_us,MB/s (without --links)")
     p.add_argument("--compute_scale", type=float, default=None,
                    help="compute slowdown on the cluster (default: the probe's, else 1)")
+    p.add_argument("--compute_seconds", type=float, default=None,
+                   help="the model's loss+backward seconds on a rank of the job while every rank computes "
+                        "(gradients kept); each trace's compute is scaled by it over the same work timed "
+                        "alongside that trace, instead of by --compute_scale")
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
     p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gossip,gradient_merge")
@@ -131,13 +135,19 @@ def run(args: argparse.Namespace) -> int:
     links = links_for(args, cluster)
     if args.batch_size < 1:
         raise ValueError(f"--batch_size {args.batch_size} must be >= 1")
+    if args.compute_seconds is not None and not args.compute_seconds > 0:
+        raise ValueError(f"--compute_seconds {args.compute_seconds} must be a positive number of seconds "
+                         "(the model's loss+backward on a rank of the job); leave it out to use --compute_scale")
     spec = ModelSpec(load_builder(args.model), args.batch_size,
-                     OptimizerKind.parse(args.optimizer).factory(args.lr), name=args.model)
+                     OptimizerKind.parse(args.optimizer).factory(args.lr), name=args.model,
+                     compute_seconds=args.compute_seconds)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     result = plan(spec, cluster, links, space=space, allow=allow, memory_limit=memory, only=only,
                   progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
-    print(f"{args.model}, batch {args.batch_size}/rank, {cluster}; links: {links.source}; "
-          f"compute x{links.compute_scale:.2f}")
+    scales = sorted(r.trace.compute_scale for r in result.rows if r.trace.compute_scale is not None)
+    compute = (f"compute x{scales[len(scales) // 2]:.2f} (median over traces, from --compute_seconds)" if scales
+               else f"compute x{links.compute_scale:.2f}")
+    print(f"{args.model}, batch {args.batch_size}/rank, {cluster}; links: {links.source}; {compute}")
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -127,20 +128,27 @@ class ModelSpec:
         return out
 
 
-def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
+def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter,
+               fault_seconds: float = 0.0) -> Callable[[], float]:
     """The work ``ModelSpec.compute_seconds`` is the time of: a fresh copy of the model, its
     loss and backward, the gradients of the run before kept (as a bucketed program keeps them,
     so no run allocates them afresh but the first). Returns a function that runs it once and
-    returns its seconds on ``clock``; the job times it on every rank at once, the planner
-    alongside each trace."""
+    returns its seconds on ``clock``, less ``fault_seconds`` per minor page fault the process
+    took meanwhile. The job times it on every rank at once, the planner alongside each trace,
+    both without page faults: the planner's traces leave their faults out (`fleetlike.plan.dry`),
+    so the ratio must too (a rank faulting in its 16 MiB temporaries made the MLP's ratio x3-6
+    against x2-3 without)."""
     net, loss_fn, feed = spec.build()
 
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if fault_seconds else 0
+
     def run() -> float:
-        t0 = clock()
+        f0, t0 = faults(), clock()
         loss_fn(net, feed).backward()
-        seconds = clock() - t0
+        seconds = clock() - t0 - (faults() - f0) * fault_seconds
         net.zero_grad(set_to_none=False)
-        return seconds
+        return max(seconds, 0.0)
 
     return run
 
