@@ -199,7 +199,9 @@ def _even_and_slow(role, style):
     s.slow_rank_check = True
     s.slow_rank_check_configs = {"every_n_steps": 2, "factor": 5.0}
     fleet.init(role, timeout=30, strategy=s)
-    ds = Slow(30, delay=0.04 if role.rank == 2 else 0.0)
+    # 0.6 s a batch on rank 2: far past 5x the others' step even on a slow, loaded host (0.16 s
+    # was hidden there: a CI-class host, 4 ranks on 2 cores, no rank read as slow)
+    ds = Slow(30, delay=0.15 if role.rank == 2 else 0.0)
     loader = get_data_loader(ds, 4, tail="even", seed=1, prefetch=2)
     model = Model()
     reports, seen = [], []
