@@ -6,23 +6,27 @@ tbf-limited veth (`bench.netns`), 2 ranks in each (4 gloo ranks, one torch threa
 1. probe: the four ranks run `fleetlike.plan.probe` (fleetlike's collectives on the intra,
    inter and world groups, a ladder of sizes, the world's broadcast from every root);
 2. measure: per model (`bench.plan_models`: the 50 MB MLP, a conv net, a small transformer)
-   one job first times the model's own forward/backward on every rank at once until a shared
-   deadline (the compute under this very contention; rank 0 alone too, for the record), then
+   one job first times the model's own forward/backward on rank 0 alone (for the record), then
    builds every strategy of
-   ``--strategies`` in program style (startup, the warm-up and one period untimed), then times
-   ``--rounds`` rounds of ``--steps`` steps per strategy between barriers on rank 0, the order
-   of the strategies rotated (and reversed every other round) so drifting load falls on all;
-   each figure is the median of its rounds;
+   ``--strategies`` in program style (startup and the warm-up untimed, one period timed for the
+   slowest rank's step), then times ``--rounds`` rounds per strategy between barriers on rank 0,
+   each of at least ``--steps`` steps and ``--seconds`` seconds (whole periods), the order of
+   the strategies rotated (and reversed every other round) so drifting load falls on all; each
+   figure is the median of its rounds; every round starts by timing the model's own
+   forward/backward on every rank at once until a shared deadline (the compute under this very
+   contention), and the median of those is the model's compute figure; with AMP strategies
+   in the set, the same under bfloat16 autocast is AMP's figure;
 3. predict: this process plans the same models and strategies (`fleetlike.plan.plan`, compute
    timed here with one torch thread, each trace's compute scaled by the job's all-ranks
    forward/backward time over the same work timed here alongside that trace:
-   ``ModelSpec.compute_seconds``) with the probe's link figures.
+   ``ModelSpec.compute_seconds``, AMP's by ``amp_compute_seconds``) with the probe's link
+   figures.
 
 Printed side by side with the error of each, Kendall's tau of the two rankings, the median
 absolute error, and whether the recommended strategy (every strategy allowed) is the measured
 best or within 5% of it. JSON and a scatter plot -> docs/benchmarks/plan_accuracy.json/.png.
 
-    python -m bench.plan_accuracy                                    # ~15 minutes here
+    python -m bench.plan_accuracy                                    # ~35 minutes on 2 cores
     python -m bench.plan_accuracy --rates 1gbit --models convnet --rounds 1
 
 Needs root for the namespaces (says so and stops otherwise).
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -54,22 +59,26 @@ def _role(rank: int, eps: list[str]) -> Any:
     return Role.from_endpoints(rank, eps, job_id=f"bench-plan-{os.getppid()}")
 
 
-def _model_run(build: Any, batch: int) -> Any:
+#: the autocast of the space's AMP candidates (`fleetlike.plan.space.COMPUTE`)
+AMP_DTYPE = "bfloat16"
+
+
+def _model_run(build: Any, batch: int, amp: str | None = None) -> Any:
     """One run of the model's own forward + loss + backward (returns its seconds, page faults
     left out as the planner leaves them out): the work whose time under all ranks at once is
-    ``ModelSpec.compute_seconds`` (`model_work`)."""
+    ``ModelSpec.compute_seconds`` (with ``amp``: ``amp_compute_seconds``; `model_work`)."""
     from fleetlike.plan.spec import ModelSpec, model_work
     from fleetlike.plan.trace import first_touch_seconds
 
-    return model_work(ModelSpec(build, batch), fault_seconds=first_touch_seconds())
+    return model_work(ModelSpec(build, batch), fault_seconds=first_touch_seconds(), amp=amp)
 
 
 def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", strategies: list[str] | None = None,
-           steps: int = 2, rounds: int = 3) -> None:
+           steps: int = 2, rounds: int = 3, seconds: float = 3.0) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, Executor, fleet
-    from fleetlike.plan.probe import compute_slowdown, probe_worker, save
+    from fleetlike.plan.probe import compute_slowdown, compute_together, probe_worker, save
     from fleetlike.plan.space import candidates
     from fleetlike.plan.spec import Cluster, OptimizerKind
     from fleetlike.plan.trace import period_of
@@ -91,7 +100,9 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
         # this model's own forward/backward timed on every rank at once right before its
         # measurement (the same contention as the steps below); rank 0 alone for the record
         world = fleet.context().groups.world
-        slowdown, alone, together = compute_slowdown(world, _model_run(build, MODELS[model]))
+        work = _model_run(build, MODELS[model])
+        slowdown, alone, together = compute_slowdown(world, work)
+        amp_work = _model_run(build, MODELS[model], AMP_DTYPE) if any("amp" in n for n in names) else None
         # every strategy built once and warmed up (its own model, optimizer and programs), then
         # timed in rounds, the order rotated each round: load that drifts during the job falls
         # on every strategy alike, and each figure is the median of its rounds
@@ -103,11 +114,29 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
             main, startup = fleet.distributed_optimizer(opt, DistributedStrategy.from_dict(s.to_dict())).minimize(loss_fn, net)
             Executor().run(startup)
             warm, period = period_of(s)
-            for _ in range(warm + period):
+            for _ in range(warm):
                 main.run(feed)
-            progs[name] = (main, max(period, -(-steps // period) * period), feed)
+            fleet.barrier_worker()
+            t0 = time.perf_counter()
+            for _ in range(period):
+                main.run(feed)
+            fleet.barrier_worker()
+            # the slowest rank's step sets how many steps fill a round's time budget: short
+            # steps timed twice were what moved a strategy's figure by up to 25% between rounds
+            step = world.all_reduce(torch.tensor([(time.perf_counter() - t0) / period]), "max").item()
+            n = max(steps, math.ceil(seconds / max(step, 1e-6)))
+            progs[name] = (main, -(-n // period) * period, feed)
         times: dict[str, list[float]] = {s: [] for s in names}
+        # the same all-ranks compute again at the start of every round: a rank's compute got
+        # ~30% slower over one job here (0.42 -> 0.55 s for the transformer's, four strategies
+        # built and run in between), so one figure taken before the strategies were built
+        # under-stated every step timed later
+        rounds_together: list[float] = []
+        rounds_amp: list[float] = []
         for rnd in range(rounds):
+            rounds_together.append(compute_together(world, work, max(1.5, 6 * alone)))
+            if amp_work is not None:  # AMP's own figure: contention slows it unlike float32
+                rounds_amp.append(compute_together(world, amp_work, 1.5))
             shift = rnd * len(names) // max(rounds, 1)
             order = names[shift:] + names[:shift]
             if rnd % 2:
@@ -124,7 +153,11 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
                     print(f"    {model} {name}: {times[name][-1] * 1e3:.1f} ms/step (round {rnd})", flush=True)
         if rank == 0:
             Path(out).write_text(json.dumps({"times": times, "compute_slowdown": slowdown,
-                                             "model_seconds_alone": alone, "model_seconds_all_ranks": together}))
+                                             "model_seconds_alone": alone, "model_seconds_at_start": together,
+                                             "model_seconds_by_round": rounds_together,
+                                             "model_seconds_all_ranks": statistics.median(rounds_together),
+                                             "amp_seconds_by_round": rounds_amp,
+                                             "amp_seconds_all_ranks": statistics.median(rounds_amp) if rounds_amp else None}))
     finally:
         fleet.shutdown()
 
@@ -156,11 +189,14 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def predict(links_path: str, models: list[str], strategies: list[str],
-            together: dict[str, float] | None = None) -> tuple[dict[str, Any], Any, dict[str, float]]:
+            together: dict[str, float] | None = None,
+            amp_together: dict[str, float | None] | None = None) -> tuple[dict[str, Any], Any, dict[str, float]]:
     """Plan ``models`` with the probe's link figures. ``together[m]``, where given, is model
     ``m``'s forward/backward seconds on every rank at once in its measurement job: its
     ``ModelSpec.compute_seconds``, so each trace scales its compute by that over the same work
-    timed alongside it here. Returns the results, the links and each model's median scale."""
+    timed alongside it here; ``amp_together[m]`` the same under AMP's autocast
+    (``amp_compute_seconds``, for the AMP strategies). Returns the results, the links and each
+    model's median scale."""
     import torch
 
     from bench import plan_models
@@ -174,7 +210,7 @@ def predict(links_path: str, models: list[str], strategies: list[str],
     for m in models:
         build = getattr(plan_models, m)
         spec = ModelSpec(build, MODELS[m], OptimizerKind.MOMENTUM.factory(0.01), name=m,
-                         compute_seconds=(together or {}).get(m))
+                         compute_seconds=(together or {}).get(m), amp_compute_seconds=(amp_together or {}).get(m))
         res = plan(spec, Cluster(2, PER_NODE), links, allow=set(MathChange), only=strategies)
         out[m] = res
         traced = [r.trace.compute_scale for r in res.rows if r.trace.compute_scale is not None]
@@ -240,7 +276,8 @@ def report(args: argparse.Namespace, info: dict[str, Any], strategies: list[str]
             print(format_table(scols, summary, markdown=markdown))
     out_dir = Path(args.out_dir)
     save_json(out_dir / "plan_accuracy.json", {**info, "layout": f"2 netns nodes x {PER_NODE} ranks, 1 torch thread each",
-                                               "models": MODELS, "strategies": strategies, "steps": args.steps, "rounds": args.rounds,
+                                               "models": MODELS, "strategies": strategies, "steps": args.steps, "seconds": args.seconds,
+                                               "rounds": args.rounds,
                                                "links": links_json, "rows": rows, "summary": summary,
                                                "complete": final})
     plot(out_dir / "plan_accuracy.png", rows)
@@ -253,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="1gbit,250mbit")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per strategy and round (rounded up to the period)")
+    ap.add_argument("--steps", type=int, default=2, help="at least this many timed steps per strategy and round "
+                    "(rounded up to the period)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="and at least this long: steps per round from the "
+                    "slowest rank's warm-up step")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the strategies, the order rotated each round")
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     from bench import netns
@@ -276,17 +316,19 @@ def main(argv: list[str] | None = None) -> int:
                 _run_job(nodes, {"task": "probe", "out": lp})
                 measured: dict[str, dict[str, list[float]]] = {}
                 together: dict[str, float] = {}
+                amp_together: dict[str, float | None] = {}
                 for m in models:
                     print(f"link {rate}: measure {m}", flush=True)
                     mp = os.path.join(tmp, f"m-{rate}-{m}.json")
                     _run_job(nodes, {"task": "measure", "out": mp, "model": m, "strategies": strategies,
-                                     "steps": args.steps, "rounds": args.rounds})
+                                     "steps": args.steps, "rounds": args.rounds, "seconds": args.seconds})
                     got = json.loads(Path(mp).read_text())
                     measured[m] = got["times"]
                     together[m] = got["model_seconds_all_ranks"]
+                    amp_together[m] = got["amp_seconds_all_ranks"]
                     compute_json.setdefault(rate, {})[m] = {k: v for k, v in got.items() if k != "times"}
             print(f"link {rate}: predict", flush=True)
-            preds, links, slowdown = predict(lp, models, strategies, together)
+            preds, links, slowdown = predict(lp, models, strategies, together, amp_together)
             for m, x in slowdown.items():
                 compute_json[rate][m]["compute_scale"] = x
                 print(f"    {m}: compute x{x:.2f} (median over its traces: forward/backward on all ranks in its "

@@ -242,6 +242,8 @@ def test_bad_inputs_get_clear_errors(capsys, tmp_path):
     assert "optimizer='lamb'" in err and "'adamw'" in err
     assert plan_main([*base, "--compute_seconds", "-0.5"]) == 2
     assert "--compute_seconds -0.5 must be a positive number" in capsys.readouterr().err
+    assert plan_main([*base, "--amp_compute_seconds", "0"]) == 2
+    assert "--amp_compute_seconds 0.0 must be a positive number" in capsys.readouterr().err
 
 
 def test_cli_table_recommendation_and_annotated_program(capsys, tmp_path):
@@ -554,6 +556,40 @@ def test_probe_measures_every_kind_op_and_16bit_reduction_on_real_ranks():
     assert links.compute_scale >= 1.0 and links.raw["kernel_seconds_alone"] > 0
 
 
+def _compute_figures(role):
+    import time
+
+    from fleetlike.plan.probe import compute_slowdown, compute_together
+    from fleetlike.testing import make_world
+
+    world = make_world(role)
+    runs = [0]
+
+    def work() -> float:  # rank r's runs take (r + 1) * 10 ms, its first (a warm-up) 1 s
+        runs[0] += 1
+        time.sleep(0.002)
+        return 1.0 if runs[0] == 1 else (role.rank + 1) * 0.01
+
+    try:
+        slowdown, alone, together = compute_slowdown(world, work, window=0.2)
+        runs[0] = 0
+        again = compute_together(world, work, window=0.2)
+        return slowdown, alone, together, again
+    finally:
+        world.close()
+
+
+@pytest.mark.timeout(60)
+def test_compute_figures_average_every_ranks_median_and_share_rank_0s_alone():
+    got = run_ranks(_compute_figures, 4, timeout=50)
+    assert len(set(got)) == 1  # every rank gets the same figures
+    slowdown, alone, together, again = got[0]
+    per_rank = [np.median([(r + 1) * 0.01] * 3) for r in range(4)]  # the first run left out
+    assert alone == pytest.approx(0.01)
+    assert together == pytest.approx(np.mean(per_rank)) and again == pytest.approx(np.mean(per_rank))
+    assert slowdown == pytest.approx(together / alone)
+
+
 def test_compute_seconds_scales_each_trace_by_its_own_reference():
     cands = {c.name: c for c in candidates("basic", CLUSTER)}
     spec = dataclasses.replace(_spec(), compute_seconds=0.5)
@@ -573,6 +609,51 @@ def test_compute_seconds_scales_each_trace_by_its_own_reference():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="compute_seconds"):
             dataclasses.replace(_spec(), compute_seconds=bad)
+
+
+def test_amp_traces_scale_by_their_own_figure_over_autocast_work(monkeypatch):
+    import sys
+
+    trace_mod = sys.modules["fleetlike.plan.trace"]  # the package's `trace` is the function
+    asked: list[str | None] = []
+
+    def fake_work(spec, clock, fault_seconds=0.0, amp=None):  # the reference's seconds per dtype
+        asked.append(amp)
+        return lambda: {None: 0.1, "bfloat16": 0.4}[amp]
+
+    monkeypatch.setattr(trace_mod, "model_work", fake_work)
+    cands = {c.name: c for c in candidates("basic", CLUSTER)}
+    both = dataclasses.replace(_spec(), compute_seconds=0.5, amp_compute_seconds=1.0)
+    assert trace(both, cands["dp"].strategy(), CLUSTER, repeats=1).compute_scale == pytest.approx(0.5 / 0.1)
+    assert trace(both, cands["dp+amp"].strategy(), CLUSTER, repeats=1).compute_scale == pytest.approx(1.0 / 0.4)
+    # without an AMP figure an AMP trace falls back to float32's, over float32 work
+    fp32 = dataclasses.replace(_spec(), compute_seconds=0.5)
+    assert trace(fp32, cands["dp+amp"].strategy(), CLUSTER, repeats=1).compute_scale == pytest.approx(0.5 / 0.1)
+    assert asked == [None, "bfloat16", None]
+    for bad in (0, -2.0, True, "1"):
+        with pytest.raises(ValueError, match="amp_compute_seconds"):
+            dataclasses.replace(_spec(), amp_compute_seconds=bad)
+
+
+def test_model_work_runs_the_loss_under_the_autocast_asked_for():
+    import fleetlike.plan.spec as spec_mod
+
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    def builder(batch_size: int):
+        model, loss_fn, feed = build(batch_size)
+
+        def watched(m, f):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return loss_fn(m, f)
+        return model, watched, feed
+
+    spec = ModelSpec(builder, 8)
+    spec_mod.model_work(spec, amp="bfloat16")()
+    spec_mod.model_work(spec)()
+    assert seen == [(True, torch.bfloat16), (False, seen[1][1])]
+    with pytest.raises(ValueError, match="amp='int8'"):
+        spec_mod.model_work(spec, amp="int8")
 
 
 def test_model_work_times_loss_and_backward_without_page_faults(monkeypatch):

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the model's loss+backward seconds on a rank of the job while every rank computes "
                         "(gradients kept); each trace's compute is scaled by it over the same work timed "
                         "alongside that trace, instead of by --compute_scale")
+    p.add_argument("--amp_compute_seconds", type=float, default=None,
+                   help="the same with the loss under the AMP strategies' autocast (bfloat16 in the basic "
+                        "space); AMP candidates scale by it (else by --compute_seconds)")
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
     p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gossip,gradient_merge")
@@ -135,12 +138,14 @@ def run(args: argparse.Namespace) -> int:
     links = links_for(args, cluster)
     if args.batch_size < 1:
         raise ValueError(f"--batch_size {args.batch_size} must be >= 1")
-    if args.compute_seconds is not None and not args.compute_seconds > 0:
-        raise ValueError(f"--compute_seconds {args.compute_seconds} must be a positive number of seconds "
-                         "(the model's loss+backward on a rank of the job); leave it out to use --compute_scale")
+    for flag in ("compute_seconds", "amp_compute_seconds"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag} {value} must be a positive number of seconds (the model's "
+                             "loss+backward on a rank of the job); leave it out to use --compute_scale")
     spec = ModelSpec(load_builder(args.model), args.batch_size,
                      OptimizerKind.parse(args.optimizer).factory(args.lr), name=args.model,
-                     compute_seconds=args.compute_seconds)
+                     compute_seconds=args.compute_seconds, amp_compute_seconds=args.amp_compute_seconds)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     result = plan(spec, cluster, links, space=space, allow=allow, memory_limit=memory, only=only,
                   progress=lambda line: print("  " + line, file=sys.stderr, flush=True))

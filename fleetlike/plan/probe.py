@@ -37,7 +37,7 @@ import torch
 from fleetlike.comm import CommGroups, Communicator
 from fleetlike.plan.cost import REDUCTIONS, WIRE_DTYPES, Links
 
-__all__ = ["SIZES", "compute_slowdown", "fit", "kernel_seconds", "probe_worker"]
+__all__ = ["SIZES", "compute_slowdown", "compute_together", "fit", "kernel_seconds", "probe_worker"]
 
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)
 
@@ -122,23 +122,31 @@ def _measure(world: Communicator, comm: Communicator | None, op: str, nbytes: in
 def compute_slowdown(world: Communicator, work: Callable[[], float], window: float = 1.5) -> tuple[float, float, float]:
     """``(slowdown, seconds alone, seconds all at once)`` of ``work`` (one run, returns its
     seconds): rank 0 alone (median of 5 runs after one) while the others wait in a barrier,
-    then every rank repeating it until one shared deadline (at least ``window`` seconds and 6
-    runs of rank 0's time), so that every timed run competes with all the others (ranks that
-    stop early would leave the rest a quieter machine); the median run of each rank, averaged
-    over ranks. Collective over ``world``; every rank gets the figures."""
+    then `compute_together` for at least ``window`` seconds and 6 runs of rank 0's time.
+    Collective over ``world``; every rank gets the figures."""
     world.barrier()
     solo = statistics.median([work() for _ in range(6)][1:]) if world.rank == 0 else 0.0
-    span = torch.tensor([max(window, 6 * solo)], dtype=torch.float64)
+    span = torch.tensor([max(window, 6 * solo), solo], dtype=torch.float64)
     world.broadcast(span, 0, agreed=True)
+    together = compute_together(world, work, float(span[0]))
+    alone = float(span[1])
+    return max(1.0, together / alone), alone, together
+
+
+def compute_together(world: Communicator, work: Callable[[], float], window: float = 1.5) -> float:
+    """Seconds of one run of ``work`` with every rank running it at once: each rank repeats it
+    until one shared deadline ``window`` seconds on (and at least 3 runs), so that every timed
+    run competes with all the others (ranks that stop early would leave the rest a quieter
+    machine); the median run of each rank (the first left out), averaged over ranks.
+    Collective over ``world``."""
     world.barrier()
-    deadline = time.monotonic() + float(span.item())  # one clock for every process of a machine
+    deadline = time.monotonic() + window  # one clock for every process of a machine
     runs = [work()]
     while time.monotonic() < deadline or len(runs) < 3:
         runs.append(work())
-    both = torch.tensor([statistics.median(runs[1:]) / world.size, solo], dtype=torch.float64)
-    world.all_reduce(both, "sum", agreed=True)
-    together, alone = float(both[0]), float(both[1])
-    return max(1.0, together / alone), alone, together
+    mine = torch.tensor([statistics.median(runs[1:]) / world.size], dtype=torch.float64)
+    world.all_reduce(mine, "sum", agreed=True)
+    return float(mine[0])
 
 
 def probe_worker(groups: CommGroups, *, sizes: tuple[int, ...] = SIZES, reps: int = 5,

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -106,6 +107,13 @@ class ModelSpec:
     same work timed alongside that trace (`Trace.compute_scale`) instead of by
     `Links.compute_scale`: the ratio of two figures taken side by side cancels this machine's
     own drift between traces (the conv net's traced compute moved by 30% within a minute here).
+
+    ``amp_compute_seconds``, where known: the same work with the loss under the autocast of the
+    planned strategies' AMP (`model_work` with ``amp``). A trace with AMP scales by that over
+    the same autocast work timed alongside it; without it, by ``compute_seconds`` over the
+    float32 work. Why a figure of its own: contention slows kinds of compute unequally. On 2
+    cores shared by 4 ranks, the float32 models' ratio (x2.5-4.0) put emulated bfloat16 steps
+    22-34% over their measured time in five of six cells.
     """
 
     builder: Builder
@@ -114,11 +122,14 @@ class ModelSpec:
         default_factory=lambda: OptimizerKind.MOMENTUM.factory())
     name: str = "model"
     compute_seconds: float | None = None
+    amp_compute_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.compute_seconds is not None and not self.compute_seconds > 0:
-            raise ValueError(f"ModelSpec {self.name!r}: compute_seconds={self.compute_seconds!r} must be a "
-                             "positive number of seconds (or None to scale by the links' compute_scale)")
+        for field in ("compute_seconds", "amp_compute_seconds"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"ModelSpec {self.name!r}: {field}={value!r} must be a positive number of "
+                                 "seconds (or None to scale by the links' compute_scale)")
 
     def build(self) -> tuple[torch.nn.Module, Callable[..., Any], Any]:
         out = self.builder(self.batch_size)
@@ -129,23 +140,29 @@ class ModelSpec:
 
 
 def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter,
-               fault_seconds: float = 0.0) -> Callable[[], float]:
+               fault_seconds: float = 0.0, amp: str | None = None) -> Callable[[], float]:
     """The work ``ModelSpec.compute_seconds`` is the time of: a fresh copy of the model, its
     loss and backward, the gradients of the run before kept (as a bucketed program keeps them,
-    so no run allocates them afresh but the first). Returns a function that runs it once and
-    returns its seconds on ``clock``, less ``fault_seconds`` per minor page fault the process
-    took meanwhile. The job times it on every rank at once, the planner alongside each trace,
+    so no run allocates them afresh but the first); with ``amp`` ("bfloat16" or "float16") the
+    loss under that autocast, as AMP runs it (``amp_compute_seconds``). Returns a function that
+    runs it once and returns its seconds on ``clock``, less ``fault_seconds`` per minor page
+    fault the process took meanwhile. The job times it on every rank at once, the planner alongside each trace,
     both without page faults: the planner's traces leave their faults out (`fleetlike.plan.dry`),
     so the ratio must too (a rank faulting in its 16 MiB temporaries made the MLP's ratio x3-6
     against x2-3 without)."""
+    if amp not in (None, "bfloat16", "float16"):
+        raise ValueError(f"model_work amp={amp!r}: write 'bfloat16', 'float16' or None (float32)")
     net, loss_fn, feed = spec.build()
+    device = next((p.device.type for p in net.parameters()), "cpu")
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if fault_seconds else 0
 
     def run() -> float:
         f0, t0 = faults(), clock()
-        loss_fn(net, feed).backward()
+        with torch.autocast(device, dtype=getattr(torch, amp)) if amp else contextlib.nullcontext():
+            loss = loss_fn(net, feed)
+        loss.float().backward()
         seconds = clock() - t0 - (faults() - f0) * fault_seconds
         net.zero_grad(set_to_none=False)
         return max(seconds, 0.0)

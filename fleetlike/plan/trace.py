@@ -136,8 +136,9 @@ class Trace:
     memory: MemoryBreakdown
     program: Program
     describe: list[dict[str, Any]]
-    #: ``spec.compute_seconds`` over the model's loss and backward timed here alongside the
-    #: traced periods (median), or None without ``compute_seconds`` (`fleetlike.plan.spec`)
+    #: ``spec.compute_seconds`` (an AMP strategy's: ``amp_compute_seconds`` where given) over
+    #: the same work timed here alongside the traced periods (median), or None without it
+    #: (`fleetlike.plan.spec`)
     compute_scale: float | None = None
 
     @property
@@ -309,7 +310,8 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
     params = [p for p in engine.ctx.model.parameters() if p.requires_grad]
     page_s = first_touch_seconds()
     fabric.fault_seconds = page_s  # every time below on a clock without this process's faults
-    reference = _reference(spec, fabric) if spec.compute_seconds is not None else None
+    figure, amp = _compute_figure(spec, strategy)
+    reference = _reference(spec, fabric, amp) if figure is not None else None
     ref_times: list[float] = []
     gc.collect()
     gc_was = gc.isenabled()
@@ -370,15 +372,24 @@ def trace(spec: ModelSpec, strategy: DistributedStrategy, cluster: Cluster, *, r
     steps = _median_steps(recorded)
     memory = measure_state(engine, act, strategy)
     scale = None
-    if spec.compute_seconds is not None:
-        scale = spec.compute_seconds / max(statistics.median(ref_times), 1e-9)
+    if figure is not None:
+        scale = figure / max(statistics.median(ref_times), 1e-9)
     return Trace(strategy, cluster, steps, str(main), memory, main,
                  reducer.describe() if reducer is not None else [], scale)
 
 
-def _reference(spec: ModelSpec, fabric: DryFabric) -> Callable[[], float]:
+def _compute_figure(spec: ModelSpec, strategy: DistributedStrategy) -> tuple[float | None, str | None]:
+    """The job's compute figure this trace scales by and the autocast of its reference work:
+    an AMP strategy's own (`ModelSpec.amp_compute_seconds`, its dtype) where the job gave one,
+    else the float32 figure, else None."""
+    if strategy.amp and spec.amp_compute_seconds is not None:
+        return spec.amp_compute_seconds, str(strategy.amp_configs["dtype"])
+    return spec.compute_seconds, None
+
+
+def _reference(spec: ModelSpec, fabric: DryFabric, amp: str | None = None) -> Callable[[], float]:
     """`model_work` on the fabric's clock, run once untimed (it allocates the gradients)."""
-    run = model_work(spec, fabric.now)
+    run = model_work(spec, fabric.now, amp=amp)
     run()
     return run
 
