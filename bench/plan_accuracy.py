@@ -102,7 +102,7 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
         world = fleet.context().groups.world
         work = _model_run(build, MODELS[model])
         slowdown, alone, together = compute_slowdown(world, work)
-        amp_work = _model_run(build, MODELS[model], AMP_DTYPE) if any("amp" in n for n in names) else None
+        amp_work = _model_run(build, MODELS[model], AMP_DTYPE) if any(cands[n].strategy().amp for n in names) else None
         # every strategy built once and warmed up (its own model, optimizer and programs), then
         # timed in rounds, the order rotated each round: load that drifts during the job falls
         # on every strategy alike, and each figure is the median of its rounds
