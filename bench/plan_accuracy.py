@@ -127,10 +127,10 @@ def worker(rank: int, eps: list[str], task: str, out: str, model: str = "", stra
             n = max(steps, math.ceil(seconds / max(step, 1e-6)))
             progs[name] = (main, -(-n // period) * period, feed)
         times: dict[str, list[float]] = {s: [] for s in names}
-        # the same all-ranks compute again at the start of every round: a rank's compute got
-        # ~30% slower over one job here (0.42 -> 0.55 s for the transformer's, four strategies
-        # built and run in between), so one figure taken before the strategies were built
-        # under-stated every step timed later
+        # the same all-ranks compute again at the start of every round, the median passed on:
+        # one figure taken before the strategies were built moved by up to 30% against the
+        # same work timed later in the same job (the transformer's 0.42 s read 0.46-0.55 s
+        # after four strategies had run; 0.23 s at the start, 0.15-0.21 s in the rounds)
         rounds_together: list[float] = []
         rounds_amp: list[float] = []
         for rnd in range(rounds):
