@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fleetlike.comm import CompletedWork
 from fleetlike.strategies import DistributedStrategy
 from fleetlike.strategies.fragments import OuterRule, split_fragments
 from fleetlike.testing import run_ranks
@@ -224,6 +225,47 @@ def test_outer_rule_is_torch_sgd() -> None:
             assert torch.equal(anchor, ref.detach()), kind
     with pytest.raises(ValueError, match="nesterov"):
         OuterRule("nesterov", 0.7, 0.0)
+
+
+def test_syncs_reuse_one_buffer_and_keep_the_fresh_tensor_arithmetic() -> None:
+    """Every sync writes its delta into the same persistent buffer (no model-size allocation
+    per sync), and the values are bit for bit those of the fresh tensors the formulas name:
+    ``delta = anchor - flat(params)``; with overlap, ``anchor + alpha * (flat - anchor)``."""
+
+    class _Keep:  # a world of one: the "average" leaves the delta as it is
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, torch.Tensor]] = []
+
+        def start_tensor(self, tensor: torch.Tensor, index: int) -> Any:
+            self.seen.append((tensor.data_ptr(), tensor.clone()))
+            return CompletedWork(None)
+
+    torch.manual_seed(5)
+    model = make_model(0)
+    params = list(model.parameters())
+    keep = _Keep()
+    (frag,) = split_fragments(params, 1, keep, None)
+    frag.snapshot()
+    rule, alpha = OuterRule("nesterov", 0.7, 0.9), 0.5
+    ref_anchor = [a.clone() for a in frag.anchors]
+    ref_buf: list[torch.Tensor | None] = [None] * len(ref_anchor)
+    for sync in range(3):
+        with torch.no_grad():
+            for p in params:  # local steps moved the parameters
+                p.add_(torch.randn_like(p), alpha=0.1)
+        flat = [torch.cat([p.detach().reshape(-1) for p in g]) for g in frag.groups]
+        frag.launch()
+        deltas = [a - f for a, f in zip(ref_anchor, flat)]
+        for (ptr, sent), d, buf in zip(keep.seen[-len(deltas):], deltas, frag.scratch):
+            assert ptr == buf.data_ptr()
+            assert torch.equal(sent, d)
+        frag.land(rule, alpha, overlapped=True)
+        for i, d in enumerate(deltas):
+            ref_buf[i] = rule.apply_(ref_anchor[i], d, ref_buf[i])
+            expect = ref_anchor[i] + alpha * (flat[i] - ref_anchor[i])
+            assert torch.equal(frag.anchors[i], ref_anchor[i])
+            assert torch.equal(torch.cat([p.detach().reshape(-1) for p in frag.groups[i]]), expect), sync
+    assert len({ptr for ptr, _ in keep.seen}) == len(frag.groups)  # one buffer each, every sync
 
 
 CASES_2 = [

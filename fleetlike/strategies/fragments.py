@@ -21,6 +21,13 @@ overlapped local steps changed in the meantime is mixed back in: ``param = new_a
 alpha * (param_now - new_anchor)`` (torchft's ``fragment_update_alpha``; 0 keeps only the outer
 result). Without overlap ``param = new_anchor``.
 
+**One scratch buffer per flat buffer.** A sync writes the flat parameters and the delta into
+the same persistent buffer (``torch.cat(out=)``, then ``anchor - it`` in place), instead of two
+fresh tensors per sync. Fresh tensors of model size come back from the allocator as fresh pages:
+on a 2-core host a rank of the 14 MB transformer took 1,559-1,921 minor faults per sync in this
+op (~9 ms of first touch at 3-8 us a page), every sync. The buffer keeps one copy of the model
+resident; the peak is one copy lower (the flat copy and the delta no longer coexist).
+
 Example:
     >>> frags = split_fragments(params, 4, collective, cap_bytes=32 << 20)
     >>> frags[0].snapshot()
@@ -100,6 +107,8 @@ class Fragment:
         #: the averaged deltas in flight (launched, not landed) and their handles
         self.deltas: list[torch.Tensor] | None = None
         self.works: list[Work] = []
+        #: one persistent buffer per flat buffer: the flat parameters, then the delta in place
+        self.scratch: list[torch.Tensor] = []
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
@@ -112,8 +121,16 @@ class Fragment:
             total += sum(p.numel() for p in g) * size
         return total
 
-    def flat(self, i: int) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.groups[i]])
+    def flat(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Buffer ``i``'s parameters as one flat tensor (written into ``out`` where given)."""
+        pieces = [p.detach().reshape(-1) for p in self.groups[i]]
+        return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
+
+    def _scratch(self, i: int) -> torch.Tensor:
+        while len(self.scratch) <= i:
+            g = self.groups[len(self.scratch)]
+            self.scratch.append(torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device))
+        return self.scratch[i]
 
     def snapshot(self) -> None:
         """Anchor = the parameters now (identical on every rank after a broadcast or an average)."""
@@ -129,7 +146,11 @@ class Fragment:
             raise RuntimeError(f"local SGD fragment {self.index}: no anchor was taken before its first sync")
         if self.deltas is not None:
             raise RuntimeError(f"local SGD fragment {self.index}: launched twice without landing")
-        self.deltas = [a - self.flat(i) for i, a in enumerate(self.anchors)]
+        deltas = []
+        for i, a in enumerate(self.anchors):
+            d = self.flat(i, out=self._scratch(i))
+            deltas.append(torch.sub(a, d, out=d))
+        self.deltas = deltas
         self.works = [self.collective.start_tensor(d, self.first_slot + i) for i, d in enumerate(self.deltas)]
         return self.wire_bytes()
 
@@ -148,8 +169,8 @@ class Fragment:
             for i, (group, anchor, delta) in enumerate(zip(self.groups, self.anchors, self.deltas)):
                 self.momentum[i] = rule.apply_(anchor, delta, self.momentum[i])
                 new = anchor
-                if overlapped and alpha != 0.0:
-                    new = anchor + alpha * (self.flat(i) - anchor)
+                if overlapped and alpha != 0.0:  # delta is spent: its buffer takes the mix
+                    new = self.flat(i, out=self._scratch(i)).sub_(anchor).mul_(alpha).add_(anchor)
                 offset = 0
                 for p in group:
                     p.copy_(new[offset : offset + p.numel()].view_as(p))
