@@ -85,15 +85,22 @@ def _digits(role, gossip_n: int, eager: bool) -> dict[str, float]:
                 "grad_bytes": sum(p.numel() * 4 for p in net.parameters())}
 
 
+def _digits_runs(role, runs: list[tuple[bool, int]]) -> dict[tuple[bool, int], dict[str, float]]:
+    """Each (eager, gossip_n) run in turn in the same ranks: one job instead of four (each run
+    its own session, seeds and model, as in separate jobs)."""
+    return {(eager, n): _digits(role, n, eager) for eager, n in runs}
+
+
 @pytest.mark.timeout(200)
 def test_gossip_bytes_and_digits_convergence() -> None:
+    runs = [(eager, n) for eager in (False, True) for n in (1, 4)]
+    by_rank = run_ranks(_digits_runs, 4, runs, timeout=180)
     results = {}
-    for eager in (False, True):
-        for n in (1, 4):
-            ranks = run_ranks(_digits, 4, n, eager, timeout=150)
-            accs = {r["acc"] for r in ranks}
-            assert len(accs) == 1, f"ranks disagree: {accs}"
-            results[(eager, n)] = ranks[0]
+    for run in runs:
+        accs = {ranks[run]["acc"] for ranks in by_rank}
+        assert len(accs) == 1, f"ranks disagree: {accs}"
+        results[run] = by_rank[0][run]
+    print("test accuracy (eager, n):", {run: results[run]["acc"] for run in runs})
     for eager in (False, True):
         sync, gossip = results[(eager, 1)], results[(eager, 4)]
         full = sync["grad_bytes"]
