@@ -252,6 +252,12 @@ def _task_mismatch(spec: dict[str, Any]) -> Any:
         world.close()
 
 
+def _task_mismatches(specs: list[dict[str, Any]]) -> Any:
+    """`_task_mismatch` of each spec in turn, each on its own communicator (one job covers
+    several; a job's start costs seconds, a collective does not)."""
+    return [_task_mismatch(spec) for spec in specs]
+
+
 def _task_call(spec: dict[str, Any]) -> Any:
     """``spec["target"]`` ("module:function", importable from tests/) called with ``spec["data"]``."""
     import importlib
@@ -261,7 +267,9 @@ def _task_call(spec: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(spec["data"])
 
 
-TASKS = {"call": _task_call, "mismatch": _task_mismatch, "cases": _task_cases, "split": _task_split, "create_world": _task_create_world, "stall": _task_stall}
+TASKS = {"call": _task_call, "mismatch": _task_mismatch, "mismatches": _task_mismatches,
+         "cases": _task_cases, "split": _task_split, "create_world": _task_create_world,
+         "stall": _task_stall}
 
 
 def main(spec_path: str, outdir: str) -> None:

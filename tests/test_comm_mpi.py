@@ -94,13 +94,29 @@ def test_a_collective_a_peer_never_joins_aborts_the_job_after_the_timeout(mode):
     assert elapsed < 40, elapsed  # rank 1 sleeps 60 s: the job did not wait for it
 
 
+KINDS = ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
+
+
+def _shapes(kind: str) -> list[tuple[int, ...]]:
+    return [(4,), (6,)] if kind != "reduce_scatter" else [(4,), (8,)]
+
+
+@pytest.fixture(scope="module")
+def mismatches() -> dict[str, list]:
+    """Every kind's mismatch in one MPI job (in turn, each on its own communicator): kind ->
+    each rank's (error, allreduce after it)."""
+    specs = [{"kind": k, "shapes": _shapes(k)} for k in KINDS]
+    per_rank = run_mpi(2, "mismatches", specs, timeout=90)
+    return {kind: [rank[i] for rank in per_rank] for i, kind in enumerate(KINDS)}
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "broadcast", "reduce_scatter"])
-def test_different_sizes_raise_on_every_rank_naming_each_shape(kind):
+@pytest.mark.parametrize("kind", KINDS)
+def test_different_sizes_raise_on_every_rank_naming_each_shape(kind, mismatches):
     """MPI on its own truncates ("Message from rank 1 ... truncated"), errors on one rank only
     (broadcast) or aborts the job; the default size check raises on every rank first."""
-    shapes = [(4,), (6,)] if kind != "reduce_scatter" else [(4,), (8,)]
-    results = run_mpi(2, "mismatch", {"kind": kind, "shapes": shapes}, timeout=60)
+    shapes = _shapes(kind)
+    results = mismatches[kind]
     for rank, (error, after) in enumerate(results):
         assert error is not None and error[0] != "other", (rank, error)
         text, rows = error
