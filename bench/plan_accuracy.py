@@ -29,7 +29,7 @@ medians of the even and of the odd rounds (split half; needs 2 rounds or more). 
 can hardly rank the strategies better than the measurement reproduces its own ranking.
 JSON and a scatter plot -> docs/benchmarks/plan_accuracy.json/.png.
 
-    python -m bench.plan_accuracy                                    # ~40 minutes on 2 cores
+    python -m bench.plan_accuracy                                    # ~70 minutes on 2 cores
     python -m bench.plan_accuracy --rates 1gbit --models convnet --rounds 1
 
 Needs root for the namespaces (says so and stops otherwise).
