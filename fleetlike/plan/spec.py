@@ -148,8 +148,8 @@ def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter,
     runs it once and returns its seconds on ``clock``, less ``fault_seconds`` per minor page
     fault the process took meanwhile. The job times it on every rank at once, the planner
     alongside each trace, both without page faults: the planner's traces leave their faults out
-    (`fleetlike.plan.dry`), so the ratio must too (a rank faulting in its 16 MiB temporaries made the MLP's ratio x3-6
-    against x2-3 without)."""
+    (`fleetlike.plan.dry`), so the ratio must too (a rank faulting in its 16 MiB temporaries
+    made the MLP's ratio x3-6 against x2-3 without)."""
     if amp not in (None, "bfloat16", "float16"):
         raise ValueError(f"model_work amp={amp!r}: write 'bfloat16', 'float16' or None (float32)")
     net, loss_fn, feed = spec.build()

@@ -127,9 +127,8 @@ class Fragment:
         return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
 
     def _scratch(self, i: int) -> torch.Tensor:
-        while len(self.scratch) <= i:
-            g = self.groups[len(self.scratch)]
-            self.scratch.append(torch.empty(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device))
+        if not self.scratch:  # made at the first sync, shaped like the anchors
+            self.scratch = [torch.empty_like(a) for a in self.anchors or []]
         return self.scratch[i]
 
     def snapshot(self) -> None:
