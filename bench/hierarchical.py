@@ -3,7 +3,7 @@
 Two simulated nodes x 2 workers: network namespaces joined by a veth pair limited with ``tbf``
 (`bench.netns`); ranks 0-1 live in node A (10.77.0.1), ranks 2-3 in node B (10.77.0.2). All five
 allreduce variants (hier_fp16_rs: hier_fp16 with the node-local hops as gloo's reduce-scatter and
-allgather, the form before issue 15) run side by side, interleaved rep by rep, in one invocation; then a short
+allgather, the earlier form) run side by side, interleaved rep by rep, in one invocation; then a short
 data-parallel training run (fleet, program style) reports steps/s for the same configurations.
 Needs root (skips with the reason otherwise).
 
@@ -48,7 +48,7 @@ def worker(rank: int, eps: list[str], eps2: list[str], sizes: list[int], reps: i
     hier = HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes)
     hier2 = HierarchicalAllReduce(pairs, world, segment_bytes=segment_bytes)
     fp16 = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes), HalfCodec("float16"))
-    # the same with the node-local hops as gloo's reduce-scatter + allgather (the form before issue 15)
+    # the same with the node-local hops as gloo's reduce-scatter + allgather (the earlier form)
     fp16_rs = CompressedAllReduce(HierarchicalAllReduce(pairs[:1], world, segment_bytes=segment_bytes, intra_form="reduce_scatter"),
                                   HalfCodec("float16"))
     rows = []

@@ -41,7 +41,7 @@ from bench._common import Column, format_table, interleaved_timings, median, rep
 
 __all__ = ["TARGET_DP", "main"]
 
-#: issue 18's targets: sharded step time <= 1.05 x unsharded data parallel, <= torch's ZeRO
+#: the targets: sharded step time <= 1.05 x unsharded data parallel, <= torch's ZeRO
 TARGET_DP = 1.05
 KINDS = ("dp", "sharded", "torch_zero")
 #: timed side by side; peak RSS is measured for KINDS

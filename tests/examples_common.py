@@ -39,7 +39,7 @@ def torchrun(*args: str, nproc: int = 2) -> list[str]:
 
 
 def mpiexec(*args: str, n: int = 2) -> list[str]:
-    """The mpich wheel's mpiexec on this host: fork launcher (no ssh), no core binding."""
+    """The mpich wheel's mpiexec on one machine: fork launcher (no ssh), no core binding."""
     return [str(BIN / "mpiexec"), "-launcher", "fork", "-bind-to", "none", "-n", str(n), PY, *args]
 
 

@@ -1,4 +1,4 @@
-"""TI-ACC's adaptive mixed precision (issue 20): the policy object against an independent
+"""TI-ACC's adaptive mixed precision: the policy object against an independent
 implementation of its three rules on generated epoch / lr / loss traces, and
 ``amp_configs.policy`` switching AMP on and off between steps on real ranks in both styles
 without losing the loss scaler's state."""

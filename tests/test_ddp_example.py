@@ -95,7 +95,7 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     difference over the norm of ``b``'s update, every trained parameter taken as one vector (the
     16-bit runs' gradients differ by rounding; 8 steps of training amplify that a little, as
     torch's own fp16_compress_hook shows). Not per parameter: some move by only 4e-5 in these 8
-    steps, so one rounding step of theirs reads as 11% (fp16, AMD EPYC host, session 9; the
+    steps, so one rounding step of theirs reads as 11% (fp16, measured on an AMD EPYC CPU; the
     norm over all was 2.6% there, per parameter at most 5.3%; mixed 0.6%, hierarchical 5e-6)."""
     init = _initial()
     names = [k for k in a if k.endswith(("weight", "bias"))]

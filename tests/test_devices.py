@@ -1,7 +1,7 @@
 """Which device and backend each face picks, checked on the CPU with torch.cuda's answers
 patched (the GPU runs of tests/test_gpu_faces.py check the same choices on a real GPU).
 
-The first GPU run (session 8) found: a one-GPU job's `single` world refused CUDA tensors; a DDP
+The first GPU run found: a one-GPU job's `single` world refused CUDA tensors; a DDP
 hook on CUDA buckets met its job on gloo (which refuses them); a job started by torchrun, MPI or
 Slurm on a GPU machine trained on the CPU unless CUDA_VISIBLE_DEVICES was set.
 """

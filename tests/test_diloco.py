@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo (issue 20) on real gloo ranks, against an in-process simulation.
+"""DiLoCo and Streaming DiLoCo on real gloo ranks, against an in-process simulation.
 
 The simulation below is written from the papers' description, not from fleetlike's code: N
 model replicas with their own inner optimizers; per fragment an anchor held as parameters of a

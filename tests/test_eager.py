@@ -188,7 +188,7 @@ def _plain(role, names: list[str]) -> dict[str, list[np.ndarray]]:
 
 @pytest.mark.timeout(120)
 def test_strategies_change_the_eager_result():
-    """Issue 12's report: in the eager style local SGD, gradient merge and AMP left the result
+    """A fault once seen: in the eager style local SGD, gradient merge and AMP left the result
     bit-identical to data parallel. Each must now move it."""
     names = ("localsgd", "gradient_merge", "amp_bf16", "adaptive_localsgd")
     states = run_ranks(_plain, 2, ["data_parallel", *names], timeout=100)[0]
@@ -277,7 +277,7 @@ def test_torch_grad_scaler_drives_the_distributed_optimizer():
         assert max_diff(plain, scaled) <= 1e-6  # a power-of-two scale is exact in float32
 
 
-# ---------------------------------------------------------------------- issue 12, items 4-6
+# ---------------------------------------------------------------------- eager-style regressions
 
 
 def _gan(role) -> dict:
@@ -302,7 +302,7 @@ def _gan(role) -> dict:
 
 @pytest.mark.timeout(60)
 def test_two_wrapped_models_both_stay_averaged():
-    """Issue 12 item 4: a second distributed_model unhooked the first and the ranks drifted."""
+    """A second distributed_model unhooked the first and the ranks drifted."""
     a, b = run_ranks(_gan, 2, timeout=45)
     weights = slice(0, 2)  # Linear weight and bias: equal on every rank when gradients are averaged
     assert max_diff(a["gen"][weights], b["gen"][weights]) <= 1e-6
@@ -317,7 +317,7 @@ def _recompute_bn(role, recompute: bool, style: str) -> list[np.ndarray]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("style", ["eager", "program"])
 def test_recompute_leaves_batchnorm_statistics_as_without_it(style):
-    """Issue 12 item 5: the recomputed forward updated BatchNorm's running statistics twice."""
+    """The recomputed forward updated BatchNorm's running statistics twice."""
     plain = run_ranks(_recompute_bn, 2, False, style, timeout=60)[0]
     checkpointed = run_ranks(_recompute_bn, 2, True, style, timeout=60)[0]
     assert max_diff(plain, checkpointed) <= 1e-6  # running_mean/var and num_batches_tracked too
@@ -341,7 +341,7 @@ def _reinit(role) -> tuple[str, float]:
 
 @pytest.mark.timeout(60)
 def test_init_twice_says_shutdown_first_and_init_after_shutdown_works():
-    """Issue 12 item 6: a second init failed with 'Address already in use'."""
+    """A second init failed with 'Address already in use'."""
     for message, total in run_ranks(_reinit, 2, timeout=45):
         assert "fleet.shutdown() first" in message
         assert total == 2.0
@@ -427,7 +427,7 @@ def _ckpt(role, root: str, phase: str) -> list[np.ndarray]:
 
 @pytest.mark.timeout(90)
 def test_eager_checkpoint_resumes_exactly(tmp_path):
-    """Issue 12 item 3: save/load_persistables needed minimize; now the wrapped model, the
+    """save/load_persistables once needed minimize; now the wrapped model, the
     optimizer (with the loss scale) and a registered scheduler come back exactly."""
     straight = run_ranks(_ckpt, 2, str(tmp_path), "straight", timeout=60)
     run_ranks(_ckpt, 2, str(tmp_path), "first_half", timeout=60)

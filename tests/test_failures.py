@@ -292,7 +292,7 @@ def _fit(role, ckpt, phase):
 
 @pytest.mark.timeout(60)
 def test_loading_checks_the_strategy_not_the_world_size(tmp_path):
-    # issue 18: a checkpoint loads at another world size (state is replicated or resharded)
+    # a checkpoint loads at another world size (state is replicated or resharded)
     ckpt = str(tmp_path / "c")
     run_ranks(_fit, 2, ckpt, "save", timeout=30)
     kind, msg = run_ranks(_fit, 1, ckpt, "load", timeout=30)[0]

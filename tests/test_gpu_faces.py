@@ -4,7 +4,7 @@ One GPU means a world of one, so the arithmetic across ranks is the gloo/MPI tes
 each face trains (or moves) the same thing on ``cuda:0`` and on the CPU and the two must agree,
 on a world built on NCCL (``backend='nccl'``: every collective really reaches NCCL at size
 one) and on the default world (``single``, which must take CUDA tensors). The first GPU run
-(session 8) found three faults this file now guards: CuPy 14's bytes unique id, the `single`
+found three faults this file now guards: CuPy 14's bytes unique id, the `single`
 world refusing CUDA tensors, Horovod calls on CPU tensors in an NCCL job.
 
 Skipped, with the reason, without a CUDA device + CuPy + NCCL (CI has none; see docs/gpu.md).

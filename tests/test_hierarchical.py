@@ -306,7 +306,7 @@ class _Groups:
     {"use_hierarchical_allreduce": True},  # the key left at its default
 ])
 def test_paddle_inter_nranks_values_mean_ranks_per_node(paddle_config):
-    """issue 12 item 7: Paddle reads inter_nranks <= 1 as "the ranks of one node"; a Paddle config
+    """Paddle reads inter_nranks <= 1 as "the ranks of one node"; a Paddle config
     carried over must group by node, not raise."""
     role = Role.from_endpoints(0, [f"127.0.0.{1 + r // 2}:{6170 + r}" for r in range(4)])
     s = DistributedStrategy.from_dict(paddle_config)

@@ -236,7 +236,7 @@ def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: P
 
 @pytest.mark.timeout(180)
 def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
-    """Issue 13 on several nodes: two 2-node jobs (4 launchers) on the same two loopback nodes,
+    """Concurrent jobs on several nodes: two 2-node jobs (4 launchers) on the same two loopback nodes,
     started at the same moment with the same flags but their own rendezvous files, each choosing
     its ports as it binds them: neither can take the other's, and neither joins the other."""
     outs = [tmp_path / f"out{j}" for j in range(2)]
@@ -342,7 +342,7 @@ def test_in_process_main_and_leftover_children(
 
 
 def test_two_auto_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
-    """The CI failure of issue 13, made impossible: two jobs choose their ports at the same
+    """A CI failure made impossible: two jobs choose their ports at the same
     moment, and each holds them from the choice to the end, so neither can take the other's."""
     outs = [tmp_path / f"out{j}" for j in range(2)]
     for o in outs:

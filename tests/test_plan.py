@@ -372,7 +372,7 @@ def test_trace_costs_and_annotates_hierarchical_segments():
 def test_trace_prices_the_first_touch_of_gradients_freed_every_step():
     """Local SGD has no gradient buckets: its clear_grad frees every gradient and each backward
     allocates them again, which a rank's own process pays in page faults (the planner's process
-    reuses resident free memory, so its op times miss it: issue 21's localsgd row on the 50 MB
+    reuses resident free memory, so its op times miss it: the localsgd row on the 50 MB
     MLP, 19-29% low). Data parallel's gradients are bucket views that stay: nothing to add."""
     cands = {c.name: c for c in candidates("basic", CLUSTER)}
     nbytes = sum(p.numel() * p.element_size() for p in build(1)[0].parameters())
@@ -453,7 +453,7 @@ def test_trace_records_sharding_gather_as_issued():
     cands = {c.name: c for c in candidates("basic", CLUSTER)}
     t = trace(_spec(), cands["sharding"].strategy(), CLUSTER, repeats=1)
     g = t.steps[0].gather
-    # issue 18's default: the update interleaved with the gather, so the broadcasts are the
+    # sharding's default: the update interleaved with the gather, so the broadcasts are the
     # optimizer update's, in the layout's order, each from its chunk's owner
     assert g is not None and g.interleaved and g.op == "optimizer_update"
     ev = [e for op, es in t.steps[0].blocking if op == g.op for e in es]

@@ -1,4 +1,4 @@
-"""Optimizer-state sharding (issue 18): the parameters after N steps equal unsharded data
+"""Optimizer-state sharding: the parameters after N steps equal unsharded data
 parallel (a single-process reference on the global batch) and torch's ZeroRedundancyOptimizer
 over DDP on gloo, to 1e-6, for SGD, momentum, Adam and AdamW on 2, 3 and 4 real ranks, in the
 program style and the eager loop, with two parameter groups and an LR scheduler; with clipping

@@ -1,4 +1,4 @@
-"""Sharded checkpoints that change world size (issue 18): saved by 4 sharded ranks, loaded by 2
+"""Sharded checkpoints that change world size: saved by 4 sharded ranks, loaded by 2
 and 3 sharded ranks and by 1 unsharded process, and back (2 -> 4, unsharded 2 -> sharded 4),
 each continuing to equal an uninterrupted run; a sharded checkpoint consolidated into a plain
 ``torch.optim.Adam`` continues the same way; a gradient-merge window cut in the middle is

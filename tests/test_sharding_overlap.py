@@ -1,4 +1,4 @@
-"""Sharding's interleaved update (``sharding_configs.overlap_update``, issue 18's performance
+"""Sharding's interleaved update (``sharding_configs.overlap_update``, the performance
 pass): stepping the partition chunk by chunk while each updated chunk is broadcast gives the
 same parameters, bit for bit, as the update followed by the gather, in the eager loop and the
 program style, on 3 real gloo ranks (one bucket of several chunks, and many small buckets),

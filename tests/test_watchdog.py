@@ -62,7 +62,7 @@ def test_the_thread_expires_a_real_overdue_collective() -> None:
 
 
 def test_begin_end_from_many_threads_while_checking_loses_nothing() -> None:
-    """The race of issue 13: `check` iterated the entries while other threads changed them."""
+    """A race once seen: `check` iterated the entries while other threads changed them."""
     import threading
 
     dog = Watchdog(thread=False)

@@ -36,7 +36,7 @@ all ranks compute at once, or by the trace's own from the model's compute on the
 the blocking collectives of the other ops (AMP's finite flag, local SGD's average). The ops'
 compute includes `StepTrace.refault`, the first touch of gradients a program without buckets
 allocates afresh every step (`fleetlike.plan.trace`), scaled like the rest. Sharding's
-update and parameter gather are priced together (`gather_cost`): issue 18's interleaved update
+update and parameter gather are priced together (`gather_cost`): the interleaved update
 steps each owner's chunk just before broadcasting it, so the gather hides behind the update.
 A period of k steps (gradient merge, local SGD) is averaged.
 

@@ -24,7 +24,7 @@ resident (the 14 MB transformer's gradients refault ~10% of their pages on its r
 times and work, call times) is on `DryFabric.now` with this process's own minor faults taken
 off at that per-page cost. This process's heap faults at random: the MLP's backward, with
 its gradients in buckets, took 0, 4k, 8k or 12k faults from one step to the next and 39, 55,
-61 or 72 ms; the ranks' steady state took none (session 9's count). Left in, it was part of what moved
+61 or 72 ms; the ranks' steady state took none (counted with getrusage). Left in, it was part of what moved
 one strategy's prediction by 10-15% between two traces. The pages a rank does fault are the
 fresh gradients above, priced by ``refault``.
 
