@@ -1,6 +1,7 @@
 """Process-wide switches read from the environment, turned into plain values here.
 
-The layers above never read the environment (DESIGN.md): `fleet.init` asks this function.
+`fleet.init` and the DDP face ask this function rather than the environment; the other readers
+are the role makers, the launcher, elastic membership and the DDP knobs (docs/ARCHITECTURE.md).
 
 ==========================  ===============================================================
 ``FLEETLIKE_STRATEGY``      JSON text or a path to a JSON file, applied over the script's
