@@ -13,7 +13,7 @@ from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
 from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AdaptiveAmpPolicy",
