@@ -125,6 +125,7 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
         assert abs(report["accuracy"] - uninterrupted) <= 0.01, (report["accuracy"], uninterrupted)
 
 
+@pytest.mark.slow
 def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
     done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
     commit = done[0]["resets"][-1]["commit"]  # the commit the world rolled back to
@@ -143,6 +144,7 @@ def test_launcher_and_workers_agree_on_names() -> None:
     assert EVENTS_KEY == LAUNCH_EVENTS_KEY
 
 
+@pytest.mark.slow
 def test_worker_killed_in_an_elastic_job_is_restarted_alone(launchers: Launchers, tmp_path: Path) -> None:
     """``--nnodes 1:2 --max_restarts 1``: one of two workers SIGKILLed mid-epoch is started again
     alone (its peer keeps running: the world of MIN=2 re-forms when it is back), the restart uses
@@ -168,6 +170,7 @@ def test_worker_killed_in_an_elastic_job_is_restarted_alone(launchers: Launchers
     assert_all_gone(out)
 
 
+@pytest.mark.slow
 def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
     """hvd.init() in an elastic launch, hvd.elastic.TorchState / @hvd.elastic.run, hvd.size()
     and hvd.allgather_object on the re-formed world."""
@@ -177,6 +180,7 @@ def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
         check_epochs(report, 1400)
 
 
+@pytest.mark.slow
 def test_hvd_distributed_optimizer_is_refused_and_not_retried(launchers: Launchers, tmp_path: Path) -> None:
     """hvd.DistributedOptimizer in an elastic job fails at construction naming the fix; the
     same error before any progress is not retried although --max_restarts=3 would allow it."""

@@ -37,6 +37,7 @@ def test_single_process_original_learns(tmp_path: Path) -> None:
     assert (tmp_path / "mnist_cnn.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fleet_version_under_the_launcher(tmp_path: Path) -> None:
     proc = run(launcher(str(MNIST / "main_fleet.py"), *SMALL, "--save-model", log_dir=tmp_path / "log"),
@@ -49,6 +50,7 @@ def test_fleet_version_under_the_launcher(tmp_path: Path) -> None:
     assert (tmp_path / "mnist_cnn.pt").exists()  # saved by rank 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fleet_version_under_torchrun(tmp_path: Path) -> None:
     proc = run(torchrun(str(MNIST / "main_fleet.py"), *SMALL), cwd=tmp_path, env=clean_env(), timeout=80)
@@ -56,6 +58,7 @@ def test_fleet_version_under_torchrun(tmp_path: Path) -> None:
     check_learned(proc.stdout, workers=2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fleet_version_under_mpiexec(tmp_path: Path) -> None:
     missing = mpi_missing()

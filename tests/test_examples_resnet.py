@@ -120,6 +120,7 @@ def test_two_workers_learn_log_and_resume_after_kill_9(digits: Path, trained, tm
     assert ACC.search(again.stdout).groups() == ACC.search(stdout).groups()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: Path) -> None:
     """train.py (plain PyTorch: DataLoader, torch.save) and train_with_fleet.py on one worker
@@ -139,6 +140,7 @@ def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: P
     assert ACC.search(plain.stdout).groups() == ACC.search(fleet_run.stdout).groups()
 
 
+@pytest.mark.slow
 def test_evaluate_matches_the_served_model_and_catches_a_changed_one(digits: Path, trained, tmp_path: Path) -> None:
     out, _ = trained
     flags = ["--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", f"--data_dir={digits}"]

@@ -11,13 +11,16 @@ import pytest
 from examples_common import clean_env, costs
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the program-style quick start runs in the fast tier; the others are the same launcher path
 EXAMPLES = [
     "examples/quick_start/train_fleet.py",
-    "examples/quick_start/train_eager.py",
-    "examples/quick_start/train_eager_clip.py",
-    "examples/local_sgd/fixed_k.py",
-    "examples/local_sgd/warmup_recipe.py",
-    "examples/local_sgd/adaptive.py",
+    *(pytest.param(p, marks=pytest.mark.slow) for p in (
+        "examples/quick_start/train_eager.py",
+        "examples/quick_start/train_eager_clip.py",
+        "examples/local_sgd/fixed_k.py",
+        "examples/local_sgd/warmup_recipe.py",
+        "examples/local_sgd/adaptive.py",
+    )),
 ]
 
 
@@ -49,6 +52,7 @@ def test_plain_script_runs_as_one_process(tmp_path):
         assert (model_dir / saved).exists()  # step 4: the model was saved
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_clipping_sees_the_averaged_gradients(tmp_path):
     """train_eager_clip.py clips after opt.synchronize(): both workers measure the same (averaged)

@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 from examples_common import PY, ROOT, clean_env, costs, launcher, run
 
+#: each case is a launcher job of its own; tests/test_eager.py runs every strategy on real ranks
+#: in the fast tier
+pytestmark = pytest.mark.slow
+
 SCRIPT = str(ROOT / "examples" / "quick_start" / "train_eager.py")
 STEPS = 8
 

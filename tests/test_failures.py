@@ -134,6 +134,7 @@ def _job(role, rounds):
     return "ok", total
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_two_jobs_on_the_same_ports_never_join():
     first: dict = {}
@@ -166,6 +167,7 @@ def _launch(tmp_path, mode):
     return proc, time.monotonic() - started
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_under_the_launcher_a_timeout_ends_the_job_with_the_message(tmp_path):
     proc, took = _launch(tmp_path, "sleep")
@@ -176,6 +178,7 @@ def test_under_the_launcher_a_timeout_ends_the_job_with_the_message(tmp_path):
     assert "CollectiveTimeoutError" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_under_the_launcher_a_killed_rank_ends_the_job_within_10s(tmp_path):
     proc, took = _launch(tmp_path, "kill")
@@ -214,6 +217,7 @@ def _loader(role, ckpt):
     return values
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     import multiprocessing as mp

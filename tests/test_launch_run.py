@@ -210,6 +210,7 @@ def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) 
     assert stderr == ""
 
 
+@pytest.mark.slow
 def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: Path) -> None:
     """Each node's launcher chooses and holds its own ports; node 0's hosts the store and writes
     its address to the rendezvous file, and both publish their endpoints there before any worker
@@ -234,6 +235,7 @@ def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: P
     assert not (tmp_path / "rdzv").exists()  # node 0 removed it once both nodes had joined
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
     """Concurrent jobs on several nodes: two 2-node jobs (4 launchers) on the same two loopback nodes,
@@ -258,6 +260,7 @@ def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tm
     assert not any(tmp_path.glob("rdzv*"))
 
 
+@pytest.mark.slow
 def test_a_rendezvous_file_that_never_appears(launchers: Launchers, out: Path, tmp_path: Path) -> None:
     """Node 1 alone: no node 0 ever writes the file. One line names the file and the timeout,
     exit code 1 within the timeout (plus start-up), and no worker was ever started."""
@@ -278,6 +281,7 @@ def test_a_rendezvous_file_that_never_appears(launchers: Launchers, out: Path, t
     assert stdout == "" and recorded_pids(out) == []
 
 
+@pytest.mark.slow
 def test_signal_while_waiting_for_the_other_node(launchers: Launchers, out: Path, tmp_path: Path) -> None:
     """Node 0 waits for a node 1 that never comes; SIGTERM ends it at once, file removed."""
     rdzv = tmp_path / "rdzv"
@@ -296,6 +300,7 @@ def test_signal_while_waiting_for_the_other_node(launchers: Launchers, out: Path
     assert not rdzv.exists() and recorded_pids(out) == []
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_seed_command_on_gpus(launchers: Launchers, out: Path) -> None:
     """Seed 003's command as written (127.0.0.x addresses), one process per visible GPU (max 4)."""
@@ -341,6 +346,7 @@ def test_in_process_main_and_leftover_children(
     assert_all_gone(out, within=0.5)
 
 
+@pytest.mark.slow
 def test_two_auto_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
     """A CI failure made impossible: two jobs choose their ports at the same
     moment, and each holds them from the choice to the end, so neither can take the other's."""
@@ -388,6 +394,7 @@ def test_worker_error_ends_the_job(launchers: Launchers, out: Path) -> None:
     assert len(recorded_pids(out)) == 3
 
 
+@pytest.mark.slow
 def test_worker_killed_by_sigkill(launchers: Launchers, out: Path) -> None:
     code, stderr, elapsed = run_failing(launchers, out, 3, "--sigkill", "2")
     assert code == 128 + signal.SIGKILL and elapsed < 10
@@ -397,6 +404,7 @@ def test_worker_killed_by_sigkill(launchers: Launchers, out: Path) -> None:
     assert stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_grandchildren_that_ignore_sigterm_are_killed(launchers: Launchers, out: Path) -> None:
     """Rank 0 fails while the others (and every worker's child) sleep and ignore SIGTERM."""
     code, stderr, elapsed = run_failing(
@@ -409,6 +417,7 @@ def test_grandchildren_that_ignore_sigterm_are_killed(launchers: Launchers, out:
     assert len(recorded_pids(out)) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_stops_every_worker(launchers: Launchers, out: Path, sig: int) -> None:
     proc = launchers.start("--nproc_per_node=2", "--start_port=auto",
@@ -424,6 +433,7 @@ def test_signal_to_launcher_stops_every_worker(launchers: Launchers, out: Path, 
     assert_all_gone(out, within=0.5)
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_sigkilled_launcher(launchers: Launchers, out: Path) -> None:
     """A launcher killed outright cannot clean up; the kernel's parent-death signal does."""
     proc = launchers.start("--nproc_per_node=2", "--start_port=auto",

@@ -536,6 +536,7 @@ def _probe(role):
         world.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_probe_measures_every_kind_op_and_16bit_reduction_on_real_ranks():
     got = run_ranks(_probe, 4, nodes=2, timeout=110)
