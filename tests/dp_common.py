@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import labelled_batch, max_diff, params  # noqa: F401 - max_diff, params: re-exported to the tests
 
 IN, HID, OUT, BATCH = 16, 24, 3, 8
 
@@ -27,19 +28,11 @@ def make_opt(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(step * 1009 + rank)
-    return {
-        "x": torch.from_numpy(rng.standard_normal((BATCH, IN)).astype("float32")),
-        "y": torch.from_numpy(rng.integers(0, OUT, BATCH)),
-    }
+    return labelled_batch(step * 1009 + rank, BATCH, IN, OUT)
 
 
 def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(model(feed["x"]), feed["y"])
-
-
-def params(model: torch.nn.Module) -> list[np.ndarray]:
-    return [p.detach().clone().numpy() for p in model.parameters()]
 
 
 def single_process(opt_name: str, world: int, steps: int, start: int = 0) -> list[np.ndarray]:
@@ -53,10 +46,6 @@ def single_process(opt_name: str, world: int, steps: int, start: int = 0) -> lis
         opt.step()
         opt.zero_grad()
     return params(model)
-
-
-def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from helpers import cross_entropy as loss_fn
+from helpers import labelled_batch, max_diff  # noqa: F401 - max_diff: re-exported to the tests
 
 IN, OUT, GLOBAL_BATCH = 16, 3, 12
 WIDTHS = (37, 11)
@@ -37,9 +38,7 @@ class Net(torch.nn.Module):
 
 
 def global_batch(step: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(step * 7919 + 5)
-    return {"x": torch.from_numpy(rng.standard_normal((GLOBAL_BATCH, IN)).astype("float32")),
-            "y": torch.from_numpy(rng.integers(0, OUT, GLOBAL_BATCH))}
+    return labelled_batch(step * 7919 + 5, GLOBAL_BATCH, IN, OUT)
 
 
 def batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -48,10 +47,6 @@ def batch(step: int, rank: int, world: int) -> dict[str, torch.Tensor]:
     full = global_batch(step)
     n = GLOBAL_BATCH // world
     return {k: v[rank * n : (rank + 1) * n] for k, v in full.items()}
-
-
-def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(feed["x"]).float(), feed["y"])
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -84,8 +79,6 @@ def weights(model: torch.nn.Module) -> list[np.ndarray]:
     return [p.detach().double().numpy().copy() for p in model.parameters()]
 
 
-def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def reference(opt_name: str, steps: int, *, world: int = 1, widths: tuple[int, ...] = WIDTHS,

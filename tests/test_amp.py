@@ -114,7 +114,7 @@ def _scripted(role, bad_steps, bad_rank, dtype, style):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("style", ["program", "eager"])
+@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_overflow_on_one_rank_skips_everywhere(style):
     bad = {2, 5, 6}
     results = run_ranks(_scripted, 2, bad, 1, "float16", style, timeout=60)
@@ -130,7 +130,7 @@ def test_overflow_on_one_rank_skips_everywhere(style):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("style", ["program", "eager"])
+@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_bf16_runs_without_scaling(style):
     results = run_ranks(_scripted, 2, set(), 0, "bfloat16", style, timeout=45)
     for scales, found, p, text in results:
@@ -166,6 +166,7 @@ def _digits_modes(role, modes):
     return {mode: _digits(role, mode) for mode in modes}  # in turn, one job (each its own session)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_amp_reaches_fp32_accuracy_on_digits():
     acc = run_ranks(_digits_modes, 2, ["fp32", "float16", "bfloat16", "decorate"], timeout=100)[0]

@@ -112,7 +112,7 @@ def _reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))])
 def test_coded_allreduce_against_numpy(world: int) -> None:
     results = run_ranks(_cases_rank, world, timeout=150)
     for i, case in enumerate(_cases(world)):
@@ -158,6 +158,7 @@ def _absent_rank(role: Any) -> tuple[str, str]:
         return type(exc).__name__, str(exc)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_comes_is_named() -> None:
     results = run_ranks(_absent_rank, 3, timeout=45)

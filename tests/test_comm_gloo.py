@@ -30,6 +30,7 @@ def world_and_cases(draw):
 @pytest.mark.timeout(300)
 @settings(max_examples=25)
 @given(world_and_cases())
+@pytest.mark.slow
 def test_collectives_match_numpy(wc):
     world, cases = wc
     check_all(cases, run_ranks(_cases_on_ranks, world, cases, timeout=90))

@@ -31,6 +31,7 @@ def world_and_cases(draw):
 @pytest.mark.timeout(240)
 @settings(max_examples=5)
 @given(world_and_cases())
+@pytest.mark.slow
 def test_collectives_match_numpy(wc):
     world, cases = wc
     check_all(cases, run_mpi(world, "cases", cases, timeout=90))
@@ -44,6 +45,7 @@ def test_collectives_match_numpy(wc):
                            min_size=1, max_size=4)
     )
 )
+@pytest.mark.slow
 def test_split_by_color(colorings):
     """Several colourings of one world per MPI job (a job's start costs seconds; a split does not)."""
     per_rank = run_mpi(len(colorings[0]), "split", colorings, timeout=60)
@@ -77,6 +79,7 @@ def test_create_world_from_mpi_role():
         assert res["rings"] == [n] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_a_collective_a_peer_never_joins_aborts_the_job_after_the_timeout(mode):

@@ -71,7 +71,7 @@ def _all_configs(role, ddp_rendezvous):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_equals_single_process_and_ddp(world, tmp_path):
     """Every configuration, program and eager style, against DDP on the same ranks and data."""
     results = run_ranks(_all_configs, world, str(tmp_path / "ddp_rendezvous"), timeout=200)

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fleetlike.comm import CompletedWork
 from fleetlike.strategies import DistributedStrategy
 from fleetlike.strategies.fragments import OuterRule, split_fragments
 from fleetlike.testing import run_ranks
+from helpers import mse as loss_fn
+from helpers import max_diff, regression_batch
 
 IN, HID, OUT, BATCH = 5, 8, 2, 6
 TOL = 1e-6
@@ -37,13 +38,7 @@ def make_model(seed: int) -> torch.nn.Module:
 
 
 def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(step * 7919 + rank)
-    x = rng.standard_normal((BATCH, IN)).astype("float32")
-    return {"x": torch.from_numpy(x), "y": torch.from_numpy((np.tanh(x[:, :OUT]) * (1.0 + rank)).copy())}
-
-
-def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.mse_loss(model(feed["x"]), feed["y"])
+    return regression_batch(step * 7919 + rank, BATCH, IN, OUT, 1.0 + rank, squash=True)
 
 
 def inner_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -173,10 +168,6 @@ def _cases(role: Any, cases: list[dict[str, Any]], steps: int, ckpt: str | None 
     return [_run_case(role, cfg, steps, ckpt) for cfg in cases]
 
 
-def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-
-
 def _check_against_reference(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]], world: int,
                              steps: int, tol: float = TOL) -> None:
     for c, cfg in enumerate(cases):
@@ -184,7 +175,7 @@ def _check_against_reference(results: list[list[dict[str, Any]]], cases: list[di
         for rank in range(world):
             trace = results[rank][c]["trace"]
             for step in range(steps):
-                diff = _max_diff(trace[step], ref[step][rank])
+                diff = max_diff(trace[step], ref[step][rank])
                 assert diff < tol, f"case {cfg} rank {rank} step {step + 1}: {diff:.3g} from the simulation"
 
 
@@ -310,6 +301,7 @@ def _resume(role: Any, ckpt: str) -> list[dict[str, Any]]:
     return [whole, first, second]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_with_a_fragment_in_flight_is_exact() -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -317,7 +309,7 @@ def test_resume_with_a_fragment_in_flight_is_exact() -> None:
     for rank in range(2):
         whole, _, second = results[rank]
         for step in range(7, 12):
-            assert _max_diff(whole["trace"][step], second["trace"][step - 7]) == 0.0, (rank, step)
+            assert max_diff(whole["trace"][step], second["trace"][step - 7]) == 0.0, (rank, step)
 
 
 CASES_4 = [
@@ -331,6 +323,7 @@ CASES_4 = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_hierarchical_and_compressed_pseudo_gradients_on_two_nodes() -> None:
     steps = 9
@@ -342,11 +335,11 @@ def test_hierarchical_and_compressed_pseudo_gradients_on_two_nodes() -> None:
     synced = [i for i in results[0][2]["infos"] if i["localsgd_averaged"]]
     assert {i["bytes_communicated"] for i in synced[1:]} == {numel * 2}
     ref = simulate(CASES_4[2], 4, steps)
-    diff = max(_max_diff(results[r][2]["trace"][-1], ref[-1][r]) for r in range(4))
+    diff = max(max_diff(results[r][2]["trace"][-1], ref[-1][r]) for r in range(4))
     assert 0 < diff < 2e-2, diff
     assert any(a.startswith("localsgd_configs.sync_dtype: applied") and "bfloat16" in a for a in results[0][2]["applied"])
     ref = simulate(CASES_4[3], 4, steps)
-    diff = max(_max_diff(results[r][3]["trace"][-1], ref[-1][r]) for r in range(4))
+    diff = max(max_diff(results[r][3]["trace"][-1], ref[-1][r]) for r in range(4))
     assert 0 < diff < 2e-2, diff
 
 

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.testing import run_ranks
+from helpers import cross_entropy as loss_fn
+from helpers import labelled_batch, max_diff
 
 IN, HID, OUT, BATCH = 12, 16, 3, 8
 
@@ -32,13 +34,7 @@ class Net(torch.nn.Module):
 
 
 def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(step * 7919 + rank * 31)
-    return {"x": torch.from_numpy(rng.standard_normal((BATCH, IN)).astype("float32")),
-            "y": torch.from_numpy(rng.integers(0, OUT, BATCH))}
-
-
-def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(feed["x"]).float(), feed["y"])
+    return labelled_batch(step * 7919 + rank * 31, BATCH, IN, OUT)
 
 
 def state(model: torch.nn.Module) -> list[np.ndarray]:
@@ -49,10 +45,6 @@ def state(model: torch.nn.Module) -> list[np.ndarray]:
 def weights(model: torch.nn.Module) -> list[np.ndarray]:
     """Parameters only (running statistics are each rank's own without sync BN)."""
     return [p.detach().double().numpy().copy() for p in model.parameters()]
-
-
-def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 STRATEGIES: dict[str, dict] = {
@@ -135,8 +127,8 @@ def _both(role, names: list[str]) -> dict[str, dict]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,nodes,names", [
     (2, 1, [n for n in STRATEGIES if n != "hierarchical+fp16"]),
-    (4, 2, ["data_parallel", "localsgd", "gradient_merge", "amp_fp16", "sync_batch_norm", "hierarchical+fp16",
-            "merge+amp_fp16"]),
+    pytest.param(4, 2, ["data_parallel", "localsgd", "gradient_merge", "amp_fp16", "sync_batch_norm",
+                        "hierarchical+fp16", "merge+amp_fp16"], marks=pytest.mark.slow),
 ])
 def test_eager_loop_gives_the_program_styles_parameters(world, nodes, names):
     by_rank = run_ranks(_both, world, names, nodes=nodes, timeout=200)
@@ -240,6 +232,7 @@ def _scheduled(role, use_fleet: bool) -> tuple[list[float], list[np.ndarray], bo
     return lrs, state(model.module if use_fleet else model), is_opt
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lr_scheduler_works_on_the_distributed_optimizer():
     ranks = run_ranks(_scheduled, 2, True, timeout=45)
@@ -315,7 +308,7 @@ def _recompute_bn(role, recompute: bool, style: str) -> list[np.ndarray]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("style", ["eager", "program"])
+@pytest.mark.parametrize("style", ["eager", pytest.param("program", marks=pytest.mark.slow)])
 def test_recompute_leaves_batchnorm_statistics_as_without_it(style):
     """The recomputed forward updated BatchNorm's running statistics twice."""
     plain = run_ranks(_recompute_bn, 2, False, style, timeout=60)[0]
@@ -383,7 +376,7 @@ def _no_sync_reference() -> list[np.ndarray]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", ["fleet_optimizer", "torch_optimizer"])
+@pytest.mark.parametrize("how", ["fleet_optimizer", pytest.param("torch_optimizer", marks=pytest.mark.slow)])
 def test_no_sync_accumulates_locally_then_averages_the_sum(how):
     torch.manual_seed(0)
     results = run_ranks(_seeded_no_sync, 2, how, timeout=60)
@@ -425,6 +418,7 @@ def _ckpt(role, root: str, phase: str) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_eager_checkpoint_resumes_exactly(tmp_path):
     """save/load_persistables once needed minimize; now the wrapped model, the
@@ -495,6 +489,7 @@ def _one_optimizer_two_models(role, world: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_one_optimizer_over_two_wrapped_models():
     ref = run_ranks(_one_optimizer_two_models, 1, 1, timeout=45)[0]

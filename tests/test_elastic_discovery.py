@@ -36,6 +36,7 @@ def discovery_script(tmp_path: Path, hosts: Path, body: str | None = None) -> Pa
     return script
 
 
+@pytest.mark.slow
 def test_discovered_node_joins_at_a_commit(launchers: Launchers, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -30,6 +30,7 @@ def _run(launchers: Launchers, out: Path, mode: str, *flags: str) -> tuple[int, 
     return code, stderr
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: Path, tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -55,6 +56,7 @@ def test_killed_worker_restarts_and_resumes_exactly(launchers: Launchers, out: P
         assert torch.equal(mine[name], theirs[name]), name
 
 
+@pytest.mark.slow
 def test_restarts_run_out_and_step_zero_failures_are_not_retried(launchers: Launchers, out: Path) -> None:
     code, stderr = _run(launchers, out, "killall", "--max_restarts=1")
     assert code == 128 + signal.SIGKILL

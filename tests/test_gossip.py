@@ -91,6 +91,7 @@ def _digits_runs(role, runs: list[tuple[bool, int]]) -> dict[tuple[bool, int], d
     return {(eager, n): _digits(role, n, eager) for eager, n in runs}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_gossip_bytes_and_digits_convergence() -> None:
     runs = [(eager, n) for eager in (False, True) for n in (1, 4)]

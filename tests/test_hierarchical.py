@@ -84,7 +84,8 @@ CASE = st.tuples(st.integers(0, 3000), st.sampled_from(sorted(DTYPES)), st.integ
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (2, 1), (1, 4), (4, 1)])
+@pytest.mark.parametrize("nodes,per_node", [
+    (2, 2), *(pytest.param(*p, marks=pytest.mark.slow) for p in ((2, 1), (1, 4), (4, 1)))])
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases=st.lists(CASE, min_size=3, max_size=5))
 def test_hierarchical_and_rings_equal_flat(nodes, per_node, cases):
@@ -260,6 +261,7 @@ def _train(role, names):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_training_with_each_option_equals_single_process():
     res = run_ranks(_train, 4, list(CONFIGS), nodes=2, timeout=100)
@@ -362,6 +364,7 @@ def _uneven(role):
         return params(model), [str(a) for a in fleet.applied_strategy()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_uneven_nodes_fall_back_to_flat():
     res = run_ranks(_uneven, nodes=(2, 1), timeout=40)  # two ranks on 127.0.0.1, one on 127.0.0.2
@@ -372,6 +375,7 @@ def test_uneven_nodes_fall_back_to_flat():
         assert any("fp16_allreduce: NOT applied" in a for a in applied), applied
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pipelined_segments_equal_flat():
     """Large buffers in default (1 MiB) and odd-sized ~3 MiB segments (odd sizes: padded tails)."""

@@ -176,6 +176,7 @@ def _resized(role, path):
     return [y.tolist() for _, y in loader]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_through_fleet_checkpoint_equals_the_uninterrupted_run(tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -229,7 +230,7 @@ def _even_and_slow(role, style):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("style", ["eager", "program"])
+@pytest.mark.parametrize("style", ["eager", pytest.param("program", marks=pytest.mark.slow)])
 def test_even_tail_and_a_slow_input_pipeline_named_by_the_report(style):
     results = run_ranks(_even_and_slow, 4, style, nodes=2, timeout=90)
     for epoch in range(2):

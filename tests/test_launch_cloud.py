@@ -118,6 +118,7 @@ def test_without_the_flag_the_cloud_variables_are_not_read() -> None:
     assert c.cluster_node_ips == ("127.0.0.1",) and not c.use_paddlecloud
 
 
+@pytest.mark.slow
 def test_two_cloud_nodes_run_a_job(tmp_path: Path) -> None:
     """Two launchers on the loopback "nodes" 127.0.0.1 / 127.0.0.2 given the same command; each
     knows its node only from POD_IP / PADDLE_TRAINER_ID. The workers' detected roles agree with

@@ -9,13 +9,14 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetlike.strategies import DistributedStrategy, adaptive_local_step, get_local_sgd_steps
 from fleetlike.strategies.localsgd import K_MAX, K_MIN, adaptive_k
 from fleetlike.testing import run_ranks
+from helpers import max_diff, params, regression_batch
+from helpers import mse as loss_fn
 
 IN, HID, OUT, BATCH = 5, 7, 2, 6
 TOL = 1e-6
@@ -27,21 +28,7 @@ def make_model(seed: int) -> torch.nn.Module:
 
 
 def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(step * 7919 + rank)
-    x = rng.standard_normal((BATCH, IN)).astype("float32")
-    return {"x": torch.from_numpy(x), "y": torch.from_numpy((x[:, :OUT] * (1.0 + rank)).copy())}
-
-
-def loss_fn(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
-    return F.mse_loss(model(feed["x"]), feed["y"])
-
-
-def params(model: torch.nn.Module) -> list[np.ndarray]:
-    return [p.detach().clone().numpy() for p in model.parameters()]
-
-
-def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+    return regression_batch(step * 7919 + rank, BATCH, IN, OUT, 1.0 + rank)
 
 
 def lr_at(step: int) -> float:
@@ -256,6 +243,7 @@ def check_against_simulation(results: list[dict], cfg: dict) -> None:
     (2, {"k": 3, "begin": 3, "steps": 13}),
     (4, {"k": 2, "begin": 1, "steps": 8, "rings": 2, "fuse": False}),
 ])
+@pytest.mark.slow
 def test_fixed_k_averages_to_the_mean_on_schedule(world, cfg, style):
     results = run_ranks(_train, world, {**cfg, "style": style}, timeout=100)
     check_against_simulation(results, cfg)
@@ -278,6 +266,7 @@ def test_fixed_k_averages_to_the_mean_on_schedule(world, cfg, style):
         assert text.count("comm=ring 1") == 2  # 4 parameters round-robin over 2 communicators
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_manual_recipe_averages_where_main_program_runs():
     cfg = {"k": 1, "begin": 1, "steps": 12, "recipe_k": 3}
@@ -289,7 +278,7 @@ def test_manual_recipe_averages_where_main_program_runs():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("style", ["program", "eager"])
+@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_matches_torch_periodic_model_averager(style, tmp_path):
     # begin_step 1: PeriodicModelAverager(period=k, warmup_steps=0) exactly; begin_step 3:
     # warmup_steps=2 with gradient allreduce during torch's warm-up (see the module docstring)
@@ -318,7 +307,7 @@ def test_adaptive_k_direction():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("style", ["program", "eager"])
+@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_adaptive_k_follows_loss_and_lr_on_two_ranks(style):
     cfg = {"adaptive": True, "k": 1, "begin": 2, "steps": 40, "style": style}
     results = run_ranks(_train, 2, cfg, timeout=100)
@@ -351,6 +340,7 @@ def test_adaptive_k_follows_loss_and_lr_on_two_ranks(style):
 # ---------------------------------------------------------------------- save / load
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_from_checkpoint_is_exact():
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ def _every_mode(role) -> dict:
     return {mode: digits_run(role, mode) for mode in MODES}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_local_sgd_matches_sync_accuracy_with_4x_fewer_averages():
     by_rank = run_ranks(_every_mode, 4, timeout=170)

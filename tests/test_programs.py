@@ -81,7 +81,7 @@ def _train_with_checkpoint(role, opt_name, ckpt, phase):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("opt_name", ["momentum", "adam"])
+@pytest.mark.parametrize("opt_name", [pytest.param("momentum", marks=pytest.mark.slow), "adam"])
 def test_save_load_resume_is_exact(tmp_path, opt_name):
     ckpt = str(tmp_path / "ckpt")
     full = run_ranks(_train_with_checkpoint, 2, opt_name, ckpt, "full", timeout=60)

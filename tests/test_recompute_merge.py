@@ -162,6 +162,7 @@ def _merge(role, k, opt_name, extra):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("opt_name", ["sgd", "momentum"])
 def test_gradient_merge_equals_bigger_batch_with_a_quarter_of_the_collectives(opt_name):
@@ -207,6 +208,7 @@ def _merge_ckpt(role, ckpt, phase):
         return params(model)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_gradient_merge_partial_sums_survive_save_load(tmp_path):
     ckpt = str(tmp_path / "ck")

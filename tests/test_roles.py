@@ -463,6 +463,7 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_mpi_role_maker_under_mpiexec(tmp_path: Path) -> None:
     mpiexec = Path(PY).parent / "mpiexec"
@@ -486,6 +487,7 @@ def test_mpi_role_maker_under_mpiexec(tmp_path: Path) -> None:
         assert env_role["source"] == "mpich" and env_role["endpoints"] == role["endpoints"]
 
 
+@pytest.mark.slow
 def test_detect_role_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(PY).parent / "torchrun"
     if not torchrun.exists():

@@ -96,7 +96,7 @@ def _optimizers(role, rendezvous: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (3, 4))])
 def test_sharded_optimizers_equal_data_parallel_and_torch_zero(world, tmp_path):
     ranks = run_ranks(_optimizers, world, str(tmp_path / "rdv"), timeout=200)
     model = Net(100)
@@ -213,6 +213,7 @@ def _dp_eager(role, options: dict, clip: float) -> list[np.ndarray]:
     return weights(model.module)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,nodes,names", [
     (2, 1, ["clip_after", "clip_before", "sum", "amp_bf16", "amp_fp16", "merge", "merge+amp+clip", "recompute",

@@ -46,6 +46,7 @@ def _run(role, plan: list[tuple]) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_checkpoints_reshard_between_world_sizes(tmp_path):
     c4, c2, c2u, m4 = (str(tmp_path / n) for n in ("c4", "c2", "c2u", "m4"))

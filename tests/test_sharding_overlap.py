@@ -125,6 +125,7 @@ def _ranks(role) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_interleaved_update_equals_update_then_gather_bit_for_bit():
     ranks = run_ranks(_ranks, 3, timeout=150)

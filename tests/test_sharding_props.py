@@ -83,6 +83,7 @@ _case = st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=4).map(tuple
                   st.sampled_from([0.0005, 0.002, 32]), st.sampled_from(["sgd", "momentum", "adam", "adamw"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=st.sampled_from([2, 3, 4]), cases=st.lists(_case, min_size=3, max_size=3))

@@ -118,7 +118,7 @@ def _assert_close(a, b, tol=1e-6):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("shape", [(4, C, 5, 3), (3, C, 2, 2)])
+@pytest.mark.parametrize("shape", [(4, C, 5, 3), pytest.param((3, C, 2, 2), marks=pytest.mark.slow)])
 def test_equals_torch_sync_batchnorm_global_and_local(shape, tmp_path):
     results = run_ranks(_compare, 4, str(tmp_path / "torch_rendezvous"), shape, nodes=2, timeout=60)
     for res in results:
@@ -180,6 +180,7 @@ def _train(role, scope):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_global_sync_bn_training_equals_single_process():
     res = run_ranks(_train, 4, "global", nodes=2, timeout=60)
@@ -201,6 +202,7 @@ def test_global_sync_bn_training_equals_single_process():
         assert "c_sync_batch_norm" in listing and "sync_bn[world]" in listing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_local_scope_listing_and_one_rank_per_node():
     res = run_ranks(_train, 4, "local", nodes=2, timeout=60)
@@ -242,6 +244,7 @@ def _train_vs_torch(role, rendezvous):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_eager_sync_bn_training_equals_torch_reference_global_and_local(tmp_path):
     results = run_ranks(_train_vs_torch, 4, str(tmp_path / "torch_rendezvous"), nodes=2, timeout=60)

@@ -1,0 +1,48 @@
+"""Small pieces many test files need, written once: comparing parameter lists, seeded batches,
+the two losses the tests train with. Rank functions import them by module name (tests/ is on
+sys.path in the workers too), so they stay plain module-level functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cross_entropy", "labelled_batch", "max_diff", "mse", "params", "regression_batch"]
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """The largest absolute difference between two lists of same-shaped arrays."""
+    assert len(a) == len(b), (len(a), len(b))
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def params(model: torch.nn.Module) -> list[np.ndarray]:
+    """The model's parameters as numpy copies."""
+    return [p.detach().clone().numpy() for p in model.parameters()]
+
+
+def labelled_batch(seed: int, rows: int, features: int, classes: int) -> dict[str, torch.Tensor]:
+    """``x`` standard normal (float32) and ``y`` class labels, both from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    return {"x": torch.from_numpy(rng.standard_normal((rows, features)).astype("float32")),
+            "y": torch.from_numpy(rng.integers(0, classes, rows))}
+
+
+def regression_batch(seed: int, rows: int, features: int, outputs: int, scale: float,
+                     squash: bool = False) -> dict[str, torch.Tensor]:
+    """``x`` standard normal and the target ``y = scale * x[:, :outputs]`` (through tanh with
+    ``squash``): each rank's ``scale`` gives it a different optimum, so averaging matters."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features)).astype("float32")
+    head = np.tanh(x[:, :outputs]) if squash else x[:, :outputs]
+    return {"x": torch.from_numpy(x), "y": torch.from_numpy((head * scale).copy())}
+
+
+def cross_entropy(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The classification loss (in float32 even when the model's output is 16-bit under AMP)."""
+    return F.cross_entropy(model(feed["x"]).float(), feed["y"])
+
+
+def mse(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(feed["x"]), feed["y"])
