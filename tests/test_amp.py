@@ -129,6 +129,7 @@ def test_overflow_on_one_rank_skips_everywhere(style):
     assert max_diff(results[0][2], results[1][2]) == 0.0  # both ranks skipped the same steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_bf16_runs_without_scaling(style):
@@ -196,6 +197,7 @@ def _eager_amp(role):
         return fleet.get_loss_scaling(), params(model)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_eager_amp_with_clipping_between_sync_and_step():
     (s0, p0), (s1, p1) = run_ranks(_eager_amp, 2, timeout=45)

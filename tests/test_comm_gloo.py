@@ -47,6 +47,7 @@ def _split_sums(role, colors):
         world.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @settings(max_examples=6)
 @given(st.integers(1, 4).flatmap(lambda n: st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n)))

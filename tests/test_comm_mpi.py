@@ -113,6 +113,7 @@ def mismatches() -> dict[str, list]:
     return {kind: [rank[i] for rank in per_rank] for i, kind in enumerate(KINDS)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind", KINDS)
 def test_different_sizes_raise_on_every_rank_naming_each_shape(kind, mismatches):

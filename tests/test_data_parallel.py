@@ -129,7 +129,7 @@ def _unused(role, find_unused):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("find_unused", [True, False])
+@pytest.mark.parametrize("find_unused", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_unused_parameters_never_hang(find_unused):
     got = [g for rank in run_ranks(_unused, 2, find_unused, timeout=60) for g in rank.values()]
     torch.manual_seed(7)

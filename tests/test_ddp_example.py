@@ -127,6 +127,7 @@ def test_unmodified_ddp_script(tmp_path: Path) -> None:
     assert 0 < _rel(mixed, plain4) < 1e-1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bad_knobs_stop_at_start() -> None:
     for knobs, expect in (({"FLEETLIKE_ALLREDUCE_DTYPE": "fp8"}, "FLEETLIKE_ALLREDUCE_DTYPE='fp8' is not accepted; use fp32, fp16, bf16, mixed"),

@@ -148,6 +148,7 @@ def _explicit_vs_plain(role, name: str) -> tuple[dict, dict]:
     return _eager(role, name, explicit=True), _eager(role, name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", ["amp_fp16", "adaptive_localsgd"])
 def test_opt_backward_scales_once_and_records_the_loss(name):
@@ -264,6 +265,7 @@ def _grad_scaler(role) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return out[0], out[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_torch_grad_scaler_drives_the_distributed_optimizer():
     for plain, scaled in run_ranks(_grad_scaler, 2, timeout=45):
@@ -293,6 +295,7 @@ def _gan(role) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_two_wrapped_models_both_stay_averaged():
     """A second distributed_model unhooked the first and the ranks drifted."""
@@ -307,6 +310,7 @@ def _recompute_bn(role, recompute: bool, style: str) -> list[np.ndarray]:
     return (_eager if style == "eager" else _program)(role, name)["state"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("style", ["eager", pytest.param("program", marks=pytest.mark.slow)])
 def test_recompute_leaves_batchnorm_statistics_as_without_it(style):
@@ -459,6 +463,7 @@ def _no_fleet_optimizer(role) -> str:
         fleet.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_strategy_that_cannot_act_says_why():
     for msg in run_ranks(_missing_loss, 2, timeout=45):

@@ -29,6 +29,7 @@ def check_learned(text: str, workers: int) -> None:
     assert min(acc[-workers:]) > 0.5, f"final test accuracy {acc[-workers:]} (chance: 0.1)\n{text[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_single_process_original_learns(tmp_path: Path) -> None:
     proc = run([PY, str(MNIST / "main.py"), *SMALL, "--save-model"], cwd=tmp_path, env=clean_env(), timeout=50)

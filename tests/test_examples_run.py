@@ -39,6 +39,7 @@ def test_example_runs_under_the_launcher(script, tmp_path):
     assert (tmp_path / "log" / "workerlog.1").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_plain_script_runs_as_one_process(tmp_path):
     for script, saved in (("examples/quick_start/train.py", "model.pt"), ("examples/quick_start/train_fleet.py", "COMPLETE")):

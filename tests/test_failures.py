@@ -54,6 +54,7 @@ def _killed(role, victim):
     return kind, msg, time.monotonic() - started
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_killed_inside_an_all_reduce_fails_the_others_fast():
     results = run_ranks(_killed, 3, 2, timeout=45, may_die=[2])
@@ -112,6 +113,7 @@ def _nan(role):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_nan_on_one_rank_names_the_parameter_and_rank():
     results = run_ranks(_nan, 2, timeout=45)
@@ -270,6 +272,7 @@ def _slow(role):
     return reports
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_slow_rank_is_reported_by_rank_and_host():
     results = run_ranks(_slow, 4, nodes=2, timeout=45)
@@ -294,6 +297,7 @@ def _fit(role, ckpt, phase):
     return _catch(lambda: fleet.load_persistables(Executor(), ckpt))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_loading_checks_the_strategy_not_the_world_size(tmp_path):
     # a checkpoint loads at another world size (state is replicated or resharded)

@@ -341,6 +341,7 @@ def _one_node_and_errors(role):
         return applied, applied_paddle, errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_one_node_not_applied_and_fleet_validation():
     res = run_ranks(_one_node_and_errors, 2, nodes=1, timeout=40)

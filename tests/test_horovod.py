@@ -199,7 +199,7 @@ def _check_bn(results: list[dict[str, Any]], world: int) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_call_on_gloo(world: int) -> None:
     spec = {"rings": 2, "timeout_case": world == 2}
     results = run_ranks(_gloo, world, spec, timeout=150)
@@ -208,6 +208,7 @@ def test_every_call_on_gloo(world: int) -> None:
         assert "CollectiveTimeoutError" in results[0]["timeout"] and "[1]" in results[0]["timeout"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_call_on_two_nodes_hierarchical() -> None:
     """4 ranks on two loopback nodes: topology (cross ranks), Adasum over 4 ranks, and the

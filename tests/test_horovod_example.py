@@ -89,6 +89,7 @@ def accuracy(text: str) -> list[float]:
     return [float(p) for p in re.findall(r"Test set: Average loss: [0-9.]+, Accuracy: ([0-9.]+)%", text)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_learns_under_the_launcher(tmp_path: Path) -> None:
     proc = run(launcher(str(EXAMPLE), *SMALL, log_dir=tmp_path / "log"), cwd=tmp_path, env=clean_env(), timeout=110)
@@ -100,6 +101,7 @@ def test_example_learns_under_the_launcher(tmp_path: Path) -> None:
     assert "Train Epoch: 1 [640/1280 (50%)]" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_learns_under_mpiexec(tmp_path: Path) -> None:
     missing = mpi_missing()
@@ -111,6 +113,7 @@ def test_example_learns_under_mpiexec(tmp_path: Path) -> None:
     assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_learns_under_torchrun(tmp_path: Path) -> None:
     proc = run(torchrun(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(), timeout=110)

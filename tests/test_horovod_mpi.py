@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.skipif(_REASON is not None, reason=_R
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_call_on_mpi(world: int) -> None:
     results = run_mpi(world, "call", {"target": "horovod_common:mpi_rank", "data": {"rings": 2}}, timeout=200)
     for res in results:

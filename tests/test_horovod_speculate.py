@@ -142,7 +142,7 @@ def _sum(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_speculative_agreement(world: int) -> None:
     results = run_ranks(_rank, world, timeout=120)
     calls = 8  # allreduces per pass, predicted from the second pass on (the first of the

@@ -229,6 +229,7 @@ def _even_and_slow(role, style):
     return seen, reports
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("style", ["eager", pytest.param("program", marks=pytest.mark.slow)])
 def test_even_tail_and_a_slow_input_pipeline_named_by_the_report(style):

@@ -191,6 +191,7 @@ def check_worker(out: Path, rank: int, env: dict[str, str], world: int) -> None:
 # --------------------------------------------------------------------------- jobs that succeed
 
 
+@pytest.mark.slow
 def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) -> None:
     proc = launchers.start(
         "--nproc_per_node=4", "--started_port=auto", "--job_id=job-1n", "--log_dir=logs",

@@ -80,6 +80,7 @@ def _train_with_checkpoint(role, opt_name, ckpt, phase):
         return params(model), fleet.main_program.runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("opt_name", [pytest.param("momentum", marks=pytest.mark.slow), "adam"])
 def test_save_load_resume_is_exact(tmp_path, opt_name):

@@ -160,6 +160,7 @@ def _refusals(role) -> list[str]:
     return msgs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_degree_whole_model_optimizers_and_two_wrapped_models_are_refused():
     for degree, lbfgs, two_models in run_ranks(_refusals, 2, timeout=45):
