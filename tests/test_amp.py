@@ -113,6 +113,7 @@ def _scripted(role, bad_steps, bad_rank, dtype, style):
         return scales, found, params(model), text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
 def test_overflow_on_one_rank_skips_everywhere(style):

@@ -197,6 +197,7 @@ def _from_env(role) -> list[str]:
         del os.environ["FLEETLIKE_STRATEGY"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fleetlike_strategy_from_the_environment_applies_in_the_eager_style():
     applied = run_ranks(_from_env, 2, timeout=45)[0]

@@ -86,6 +86,7 @@ def test_flags_and_names_agree() -> None:
     assert launch_main(["--max_restarts=1", "--cluster_node_ips=127.0.0.1,127.0.0.2", "x.py"]) == 2
 
 
+@pytest.mark.slow
 def test_node_watch_tells_why_a_node_left() -> None:
     """Three launchers' watches on one real store: one ends with code 7, one stops answering
     (its heartbeat stops, no goodbye), and the workers' records name both lost and one joiner."""
