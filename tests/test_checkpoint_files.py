@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -230,6 +231,11 @@ def test_a_save_refuses_objects_a_checkpoint_cannot_hold(tmp_path):
         job.save(tmp_path / "c")
         blob = _Blob(2)
         fleet.register_state("blob", blob)
+        blob.data = {"top1": [np.float64(0.25), np.int64(3)], "dtype": torch.float16}  # plain values: kept
+        job.save(tmp_path / "c")
+        blob.data = None
+        job.load(tmp_path / "c")
+        assert blob.data == {"top1": [0.25, 3], "dtype": torch.float16} and type(blob.data["top1"][0]) is np.float64
         blob.data = {"inner": [1, Custom()]}
         with pytest.raises(CheckpointError, match=r"extras.pt: registered objects\['blob'\]\['data'\]\['inner'\]\[1\] "
                                                   r"is a .*Custom, which a checkpoint cannot hold"):

@@ -8,7 +8,8 @@ checkpoint loadable (`resolve`), and the next save removes what killed saves lef
 Sealing writes ``COMPLETE``: the format and, per file, its size and SHA-256. A load first
 checks every file against it (`verify`), so a missing, empty, truncated or corrupt file is
 named before anything is read into a model. Every ``.pt`` file holds
-``{"format": FORMAT, "content": what, "data": ...}`` of tensors and plain containers only,
+``{"format": FORMAT, "content": what, "data": ...}`` of tensors, plain values (numpy numbers
+included) and containers only,
 written through `save_pt` (which refuses anything else, naming where it sits) and read
 through `load_pt` with ``torch.load(weights_only=True)``: loading a checkpoint runs no code
 from the file. A directory sealed by fleetlike before per-file versions (format 2: ``COMPLETE``
@@ -26,6 +27,7 @@ import collections
 import contextlib
 import errno
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -73,6 +75,28 @@ COMPLETE = "COMPLETE"
 STALE_AFTER_S = 6 * 3600.0
 
 log = logging.getLogger("fleetlike")
+
+
+def _numpy_scalars() -> list[Any]:
+    """What a numpy number needs to be read by ``weights_only`` (a metric kept as ``np.float64``):
+    the scalar constructor and the numeric dtypes; no arrays of objects, nothing that runs code."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        return []
+    multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
+    kinds = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+             np.float16, np.float32, np.float64, np.complex64, np.complex128)
+    return [multiarray.scalar, np.dtype, *{type(np.dtype(k)) for k in kinds}]
+
+
+#: the globals, besides torch's own, a checkpoint file may name (`_numpy_scalars`)
+_SAFE_GLOBALS = _numpy_scalars()
+
+
+def _read_plainly(source: Any, map_location: Any = None) -> Any:
+    with torch.serialization.safe_globals(_SAFE_GLOBALS):
+        return torch.load(source, map_location=map_location, weights_only=True)
 
 
 class CheckpointError(ValueError):
@@ -193,7 +217,7 @@ def _loads_plainly(obj: Any) -> bool:
     try:
         torch.save(obj, buf)
         buf.seek(0)
-        torch.load(buf, weights_only=True)
+        _read_plainly(buf)
     except Exception:  # noqa: BLE001 - any refusal means the checkpoint could not be loaded back
         return False
     return True
@@ -390,7 +414,7 @@ def load_pt(path: Path, content: str, fmt: int, map_location: Any = None) -> Any
         raise _damaged(path, "is empty")
     try:
         with open(path, "rb") as fh:
-            saved = torch.load(io.BytesIO(fh.read()), map_location=map_location, weights_only=True)
+            saved = _read_plainly(io.BytesIO(fh.read()), map_location)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
         raise CheckpointError(
