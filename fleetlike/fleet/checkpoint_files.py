@@ -414,7 +414,7 @@ def load_pt(path: Path, content: str, fmt: int, map_location: Any = None) -> Any
         raise _damaged(path, "is empty")
     try:
         with open(path, "rb") as fh:
-            saved = _read_plainly(io.BytesIO(fh.read()), map_location)
+            saved = _read_plainly(fh, map_location)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()
         raise CheckpointError(
