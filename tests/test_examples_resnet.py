@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from examples_common import PY, ROOT, clean_env, launcher, run
+from fleetlike.fleet.checkpoint import read_file
 
 EX = ROOT / "examples" / "resnet"
 TINY = ("--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", "--batch_size=8", "--lr=0.05",
@@ -67,8 +68,8 @@ def trained(digits: Path, tmp_path_factory) -> tuple[Path, str]:
 
 
 def saved_tensors(checkpoint: Path) -> list[tuple[str, torch.Tensor]]:
-    models = torch.load(checkpoint / "models.pt", weights_only=True)
-    opts = torch.load(checkpoint / "optimizers.pt", weights_only=False)
+    models = read_file(checkpoint, "models.pt")
+    opts = read_file(checkpoint, "optimizers.pt")
     flat = [(f"model.{k}", v) for k, v in models[0].items()]
     for i, state in opts[0].get("state", opts[0].get("optimizer", {}).get("state", {})).items():
         flat += [(f"opt.{i}.{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor)]
@@ -133,7 +134,7 @@ def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: P
                     env=clean_env(), timeout=120)
     assert fleet_run.returncode == 0, fleet_run.stderr[-2000:]
     single = torch.load(tmp_path / "plain" / "checkpoint" / "checkpoint.pt", weights_only=False)["model"]
-    wrapped = torch.load(tmp_path / "fleet" / "checkpoint" / "models.pt", weights_only=True)[0]
+    wrapped = read_file(tmp_path / "fleet" / "checkpoint", "models.pt")[0]
     assert list(single) == list(wrapped)
     worst = max((single[k].double() - wrapped[k].double()).abs().max().item() for k in single)
     assert worst <= 1e-6, worst

@@ -132,10 +132,14 @@ def test_single_process_fleet_and_fetch(tmp_path):
         fleet.save_inference_model(exe, str(tmp_path / "inf"), ["x"], ["logits"])
         from fleetlike import load_inference_model
 
-        loaded, feeds, targets = load_inference_model(str(tmp_path / "inf"))
-        assert feeds == ["x"] and targets == ["logits"]
+        with pytest.raises(ValueError, match="model.pt is a pickled module: loading it runs code"):
+            load_inference_model(str(tmp_path / "inf"))  # the pickle only on request
         x = batch(0, 0)["x"]
+        loaded, feeds, targets = load_inference_model(str(tmp_path / "inf"), weights_only=False)
+        assert feeds == ["x"] and targets == ["logits"]
         assert torch.allclose(loaded(x), model(x))
+        filled, _, _ = load_inference_model(str(tmp_path / "inf"), model=make_model(5))  # weights only
+        assert torch.equal(filled(x), model(x)) and not filled.training
         assert [e.name for e in fleet.applied_strategy()][0] == "data_parallel"
         assert fleet.util.get_file_shard(list("abcde")) == list("abcde")
         assert fleet.util.all_reduce(3, "sum") == 3 and fleet.util.all_reduce(2.5, "max") == 2.5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fleetlike import DistributedStrategy, fleet
-from fleetlike.fleet.checkpoint import consolidate_optimizer_state
+from fleetlike.fleet.checkpoint import consolidate_optimizer_state, read_file
 from fleetlike.testing import run_ranks
 from sharding_common import SMALL, Net, batch, loss_fn, make_opt, max_diff, reference, scheduler, weights
 
@@ -76,11 +76,11 @@ def test_checkpoints_reshard_between_world_sizes(tmp_path):
 
     # one process, plain torch: the consolidated state is an ordinary Adam state_dict
     model = Net(7)
-    model.load_state_dict(torch.load(Path(c4, "models.pt"), weights_only=True)[0])
+    model.load_state_dict(read_file(c4, "models.pt")[0])
     opt = make_opt("adam", model)
     full = consolidate_optimizer_state(c4)
     assert set(full) == {"state", "param_groups"} and len(full["state"]) == len(list(model.parameters()))
     opt.load_state_dict(full)
     sched = scheduler(opt)
-    sched.load_state_dict(torch.load(Path(c4, "extras.pt"), weights_only=False)["sched"])
+    sched.load_state_dict(read_file(c4, "extras.pt")["sched"])
     assert max_diff(reference("adam", 6, model=model, opt=opt, sched=sched, start=3), ref) <= 1e-6

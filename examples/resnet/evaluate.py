@@ -33,6 +33,7 @@ from models import MODELS, get_model
 from utils import config, data
 
 from fleetlike import io
+from fleetlike.fleet.checkpoint import read_file
 
 __all__ = ["compare", "load_weights", "main", "vectors"]
 
@@ -46,7 +47,7 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     if os.path.isfile(os.path.join(directory, "inference.json")):
         return torch.load(os.path.join(directory, "state_dict.pt"), map_location="cpu", weights_only=True)
     if os.path.isfile(os.path.join(directory, "fleet.json")):
-        return torch.load(os.path.join(directory, "models.pt"), map_location="cpu", weights_only=True)[0]
+        return read_file(directory, "models.pt")[0]
     raise InputError(f"--pretrained_model={directory}: neither an inference model (inference.json) nor a "
                      "checkpoint (fleet.json); give the inference/ or checkpoint/ folder train_with_fleet.py wrote")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import io
 import os
 import pickle
 import threading
@@ -39,7 +38,15 @@ from typing import Any
 import torch
 
 from fleetlike.fleet import fleet
-from fleetlike.fleet.checkpoint import CheckpointError, atomic_dir, resolve
+from fleetlike.fleet.checkpoint_files import (
+    LEGACY_FORMAT,
+    CheckpointError,
+    atomic_dir,
+    load_pt,
+    resolve,
+    save_pt,
+    verify,
+)
 
 __all__ = ["PROGRESS_DIR_VAR", "State", "ObjectState", "TorchState", "mark_progress", "broadcast_object"]
 
@@ -95,6 +102,25 @@ def _clone(value: Any) -> Any:
 
 def _stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+#: the file `State.save_to_disk` writes, and what it holds (the ``content`` inside it)
+_FILE, _CONTENT = "state.pt", "elastic state"
+
+
+def _read_state(path: Path, fmt: int) -> tuple[int, Any]:
+    """``(commits, committed state)`` of a ``state.pt``; one written before versions is named."""
+    saved = load_pt(path, _CONTENT, fmt)
+    if fmt == LEGACY_FORMAT and not (isinstance(saved, dict) and {"commits", "state"} <= set(saved)):
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointError(
+            f"{path} has no format version and is not a State.save_to_disk file (it holds {keys}, not "
+            "'commits' and 'state'): it was written by something else. Point State(directory=...) at "
+            "the directory State.commit() writes, or remove it to start afresh"
+        )
+    if not isinstance(saved, dict) or not isinstance(saved.get("commits"), int) or "state" not in saved:
+        raise CheckpointError(f"{path} lacks 'commits' or 'state': it was edited or damaged; load an earlier copy")
+    return saved["commits"], saved["state"]
 
 
 class State(abc.ABC):
@@ -177,7 +203,7 @@ class State(abc.ABC):
         if fleet.initialized and fleet.worker_index() != 0:
             return
         with atomic_dir(self.directory) as tmp:
-            torch.save({"commits": self.commits, "state": self._committed}, tmp / "state.pt")
+            save_pt({"commits": self.commits, "state": self._committed}, tmp / _FILE, _CONTENT)
 
     def load(self) -> bool:
         """Take the state written to ``directory`` (True), or keep the current one when none
@@ -190,11 +216,23 @@ class State(abc.ABC):
             if self.directory.exists() and any(self.directory.iterdir()):
                 raise
             return False
-        with open(path / "state.pt", "rb") as fh:
-            saved = torch.load(io.BytesIO(fh.read()), weights_only=False)
-        self.commits, self._committed = saved["commits"], saved["state"]
-        self.restore()
+        commits, committed = _read_state(path / _FILE, verify(path))
+        self._check_fits(path / _FILE, committed)
+        held = (self.commits, self._committed, self._snapshot())
+        self.commits, self._committed = commits, committed
+        try:
+            self.restore()
+        except Exception as exc:
+            self.commits, self._committed = held[0], held[1]
+            self._apply(held[2])
+            raise CheckpointError(f"{path / _FILE} could not be applied ({type(exc).__name__}: {exc}); the "
+                                  "state was put back as it was: restart with the objects it was saved from") from exc
         return True
+
+    def _check_fits(self, path: Path, committed: Any) -> None:
+        """What `_apply` would need of ``committed``, checked before anything changes."""
+        if not isinstance(committed, dict):
+            raise CheckpointError(f"{path} holds a {type(committed).__name__} state, not a dict of named values")
 
 
 class ObjectState(State):
@@ -218,6 +256,18 @@ class ObjectState(State):
             value = getattr(self, name)
             out[name] = ("state", _clone(value.state_dict())) if _stateful(value) else ("value", _clone(value))
         return out
+
+    def _check_fits(self, path: Path, committed: Any) -> None:
+        super()._check_fits(path, committed)
+        for name, entry in committed.items():
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and entry[0] in ("value", "state")):
+                raise CheckpointError(f"{path}: entry {name!r} is neither a saved value nor a saved state; "
+                                      "it was edited or damaged: load an earlier copy")
+            if entry[0] == "state" and not _stateful(getattr(self, name, None)):
+                raise CheckpointError(
+                    f"{path} holds the state of {name!r}, which this {type(self).__name__} keeps no object with "
+                    f"load_state_dict for (it keeps {self._names}): restart with the objects it was saved from"
+                )
 
     def _apply(self, snapshot: dict[str, Any]) -> None:
         for name, (kind, saved) in snapshot.items():

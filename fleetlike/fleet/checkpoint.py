@@ -1,4 +1,4 @@
-"""Checkpoints written atomically: a kill during a save leaves the previous one loadable.
+"""Training and inference checkpoints: what is saved, and a load that is all or nothing.
 
 `save_training` / `load_training` are ``fleet.save_persistables`` / ``load_persistables`` for
 both styles: the models, the optimizers (whose state includes the strategy's: loss scale, local
@@ -9,32 +9,47 @@ change: parameters and strategy state are replicated, and under ``strategy.shard
 rank writes its shard of the optimizer state, which a job of any size (sharded or not) reads
 back through `consolidate_optimizer_state`'s union, keeping its own partition.
 
-A checkpoint is a directory. It is written in full to a temporary sibling, every file and the
-directory are fsync'ed, and only then swapped in by renames. The one moment when ``dirname``
-does not exist (between moving the old one aside and moving the new one in) is covered by
-`resolve`, which falls back to the moved-aside previous checkpoint.
+The files are written and checked by `fleetlike.fleet.checkpoint_files`: atomically (a kill
+during a save leaves the previous checkpoint loadable), versioned, with checksums, read with
+``torch.load(weights_only=True)``. A load reads and checks every file, and that they fit the
+job, before it changes anything; should applying them still fail, what was applied is put back.
 
 Example:
-    >>> with atomic_dir("ckpt") as tmp:
-    ...     torch.save(model.state_dict(), tmp / "model.pt")
+    >>> fleet.save_persistables(exe, "ckpt")
+    >>> fleet.load_persistables(exe, "ckpt")      # all or nothing; errors name the file
+    >>> read_file("ckpt", "models.pt")[0]          # a model's state_dict, for plain PyTorch
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
-import json
-import logging
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fleetlike.strategies.recompute import plain_forwards
+from fleetlike.fleet.checkpoint_files import (
+    COMPLETE,
+    FORMAT,
+    LEGACY_FORMAT,
+    CheckpointError,
+    atomic_dir,
+    commit,
+    explain_write_error,
+    load_pt,
+    make_tag,
+    read_json,
+    resolve,
+    save_pt,
+    seal,
+    temporary,
+    verify,
+    write_json,
+)
+from fleetlike.fleet.inference_model import SERVED_FILE, load_inference_model, save_inference_model
 
 __all__ = [
     "CheckpointError",
@@ -44,6 +59,7 @@ __all__ = [
     "consolidate_optimizer_state",
     "load_inference_model",
     "load_training",
+    "read_file",
     "read_json",
     "resolve",
     "save_inference_model",
@@ -51,101 +67,15 @@ __all__ = [
     "write_json",
 ]
 
-_FORMAT = 2
 #: the strategy state inside a fleetlike optimizer's state_dict (`DistributedOptimizer`)
 _ENGINE_KEY = "fleetlike"
 #: strategy options a checkpoint may be loaded across: the optimizer state is resharded
 _RESHARDABLE = frozenset({"sharding", "sharding_configs"})
-
-#: ``save_inference_model``'s served model: TorchScript in eval mode, loadable by a plain PyTorch
-#: process (``torch.jit.load(dirname + "/served.pt")``) that imports neither fleetlike nor the
-#: model's code, as a model server does.
-SERVED_FILE = "served.pt"
-
-log = logging.getLogger("fleetlike")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, or does not fit the current job."""
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temporary(target: Path, tag: str) -> Path:
-    """Check ``target`` may be replaced and create its temporary sibling for tag ``tag``."""
-    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not (target / "COMPLETE").exists())):
-        raise CheckpointError(
-            f"{target} exists and is not a fleetlike checkpoint; a save replaces its directory "
-            "whole, so it refuses to touch other files. Give an empty or new directory"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{tag}"
-    tmp.mkdir()
-    return tmp
-
-
-@contextlib.contextmanager
-def atomic_dir(dirname: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces ``dirname`` atomically."""
-    target = Path(dirname)
-    tag = uuid.uuid4().hex[:8]
-    tmp = _temporary(target, tag)
-    try:
-        yield tmp
-        (tmp / "COMPLETE").write_text("ok\n")
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _commit(tmp, target, tag)
-
-
-def _commit(tmp: Path, target: Path, tag: str) -> None:
-    """Swap the finished ``tmp`` in for ``target`` (the previous one moved aside, then removed)."""
-    old = target.parent / f".{target.name}.old-{tag}"
-    if target.exists():
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    for stale in target.parent.glob(f".{target.name}.old-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def resolve(dirname: str | os.PathLike[str]) -> Path:
-    """The complete checkpoint to load for ``dirname`` (the previous one if a save was cut)."""
-    target = Path(dirname)
-    if (target / "COMPLETE").exists():
-        return target
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    for old in reversed(olds):
-        if (old / "COMPLETE").exists():
-            return old
-    if target.exists():
-        raise CheckpointError(f"{target} is not a complete fleetlike checkpoint (no COMPLETE marker)")
-    raise CheckpointError(f"no checkpoint at {target}")
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+#: what each file of a training checkpoint holds (the ``content`` inside it)
+_CONTENT = {"models.pt": "models", "optimizers.pt": "optimizers", "extras.pt": "registered objects"}
+_SHARD_CONTENT = "optimizer shard"
+#: fleet.json's keys every load needs
+_MANIFEST_KEYS = ("format", "strategy", "models", "optimizers", "extras")
 
 
 @dataclasses.dataclass
@@ -164,7 +94,7 @@ class TrainingState:
 
 def _manifest(state: TrainingState) -> dict[str, Any]:
     return {
-        "format": _FORMAT,
+        "format": FORMAT,
         "world_size": state.world_size,
         "saved_by_rank": state.rank,
         "strategy": state.strategy,
@@ -176,8 +106,8 @@ def _manifest(state: TrainingState) -> dict[str, Any]:
 
 
 def _write_replicated(tmp: Path, state: TrainingState) -> None:
-    torch.save([m.state_dict() for m in state.models], tmp / "models.pt")
-    torch.save({k: v.state_dict() for k, v in state.extras.items()}, tmp / "extras.pt")
+    save_pt([m.state_dict() for m in state.models], tmp / "models.pt", _CONTENT["models.pt"])
+    save_pt({k: v.state_dict() for k, v in state.extras.items()}, tmp / "extras.pt", _CONTENT["extras.pt"])
 
 
 def save_training(dirname: str | os.PathLike[str], state: TrainingState) -> None:
@@ -187,7 +117,7 @@ def save_training(dirname: str | os.PathLike[str], state: TrainingState) -> None
         return
     with atomic_dir(dirname) as tmp:
         _write_replicated(tmp, state)
-        torch.save([o.state_dict() for o in state.optimizers], tmp / "optimizers.pt")
+        save_pt([o.state_dict() for o in state.optimizers], tmp / "optimizers.pt", _CONTENT["optimizers.pt"])
         write_json(tmp / "fleet.json", _manifest(state))
 
 
@@ -222,18 +152,26 @@ def _shard_name(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
 
 
+def _broadcast_tag(world: Any) -> str:
+    """Rank 0's `make_tag` on every rank (drawn from the OS: torch's generator is left alone)."""
+    buf = torch.zeros(128, dtype=torch.uint8)
+    if world.rank == 0:
+        raw = make_tag().encode()
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = world.broadcast(buf, 0, agreed=True)
+    return bytes(buf.tolist()).rstrip(b"\0").decode()
+
+
 def _save_sharded(target: Path, state: TrainingState) -> None:
     units = _sharding_units(state)
     unit = next(u for u in units if u is not None)
     world = unit.ctx.groups.world
-    tag = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-    world.broadcast(tag, 0, agreed=True)
-    tag_s = f"{int(tag.item()):08x}"
+    tag_s = _broadcast_tag(world)
     tmp = target.parent / f".{target.name}.tmp-{tag_s}"
     error: BaseException | None = None
     try:
         if world.rank == 0:
-            _temporary(target, tag_s)
+            temporary(target, tag_s)
     except BaseException as exc:  # every rank must learn of it, or the others would wait forever
         error = exc
     if _agree(world, error is not None):
@@ -244,7 +182,7 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
                 f"rank {world.rank} cannot see {tmp}, which rank 0 created: a sharded checkpoint is "
                 "written by every rank into one directory, so dirname must be on a filesystem all ranks share"
             )
-        torch.save([o.state_dict() for o in state.optimizers], tmp / _shard_name(world.rank))
+        save_pt([o.state_dict() for o in state.optimizers], tmp / _shard_name(world.rank), _SHARD_CONTENT)
         if world.rank == 0:
             _write_replicated(tmp, state)
             meta = _manifest(state)
@@ -255,7 +193,7 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
             }
             write_json(tmp / "fleet.json", meta)
     except BaseException as exc:
-        error = exc
+        error = explain_write_error(exc, target)
     if _agree(world, error is not None):
         if world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -265,24 +203,18 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
             missing = [n for n in (_shard_name(r) for r in range(world.size)) if not (tmp / n).exists()]
             if missing:
                 raise CheckpointError(f"{tmp} lacks {missing}: the ranks do not share this filesystem")
-            (tmp / "COMPLETE").write_text("ok\n")
-            _fsync_tree(tmp)
-            _commit(tmp, target, tag_s)
+            seal(tmp)
+            commit(tmp, target, tag_s)
     except BaseException as exc:
-        error = exc
+        error = explain_write_error(exc, target)
         shutil.rmtree(tmp, ignore_errors=True)
     if _agree(world, error is not None):
         raise error if error is not None else CheckpointError(f"rank 0 could not complete {target}; see its error")
 
 
-def _read_shards(path: Path, meta: dict[str, Any]) -> list[list[dict[str, Any]]]:
+def _read_shards(path: Path, meta: dict[str, Any], fmt: int) -> list[list[dict[str, Any]]]:
     """Every rank's list of optimizer state_dicts, in rank order."""
-    out = []
-    for name in meta["sharding"]["shards"]:
-        if not (path / name).exists():
-            raise CheckpointError(f"sharded checkpoint {path} lacks {name}")
-        out.append(torch.load(path / name, map_location="cpu", weights_only=False))
-    return out
+    return [load_pt(path / name, _SHARD_CONTENT, fmt, "cpu") for name in meta["sharding"]["shards"]]
 
 
 def _union(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -323,111 +255,183 @@ def consolidate_optimizer_state(dirname: str | os.PathLike[str], index: int = 0)
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         >>> opt.load_state_dict(consolidate_optimizer_state("ckpt"))
     """
-    path = resolve(dirname)
-    meta = read_json(path / "fleet.json")
+    path, fmt, meta = _open(dirname)
     if not 0 <= index < int(meta["optimizers"]):
         raise IndexError(f"optimizer index {index}: checkpoint {path} holds {meta['optimizers']} optimizer(s)")
     if meta.get("sharding"):
-        return _union([shard[index] for shard in _read_shards(path, meta)])
-    saved = torch.load(path / "optimizers.pt", map_location="cpu", weights_only=False)[index]
+        return _union([shard[index] for shard in _read_shards(path, meta, fmt)])
+    saved = load_pt(path / "optimizers.pt", _CONTENT["optimizers.pt"], fmt, "cpu")[index]
     return {k: v for k, v in saved.items() if k != _ENGINE_KEY}
 
 
-def load_training(dirname: str | os.PathLike[str], state: TrainingState, device: torch.device) -> dict[str, int]:
-    """Restore into ``state``'s objects; returns the saved program run counters."""
+def read_file(dirname: str | os.PathLike[str], name: str) -> Any:
+    """What file ``name`` of a training checkpoint holds, checked and read without running code.
+
+    ``models.pt``: the models' state_dicts; ``extras.pt``: the registered objects' (by name);
+    ``optimizers.pt`` / ``shard-NNNNN.pt``: optimizer state_dicts (`consolidate_optimizer_state`
+    unites the shards).
+
+    Example:
+        >>> model.load_state_dict(read_file("ckpt", "models.pt")[0])   # plain PyTorch, one process
+    """
+    path, fmt, _ = _open(dirname)
+    content = _SHARD_CONTENT if name.startswith("shard-") else _CONTENT.get(name)
+    if content is None:
+        raise ValueError(f"read_file(name={name!r}): give one of {sorted(_CONTENT)} or shard-NNNNN.pt")
+    return load_pt(path / name, content, fmt, "cpu")
+
+
+def _open(dirname: str | os.PathLike[str]) -> tuple[Path, int, dict[str, Any]]:
+    """``(path, format, manifest)`` of a checkpoint whose files all passed `verify`."""
     path = resolve(dirname)
-    meta = read_json(path / "fleet.json")
+    fmt = verify(path)
+    manifest = path / "fleet.json"
+    meta = read_json(manifest)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{manifest} is corrupt (not a JSON object); load an earlier checkpoint")
+    if meta.get("format") != fmt:
+        raise CheckpointError(
+            f"{manifest} says format {meta.get('format')!r}, its directory's {COMPLETE} says {fmt}: "
+            f"this fleetlike reads formats {LEGACY_FORMAT}-{FORMAT} and the files must come from one save; "
+            "load an earlier checkpoint"
+        )
+    missing = [k for k in _MANIFEST_KEYS if k not in meta]
+    if meta.get("sharding") is not None and not isinstance(meta["sharding"], dict):
+        missing.append("sharding")
+    if missing:
+        raise CheckpointError(f"{manifest} lacks {', '.join(repr(k) for k in missing)} (every fleetlike save "
+                              "writes them): the file was edited or damaged; load an earlier checkpoint")
+    return path, fmt, meta
+
+
+def _fit_problems(meta: dict[str, Any], state: TrainingState) -> list[str]:
     problems = []
-    if meta.get("format") != _FORMAT:
-        problems.append(f"format: saved {meta.get('format')!r}, this fleetlike reads {_FORMAT}")
     for key in ("models", "optimizers"):
         now = len(getattr(state, key))
         if meta.get(key) != now:
             problems.append(f"{key}: saved {meta.get(key)}, now {now}")
     if meta.get("extras", []) != sorted(state.extras):
         problems.append(f"registered objects: saved {meta.get('extras')}, now {sorted(state.extras)}")
-    for key in sorted(set(state.strategy) | set(meta["strategy"])):
+    saved_strategy = meta["strategy"] if isinstance(meta["strategy"], dict) else {}
+    for key in sorted(set(state.strategy) | set(saved_strategy)):
         if key in _RESHARDABLE:
             continue
-        if state.strategy.get(key) != meta["strategy"].get(key):
-            problems.append(f"strategy.{key}: saved {meta['strategy'].get(key)!r}, now {state.strategy.get(key)!r}")
+        if state.strategy.get(key) != saved_strategy.get(key):
+            problems.append(f"strategy.{key}: saved {saved_strategy.get(key)!r}, now {state.strategy.get(key)!r}")
+    return problems
+
+
+def _check_models(path: Path, saved: Any, models: list[torch.nn.Module]) -> None:
+    """Each saved state_dict has every key of its model, of the same shape (or the load would half-apply)."""
+    if not isinstance(saved, list) or len(saved) != len(models):
+        raise CheckpointError(f"{path} holds {len(saved) if isinstance(saved, list) else type(saved).__name__} "
+                              f"model state(s), the job has {len(models)}; load an earlier checkpoint")
+    for i, (held, model) in enumerate(zip(saved, models)):
+        now = model.state_dict()
+        if not isinstance(held, dict):
+            raise CheckpointError(f"{path}: model {i} is a {type(held).__name__}, not a state_dict")
+        diff = sorted(set(now) ^ set(held))
+        shapes = [f"{k}: saved {tuple(held[k].shape)}, now {tuple(v.shape)}" for k, v in now.items()
+                  if k in held and isinstance(v, torch.Tensor)
+                  and (not isinstance(held[k], torch.Tensor) or held[k].shape != v.shape)]
+        if diff or shapes:
+            raise CheckpointError(
+                f"checkpoint {path.parent} does not fit model {i} ({type(model).__name__}): "
+                + "; ".join(([f"keys only in one of them: {diff[:8]}"] if diff else []) + shapes[:8])
+                + "; restart with the model it was saved from"
+            )
+
+
+def load_training(dirname: str | os.PathLike[str], state: TrainingState, device: torch.device) -> dict[str, int]:
+    """Restore into ``state``'s objects; returns the saved program run counters.
+
+    All or nothing: every file is checked (`verify`) and read, and its fit to the job checked,
+    before anything is applied; should applying still fail, what was applied is put back."""
+    path, fmt, meta = _open(dirname)
+    problems = _fit_problems(meta, state)
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit this job:\n  " + "\n  ".join(problems)
             + "\nrestart with the saved strategy and models (DistributedStrategy.from_dict)"
         )
-    for model, saved in zip(state.models, torch.load(path / "models.pt", map_location=device, weights_only=True)):
-        model.load_state_dict(saved)
-    for opt, saved in zip(state.optimizers, _optimizer_states(path, meta, state, device)):
-        opt.load_state_dict(saved)
-    extras = torch.load(path / "extras.pt", map_location=device, weights_only=False)
-    for name, obj in state.extras.items():
-        obj.load_state_dict(extras[name])
+    models = load_pt(path / "models.pt", _CONTENT["models.pt"], fmt, device)
+    _check_models(path / "models.pt", models, state.models)
+    optimizers = _optimizer_states(path, meta, state, device, fmt)
+    extras = load_pt(path / "extras.pt", _CONTENT["extras.pt"], fmt, device)
+    if not isinstance(extras, dict) or sorted(extras) != sorted(state.extras):
+        raise CheckpointError(f"{path / 'extras.pt'} holds {sorted(extras) if isinstance(extras, dict) else extras!r}, "
+                              f"fleet.json lists {sorted(state.extras)}: the files come from different saves")
+    plan = [(m, saved) for m, saved in zip(state.models, models)] \
+        + [(o, saved) for o, saved in zip(state.optimizers, optimizers)] \
+        + [(obj, extras[name]) for name, obj in state.extras.items()]
+    touched: list[tuple[Any, Any]] = []
+    try:
+        for obj, saved in plan:
+            touched.append((obj, _hold(obj)))  # held just before: a failing object is put back too
+            obj.load_state_dict(saved)
+    except Exception as exc:
+        stuck = _put_back(touched)
+        raise CheckpointError(
+            f"checkpoint {path} could not be applied ({type(exc).__name__}: {exc}); "
+            + (f"putting back failed for {stuck}: the job's state is mixed, restart it" if stuck else
+               "the job's state was put back as it was")
+            + ": restart with the job it was saved from"
+        ) from exc
     return dict(meta.get("program_runs", {}))
 
 
+def _copy(value: Any) -> Any:
+    """A CPU copy sharing nothing with ``value`` (what `_put_back` restores)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        out = type(value)((k, _copy(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):  # a module state_dict's versions, which load_state_dict reads
+            out._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_copy(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _hold(obj: Any) -> tuple[Any, Any]:
+    """What `_put_back` needs to return ``obj`` to now: its state (copied) and, for a fleetlike
+    optimizer, the strategy state it keeps until its model's engine is built."""
+    return _copy(obj.state_dict()), copy.copy(getattr(obj, "_pending_state", None))
+
+
+def _put_back(touched: list[tuple[Any, Any]]) -> list[str]:
+    """Return each touched object to its held state, last first; the ones that refused."""
+    stuck = []
+    for obj, (saved, pending) in reversed(touched):
+        try:
+            obj.load_state_dict(saved)
+        except Exception as exc:  # noqa: BLE001 - reported with the original error
+            stuck.append(f"{type(obj).__name__} ({exc})")
+        if hasattr(obj, "_pending_state"):
+            obj._pending_state = pending
+    return stuck
+
+
 def _optimizer_states(path: Path, meta: dict[str, Any], state: TrainingState,
-                      device: torch.device) -> list[dict[str, Any]]:
+                      device: torch.device, fmt: int) -> list[dict[str, Any]]:
     """What each optimizer loads. Unsharded: the saved state_dicts. Sharded: each optimizer's
     shards united (a sharded job then keeps its own partition), with the strategy state of this
     rank when the world size is the same, else the ranks' states merged (`_merge_ranks`)."""
     if not meta.get("sharding"):
-        return torch.load(path / "optimizers.pt", map_location=device, weights_only=False)
-    shards = _read_shards(path, meta)
-    out = []
-    same_world = meta["sharding"]["world_size"] == state.world_size
-    for i in range(len(state.optimizers)):
-        full = _union([shard[i] for shard in shards])
-        engines = [shard[i].get(_ENGINE_KEY) for shard in shards]
-        if engines[0] is not None:
-            full[_ENGINE_KEY] = engines[state.rank] if same_world else _merge_ranks(engines)
-        out.append(full)
-    return out
-def _script_for_serving(model: torch.nn.Module) -> tuple[Any, str | None]:
-    """``(TorchScript module in eval mode, None)``, or ``(None, why not)``."""
-    try:
-        scripted = torch.jit.script(model)
-    except Exception as exc:  # TorchScript rejects many Python constructs; say which and go on
-        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"
-    scripted.eval()
-    return scripted, None
-
-
-def save_inference_model(dirname: str | os.PathLike[str], model: torch.nn.Module,
-                         feeded_var_names: list[str], target_vars: list[str], served: bool = True) -> None:
-    """Write the model for inference; with ``served`` also `SERVED_FILE` (TorchScript, eval mode).
-
-    A model TorchScript cannot compile still gets ``model.pt`` and ``state_dict.pt``; the reason
-    is logged and kept in ``inference.json`` (``served_error``)."""
-    with plain_forwards(model):  # recompute's wrappers are training machinery, not the model
-        _write_inference(dirname, model, feeded_var_names, target_vars, served)
-
-
-def _write_inference(dirname: str | os.PathLike[str], model: torch.nn.Module, feeded_var_names: list[str],
-                     target_vars: list[str], served: bool) -> None:
-    scripted, why = _script_for_serving(model) if served else (None, None)
-    if why is not None:
-        log.warning("fleet.save_inference_model: no %s (the model does not compile to TorchScript: %s); "
-                    "model.pt and state_dict.pt are written, which need the model's code to load. Make the "
-                    "model scriptable, or pass export_for_deployment=False to skip this", SERVED_FILE, why)
-    with atomic_dir(dirname) as tmp:
-        torch.save(model, tmp / "model.pt")
-        torch.save(model.state_dict(), tmp / "state_dict.pt")
-        if scripted is not None:
-            torch.jit.save(scripted, str(tmp / SERVED_FILE))
-        write_json(tmp / "inference.json", {
-            "feeded_var_names": list(feeded_var_names),
-            "target_vars": list(target_vars),
-            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "served": SERVED_FILE if scripted is not None else None,
-            "served_error": why,
-        })
-
-
-def load_inference_model(dirname: str | os.PathLike[str]) -> tuple[torch.nn.Module, list[str], list[str]]:
-    """Load what ``fleet.save_inference_model`` wrote: ``(model in eval mode, feeds, targets)``."""
-    path = resolve(dirname)
-    meta = read_json(path / "inference.json")
-    model = torch.load(path / "model.pt", weights_only=False)
-    model.eval()
-    return model, meta["feeded_var_names"], meta["target_vars"]
+        saved = load_pt(path / "optimizers.pt", _CONTENT["optimizers.pt"], fmt, device)
+    else:
+        shards = _read_shards(path, meta, fmt)
+        saved = []
+        same_world = meta["sharding"]["world_size"] == state.world_size
+        for i in range(len(state.optimizers)):
+            full = _union([shard[i] for shard in shards])
+            engines = [shard[i].get(_ENGINE_KEY) for shard in shards]
+            if engines[0] is not None:
+                full[_ENGINE_KEY] = engines[state.rank] if same_world else _merge_ranks(engines)
+            saved.append(full)
+    if not isinstance(saved, list) or len(saved) != len(state.optimizers) or \
+            not all(isinstance(o, dict) and "param_groups" in o for o in saved):
+        raise CheckpointError(f"{path}: the optimizer states do not match fleet.json ({len(state.optimizers)} "
+                              "optimizer state_dicts expected): the files come from different saves")
+    return saved
