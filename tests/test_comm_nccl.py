@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -168,11 +169,14 @@ class _FakeNccl(types.ModuleType):
      NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16) = range(10)
 
     class NcclError(RuntimeError):
-        pass
+        def __init__(self, status=None, message=""):
+            super().__init__(message or f"NCCL error {status}")
+            self.status = status
 
     def __init__(self, uid_type: type = tuple):
         super().__init__("cupy.cuda.nccl")
         self.depth, self.queued, self.log, self.uids = 0, [], [], []
+        self.errors: dict = {}  # rank -> what check_async_error raises
         self.uid_type = uid_type  # tuple of signed chars (CuPy < 14) or bytes (CuPy >= 14)
         fake = self
 
@@ -182,29 +186,41 @@ class _FakeNccl(types.ModuleType):
                     raise TypeError(f"Argument 'commId' has incorrect type (got {type(uid)})")
                 assert len(uid) == 128 and 0 <= rank < ndev
                 fake.uids.append(uid)
-                self.ndev = ndev
+                self.ndev, self.rank = ndev, rank
 
-            def _do(self, name, fn):
+            def check_async_error(self):
+                """``ncclCommGetAsyncError``: what `errors` holds for this rank (a status and
+                message, or CuPy 13's KeyError for ncclInProgress)."""
+                error = fake.errors.get(self.rank)
+                if isinstance(error, BaseException):
+                    raise error
+                if error is not None:
+                    raise fake.NcclError(*error)
+
+            def _do(self, name, fn, stream=None):
                 fake.log.append(name)
+                cuda = getattr(fake, "cuda", None)
+                if cuda is not None and stream is not None:
+                    cuda.kernel(f"nccl:{name}", cuda.streams[stream])
                 (fake.queued.append if fake.depth else lambda f: f())(fn)
 
-            def _copy(self, name, src, dst, nbytes):
-                self._do(name, lambda: ctypes.memmove(dst, src, nbytes) if src != dst else None)
+            def _copy(self, name, src, dst, nbytes, stream=None):
+                self._do(name, lambda: ctypes.memmove(dst, src, nbytes) if src != dst else None, stream)
 
             def allReduce(self, s, r, n, t, op, stream):
                 if self.ndev == 1:
-                    return self._copy("allReduce", s, r, n * _SIZES[t])
+                    return self._copy("allReduce", s, r, n * _SIZES[t], stream)
 
                 def mirror():
                     x = _view(s, n, t).copy()
                     _view(r, n, t)[:] = {0: x + x, 1: x * x, 2: x, 3: x, 4: x}[op]
-                self._do("allReduce", mirror)
+                self._do("allReduce", mirror, stream)
 
             def broadcast(self, s, r, n, t, root, stream):
-                self._copy("broadcast", s, r, n * _SIZES[t])
+                self._copy("broadcast", s, r, n * _SIZES[t], stream)
 
             def reduce(self, s, r, n, t, op, root, stream):
-                self._copy("reduce", s, r, n * _SIZES[t])
+                self._copy("reduce", s, r, n * _SIZES[t], stream)
 
             def allGather(self, s, r, n, t, stream):
                 nbytes, ndev = n * _SIZES[t], self.ndev
@@ -213,10 +229,10 @@ class _FakeNccl(types.ModuleType):
                     for i in range(ndev):
                         if s != r + i * nbytes:
                             ctypes.memmove(r + i * nbytes, s, nbytes)
-                self._do("allGather", mirror)
+                self._do("allGather", mirror, stream)
 
             def reduceScatter(self, s, r, n, t, op, stream):
-                self._copy("reduceScatter", s, r, n * _SIZES[t])
+                self._copy("reduceScatter", s, r, n * _SIZES[t], stream)
 
             def destroy(self):
                 fake.log.append("destroy")
@@ -244,27 +260,106 @@ class _FakeNccl(types.ModuleType):
                 fn()
 
 
-class _FakeStream:
-    cuda_stream = 1234
+class _FakeCuda:
+    """torch.cuda's streams, events and devices on the CPU, recording each call.
 
-    def __init__(self, *a, **kw):
-        pass
+    ``log`` holds ``(op, stream, what, device, thread)``: ``op`` is "kernel" (a named piece of
+    GPU work: NCCL's calls, or a test's own), "record" or "wait" (an event on a stream),
+    "query" (an event polled) or "set_device"; ``device`` is the calling thread's current
+    device then. `deps` replays the log with CUDA's ordering rules (work on one stream runs in
+    order; a wait orders a stream after everything before the event's record), so a test
+    asks what a kernel is guaranteed to run after.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, str, int, str]] = []
+        self.local = threading.local()
+        self.streams: dict[int, _FakeStream] = {}
+        self.default = _FakeStream(self, "default")
+        self.events = itertools.count()
+
+    def device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def current(self) -> _FakeStream:
+        return getattr(self.local, "stream", self.default)
+
+    def note(self, op: str, stream: str, what: str) -> None:
+        self.log.append((op, stream, what, self.device(), threading.current_thread().name))
+
+    def kernel(self, what: str, stream: _FakeStream | None = None) -> None:
+        self.note("kernel", (stream or self.current()).name, what)
+
+    def set_device(self, index) -> None:
+        self.local.device = int(getattr(index, "index", index))
+        self.note("set_device", "-", str(self.local.device))
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        old = self.current()
+        self.local.stream = s
+        try:
+            yield
+        finally:
+            self.local.stream = old
+
+    def deps(self, kernel: str) -> set[str]:
+        """The kernels that the first kernel named ``kernel`` surely runs after."""
+        cover: dict[str, set[str]] = {}
+        marks: dict[str, set[str]] = {}
+        for op, stream, what, _, _ in self.log:
+            mine = cover.setdefault(stream, set())
+            if op == "kernel":
+                if what == kernel:
+                    return set(mine)
+                mine.add(what)
+            elif op == "record":
+                marks[what] = set(mine)
+            elif op == "wait":
+                mine |= marks.get(what, set())
+        raise AssertionError(f"no kernel {kernel!r} in the log")
+
+    def kernels(self, prefix: str) -> list[tuple[str, str, str]]:
+        """(stream, kernel, thread) of the kernels whose names start with ``prefix``."""
+        return [(st, w, th) for op, st, w, _, th in self.log if op == "kernel" and w.startswith(prefix)]
+
+
+class _FakeStream:
+    def __init__(self, cuda: _FakeCuda | None = None, name: str | None = None, **kw):
+        self.cuda = cuda if cuda is not None else _CUDA[0]
+        self.cuda_stream = 1000 + len(self.cuda.streams)
+        self.name = name or f"s{self.cuda_stream}"
+        self.cuda.streams[self.cuda_stream] = self
 
     def wait_stream(self, other):
-        pass
+        e = _FakeEvent()
+        e.record(other)
+        self.wait_event(e)
 
     def wait_event(self, event):
-        pass
+        self.cuda.note("wait", self.name, event.name)
 
     def synchronize(self):
         pass
 
+    def query(self):
+        return True
+
+
+_CUDA: list[_FakeCuda] = []  # the fake in use (streams and events find it here)
+
 
 class _FakeEvent:
-    def record(self, stream):
+    def __init__(self, *a, **kw):
+        self.name = f"e{next(_CUDA[0].events)}"
+
+    def record(self, stream=None):
+        cuda = _CUDA[0]
+        cuda.note("record", (stream or cuda.current()).name, self.name)
         self.recorded = True
 
     def query(self):
+        _CUDA[0].note("query", "-", self.name)
         return True
 
     def synchronize(self):
@@ -274,24 +369,37 @@ class _FakeEvent:
 @pytest.fixture
 def fake(monkeypatch):
     """A fake NCCL and torch.cuda's stream API on the CPU; yields a factory of communicators."""
+    import fleetlike.comm.cuda as cuda_mod
+
     nccl = _FakeNccl()
-    current = _FakeStream()
+    cuda = _FakeCuda()
+    _CUDA[:] = [cuda]
+    nccl.cuda = cuda
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cuda.current())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(cuda_mod, "dedicated_stream", lambda device: (_FakeStream(cuda), None))
+    monkeypatch.setattr(cuda_mod, "_THREAD", threading.local())  # no thread has set a device yet
     # torch's C stream query (CUDA builds) would bypass the fake current_stream and cache fake
     # Stream objects for the real GPU tests after these (seen on the first GPU run)
     monkeypatch.setattr(nccl_mod, "_GET_CURRENT_STREAM", None)
 
-    def make(size: int = 1) -> NcclCommunicator:
-        store = dist.PrefixStore("nccl/world/", dist.HashStore())
-        return NcclCommunicator._connect(nccl, store, 0, size, range(size), "world", torch.device("cpu"), 10)
+    def make(size: int = 1, rank: int = 0, device: str = "cpu", store=None) -> NcclCommunicator:
+        store = store if store is not None else dist.PrefixStore("nccl/world/", dist.HashStore())
+        comm = NcclCommunicator._connect(nccl, store, rank, size, range(size), "world", torch.device(device), 10)
+        if device != "cpu":  # CPU tensors stand in for the device's
+            comm._check_device = lambda *a: None
+        return comm
 
     make.nccl = nccl
-    return make
+    make.cuda = cuda
+    yield make
+    from fleetlike.comm.watchdog import WATCHDOG
+    WATCHDOG.clear()
 
 
 def test_fake_every_collective_dtype_op_goes_through_nccl_at_size_one(fake):
