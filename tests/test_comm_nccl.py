@@ -303,25 +303,26 @@ class _FakeCuda:
         finally:
             self.local.stream = old
 
-    def deps(self, kernel: str) -> set[str]:
-        """The kernels that the first kernel named ``kernel`` surely runs after."""
-        cover: dict[str, set[str]] = {}
-        marks: dict[str, set[str]] = {}
-        for op, stream, what, _, _ in self.log:
+    def deps(self, at: int) -> set[int]:
+        """The log positions of the kernels that the kernel at log position ``at`` surely runs
+        after."""
+        cover: dict[str, set[int]] = {}
+        marks: dict[str, set[int]] = {}
+        for i, (op, stream, what, _, _) in enumerate(self.log[: at + 1]):
             mine = cover.setdefault(stream, set())
             if op == "kernel":
-                if what == kernel:
+                if i == at:
                     return set(mine)
-                mine.add(what)
+                mine.add(i)
             elif op == "record":
                 marks[what] = set(mine)
             elif op == "wait":
                 mine |= marks.get(what, set())
-        raise AssertionError(f"no kernel {kernel!r} in the log")
+        raise AssertionError(f"log position {at} is past the log")
 
-    def kernels(self, prefix: str) -> list[tuple[str, str, str]]:
-        """(stream, kernel, thread) of the kernels whose names start with ``prefix``."""
-        return [(st, w, th) for op, st, w, _, th in self.log if op == "kernel" and w.startswith(prefix)]
+    def find(self, prefix: str, start: int = 0) -> list[int]:
+        """Log positions (from ``start``) of the kernels whose names start with ``prefix``."""
+        return [i for i, (op, _, w, _, _) in enumerate(self.log) if i >= start and op == "kernel" and w.startswith(prefix)]
 
 
 class _FakeStream:
@@ -390,16 +391,223 @@ def fake(monkeypatch):
 
     def make(size: int = 1, rank: int = 0, device: str = "cpu", store=None) -> NcclCommunicator:
         store = store if store is not None else dist.PrefixStore("nccl/world/", dist.HashStore())
-        comm = NcclCommunicator._connect(nccl, store, rank, size, range(size), "world", torch.device(device), 10)
-        if device != "cpu":  # CPU tensors stand in for the device's
-            comm._check_device = lambda *a: None
-        return comm
+        if device != "cpu":  # CPU tensors stand in for the device's (in its splits too)
+            monkeypatch.setattr(NcclCommunicator, "_check_device", lambda *a: None)
+        return NcclCommunicator._connect(nccl, store, rank, size, range(size), "world", torch.device(device), 10)
 
     make.nccl = nccl
     make.cuda = cuda
     yield make
     from fleetlike.comm.watchdog import WATCHDOG
     WATCHDOG.clear()
+
+
+def _through(cuda: _FakeCuda, label: str, start, wait=None) -> None:
+    """Gradients made on a side stream go through ``start()`` (a helper path or not); the
+    consumer, on another stream, waits and reads. Every NCCL kernel must run after the
+    gradients, the read after every NCCL kernel, and no helper thread may hold back a stream
+    that is not its own."""
+    producer, consumer = _FakeStream(cuda, f"producer-{label}"), _FakeStream(cuda, f"consumer-{label}")
+    first = len(cuda.log)
+    with cuda.stream(producer):
+        cuda.kernel(f"grad:{label}")
+        work = start()
+    with cuda.stream(consumer):
+        (wait or (lambda w: w.wait()))(work)
+        cuda.kernel(f"read:{label}")
+    grad, = cuda.find(f"grad:{label}", first)
+    read, = cuda.find(f"read:{label}", first)
+    launches = cuda.find("nccl:", first)
+    assert launches, f"{label}: no NCCL call"
+    for at in launches:
+        stream = cuda.log[at][1]
+        assert stream not in ("default", producer.name, consumer.name), (label, cuda.log[at])
+        assert grad in cuda.deps(at), f"{label}: {cuda.log[at]} may run before the gradients are made"
+    missing = set(launches) - cuda.deps(read)
+    assert not missing, f"{label}: the result is read before {[cuda.log[i] for i in missing]}"
+    for op, stream, what, _, thread in cuda.log[first:]:
+        if op == "wait" and thread.startswith("fleetlike-"):
+            assert stream not in ("default", producer.name, consumer.name), (label, op, stream, thread)
+
+
+def test_fake_gradients_on_a_side_stream_through_every_path(fake):
+    """Flat, hierarchical, compressed (flat and hierarchical), sharded and the DDP hook: each
+    NCCL call after the kernels that made the gradients, the consumer after each NCCL call,
+    helper threads waiting on their own streams only, and every helper NCCL call issued from
+    the one issuer thread."""
+    from fleetlike.collectives import CompressedAllReduce, FlatAllReduce, HalfCodec, HierarchicalAllReduce
+    from fleetlike.collectives.sharded import ShardReduceScatter, plan_shards
+
+    cuda = fake.cuda
+    world = fake()
+    pairs = [(world.split(0, name="intra"), world.split(1, name="inter"))]
+    x = torch.ones(8)
+    _through(cuda, "flat", lambda: world.all_reduce_async(x, "avg"))
+    hier = HierarchicalAllReduce(pairs, world)
+    _through(cuda, "hierarchical", lambda: hier.start_tensor(x, 0, "avg"))
+    fp16 = CompressedAllReduce(FlatAllReduce([world]), HalfCodec("float16"))
+    _through(cuda, "compressed", lambda: fp16.start_tensor(x, 0))
+    fp16_hier = CompressedAllReduce(hier, HalfCodec("bfloat16"))
+    _through(cuda, "compressed-hierarchical", lambda: fp16_hier.start_tensor(x, 0))
+    buckets = plan_shards([torch.nn.Parameter(torch.ones(6))], None, 1)
+    shard = ShardReduceScatter(0, [world], codec=HalfCodec("float16"))
+    _through(cuda, "sharded", lambda: shard.start(buckets[0]))
+    helper = {th for _, _, th in (cuda.log[i][1:3] + (cuda.log[i][4],) for i in cuda.find("nccl:"))}
+    assert {t for t in helper if t != "MainThread"} == {"fleetlike-nccl_0"}, helper
+    assert torch.equal(x, torch.ones(8))
+
+
+def test_fake_ddp_hook_completes_its_future_after_nccl_on_a_helper_stream(fake, monkeypatch):
+    """The DDP hook's finisher completes the future on its own stream, after the collective;
+    the future names the bucket's device (``devices=``) so DDP's stream waits for it."""
+    from fleetlike.comm import CommGroups
+    from fleetlike.ddp import FleetHookState, fleetlike_hook
+
+    cuda = fake.cuda
+    made: list = []
+
+    class Future(torch.futures.Future):
+        """torch's CUDA future: ``set_result`` records an event on the setting thread's current
+        stream, ``wait`` makes the waiting thread's current stream wait on it."""
+
+        def __init__(self, devices=None):
+            super().__init__()
+            made.append(devices)
+            self.mark = _FakeEvent()
+
+        def set_result(self, value):
+            cuda.kernel("ddp:set_result")
+            self.mark.record()
+            super().set_result(value)
+
+        def wait(self):
+            value = super().wait()
+            cuda.current().wait_event(self.mark)
+            return value
+
+    monkeypatch.setattr(torch.futures, "Future", Future)
+    world = fake()
+    role = Role.from_endpoints(0, ["127.0.0.1:6170"])
+    state = FleetHookState(groups=CommGroups(world, role), role=role)
+    buf = torch.ones(5)
+    bucket = types.SimpleNamespace(buffer=lambda: buf, index=lambda: 0, parameters=lambda: [buf], is_last=lambda: True)
+    try:
+        _through(cuda, "ddp", lambda: fleetlike_hook(state, bucket))
+        done, = cuda.find("ddp:set_result")
+        assert set(cuda.find("nccl:")) <= cuda.deps(done)
+        assert cuda.log[done][1].startswith("s") and cuda.log[done][4].startswith("fleetlike-ddp")
+        assert made == [None]  # a CPU bucket; a CUDA one passes devices=[its device]
+    finally:
+        state.close()
+
+
+def test_fake_every_thread_uses_the_ranks_device(fake):
+    """A rank on GPU 1: the training thread, the issuer, the finishers and the watchdog thread
+    make every CUDA call with GPU 1 current (a call on GPU 0 would make a context there)."""
+    from fleetlike.collectives import HierarchicalAllReduce
+    from fleetlike.comm.watchdog import WATCHDOG
+
+    cuda = fake.cuda
+    world = fake(device="cuda:1")
+    hier = HierarchicalAllReduce([(world.split(0), world.split(1))], world)
+    hier.start_tensor(torch.ones(4), 0, "avg").wait()
+    world.all_reduce(torch.ones(4))
+    monkey_query = _FakeEvent.query
+    seen = threading.Event()
+
+    def query(self):
+        if threading.current_thread().name == "fleetlike-watchdog":
+            seen.set()
+        return monkey_query(self)
+
+    _FakeEvent.query = query
+    try:
+        _FakeEvent.query(_FakeEvent())  # a query from here counts as well
+        world.timeout = 0.4  # the watchdog thread wakes every 0.1 s
+        world.all_reduce_async(torch.ones(4))
+        assert seen.wait(5), "the watchdog thread never polled the collective's event"
+    finally:
+        _FakeEvent.query = monkey_query
+    threads = {th for *_, th in cuda.log}
+    assert {"fleetlike-watchdog", "fleetlike-nccl_0", "MainThread"} <= threads, threads
+    wrong = [entry for entry in cuda.log if entry[0] != "set_device" and entry[3] != 1]
+    assert not wrong, wrong[:5]
+
+
+def test_fake_nccl_async_error_ends_the_step_on_every_rank_with_its_reason(fake, monkeypatch, capsys):
+    """A peer dies: each surviving rank's NCCL reports it through ncclCommGetAsyncError while
+    the collective's kernel spins. The watchdog polls it and aborts every rank within seconds,
+    with NCCL's reason, long before the (here 1800 s) deadline; CuPy 13's KeyError for
+    ncclInProgress is no error."""
+    exits: list[int] = []
+    lock = threading.Lock()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (lock.acquire(), exits.append(code), lock.release()))
+    store = dist.PrefixStore("nccl/world/", dist.HashStore())
+    ranks = [fake(2, r, store=store) for r in range(2)]
+    for comm in ranks:
+        comm.timeout = 1800.0
+    monkeypatch.setattr(_FakeEvent, "query", lambda self: False)  # the kernels never finish
+    fake.nccl.errors = {0: KeyError(7), 1: KeyError(7)}  # ncclInProgress, as CuPy 13 raises it
+    for comm in ranks:
+        comm.all_reduce_async(torch.ones(3), agreed=True)
+    time.sleep(1.5)
+    assert exits == [], "ncclInProgress was taken for an error"
+    t0 = time.monotonic()
+    fake.nccl.errors = {r: (6, f"NCCL_ERROR_REMOTE_ERROR: remote process exited (seen by rank {r})") for r in range(2)}
+    while len(exits) < 2 and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert exits == [1, 1] and took < 5, (exits, took)
+    err = capsys.readouterr().err
+    for r in range(2):
+        assert (f"NCCL reported an error on 'world' (nccl) on rank {r} (collective #1 all_reduce in flight): "
+                f"NCCL_ERROR_REMOTE_ERROR: remote process exited (seen by rank {r})") in err, err
+    assert fake.nccl.log.count("abort") == 2
+
+
+def test_fake_init_is_watched(fake, monkeypatch, capsys):
+    """ncclCommInitRank blocks until every rank arrives: a rank that never comes ends the
+    process at the deadline, with the step named."""
+    exits: list[int] = []
+    release = threading.Event()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), release.set()))
+    cls = fake.nccl.NcclCommunicator
+
+    class Stuck(cls):
+        def __init__(self, *a):
+            release.wait(10)
+            super().__init__(*a)
+
+    fake.nccl.NcclCommunicator = Stuck
+    store = dist.PrefixStore("nccl/world/", dist.HashStore())
+    comm = NcclCommunicator._connect(fake.nccl, store, 0, 1, range(1), "world", torch.device("cpu"), 0.3)
+    assert exits == [1]
+    assert "ncclCommInitRank on 'world' (nccl) has not finished after" in capsys.readouterr().err
+    comm.close()
+
+
+def test_fake_comm_streams_are_their_own(fake, monkeypatch):
+    """A communicator's stream is made for it, never taken from torch's pool (which wraps)."""
+    def pool(*a, **kw):
+        raise AssertionError("a stream from torch's pool")
+
+    monkeypatch.setattr(torch.cuda, "Stream", pool)
+    a, b = fake(), fake()
+    assert a.stream is not b.stream and a.stream.cuda_stream != b.stream.cuda_stream
+    sub = a.split(0)
+    assert sub.stream.cuda_stream not in (a.stream.cuda_stream, b.stream.cuda_stream)
+
+
+def test_fake_check_collectives_in_a_group_is_refused_clearly(fake):
+    comm = fake(2)
+    comm.check_collectives = True
+    with pytest.raises(CommError, match=r"inside `with comm.group\(\):` with check_collectives on"):
+        with comm.group():
+            comm.all_reduce_async(torch.ones(3))
+    comm.check_collectives = False
+    with comm.group():  # without the check, a group takes the buckets as agreed
+        work = comm.all_reduce_async(torch.ones(3))
+    assert torch.equal(work.wait(), torch.full((3,), 2.0))
 
 
 def test_fake_every_collective_dtype_op_goes_through_nccl_at_size_one(fake):
