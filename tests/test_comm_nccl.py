@@ -863,6 +863,64 @@ def test_ordering_test_is_sensitive(world):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("path", ["flat", "hierarchical", "compressed", "compressed-hierarchical", "sharded"])
+def test_side_stream_gradients_through_helper_paths(world, path):
+    """The probe of stream ordering across threads: gradients made late on a side stream (a
+    0.1 s spin, then the fill) go through each path, and a third stream reads the result right
+    after ``wait()``. A helper thread that launched on its own default stream, or a handle
+    that ordered the wrong stream, reads the zeros (the ordering control below shows that an
+    unordered read does)."""
+    from fleetlike.collectives import CompressedAllReduce, FlatAllReduce, HalfCodec, HierarchicalAllReduce
+    from fleetlike.collectives.sharded import ShardReduceScatter, plan_shards
+
+    dev, n = world.device, 1 << 20
+    pairs = [(world.split(0, name="intra"), world.split(1, name="inter"))]
+    try:
+        hier = HierarchicalAllReduce(pairs, world)
+        producer, consumer = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+        param = torch.nn.Parameter(torch.zeros(n, device=dev))
+        bucket = plan_shards([param], None, 1)[0]
+        x = bucket.buffer if path == "sharded" else torch.zeros(n, device=dev)
+        starts = {
+            "flat": lambda: world.all_reduce_async(x, "avg"),
+            "hierarchical": lambda: hier.start_tensor(x, 0, "avg"),
+            "compressed": lambda: CompressedAllReduce(FlatAllReduce([world]), HalfCodec("float16")).start_tensor(x, 0),
+            "compressed-hierarchical": lambda: CompressedAllReduce(hier, HalfCodec("bfloat16")).start_tensor(x, 0),
+            "sharded": lambda: ShardReduceScatter(0, [world], codec=HalfCodec("float16")).start(bucket),
+        }
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            x.zero_()
+            torch.cuda._sleep(200_000_000)
+            x.fill_(3.0)
+            work = starts[path]()
+        with torch.cuda.stream(consumer):
+            work.wait()
+            got = x.clone()
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), torch.full((n,), 3.0)), f"{path}: read {got[:4].tolist()} before the result"
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+@gpu
+@needs_gpu
+def test_comm_streams_are_not_torch_pool_streams(world):
+    """More than 32 pool streams later, no communicator shares torch's stream pool."""
+    pool = {torch.cuda.Stream(device=world.device).cuda_stream for _ in range(40)}
+    subs = [world.split(0) for _ in range(3)]
+    try:
+        mine = {world.stream.cuda_stream} | {s.stream.cuda_stream for s in subs}
+        assert len(mine) == 4 and not mine & pool
+    finally:
+        for s in subs:
+            s.close()
+
+
+@gpu
+@needs_gpu
 def test_out_of_place_leaves_the_input(world):
     x = torch.arange(10, dtype=torch.float32, device=world.device)
     out = torch.empty_like(x)
