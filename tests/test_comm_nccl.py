@@ -177,6 +177,7 @@ class _FakeNccl(types.ModuleType):
         super().__init__("cupy.cuda.nccl")
         self.depth, self.queued, self.log, self.uids = 0, [], [], []
         self.errors: dict = {}  # rank -> what check_async_error raises
+        self.peer_numel = 0  # added to the mirrored peer's element count in a size check's rows
         self.uid_type = uid_type  # tuple of signed chars (CuPy < 14) or bytes (CuPy >= 14)
         fake = self
 
@@ -229,6 +230,8 @@ class _FakeNccl(types.ModuleType):
                     for i in range(ndev):
                         if s != r + i * nbytes:
                             ctypes.memmove(r + i * nbytes, s, nbytes)
+                    if fake.peer_numel and t == fake.NCCL_INT64 and ndev > 1:  # a size check's rows
+                        _view(r + nbytes, n, t)[6] += fake.peer_numel  # the peer passes another size
                 self._do("allGather", mirror, stream)
 
             def reduceScatter(self, s, r, n, t, op, stream):
@@ -596,6 +599,33 @@ def test_fake_comm_streams_are_their_own(fake, monkeypatch):
     assert a.stream is not b.stream and a.stream.cuda_stream != b.stream.cuda_stream
     sub = a.split(0)
     assert sub.stream.cuda_stream not in (a.stream.cuda_stream, b.stream.cuda_stream)
+
+
+def test_fake_size_check_costs_no_host_wait_and_a_mismatch_ends_the_job(fake, monkeypatch, capsys):
+    """The default size check on NCCL: the rows are all-gathered on the comm stream and copied
+    to the host there, nothing waits for them (no event synchronize, no host read on the
+    calling thread); the watchdog compares them, and a peer with another element count ends
+    the job with the ranks' table."""
+    exits: list[int] = []
+    fired = threading.Event()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    syncs: list[str] = []
+    monkeypatch.setattr(_FakeEvent, "synchronize", lambda self: syncs.append(threading.current_thread().name))
+    comm = fake(2)
+    x = torch.ones(3)
+    comm.all_reduce(x)  # blocking form: the handle's wait orders the stream, no host sync
+    assert fake.nccl.log[-2:] == ["allGather", "allReduce"] and not syncs
+    assert torch.equal(x, torch.full((3,), 2.0))
+    comm.all_reduce(x, agreed=True)
+    assert fake.nccl.log[-2:] == ["allReduce", "allReduce"]
+    time.sleep(1.2)  # a poll period: the agreeing rows were compared
+    assert exits == [] and not comm._checks
+    fake.nccl.peer_numel = 1
+    comm.all_reduce_async(torch.ones(5))
+    assert fired.wait(5), "the watchdog never compared the size check's rows"
+    err = capsys.readouterr().err
+    assert "ranks of communicator 'world' (nccl) disagree on collective #3 all_reduce (found by the size check)" in err
+    assert "(5,)" in err and exits == [1]
 
 
 def test_fake_check_collectives_in_a_group_is_refused_clearly(fake):

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from fleetlike.comm.base import Communicator, divide_
 from fleetlike.comm import cuda as _cuda
+from fleetlike.comm import guard as _guard
 from fleetlike.comm.colors import split_order
 from fleetlike.comm.cuda import ISSUER, selected_gpu, use_device
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES
@@ -407,6 +408,8 @@ class NcclCommunicator(Communicator):
         #: (launched at, seq, op, event) of the collectives the watchdog has not seen finish
         self._flight: deque[tuple[float, int, str, Any]] = deque()
         self._connected = False  # NCCL connects to its peers on the first collective
+        #: size checks in flight: (seq, op, event, host rows, row width), compared by `_poll`
+        self._checks: deque[tuple[int, str, Any, torch.Tensor, int]] = deque()
         new = self.nccl_version >= _NCCL_2_10
         types = {
             torch.uint8: nccl.NCCL_UINT8,
@@ -636,14 +639,59 @@ class NcclCommunicator(Communicator):
 
     def _issue(self, op: str, tensor: torch.Tensor | None, start: Callable[..., Work], args: tuple[Any, ...] = (),
                red: Any = None, root: int | None = None, agreed: bool = False) -> Work:
-        if _GROUP.depth and self.check_collectives:
-            raise CommError(
-                f"{op} on {self.name!r} inside `with comm.group():` with check_collectives on: the "
-                "check exchanges each collective's description and waits for it, but nothing in an "
-                "NCCL group runs before the block ends. Check outside the group (turn "
-                "check_collectives off around it), or issue the collectives without a group"
+        if self.check_collectives:
+            if _GROUP.depth:
+                raise CommError(
+                    f"{op} on {self.name!r} inside `with comm.group():` with check_collectives on: the "
+                    "check exchanges each collective's description and waits for it, but nothing in an "
+                    "NCCL group runs before the block ends. Check outside the group (turn "
+                    "check_collectives off around it), or issue the collectives without a group"
+                )
+        elif self.check_sizes and not agreed and self.size > 1 and not _GROUP.depth:
+            self._check_sizes_async(op, tensor, red, root)
+        return super()._issue(op, tensor, start, args, red, root, True)
+
+    def _check_sizes_async(self, op: str, tensor: torch.Tensor | None, red: Any, root: int | None) -> None:
+        """The default size check without a host sync: the ranks' descriptors are all-gathered
+        on the comm stream just before the collective and copied to the host there; the
+        watchdog compares them once they arrive (`_poll`). A mismatch, which would leave the
+        collective itself hanging or reading past a buffer, ends the job on every rank with the
+        ranks' table, within a poll period (every rank gathers the same rows)."""
+        mine = _guard._encode(self._seq + 1, op, tensor, red, root)
+        width = mine.numel()
+        dev_row = mine.to(self._device, non_blocking=True)
+        out = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
+        host = torch.empty(width * self.size, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._check_label = op
+        try:
+            self._all_gather_start(out, dev_row)
+        finally:
+            self._check_label = None
+        with torch.cuda.stream(self._stream):
+            host.copy_(out, non_blocking=True)
+            out.record_stream(self._stream)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._checks.append((self._seq + 1, op, event, host, width))
+
+    def _size_mismatch(self) -> str | None:
+        """The report of the first gathered size check whose rows disagree (watchdog thread)."""
+        checks = self._checks
+        while checks and _event_done(checks[0][2]):
+            seq, op, _, host, width = checks.popleft()
+            flat = host.tolist()
+            table = [flat[i * width: (i + 1) * width] for i in range(self.size)]
+            if all(r[f] == table[0][f] for r in table for f in _guard._SIZE_FIELDS):
+                continue
+            rows = [{"rank": str(self.ranks[i]), **_guard._describe(r)} for i, r in enumerate(table)]
+            return (
+                f"fleetlike: ranks of communicator {self.name!r} (nccl) disagree on collective #{seq} "
+                f"{op} (found by the size check):\n{_guard.mismatch_table(rows)}\nEvery rank must "
+                "issue the same collectives in the same order with the same sizes, dtypes and roots; "
+                "for data whose size differs between ranks, gather it with "
+                "fleetlike.comm.all_gather_ragged. The collective cannot finish, so the job is being aborted."
             )
-        return super()._issue(op, tensor, start, args, red, root, agreed)
+        return None
 
     def _poll(self, now: float) -> tuple[InFlight, str] | None:
         """The watchdog's look at this communicator (its thread): NCCL's asynchronous error,
@@ -656,6 +704,10 @@ class NcclCommunicator(Communicator):
         reason = _async_error(self._nccl, comm) if comm is not None and not self._aborted else None
         head = flight[0] if flight else None
         rank, name = self.ranks[self.rank], f"{self.name!r} (nccl)"
+        mismatch = self._size_mismatch() if self._checks else None
+        if mismatch is not None:
+            started, seq, what = head[:3] if head is not None else (now, self._seq, "-")
+            return InFlight(started, self._deadline or 0.0, name, what, seq, rank, self._expire), mismatch
         if reason is not None:
             started, seq, what = head[:3] if head is not None else (now, self._seq, "no collective")
             item = InFlight(started, self._deadline or 0.0, name, what, seq, rank, self._expire)
