@@ -174,6 +174,9 @@ def _tree_of(rev: str, into: Path) -> Path:
     subprocess.run(["git", "archive", "-o", str(archive), rev, "fleetlike", "bench"], cwd=ROOT, check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
+    # this script and its helpers, as they are here (the revision may predate them)
+    for name in ("nccl_overhead.py", "_common.py", "__init__.py"):
+        (into / "bench" / name).write_text((ROOT / "bench" / name).read_text())
     return into
 
 
