@@ -100,6 +100,7 @@ def _fake_nccl() -> types.ModuleType:
             if self.ndev > 1:  # a mirrored peer: the same row twice (the size check agrees)
                 import ctypes
                 nbytes = n * 8
+                ctypes.memmove(r, s, nbytes)
                 ctypes.memmove(r + nbytes, s, nbytes)
 
         def check_async_error(self) -> None:
