@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -168,11 +169,15 @@ class _FakeNccl(types.ModuleType):
      NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16) = range(10)
 
     class NcclError(RuntimeError):
-        pass
+        def __init__(self, status=None, message=""):
+            super().__init__(message or f"NCCL error {status}")
+            self.status = status
 
     def __init__(self, uid_type: type = tuple):
         super().__init__("cupy.cuda.nccl")
         self.depth, self.queued, self.log, self.uids = 0, [], [], []
+        self.errors: dict = {}  # rank -> what check_async_error raises
+        self.peer_numel = 0  # added to the mirrored peer's element count in a size check's rows
         self.uid_type = uid_type  # tuple of signed chars (CuPy < 14) or bytes (CuPy >= 14)
         fake = self
 
@@ -182,29 +187,41 @@ class _FakeNccl(types.ModuleType):
                     raise TypeError(f"Argument 'commId' has incorrect type (got {type(uid)})")
                 assert len(uid) == 128 and 0 <= rank < ndev
                 fake.uids.append(uid)
-                self.ndev = ndev
+                self.ndev, self.rank = ndev, rank
 
-            def _do(self, name, fn):
+            def check_async_error(self):
+                """``ncclCommGetAsyncError``: what `errors` holds for this rank (a status and
+                message, or CuPy 13's KeyError for ncclInProgress)."""
+                error = fake.errors.get(self.rank)
+                if isinstance(error, BaseException):
+                    raise error
+                if error is not None:
+                    raise fake.NcclError(*error)
+
+            def _do(self, name, fn, stream=None):
                 fake.log.append(name)
+                cuda = getattr(fake, "cuda", None)
+                if cuda is not None and stream is not None:
+                    cuda.kernel(f"nccl:{name}", cuda.streams[stream])
                 (fake.queued.append if fake.depth else lambda f: f())(fn)
 
-            def _copy(self, name, src, dst, nbytes):
-                self._do(name, lambda: ctypes.memmove(dst, src, nbytes) if src != dst else None)
+            def _copy(self, name, src, dst, nbytes, stream=None):
+                self._do(name, lambda: ctypes.memmove(dst, src, nbytes) if src != dst else None, stream)
 
             def allReduce(self, s, r, n, t, op, stream):
                 if self.ndev == 1:
-                    return self._copy("allReduce", s, r, n * _SIZES[t])
+                    return self._copy("allReduce", s, r, n * _SIZES[t], stream)
 
                 def mirror():
                     x = _view(s, n, t).copy()
                     _view(r, n, t)[:] = {0: x + x, 1: x * x, 2: x, 3: x, 4: x}[op]
-                self._do("allReduce", mirror)
+                self._do("allReduce", mirror, stream)
 
             def broadcast(self, s, r, n, t, root, stream):
-                self._copy("broadcast", s, r, n * _SIZES[t])
+                self._copy("broadcast", s, r, n * _SIZES[t], stream)
 
             def reduce(self, s, r, n, t, op, root, stream):
-                self._copy("reduce", s, r, n * _SIZES[t])
+                self._copy("reduce", s, r, n * _SIZES[t], stream)
 
             def allGather(self, s, r, n, t, stream):
                 nbytes, ndev = n * _SIZES[t], self.ndev
@@ -213,10 +230,12 @@ class _FakeNccl(types.ModuleType):
                     for i in range(ndev):
                         if s != r + i * nbytes:
                             ctypes.memmove(r + i * nbytes, s, nbytes)
-                self._do("allGather", mirror)
+                    if fake.peer_numel and t == fake.NCCL_INT64 and ndev > 1:  # a size check's rows
+                        _view(r + nbytes, n, t)[6] += fake.peer_numel  # the peer passes another size
+                self._do("allGather", mirror, stream)
 
             def reduceScatter(self, s, r, n, t, op, stream):
-                self._copy("reduceScatter", s, r, n * _SIZES[t])
+                self._copy("reduceScatter", s, r, n * _SIZES[t], stream)
 
             def destroy(self):
                 fake.log.append("destroy")
@@ -244,27 +263,107 @@ class _FakeNccl(types.ModuleType):
                 fn()
 
 
-class _FakeStream:
-    cuda_stream = 1234
+class _FakeCuda:
+    """torch.cuda's streams, events and devices on the CPU, recording each call.
 
-    def __init__(self, *a, **kw):
-        pass
+    ``log`` holds ``(op, stream, what, device, thread)``: ``op`` is "kernel" (a named piece of
+    GPU work: NCCL's calls, or a test's own), "record" or "wait" (an event on a stream),
+    "query" (an event polled) or "set_device"; ``device`` is the calling thread's current
+    device then. `deps` replays the log with CUDA's ordering rules (work on one stream runs in
+    order; a wait orders a stream after everything before the event's record), so a test
+    asks what a kernel is guaranteed to run after.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, str, int, str]] = []
+        self.local = threading.local()
+        self.streams: dict[int, _FakeStream] = {}
+        self.default = _FakeStream(self, "default")
+        self.events = itertools.count()
+
+    def device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def current(self) -> _FakeStream:
+        return getattr(self.local, "stream", self.default)
+
+    def note(self, op: str, stream: str, what: str) -> None:
+        self.log.append((op, stream, what, self.device(), threading.current_thread().name))
+
+    def kernel(self, what: str, stream: _FakeStream | None = None) -> None:
+        self.note("kernel", (stream or self.current()).name, what)
+
+    def set_device(self, index) -> None:
+        self.local.device = int(getattr(index, "index", index))
+        self.note("set_device", "-", str(self.local.device))
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        old = self.current()
+        self.local.stream = s
+        try:
+            yield
+        finally:
+            self.local.stream = old
+
+    def deps(self, at: int) -> set[int]:
+        """The log positions of the kernels that the kernel at log position ``at`` surely runs
+        after."""
+        cover: dict[str, set[int]] = {}
+        marks: dict[str, set[int]] = {}
+        for i, (op, stream, what, _, _) in enumerate(self.log[: at + 1]):
+            mine = cover.setdefault(stream, set())
+            if op == "kernel":
+                if i == at:
+                    return set(mine)
+                mine.add(i)
+            elif op == "record":
+                marks[what] = set(mine)
+            elif op == "wait":
+                mine |= marks.get(what, set())
+        raise AssertionError(f"log position {at} is past the log")
+
+    def find(self, prefix: str, start: int = 0) -> list[int]:
+        """Log positions (from ``start``) of the kernels whose names start with ``prefix``."""
+        return [i for i, (op, _, w, _, _) in enumerate(self.log) if i >= start and op == "kernel" and w.startswith(prefix)]
+
+
+class _FakeStream:
+    def __init__(self, cuda: _FakeCuda | None = None, name: str | None = None, **kw):
+        self.cuda = cuda if cuda is not None else _CUDA[0]
+        self.cuda_stream = 1000 + len(self.cuda.streams)
+        self.name = name or f"s{self.cuda_stream}"
+        self.cuda.streams[self.cuda_stream] = self
 
     def wait_stream(self, other):
-        pass
+        e = _FakeEvent()
+        e.record(other)
+        self.wait_event(e)
 
     def wait_event(self, event):
-        pass
+        self.cuda.note("wait", self.name, event.name)
 
     def synchronize(self):
         pass
 
+    def query(self):
+        return True
+
+
+_CUDA: list[_FakeCuda] = []  # the fake in use (streams and events find it here)
+
 
 class _FakeEvent:
-    def record(self, stream):
+    def __init__(self, *a, **kw):
+        self.name = f"e{next(_CUDA[0].events)}"
+
+    def record(self, stream=None):
+        cuda = _CUDA[0]
+        cuda.note("record", (stream or cuda.current()).name, self.name)
         self.recorded = True
 
     def query(self):
+        _CUDA[0].note("query", "-", self.name)
         return True
 
     def synchronize(self):
@@ -274,24 +373,271 @@ class _FakeEvent:
 @pytest.fixture
 def fake(monkeypatch):
     """A fake NCCL and torch.cuda's stream API on the CPU; yields a factory of communicators."""
+    import fleetlike.comm.cuda as cuda_mod
+
     nccl = _FakeNccl()
-    current = _FakeStream()
+    cuda = _FakeCuda()
+    _CUDA[:] = [cuda]
+    nccl.cuda = cuda
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cuda.current())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(cuda_mod, "dedicated_stream", lambda device: (_FakeStream(cuda), None))
+    monkeypatch.setattr(cuda_mod, "_THREAD", threading.local())  # no thread has set a device yet
     # torch's C stream query (CUDA builds) would bypass the fake current_stream and cache fake
     # Stream objects for the real GPU tests after these (seen on the first GPU run)
     monkeypatch.setattr(nccl_mod, "_GET_CURRENT_STREAM", None)
 
-    def make(size: int = 1) -> NcclCommunicator:
-        store = dist.PrefixStore("nccl/world/", dist.HashStore())
-        return NcclCommunicator._connect(nccl, store, 0, size, range(size), "world", torch.device("cpu"), 10)
+    def make(size: int = 1, rank: int = 0, device: str = "cpu", store=None) -> NcclCommunicator:
+        store = store if store is not None else dist.PrefixStore("nccl/world/", dist.HashStore())
+        if device != "cpu":  # CPU tensors stand in for the device's (in its splits too)
+            monkeypatch.setattr(NcclCommunicator, "_check_device", lambda *a: None)
+        return NcclCommunicator._connect(nccl, store, rank, size, range(size), "world", torch.device(device), 10)
 
     make.nccl = nccl
-    return make
+    make.cuda = cuda
+    yield make
+    from fleetlike.comm.watchdog import WATCHDOG
+    WATCHDOG.clear()
+
+
+def _through(cuda: _FakeCuda, label: str, start, wait=None) -> None:
+    """Gradients made on a side stream go through ``start()`` (a helper path or not); the
+    consumer, on another stream, waits and reads. Every NCCL kernel must run after the
+    gradients, the read after every NCCL kernel, and no helper thread may hold back a stream
+    that is not its own."""
+    producer, consumer = _FakeStream(cuda, f"producer-{label}"), _FakeStream(cuda, f"consumer-{label}")
+    first = len(cuda.log)
+    with cuda.stream(producer):
+        cuda.kernel(f"grad:{label}")
+        work = start()
+    with cuda.stream(consumer):
+        (wait or (lambda w: w.wait()))(work)
+        cuda.kernel(f"read:{label}")
+    grad, = cuda.find(f"grad:{label}", first)
+    read, = cuda.find(f"read:{label}", first)
+    launches = cuda.find("nccl:", first)
+    assert launches, f"{label}: no NCCL call"
+    for at in launches:
+        stream = cuda.log[at][1]
+        assert stream not in ("default", producer.name, consumer.name), (label, cuda.log[at])
+        assert grad in cuda.deps(at), f"{label}: {cuda.log[at]} may run before the gradients are made"
+    missing = set(launches) - cuda.deps(read)
+    assert not missing, f"{label}: the result is read before {[cuda.log[i] for i in missing]}"
+    for op, stream, what, _, thread in cuda.log[first:]:
+        if op == "wait" and thread.startswith("fleetlike-"):
+            assert stream not in ("default", producer.name, consumer.name), (label, op, stream, thread)
+
+
+def test_fake_gradients_on_a_side_stream_through_every_path(fake):
+    """Flat, hierarchical, compressed (flat and hierarchical), sharded and the DDP hook: each
+    NCCL call after the kernels that made the gradients, the consumer after each NCCL call,
+    helper threads waiting on their own streams only, and every helper NCCL call issued from
+    the one issuer thread."""
+    from fleetlike.collectives import CompressedAllReduce, FlatAllReduce, HalfCodec, HierarchicalAllReduce
+    from fleetlike.collectives.sharded import ShardReduceScatter, plan_shards
+
+    cuda = fake.cuda
+    world = fake()
+    pairs = [(world.split(0, name="intra"), world.split(1, name="inter"))]
+    x = torch.ones(8)
+    _through(cuda, "flat", lambda: world.all_reduce_async(x, "avg"))
+    hier = HierarchicalAllReduce(pairs, world)
+    _through(cuda, "hierarchical", lambda: hier.start_tensor(x, 0, "avg"))
+    fp16 = CompressedAllReduce(FlatAllReduce([world]), HalfCodec("float16"))
+    _through(cuda, "compressed", lambda: fp16.start_tensor(x, 0))
+    fp16_hier = CompressedAllReduce(hier, HalfCodec("bfloat16"))
+    _through(cuda, "compressed-hierarchical", lambda: fp16_hier.start_tensor(x, 0))
+    buckets = plan_shards([torch.nn.Parameter(torch.ones(6))], None, 1)
+    shard = ShardReduceScatter(0, [world], codec=HalfCodec("float16"))
+    _through(cuda, "sharded", lambda: shard.start(buckets[0]))
+    helper = {th for _, _, th in (cuda.log[i][1:3] + (cuda.log[i][4],) for i in cuda.find("nccl:"))}
+    assert {t for t in helper if t != "MainThread"} == {"fleetlike-nccl_0"}, helper
+    assert torch.equal(x, torch.ones(8))
+
+
+def test_fake_ddp_hook_completes_its_future_after_nccl_on_a_helper_stream(fake, monkeypatch):
+    """The DDP hook's finisher completes the future on its own stream, after the collective;
+    the future names the bucket's device (``devices=``) so DDP's stream waits for it."""
+    from fleetlike.comm import CommGroups
+    from fleetlike.ddp import FleetHookState, fleetlike_hook
+
+    cuda = fake.cuda
+    made: list = []
+
+    class Future(torch.futures.Future):
+        """torch's CUDA future: ``set_result`` records an event on the setting thread's current
+        stream, ``wait`` makes the waiting thread's current stream wait on it."""
+
+        def __init__(self, devices=None):
+            super().__init__()
+            made.append(devices)
+            self.mark = _FakeEvent()
+
+        def set_result(self, value):
+            cuda.kernel("ddp:set_result")
+            self.mark.record()
+            super().set_result(value)
+
+        def wait(self):
+            value = super().wait()
+            cuda.current().wait_event(self.mark)
+            return value
+
+    monkeypatch.setattr(torch.futures, "Future", Future)
+    world = fake()
+    role = Role.from_endpoints(0, ["127.0.0.1:6170"])
+    state = FleetHookState(groups=CommGroups(world, role), role=role)
+    buf = torch.ones(5)
+    bucket = types.SimpleNamespace(buffer=lambda: buf, index=lambda: 0, parameters=lambda: [buf], is_last=lambda: True)
+    try:
+        _through(cuda, "ddp", lambda: fleetlike_hook(state, bucket))
+        done, = cuda.find("ddp:set_result")
+        assert set(cuda.find("nccl:")) <= cuda.deps(done)
+        assert cuda.log[done][1].startswith("s") and cuda.log[done][4].startswith("fleetlike-ddp")
+        assert made == [None]  # a CPU bucket; a CUDA one passes devices=[its device]
+    finally:
+        state.close()
+
+
+def test_fake_every_thread_uses_the_ranks_device(fake):
+    """A rank on GPU 1: the training thread, the issuer, the finishers and the watchdog thread
+    make every CUDA call with GPU 1 current (a call on GPU 0 would make a context there)."""
+    from fleetlike.collectives import HierarchicalAllReduce
+    from fleetlike.comm.watchdog import WATCHDOG
+
+    cuda = fake.cuda
+    world = fake(device="cuda:1")
+    hier = HierarchicalAllReduce([(world.split(0), world.split(1))], world)
+    hier.start_tensor(torch.ones(4), 0, "avg").wait()
+    world.all_reduce(torch.ones(4))
+    monkey_query = _FakeEvent.query
+    seen = threading.Event()
+
+    def query(self):
+        if threading.current_thread().name == "fleetlike-watchdog":
+            seen.set()
+        return monkey_query(self)
+
+    _FakeEvent.query = query
+    try:
+        _FakeEvent.query(_FakeEvent())  # a query from here counts as well
+        world.timeout = 0.4  # the watchdog thread wakes every 0.1 s
+        world.all_reduce_async(torch.ones(4))
+        assert seen.wait(5), "the watchdog thread never polled the collective's event"
+    finally:
+        _FakeEvent.query = monkey_query
+    threads = {th for *_, th in cuda.log}
+    assert {"fleetlike-watchdog", "fleetlike-nccl_0", "MainThread"} <= threads, threads
+    wrong = [entry for entry in cuda.log if entry[0] != "set_device" and entry[3] != 1]
+    assert not wrong, wrong[:5]
+
+
+def test_fake_nccl_async_error_ends_the_step_on_every_rank_with_its_reason(fake, monkeypatch, capsys):
+    """A peer dies: each surviving rank's NCCL reports it through ncclCommGetAsyncError while
+    the collective's kernel spins. The watchdog polls it and aborts every rank within seconds,
+    with NCCL's reason, long before the (here 1800 s) deadline; CuPy 13's KeyError for
+    ncclInProgress is no error."""
+    exits: list[int] = []
+    lock = threading.Lock()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (lock.acquire(), exits.append(code), lock.release()))
+    store = dist.PrefixStore("nccl/world/", dist.HashStore())
+    ranks = [fake(2, r, store=store) for r in range(2)]
+    for comm in ranks:
+        comm.timeout = 1800.0
+    monkeypatch.setattr(_FakeEvent, "query", lambda self: False)  # the kernels never finish
+    fake.nccl.errors = {0: KeyError(7), 1: KeyError(7)}  # ncclInProgress, as CuPy 13 raises it
+    for comm in ranks:
+        comm.all_reduce_async(torch.ones(3), agreed=True)
+    time.sleep(1.5)
+    assert exits == [], "ncclInProgress was taken for an error"
+    t0 = time.monotonic()
+    fake.nccl.errors = {r: (6, f"NCCL_ERROR_REMOTE_ERROR: remote process exited (seen by rank {r})") for r in range(2)}
+    while len(exits) < 2 and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert exits == [1, 1] and took < 5, (exits, took)
+    err = capsys.readouterr().err
+    for r in range(2):
+        assert (f"NCCL reported an error on 'world' (nccl) on rank {r} (collective #1 all_reduce in flight): "
+                f"NCCL_ERROR_REMOTE_ERROR: remote process exited (seen by rank {r})") in err, err
+    assert fake.nccl.log.count("abort") == 2
+
+
+def test_fake_init_is_watched(fake, monkeypatch, capsys):
+    """ncclCommInitRank blocks until every rank arrives: a rank that never comes ends the
+    process at the deadline, with the step named."""
+    exits: list[int] = []
+    release = threading.Event()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), release.set()))
+    cls = fake.nccl.NcclCommunicator
+
+    class Stuck(cls):
+        def __init__(self, *a):
+            release.wait(10)
+            super().__init__(*a)
+
+    fake.nccl.NcclCommunicator = Stuck
+    store = dist.PrefixStore("nccl/world/", dist.HashStore())
+    comm = NcclCommunicator._connect(fake.nccl, store, 0, 1, range(1), "world", torch.device("cpu"), 0.3)
+    assert exits == [1]
+    assert "ncclCommInitRank on 'world' (nccl) has not finished after" in capsys.readouterr().err
+    comm.close()
+
+
+def test_fake_comm_streams_are_their_own(fake, monkeypatch):
+    """A communicator's stream is made for it, never taken from torch's pool (which wraps)."""
+    def pool(*a, **kw):
+        raise AssertionError("a stream from torch's pool")
+
+    monkeypatch.setattr(torch.cuda, "Stream", pool)
+    a, b = fake(), fake()
+    assert a.stream is not b.stream and a.stream.cuda_stream != b.stream.cuda_stream
+    sub = a.split(0)
+    assert sub.stream.cuda_stream not in (a.stream.cuda_stream, b.stream.cuda_stream)
+
+
+def test_fake_size_check_costs_no_host_wait_and_a_mismatch_ends_the_job(fake, monkeypatch, capsys):
+    """The default size check on NCCL: the rows are all-gathered on the comm stream and copied
+    to the host there, nothing waits for them (no event synchronize, no host read on the
+    calling thread); the watchdog compares them, and a peer with another element count ends
+    the job with the ranks' table."""
+    exits: list[int] = []
+    fired = threading.Event()
+    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    syncs: list[str] = []
+    monkeypatch.setattr(_FakeEvent, "synchronize", lambda self: syncs.append(threading.current_thread().name))
+    comm = fake(2)
+    x = torch.ones(3)
+    comm.all_reduce(x)  # blocking form: the handle's wait orders the stream, no host sync
+    assert fake.nccl.log[-2:] == ["allGather", "allReduce"] and not syncs
+    assert torch.equal(x, torch.full((3,), 2.0))
+    comm.all_reduce(x, agreed=True)
+    assert fake.nccl.log[-2:] == ["allReduce", "allReduce"]
+    time.sleep(1.2)  # a poll period: the agreeing rows were compared
+    assert exits == [] and not comm._checks
+    fake.nccl.peer_numel = 1
+    comm.all_reduce_async(torch.ones(5))
+    assert fired.wait(5), "the watchdog never compared the size check's rows"
+    err = capsys.readouterr().err
+    assert "ranks of communicator 'world' (nccl) disagree on collective #3 all_reduce (found by the size check)" in err
+    assert "(5,)" in err and exits == [1]
+
+
+def test_fake_check_collectives_in_a_group_is_refused_clearly(fake):
+    comm = fake(2)
+    comm.check_collectives = True
+    with pytest.raises(CommError, match=r"inside `with comm.group\(\):` with check_collectives on"):
+        with comm.group():
+            comm.all_reduce_async(torch.ones(3))
+    comm.check_collectives = False
+    with comm.group():  # without the check, a group takes the buckets as agreed
+        work = comm.all_reduce_async(torch.ones(3))
+    assert torch.equal(work.wait(), torch.full((3,), 2.0))
 
 
 def test_fake_every_collective_dtype_op_goes_through_nccl_at_size_one(fake):
@@ -543,6 +889,64 @@ def test_ordering_test_is_sensitive(world):
     stale = out.cpu()
     torch.cuda.synchronize()
     assert torch.equal(stale, torch.zeros(n)), "NCCL waited anyway: the ordering tests prove nothing"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("path", ["flat", "hierarchical", "compressed", "compressed-hierarchical", "sharded"])
+def test_side_stream_gradients_through_helper_paths(world, path):
+    """The probe of stream ordering across threads: gradients made late on a side stream (a
+    0.1 s spin, then the fill) go through each path, and a third stream reads the result right
+    after ``wait()``. A helper thread that launched on its own default stream, or a handle
+    that ordered the wrong stream, reads the zeros (the ordering control below shows that an
+    unordered read does)."""
+    from fleetlike.collectives import CompressedAllReduce, FlatAllReduce, HalfCodec, HierarchicalAllReduce
+    from fleetlike.collectives.sharded import ShardReduceScatter, plan_shards
+
+    dev, n = world.device, 1 << 20
+    pairs = [(world.split(0, name="intra"), world.split(1, name="inter"))]
+    try:
+        hier = HierarchicalAllReduce(pairs, world)
+        producer, consumer = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+        param = torch.nn.Parameter(torch.zeros(n, device=dev))
+        bucket = plan_shards([param], None, 1)[0]
+        x = bucket.buffer if path == "sharded" else torch.zeros(n, device=dev)
+        starts = {
+            "flat": lambda: world.all_reduce_async(x, "avg"),
+            "hierarchical": lambda: hier.start_tensor(x, 0, "avg"),
+            "compressed": lambda: CompressedAllReduce(FlatAllReduce([world]), HalfCodec("float16")).start_tensor(x, 0),
+            "compressed-hierarchical": lambda: CompressedAllReduce(hier, HalfCodec("bfloat16")).start_tensor(x, 0),
+            "sharded": lambda: ShardReduceScatter(0, [world], codec=HalfCodec("float16")).start(bucket),
+        }
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
+            x.zero_()
+            torch.cuda._sleep(200_000_000)
+            x.fill_(3.0)
+            work = starts[path]()
+        with torch.cuda.stream(consumer):
+            work.wait()
+            got = x.clone()
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), torch.full((n,), 3.0)), f"{path}: read {got[:4].tolist()} before the result"
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+@gpu
+@needs_gpu
+def test_comm_streams_are_not_torch_pool_streams(world):
+    """More than 32 pool streams later, no communicator shares torch's stream pool."""
+    pool = {torch.cuda.Stream(device=world.device).cuda_stream for _ in range(40)}
+    subs = [world.split(0) for _ in range(3)]
+    try:
+        mine = {world.stream.cuda_stream} | {s.stream.cuda_stream for s in subs}
+        assert len(mine) == 4 and not mine & pool
+    finally:
+        for s in subs:
+            s.close()
 
 
 @gpu

@@ -104,3 +104,49 @@ def test_horovod_stages_a_tensor_on_the_other_device(backend, tensor_dev, want):
                          comm=SimpleNamespace(backend=backend))
     t = SimpleNamespace(device=torch.device(tensor_dev))
     assert str(comm_device(rt, t)) == want
+
+
+def test_fleet_and_nccl_agree_on_each_local_ranks_gpu(two_gpus, monkeypatch):
+    """``--selected_gpus=0,1``: local rank 1 trains on GPU 1 in fleet and in the NCCL
+    communicator (fleet took the first id on every rank: two ranks on GPU 0, "Duplicate GPU"
+    at NCCL init), and fleet.init makes it the rank's current device."""
+    from fleetlike import fleet
+    from fleetlike.comm import cuda
+    from fleetlike.comm.nccl import _resolve_device
+
+    for gpus, want in (((0, 1), 1), ((1, 0), 0), ((1,), 1)):
+        role = _role("paddle", gpus)
+        assert facade._device_for(role, EnvSettings()) == _resolve_device(role, None) == torch.device("cuda", want)
+    third = Role.from_endpoints(2, ["127.0.0.1:6170", "127.0.0.1:6171", "127.0.0.1:6172"], selected_gpus=[0, 1])
+    with pytest.raises(ValueError, match="has no entry for local rank 2"):
+        facade._device_for(third, EnvSettings())
+    made: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    monkeypatch.setattr(cuda, "_THREAD", __import__("threading").local())
+    monkeypatch.setattr(facade, "create_world", lambda role, **kw: SingleCommunicator("world", 0))
+    fleet.init(_role("paddle", (0, 1)))
+    try:
+        assert fleet.device() == torch.device("cuda", 1) and made == [1]
+    finally:
+        fleet.shutdown()
+
+
+def test_gpu_extras_name_the_packages_cupy_finds_nccl_with():
+    """``fleetlike[gpu]``: CuPy finds the nvidia-nccl-cu12 wheel's library only from 13.5;
+    ``fleetlike[gpu-cu13]``: the CUDA 13 packages (cupy-cuda13x starts at 13.6)."""
+    import configparser
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extras = cfg["options.extras_require"]
+
+    def reqs(name):
+        return {r.name: r.specifier for r in map(Requirement, filter(None, extras[name].split("\n")))}
+
+    gpu, cu13 = reqs("gpu"), reqs("gpu-cu13")
+    assert set(gpu) == {"cupy-cuda12x", "nvidia-nccl-cu12"} and set(cu13) == {"cupy-cuda13x", "nvidia-nccl-cu13"}
+    assert not gpu["cupy-cuda12x"].contains("13.4.1") and gpu["cupy-cuda12x"].contains("13.5.1")
+    assert cu13["cupy-cuda13x"].contains("13.6.0") and cu13["cupy-cuda13x"].contains("14.2.0")

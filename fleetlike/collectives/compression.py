@@ -40,6 +40,7 @@ from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.flat import FlatAllReduce
 from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorkers
 from fleetlike.comm import Communicator, Work, dtype_name
+from fleetlike.comm.cuda import stream_device
 
 __all__ = ["CompressedAllReduce"]
 
@@ -56,7 +57,7 @@ class CompressedAllReduce:
         if isinstance(inner, HierarchicalAllReduce):
             self.workers = inner.workers
         else:
-            self.workers = RingWorkers(len(inner.rings), "fleetlike-fp16")
+            self.workers = RingWorkers(len(inner.rings), "fleetlike-fp16", device=stream_device(inner.world))
 
     @property
     def world(self) -> Communicator:

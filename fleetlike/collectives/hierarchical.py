@@ -15,7 +15,8 @@ to local rank 0, allreduce among the node leaders, intra **broadcast**. It funne
 ``S`` through one rank and is slower wherever intra-node links are not free.
 
 Execution model: the three phases depend on each other, so each bucket's chain runs on a small
-worker thread, one per communicator pair ("ring"), fed in bucket order. Backward keeps running
+worker thread, one per communicator pair ("ring"), fed in bucket order (on NCCL: the process's
+one NCCL issuer, after the kernels that made the gradients; see `fleetlike.comm.cuda`). Backward keeps running
 while a bucket's chain is in flight, buckets on different rings overlap each other, and because
 every collective of a pair is issued by that pair's one thread, in bucket order, all ranks issue
 the same collectives in the same order (invariant 1). ``nccl_comm_num = n`` gives ``n`` pairs
@@ -48,40 +49,36 @@ from fleetlike.collectives.buckets import Bucket
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.segments import INTRA_FORMS, SEGMENT_BYTES, Scratch, agree_max, segmented_all_reduce
 from fleetlike.comm import CommGroups, Communicator, Work, divide_, dtype_name
+from fleetlike.comm.cuda import ISSUER, stream_device, submit_to
 
 __all__ = ["HierarchicalAllReduce", "RingWorkers", "hierarchical_pairs", "cross_node_bytes_flat"]
 
 _ALGORITHMS = ("reduce_scatter", "reduce_broadcast")
 
 
-class _FutureWork:
-    """A `Work` over a `concurrent.futures.Future`: ``wait()`` re-raises the chain's error."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: concurrent.futures.Future) -> None:
-        self._future = future
-
-    def wait(self) -> Any:
-        return self._future.result()
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-
 class RingWorkers:
-    """One worker thread per ring: jobs of a ring run one after another in submission order."""
+    """One worker thread per ring: jobs of a ring run one after another in submission order.
 
-    def __init__(self, n: int, name: str = "fleetlike-ring") -> None:
-        self._pools = [
+    ``device`` (the communicators' CUDA device, NCCL): each job runs after the submitting
+    thread's kernels and its handle orders the waiting thread's stream after the job's kernels
+    (`fleetlike.comm.cuda`); jobs that issue NCCL calls (``issues``) all run on the process's
+    one NCCL issuer, so every rank issues its communicators' calls in one order."""
+
+    def __init__(self, n: int, name: str = "fleetlike-ring", *, device: torch.device | None = None,
+                 issues: bool = True) -> None:
+        self.device = device
+        self._shared = device is not None and issues
+        self._pools = [] if self._shared else [
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}{i}")
             for i in range(n)
         ]
         self._lock = threading.Lock()
 
     def submit(self, ring: int, fn: Callable[[], Any]) -> Work:
+        if self._shared:
+            return ISSUER.submit(fn, self.device)
         with self._lock:
-            return _FutureWork(self._pools[ring % len(self._pools)].submit(fn))
+            return submit_to(self._pools[ring % len(self._pools)], fn, self.device)
 
     def shutdown(self) -> None:
         for p in self._pools:
@@ -139,7 +136,7 @@ class HierarchicalAllReduce:
             raise ValueError(f"intra_form={intra_form!r} is not one of {', '.join(map(repr, INTRA_FORMS))}")
         self.intra_form = str(intra_form)
         self._scratch = threading.local()  # a wire-buffer cache per issuing thread (ring workers)
-        self.workers = RingWorkers(len(self.pairs), "fleetlike-hier")
+        self.workers = RingWorkers(len(self.pairs), "fleetlike-hier", device=stream_device(world))
 
     @property
     def world(self) -> Communicator:

@@ -46,6 +46,7 @@ from fleetlike.collectives.compression import CompressedAllReduce
 from fleetlike.collectives.flat import FlatAllReduce
 from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorkers
 from fleetlike.comm import Communicator, Work, divide_, dtype_name
+from fleetlike.comm.cuda import stream_device
 
 __all__ = ["ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners", "plan_shards", "two_level_positions"]
 
@@ -174,7 +175,7 @@ class ShardReduceScatter:
         # compressed and two-level chains are several blocking calls: one worker per ring issues
         # them in bucket order (invariant 1), while backward goes on
         lanes = len(self.pairs) if self.pairs else len(self.rings)
-        self.workers = RingWorkers(lanes, "fleetlike-shard") if (pairs or codec) else None
+        self.workers = RingWorkers(lanes, "fleetlike-shard", device=stream_device(rings[0])) if (pairs or codec) else None
         #: the flat form allreduces the whole bucket and each rank reads its segment
         self.via_allreduce = self.pairs is None and self.world.backend in _ALLREDUCE_INSTEAD
 

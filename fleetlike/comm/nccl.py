@@ -48,6 +48,8 @@ import os
 import struct
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,7 +57,10 @@ import torch
 import torch.distributed as dist
 
 from fleetlike.comm.base import Communicator, divide_
+from fleetlike.comm import cuda as _cuda
+from fleetlike.comm import guard as _guard
 from fleetlike.comm.colors import split_order
+from fleetlike.comm.cuda import ISSUER, selected_gpu, use_device
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES
 from fleetlike.comm.errors import CommError
 from fleetlike.comm.handles import CompletedWork, Work
@@ -162,17 +167,8 @@ def _resolve_device(role: Role, device: torch.device | str | int | None) -> torc
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         source = f"device={device!r}"
     elif role.selected_gpus:
-        gpus = role.selected_gpus
-        if len(gpus) == 1:
-            index = gpus[0]
-        elif role.local_rank < len(gpus):
-            index = gpus[role.local_rank]
-        else:
-            raise ValueError(
-                f"rank {role.rank}: role.selected_gpus={list(gpus)} has no entry for local rank "
-                f"{role.local_rank}; give one GPU per process on this node (--selected_gpus)"
-            )
-        source = f"selected_gpus={list(gpus)} (FLAGS_selected_gpus)"
+        index = selected_gpu(role.selected_gpus, role.local_rank, role.rank)
+        source = f"selected_gpus={list(role.selected_gpus)} (FLAGS_selected_gpus)"
     else:
         index = role.local_rank
         source = f"local_rank={role.local_rank}"
@@ -261,6 +257,46 @@ def _exit_process(code: int) -> None:
     os._exit(code)
 
 
+#: ncclInProgress: a non-blocking communicator's operation still running, not an error
+_NCCL_IN_PROGRESS = 7
+
+
+def _async_error(nccl: Any, comm: Any) -> str | None:
+    """NCCL's asynchronous error on ``comm`` (``ncclCommGetAsyncError``), or None.
+
+    CuPy 13 turns every non-zero result into ``NcclError`` through a table of names that has
+    no ``ncclInProgress`` (NCCL >= 2.14), so that code arrives as a ``KeyError`` while the
+    error is built; either form of it means "still running", not a failure.
+    """
+    try:
+        comm.check_async_error()
+    except nccl.NcclError as exc:
+        if getattr(exc, "status", None) == _NCCL_IN_PROGRESS:
+            return None
+        return str(exc)
+    except KeyError:
+        return None
+    return None
+
+
+def _event_done(event: Any) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:  # noqa: BLE001 - a failed query (a CUDA error) is the waiter's to report
+        return True
+
+
+def _init_expired(item: InFlight) -> None:
+    """A rank never joined ``ncclCommInitRank`` (or NCCL's first connect): nothing to abort yet;
+    end the process so that the launcher stops the job."""
+    _exit_process(1)
+
+
+#: one NCCL launch at a time per process: the communicators' shared "ready" events are
+#: recorded and waited under it, and NCCL's calls reach the GPU in the order they were made
+_ISSUE_LOCK = threading.Lock()
+
+
 class _GroupState(threading.local):
     """NCCL groups are per thread: the depth and the handles launched at the outermost end."""
 
@@ -275,37 +311,38 @@ _GROUP = _GroupState()
 class _NcclWork(Work):
     """An NCCL collective on a communicator's stream: an event, and the buffers it uses."""
 
-    __slots__ = ("_device", "_stream", "_event", "_keep", "_post", "_blocking", "_watch")
+    __slots__ = ("_comm", "_device", "_event", "_keep", "_post", "_blocking", "_what", "_seq")
 
     def __init__(
         self,
-        device: torch.device,
-        stream: torch.cuda.Stream,
+        comm: NcclCommunicator,
         keep: tuple[torch.Tensor, ...],
         post: Callable[[], None] | None,
         blocking: bool,
-        watch: Callable[[torch.cuda.Event], None] | None = None,
+        what: str,
+        seq: int,
     ) -> None:
-        self._device = device
-        self._stream = stream
+        self._comm = comm
+        self._device = comm._device
         self._event: torch.cuda.Event | None = None
         self._keep = keep
         self._post = post
         self._blocking = blocking
-        self._watch = watch
+        self._what = what
+        self._seq = seq
 
     def _launched(self) -> None:
         """The NCCL kernel is enqueued: run the finishing kernel, if any, and mark the end."""
+        comm = self._comm
         if self._post is not None:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(comm._stream):
                 self._post()
             self._post = None
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(comm._stream)
         self._event = event
-        if self._watch is not None:  # the watchdog polls the event: the host may never wait
-            self._watch(event)
-            self._watch = None
+        if comm._deadline is not None:  # the watchdog polls the event: the host may never wait
+            comm._flight.append((time.monotonic(), self._seq, self._what, event))
 
     def wait(self) -> None:
         """Make torch's current stream wait for the collective (the host blocks only for a
@@ -355,6 +392,7 @@ class NcclCommunicator(Communicator):
         self._store = store
         self._device = device
         self._timeout = timeout
+        self._deadline: float | None = timeout
         self.timeout = timeout  # the watchdog's deadline for each collective
         # The watchdog thread aborts the NCCL communicator (`_expire`) while the training thread
         # may be closing it (`_close`): the lock orders them, so it is aborted or destroyed once.
@@ -363,8 +401,15 @@ class NcclCommunicator(Communicator):
         self._aborted = False
         self._splits = 0
         self.nccl_version: int = int(nccl.get_version())
-        self._stream = torch.cuda.Stream(device=device)
+        # a stream of its own, not from torch's pool (which wraps after 32 streams)
+        self._stream, self._stream_owner = _cuda.dedicated_stream(device)
         self._handle = int(self._stream.cuda_stream)
+        self._ready = torch.cuda.Event()  # the caller's stream position, re-recorded per launch
+        #: (launched at, seq, op, event) of the collectives the watchdog has not seen finish
+        self._flight: deque[tuple[float, int, str, Any]] = deque()
+        self._connected = False  # NCCL connects to its peers on the first collective
+        #: size checks in flight: (seq, op, event, host rows, row width), compared by `_poll`
+        self._checks: deque[tuple[int, str, Any, torch.Tensor, int]] = deque()
         new = self.nccl_version >= _NCCL_2_10
         types = {
             torch.uint8: nccl.NCCL_UINT8,
@@ -388,6 +433,17 @@ class NcclCommunicator(Communicator):
         }
         if new:
             self._ops[ReduceOp.AVG] = getattr(nccl, "NCCL_AVG", _NCCL_AVG)
+        WATCHDOG.watch(id(self), self._poll, timeout)
+
+    @property
+    def timeout(self) -> float | None:  # type: ignore[override]
+        """The watchdog's deadline for each collective, seconds (None: none)."""
+        return self._deadline
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._deadline = value
+        WATCHDOG.tighten(value)
 
     # ----------------------------------------------------------------- construction
 
@@ -409,6 +465,7 @@ class NcclCommunicator(Communicator):
         """
         nccl = _require_nccl()
         dev = _resolve_device(role, device)
+        use_device(dev)  # the rank's device, once: CUDA calls elsewhere would make a context on GPU 0
         return cls._connect(
             nccl,
             dist.PrefixStore("nccl/world/", store),
@@ -434,24 +491,28 @@ class NcclCommunicator(Communicator):
     ) -> NcclCommunicator:
         """Exchange the unique id through ``store`` (rank 0 writes it) and init the NCCL comm."""
         key = "unique_id"
-        with torch.cuda.device(device):
-            if rank == 0:
-                raw = _uid_to_bytes(nccl.get_unique_id())
-                store.set(key, raw)
-            else:
-                try:
-                    store.wait([key], datetime.timedelta(seconds=timeout))
-                except Exception as exc:  # noqa: BLE001 - torch raises several types
-                    raise CommError(
-                        f"rank {rank} of {name!r} waited {timeout:g}s for the NCCL unique id from "
-                        f"its rank 0 (world rank {ranks[0]}); did every rank create it?"
-                    ) from exc
-                raw = store.get(key)
-            if len(raw) != _UID_BYTES:
+        use_device(device)
+        if rank == 0:
+            raw = _uid_to_bytes(nccl.get_unique_id())
+            store.set(key, raw)
+        else:
+            try:
+                store.wait([key], datetime.timedelta(seconds=timeout))
+            except Exception as exc:  # noqa: BLE001 - torch raises several types
                 raise CommError(
-                    f"{name!r}: the NCCL unique id in the store has {len(raw)} bytes, not 128"
-                )
-            comm = None
+                    f"rank {rank} of {name!r} waited {timeout:g}s for the NCCL unique id from "
+                    f"its rank 0 (world rank {ranks[0]}); did every rank create it?"
+                ) from exc
+            raw = store.get(key)
+        if len(raw) != _UID_BYTES:
+            raise CommError(
+                f"{name!r}: the NCCL unique id in the store has {len(raw)} bytes, not 128"
+            )
+        comm = None
+        # ncclCommInitRank blocks until every rank of the group arrives: watched like a collective
+        watch = WATCHDOG.begin(timeout, f"{name!r} (nccl)", "ncclCommInitRank", 0, rank=ranks[rank],
+                               expire=_init_expired)
+        try:
             for uid in _uid_candidates(raw):
                 try:
                     comm = nccl.NcclCommunicator(size, uid, rank)
@@ -463,11 +524,13 @@ class NcclCommunicator(Communicator):
                         f"NCCL could not form {name!r} (rank {rank} of {size} on {device}): {exc}. "
                         "NCCL needs one GPU per rank: two ranks on one GPU fail here."
                     ) from exc
-            if comm is None:
-                raise CommError(
-                    f"{name!r}: CuPy rejected the NCCL unique id as bytes and as signed and "
-                    "unsigned chars"
-                )
+        finally:
+            WATCHDOG.end(watch)
+        if comm is None:
+            raise CommError(
+                f"{name!r}: CuPy rejected the NCCL unique id as bytes and as signed and "
+                "unsigned chars"
+            )
         return cls(nccl, comm, store, rank, size, ranks, name, device, timeout)
 
     # ----------------------------------------------------------------- properties
@@ -479,8 +542,14 @@ class NcclCommunicator(Communicator):
 
     @property
     def stream(self) -> torch.cuda.Stream:
-        """The CUDA stream the collectives run on."""
+        """The CUDA stream the collectives run on (this communicator's own)."""
         return self._stream
+
+    @property
+    def stream_device(self) -> torch.device:
+        """The device whose streams order this communicator's collectives (helper threads hand
+        their producer's stream position over on it: `fleetlike.comm.cuda`)."""
+        return self._device
 
     @property
     def nccl_comm(self) -> Any:
@@ -505,46 +574,159 @@ class NcclCommunicator(Communicator):
         post: Callable[[], None] | None = None,
         blocking: bool = False,
     ) -> Work:
+        if ISSUER.busy() and not _GROUP.depth:
+            # helper jobs are issuing NCCL calls: queue behind them, so this rank's order of
+            # calls is the order they were asked for, as on every other rank
+            ready = torch.cuda.Event()
+            ready.record(_current_stream(self._device))
+            return ISSUER.call(lambda: self._enqueue(what, call, keep, post, blocking, ready))  # type: ignore[no-any-return]
+        return self._enqueue(what, call, keep, post, blocking, None)
+
+    def _enqueue(
+        self,
+        what: str,
+        call: Callable[[int], None],
+        keep: tuple[torch.Tensor, ...],
+        post: Callable[[], None] | None,
+        blocking: bool,
+        ready: torch.cuda.Event | None,
+    ) -> Work:
+        """Order the comm stream after the caller's stream (``ready``: a position recorded on
+        another thread) and enqueue ``call`` on it."""
         stream = self._stream
-        with torch.cuda.device(self._device):
-            stream.wait_stream(_current_stream(self._device))
+        use_device(self._device)
+        with _ISSUE_LOCK:
+            if ready is None:
+                ready = self._ready
+                ready.record(_current_stream(self._device))
+            stream.wait_event(ready)
             try:
-                call(self._handle)
+                if self._connected:
+                    call(self._handle)
+                else:
+                    self._first_call(what, call)
             except self._nccl.NcclError as exc:
                 raise CommError(
                     f"NCCL {what} on {self.name!r} (rank {self.rank} of {self.size}, "
                     f"{self._device}) failed: {exc}"
                 ) from exc
-            for t in keep:
-                t.record_stream(stream)
-            work = _NcclWork(self._device, stream, keep, post, blocking, self._watcher(what))
-            if _GROUP.depth:
-                _GROUP.pending.append(work)
-            else:
-                work._launched()
+        for t in keep:
+            t.record_stream(stream)
+        work = _NcclWork(self, keep, post, blocking, self._check_label or what, self._seq)
+        if _GROUP.depth:
+            _GROUP.pending.append(work)
+        else:
+            work._launched()
         return work
+
+    def _first_call(self, what: str, call: Callable[[int], None]) -> None:
+        """The first collective: NCCL may connect to its peers inside the call, on the host."""
+        watch = None
+        if self._deadline is not None:
+            watch = WATCHDOG.begin(self._deadline, f"{self.name!r} (nccl)", f"{what} (first connect)",
+                                   self._seq, rank=self.ranks[self.rank], expire=self._expire)
+        try:
+            call(self._handle)
+            self._connected = True
+        finally:
+            if watch is not None:
+                WATCHDOG.end(watch)
 
     def _can_check_now(self) -> bool:
         # Inside a group nothing completes before ncclGroupEnd: the size check would wait on
         # itself. Callers in a group (the gradient buckets) pass sizes agreed by construction.
         return _GROUP.depth == 0
 
-    def _watcher(self, what: str) -> Callable[[torch.cuda.Event], None] | None:
-        """What registers a launched collective with the watchdog (None: no timeout)."""
-        if self.timeout is None:
+    def _issue(self, op: str, tensor: torch.Tensor | None, start: Callable[..., Work], args: tuple[Any, ...] = (),
+               red: Any = None, root: int | None = None, agreed: bool = False) -> Work:
+        if self.check_collectives:
+            if _GROUP.depth:
+                raise CommError(
+                    f"{op} on {self.name!r} inside `with comm.group():` with check_collectives on: the "
+                    "check exchanges each collective's description and waits for it, but nothing in an "
+                    "NCCL group runs before the block ends. Check outside the group (turn "
+                    "check_collectives off around it), or issue the collectives without a group"
+                )
+        elif self.check_sizes and not agreed and self.size > 1 and not _GROUP.depth:
+            self._check_sizes_async(op, tensor, red, root)
+        return super()._issue(op, tensor, start, args, red, root, True)
+
+    def _check_sizes_async(self, op: str, tensor: torch.Tensor | None, red: Any, root: int | None) -> None:
+        """The default size check without a host sync: the ranks' descriptors are all-gathered
+        on the comm stream just before the collective and copied to the host there; the
+        watchdog compares them once they arrive (`_poll`). A mismatch, which would leave the
+        collective itself hanging or reading past a buffer, ends the job on every rank with the
+        ranks' table, within a poll period (every rank gathers the same rows)."""
+        mine = _guard._encode(self._seq + 1, op, tensor, red, root)
+        width = mine.numel()
+        dev_row = mine.to(self._device, non_blocking=True)
+        out = torch.empty(width * self.size, dtype=torch.int64, device=self._device)
+        host = torch.empty(width * self.size, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._check_label = op
+        try:
+            self._all_gather_start(out, dev_row)
+        finally:
+            self._check_label = None
+        with torch.cuda.stream(self._stream):
+            host.copy_(out, non_blocking=True)
+            out.record_stream(self._stream)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._checks.append((self._seq + 1, op, event, host, width))
+
+    def _size_mismatch(self) -> str | None:
+        """The report of the first gathered size check whose rows disagree (watchdog thread)."""
+        checks = self._checks
+        while checks and _event_done(checks[0][2]):
+            seq, op, _, host, width = checks.popleft()
+            flat = host.tolist()
+            table = [flat[i * width: (i + 1) * width] for i in range(self.size)]
+            if all(r[f] == table[0][f] for r in table for f in _guard._SIZE_FIELDS):
+                continue
+            rows = [{"rank": str(self.ranks[i]), **_guard._describe(r)} for i, r in enumerate(table)]
+            return (
+                f"fleetlike: ranks of communicator {self.name!r} (nccl) disagree on collective #{seq} "
+                f"{op} (found by the size check):\n{_guard.mismatch_table(rows)}\nEvery rank must "
+                "issue the same collectives in the same order with the same sizes, dtypes and roots; "
+                "for data whose size differs between ranks, gather it with "
+                "fleetlike.comm.all_gather_ragged. The collective cannot finish, so the job is being aborted."
+            )
+        return None
+
+    def _poll(self, now: float) -> tuple[InFlight, str] | None:
+        """The watchdog's look at this communicator (its thread): NCCL's asynchronous error,
+        and the oldest collective still running against the deadline."""
+        use_device(self._device)  # the queries below must not make a context on another GPU
+        flight = self._flight
+        while flight and _event_done(flight[0][3]):
+            flight.popleft()
+        comm = self._comm
+        reason = _async_error(self._nccl, comm) if comm is not None and not self._aborted else None
+        head = flight[0] if flight else None
+        rank, name = self.ranks[self.rank], f"{self.name!r} (nccl)"
+        mismatch = self._size_mismatch() if self._checks else None
+        if mismatch is not None:
+            started, seq, what = head[:3] if head is not None else (now, self._seq, "-")
+            return InFlight(started, self._deadline or 0.0, name, what, seq, rank, self._expire), mismatch
+        if reason is not None:
+            started, seq, what = head[:3] if head is not None else (now, self._seq, "no collective")
+            item = InFlight(started, self._deadline or 0.0, name, what, seq, rank, self._expire)
+            return item, (
+                f"fleetlike: NCCL reported an error on {name} on rank {rank} (collective #{seq} "
+                f"{what} in flight): {reason}. A peer died or the network failed; the collective "
+                "cannot finish, so the job is being aborted."
+            )
+        deadline = self._deadline
+        if head is None or deadline is None or now - head[0] <= deadline:
             return None
-        what = self._check_label or what
-        timeout, seq, name, rank = self.timeout, self._seq, f"{self.name!r} (nccl)", self.ranks[self.rank]
-
-        def watch(event: torch.cuda.Event) -> None:
-            WATCHDOG.begin(timeout, name, what, seq, rank=rank, expire=self._expire, done=event.query)
-
-        return watch
+        item = InFlight(head[0], deadline, name, head[2], head[1], rank, self._expire)
+        return item, item.message(now)
 
     def _expire(self, item: InFlight) -> None:
-        """A kernel past its deadline: abort the NCCL communicator (its kernels return), then end
-        the process, as torch's NCCL watchdog does: the CUDA context is not trustworthy after
-        an abort, and the launcher stops the rest of the job when a worker dies."""
+        """A kernel past its deadline (or an NCCL error): abort the NCCL communicator (its
+        kernels return), then end the process, as torch's NCCL watchdog does: the CUDA context
+        is not trustworthy after an abort, and the launcher stops the rest of the job when a
+        worker dies."""
         try:
             with self._life:
                 comm = self._comm if self._comm is not None else self._closing
@@ -638,8 +820,8 @@ class NcclCommunicator(Communicator):
         finally:
             _GROUP.depth -= 1
             try:
-                with torch.cuda.device(self._device):
-                    nccl.groupEnd()
+                use_device(self._device)
+                nccl.groupEnd()
             except nccl.NcclError as exc:
                 _GROUP.pending.clear()
                 raise CommError(
@@ -671,6 +853,7 @@ class NcclCommunicator(Communicator):
         )
 
     def _close(self) -> None:
+        WATCHDOG.unwatch(id(self))
         with self._life:
             comm, self._comm = self._comm, None
             self._closing = comm

@@ -11,8 +11,14 @@ that is ``MPI_Abort`` on ``COMM_WORLD``, which makes ``mpiexec`` stop every rank
 aborts the NCCL communicator and exits the process, which makes the launcher stop the job.
 
 An entry ends with `Watchdog.end` (MPI: the call returned or the request completed) or, when it
-was registered with ``done`` (NCCL: the kernel's CUDA event; the host does not wait for it),
-when the thread finds ``done()`` true.
+was registered with ``done``, when the thread finds ``done()`` true.
+
+A communicator can instead be watched as a whole (`Watchdog.watch`, NCCL): the thread calls its
+``poll(now)`` each period, which looks at the collectives in flight (their CUDA events complete
+in launch order on the communicator's one stream, so only the oldest is queried) and at the
+backend's own error state (``ncclCommGetAsyncError``: a peer that died or a network error ends
+the step within a period, with NCCL's reason, instead of at the deadline), and answers what to
+report and expire, if anything. A launch then costs one deque append, no lock.
 
 Cost on the hot path: a dict insert and a dict pop per collective, each under the watchdog's
 lock (about a microsecond); the thread starts with the first tracked collective and wakes every
@@ -35,7 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["WATCHDOG", "InFlight", "Watchdog"]
+__all__ = ["WATCHDOG", "InFlight", "Poll", "Watchdog"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,10 @@ class InFlight:
         )
 
 
+#: a watched communicator's check: ``poll(now)`` -> ``(item, message)`` to expire, or None
+Poll = Callable[[float], "tuple[InFlight, str] | None"]
+
+
 class Watchdog:
     """Watches in-flight collectives; calls ``expire`` on the first one past its timeout.
 
@@ -80,6 +90,27 @@ class Watchdog:
         self._thread: threading.Thread | None = None  # guarded by _lock
         self._period = 1.0  # guarded by _lock
         self._reported: set[tuple[str, str]] = set()  # touched by the watchdog thread only
+        self._sources: dict[int, Poll] = {}  # guarded by _lock
+
+    def watch(self, key: int, poll: Poll, timeout: float | None) -> None:
+        """Poll ``poll(now)`` each period until `unwatch` (key: the owner's ``id``); it returns
+        ``(item, message)`` to report and expire, or None."""
+        with self._lock:
+            self._sources[key] = poll
+        self.tighten(timeout)
+
+    def unwatch(self, key: int) -> None:
+        with self._lock:
+            self._sources.pop(key, None)
+
+    def tighten(self, timeout: float | None) -> None:
+        """Wake at least every ``timeout / 4`` (at most every second); start the thread."""
+        with self._lock:
+            if timeout is not None:
+                self._period = min(self._period, max(0.05, timeout / 4))
+            if self._use_thread and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fleetlike-watchdog", daemon=True)
+                self._thread.start()
 
     def begin(
         self, timeout: float, comm: str, op: str, seq: int, *, rank: int, expire: Callable[[InFlight], None],
@@ -112,6 +143,7 @@ class Watchdog:
         """Forget every entry (a test's communicators are gone; nothing of theirs may expire)."""
         with self._lock:
             self._pending.clear()
+            self._sources.clear()
 
     def check(self) -> InFlight | None:
         """Expire the oldest overdue collective, if any (what the thread does each period)."""
@@ -128,11 +160,27 @@ class Watchdog:
             # an entry that `end` removed meanwhile finished in time after all
             expired = next(((k, it) for k, it in overdue if self._pending.pop(k, None) is not None), None)
         if expired is None:
-            return None
+            return self._check_sources(now)
         item = expired[1]
         print(item.message(now), file=sys.stderr, flush=True)
         item.expire(item)
         return item
+
+    def _check_sources(self, now: float) -> InFlight | None:
+        with self._lock:
+            polls = list(self._sources.items())
+        for key, poll in polls:
+            found = poll(now)
+            if found is None:
+                continue
+            item, message = found
+            with self._lock:
+                if self._sources.pop(key, None) is None:  # unwatched meanwhile (closed)
+                    continue
+            print(message, file=sys.stderr, flush=True)
+            item.expire(item)
+            return item
+        return None
 
     def _run(self) -> None:
         while True:

@@ -37,7 +37,8 @@ __all__ = ["fleetlike_hook", "register"]
 def fleetlike_hook(state: FleetHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over the job with ``state``'s collective (see the module doc)."""
     buf, index, params = bucket.buffer(), bucket.index(), bucket.parameters()
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # devices=: DDP's stream waits on the stream the finisher completes the future on
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
     if index == 0:
         state.communicating = state.start_pass()
     if not state.communicating:  # an accumulating pass: as no_sync, the gradients stay local

@@ -39,6 +39,7 @@ import torch
 
 from fleetlike.collectives import Downsampler, RingWorkers
 from fleetlike.comm import CommGroups, Communicator, Work, create_world
+from fleetlike.comm.cuda import stream_device
 from fleetlike.config import DistributedStrategy
 from fleetlike.roles import Role, detect_role, parse_endpoint
 from fleetlike.roles.settings import env_settings
@@ -145,7 +146,9 @@ class FleetHookState:
         self.groups, self.role = groups, role
         if self.perf_every:
             self.health = groups.extra("ddp slow-rank check", 0, groups.world.rank)
-        self._finishers = RingWorkers(max(1, int(self.strategy.nccl_comm_num)), "fleetlike-ddp")
+        # finishers only wait (no NCCL calls): threads of their own, on the hook's stream position
+        self._finishers = RingWorkers(max(1, int(self.strategy.nccl_comm_num)), "fleetlike-ddp",
+                                      device=stream_device(groups.world), issues=False)
 
     def ensure_connected(self, device: torch.device | None = None) -> None:
         """Connect on the first bucket (``device``: where DDP keeps its buckets)."""

@@ -33,6 +33,7 @@ import torch
 
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_world
+from fleetlike.comm.cuda import selected_gpu, use_device
 from fleetlike.config import DistributedStrategy, rules
 from fleetlike.fleet import checkpoint as ckpt
 from fleetlike.fleet.context import FleetContext
@@ -73,8 +74,8 @@ def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> tor
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0 or chosen in ("gloo", "mpi"):
         return torch.device("cpu")
-    if role.selected_gpus:
-        return torch.device("cuda", role.selected_gpus[0])
+    if role.selected_gpus:  # the rule the NCCL communicator follows: the id at the local rank
+        return torch.device("cuda", selected_gpu(role.selected_gpus, role.local_rank, role.rank))
     if env.cuda_visible_devices or role.source in _GPU_BY_LOCAL_RANK or chosen == "nccl":
         return torch.device("cuda", role.local_rank % count)
     return torch.device("cpu")
@@ -121,6 +122,7 @@ class Fleet:
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
         device = _device_for(role, env, backend)
+        use_device(device)  # once, here: every later CUDA call of this rank lands on its GPU
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
         world = create_world(role, backend=backend or env.backend or "auto", timeout=limit, device=device)
         world.timeout = limit
