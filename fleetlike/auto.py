@@ -16,6 +16,10 @@ the strategy the environment describes (`fleetlike.ddp.knobs`: ``FLEETLIKE_STRAT
   the reason; rank 0 prints the applied settings once;
 * a script that registers its own comm hook (``ddp.register_comm_hook``) gets it: fleetlike's
   hook steps aside for that model, saying so in one line (`fleetlike.ddp.slot`);
+* the divergence guard (`fleetlike.collectives.divergence`) compares the ranks' parameters
+  when the model is wrapped (after DDP's broadcast from rank 0) and every
+  ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` backward passes (default 100, 0 = only at the wrap):
+  ranks that differ stop on every rank, naming the first differing parameter;
 * ``FLEETLIKE_FUSION_MB`` becomes DDP's ``bucket_cap_mb`` where the script does not pass one;
 * ``FLEETLIKE_ACCUMULATE_N_STEPS=k``: DDP communicates every k-th backward; the ``step()`` and
   ``zero_grad()`` of the optimizers over that model's parameters do nothing after the other
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
 from fleetlike.comm import CommGroups
 from fleetlike.config import DistributedStrategy
 from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, strategy_from_env
@@ -60,8 +65,9 @@ class _Settings:
     meets its own group), and the states of the DDP models built so far (by parameter id, for
     the accumulation gate)."""
 
-    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str]) -> None:
+    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str], every: int) -> None:
         self.strategy = strategy
+        self.every = every  # divergence guard period, in backward passes
         self.knobs = dict(knobs)
         self.groups: CommGroups | None = None
         self.printed = False
@@ -94,7 +100,7 @@ def install(environ: Mapping[str, str] | None = None) -> None:
     strategy = strategy_from_env(env)
     FleetHookState(strategy)  # refuses what a hook cannot run (amp, sharding, ...) now, not later
     with _LOCK:
-        _SETTINGS = _Settings(strategy, applied_knobs(env))
+        _SETTINGS = _Settings(strategy, applied_knobs(env), every_from_env(env))
     DistributedDataParallel.__init__ = _ddp_init  # type: ignore[method-assign]
     torch.optim.Optimizer.__init__ = _optimizer_init  # type: ignore[method-assign]
 
@@ -125,7 +131,12 @@ def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             if name == "use_hierarchical_allreduce" and not applied:
                 raise KnobError(f"FLEETLIKE_ALLREDUCE_MODE=hierarchical cannot run here: {why}; "
                                 "use auto (two-level where it helps, else flat) or flat")
-    attach(self, state, on_replace=functools.partial(_stepped_aside, cfg, self))
+    slot = attach(self, state, on_replace=functools.partial(_stepped_aside, cfg, self))
+    assert state.groups is not None
+    guard_comm = state.groups.extra("ddp divergence guard", 0, state.groups.world.rank)
+    assert guard_comm is not None
+    slot.guard = DivergenceGuard(guard_comm, self.module.named_parameters(), every=cfg.every, what="DDP")
+    slot.guard.check("when the DDP model was built, after its broadcast from rank 0")
     for p in self.parameters():
         cfg.by_param[id(p)] = state
     _print_once(cfg, state)
@@ -134,10 +145,8 @@ def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
 def _stepped_aside(cfg: _Settings, model: DistributedDataParallel, slot: HookSlot) -> None:
     """The script's own hook took the model: its optimizers are no longer gated, and the
     replaced state's helper threads stop."""
-    for p in model.parameters():
-        state = cfg.by_param.pop(id(p), None)
-        if state is not None:
-            state.close()
+    for state in {id(s): s for s in (cfg.by_param.pop(id(p), None) for p in model.parameters()) if s}.values():
+        state.close()
 
 
 def _print_once(cfg: _Settings, state: FleetHookState) -> None:

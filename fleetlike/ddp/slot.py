@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from fleetlike.collectives.divergence import DivergenceGuard
 from fleetlike.ddp.hooks import fleetlike_hook
 from fleetlike.ddp.state import FleetHookState
 
@@ -33,10 +34,15 @@ class HookSlot:
         self.hook = hook
         self.state = state
         self.replaced = False
+        #: the model's divergence guard: ticks once per backward pass, whoever's hook runs
+        self.guard: Optional[DivergenceGuard] = None
 
 
 def slot_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Call the slot's hook on ``bucket`` (fleetlike's, or the script's own)."""
+    """Call the slot's hook on ``bucket`` (fleetlike's, or the script's own); the first bucket of
+    a pass (autograd's thread, the same order on every rank) ticks the divergence guard."""
+    if slot.guard is not None and bucket.index() == 0:
+        slot.guard.tick()
     return slot.hook(slot.state, bucket)
 
 

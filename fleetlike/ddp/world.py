@@ -157,7 +157,7 @@ def _env_role() -> Role | None:
     """The launcher's role where it describes torch's world (same rank and size), else None."""
     try:
         role = detect_role()
-    except ValueError:
+    except (ValueError, KeyError, TypeError):  # a partial launcher environment: torch's world rules
         return None
     if role.source == "single" or role.rank != dist.get_rank() or role.world_size != dist.get_world_size():
         return None
