@@ -18,7 +18,7 @@ the strategy the environment describes (`fleetlike.ddp.knobs`: ``FLEETLIKE_STRAT
   hook steps aside for that model, saying so in one line (`fleetlike.ddp.slot`);
 * the divergence guard (`fleetlike.collectives.divergence`) compares the ranks' parameters
   when the model is wrapped (after DDP's broadcast from rank 0) and every
-  ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` backward passes (default 100, 0 = only at the wrap):
+  ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` backward passes (default 200, 0 = only at the wrap):
   ranks that differ stop on every rank, naming the first differing parameter;
 * ``FLEETLIKE_FUSION_MB`` becomes DDP's ``bucket_cap_mb`` where the script does not pass one;
 * ``FLEETLIKE_ACCUMULATE_N_STEPS=k``: DDP communicates every k-th backward; the ``step()`` and

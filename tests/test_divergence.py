@@ -112,6 +112,6 @@ def test_checksums_are_the_bit_sums() -> None:
     bumped = [t.clone() for t in tensors]
     bumped[0][2, 3] = torch.nextafter(bumped[0][2, 3], torch.tensor(10.0))  # one ulp of one element
     assert checksums(bumped).tolist()[0] != want[0] and checksums(bumped).tolist()[1:] == want[1:]
-    assert every_from_env({}) == 100 and every_from_env({ENV_VAR: "0"}) == 0
+    assert every_from_env({}) == 200 and every_from_env({ENV_VAR: "0"}) == 0
     with pytest.raises(ValueError, match=f"{ENV_VAR}='-3' is not accepted; use an integer >= 0"):
         every_from_env({ENV_VAR: "-3"})

@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_EVERY", "ENV_VAR", "DivergenceError", "DivergenceGuard", "ch
 #: the variable every face reads for the period of the check
 ENV_VAR = "FLEETLIKE_DIVERGENCE_CHECK_N_STEPS"
 #: steps between two checks by default
-DEFAULT_EVERY = 100
+DEFAULT_EVERY = 200
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
