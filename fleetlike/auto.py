@@ -8,9 +8,18 @@ the strategy the environment describes (`fleetlike.ddp.knobs`: ``FLEETLIKE_STRAT
 
 * the settings are read and checked at import: an unknown ``FLEETLIKE_*`` variable or a bad
   value ends the process at once with the variable, the value and the accepted values;
-* the first DDP model meets the job's fleetlike communicators (from the launcher's environment:
-  torchrun, ``python -m fleetlike.launch``, mpiexec, Slurm) and rank 0 prints the applied
-  settings once;
+* each DDP model meets fleetlike's communicators over the model's own ``process_group`` (the
+  default group, a subgroup, or a ``device_mesh``'s), through the store of the script's own
+  ``init_process_group`` (`fleetlike.ddp.world`): the job is the one the script formed, however
+  it was started (torchrun, ``mp.spawn``, ``tcp://`` / ``file://``, mpiexec, Slurm, fleetlike's
+  launcher), and nothing else binds a port; a group fleetlike cannot meet raises there, with
+  the reason; rank 0 prints the applied settings once;
+* a script that registers its own comm hook (``ddp.register_comm_hook``) gets it: fleetlike's
+  hook steps aside for that model, saying so in one line (`fleetlike.ddp.slot`);
+* the divergence guard (`fleetlike.collectives.divergence`) compares the ranks' parameters
+  when the model is wrapped (after DDP's broadcast from rank 0) and every
+  ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` backward passes (default 200, 0 = only at the wrap):
+  ranks that differ stop on every rank, naming the first differing parameter;
 * ``FLEETLIKE_FUSION_MB`` becomes DDP's ``bucket_cap_mb`` where the script does not pass one;
 * ``FLEETLIKE_ACCUMULATE_N_STEPS=k``: DDP communicates every k-th backward; the ``step()`` and
   ``zero_grad()`` of the optimizers over that model's parameters do nothing after the other
@@ -36,11 +45,12 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fleetlike.comm import CommGroups, create_world
+from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
+from fleetlike.comm import CommGroups
 from fleetlike.config import DistributedStrategy
-from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, register, strategy_from_env
-from fleetlike.roles import detect_role
-from fleetlike.roles.settings import env_settings
+from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, strategy_from_env
+from fleetlike.ddp.slot import HookSlot, attach
+from fleetlike.ddp.world import groups_for, model_group
 
 __all__ = ["settings", "install", "uninstall"]
 
@@ -51,24 +61,24 @@ _DDP_SIGNATURE = inspect.signature(_ORIGINAL_DDP_INIT)
 
 
 class _Settings:
-    """What the environment asked for, the job's communicators (made once), and the states of
-    the DDP models built so far (by parameter id, for the accumulation gate)."""
+    """What the environment asked for, communicators given by hand (``groups``: else each model
+    meets its own group), and the states of the DDP models built so far (by parameter id, for
+    the accumulation gate)."""
 
-    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str]) -> None:
+    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str], every: int) -> None:
         self.strategy = strategy
+        self.every = every  # divergence guard period, in backward passes
         self.knobs = dict(knobs)
         self.groups: CommGroups | None = None
         self.printed = False
         self.by_param: weakref.WeakValueDictionary[int, FleetHookState] = weakref.WeakValueDictionary()
 
-    def connect(self, device: torch.device | None = None) -> CommGroups:
-        """The process's groups, met on the first DDP model (a backend for its ``device``:
-        NCCL for a model on a GPU, so its CUDA buckets are not refused by gloo)."""
-        if self.groups is None:
-            role = detect_role()
-            backend = env_settings().backend or "auto"  # FLEETLIKE_BACKEND, as fleet.init reads it
-            self.groups = CommGroups(create_world(role, backend=backend, device=device), role)
-        return self.groups
+    def connect(self, model: DistributedDataParallel, device: torch.device | None = None) -> CommGroups:
+        """The communicators of ``model``'s process group (a backend for its ``device``: NCCL
+        for a model on a GPU, so its CUDA buckets are not refused by gloo)."""
+        if self.groups is not None:
+            return self.groups
+        return groups_for(model_group(model), device)
 
 
 _SETTINGS: _Settings | None = None
@@ -90,7 +100,7 @@ def install(environ: Mapping[str, str] | None = None) -> None:
     strategy = strategy_from_env(env)
     FleetHookState(strategy)  # refuses what a hook cannot run (amp, sharding, ...) now, not later
     with _LOCK:
-        _SETTINGS = _Settings(strategy, applied_knobs(env))
+        _SETTINGS = _Settings(strategy, applied_knobs(env), every_from_env(env))
     DistributedDataParallel.__init__ = _ddp_init  # type: ignore[method-assign]
     torch.optim.Optimizer.__init__ = _optimizer_init  # type: ignore[method-assign]
 
@@ -110,17 +120,33 @@ def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
     if "bucket_cap_mb" not in bound.arguments and "FLEETLIKE_FUSION_MB" in cfg.knobs:
         kwargs["bucket_cap_mb"] = float(cfg.strategy.fuse_grad_size_in_MB)
     _ORIGINAL_DDP_INIT(self, *args, **kwargs)
+    if self._comm_hooks:  # DDP's own mixed precision registered a hook already: it stays
+        print("fleetlike.auto: this DDP model already has a comm hook (DDP's mixed precision); "
+              "fleetlike's hook steps aside for it", file=sys.stderr, flush=True)
+        return
     device = next((p.device for p in self.parameters()), None)
-    state = FleetHookState(cfg.strategy, groups=cfg.connect(device))
+    state = FleetHookState(cfg.strategy, groups=cfg.connect(self, device), model=self)
     if cfg.knobs.get("FLEETLIKE_ALLREDUCE_MODE", "").strip().lower() == "hierarchical":
         for name, applied, why in state.notes:
             if name == "use_hierarchical_allreduce" and not applied:
                 raise KnobError(f"FLEETLIKE_ALLREDUCE_MODE=hierarchical cannot run here: {why}; "
                                 "use auto (two-level where it helps, else flat) or flat")
-    register(self, state)
+    slot = attach(self, state, on_replace=functools.partial(_stepped_aside, cfg, self))
+    assert state.groups is not None
+    guard_comm = state.groups.extra("ddp divergence guard", 0, state.groups.world.rank)
+    assert guard_comm is not None
+    slot.guard = DivergenceGuard(guard_comm, self.module.named_parameters(), every=cfg.every, what="DDP")
+    slot.guard.check("when the DDP model was built, after its broadcast from rank 0")
     for p in self.parameters():
         cfg.by_param[id(p)] = state
     _print_once(cfg, state)
+
+
+def _stepped_aside(cfg: _Settings, model: DistributedDataParallel, slot: HookSlot) -> None:
+    """The script's own hook took the model: its optimizers are no longer gated, and the
+    replaced state's helper threads stop."""
+    for state in {id(s): s for s in (cfg.by_param.pop(id(p), None) for p in model.parameters()) if s}.values():
+        state.close()
 
 
 def _print_once(cfg: _Settings, state: FleetHookState) -> None:

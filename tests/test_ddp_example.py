@@ -151,3 +151,23 @@ def test_launcher_flag_puts_the_site_first() -> None:
     assert (Path(ACCELERATE_SITE) / "sitecustomize.py").is_file()
     off = worker_env(parse_config(["--nproc_per_node=2", str(MAIN)]), 1, base={"PYTHONPATH": "/somewhere"})
     assert "FLEETLIKE_ACCELERATE_DDP" not in off and off["PYTHONPATH"] == "/somewhere"
+
+
+def test_launcher_ports_and_threads() -> None:
+    """Fixed ports: torch's MASTER_PORT is the port after node 0's endpoints, never fleetlike's
+    rendezvous port (rank 0's endpoint); auto: the one store the launcher hosts. OMP_NUM_THREADS
+    is 1 where unset with several workers (torchrun's default), kept where set, unset for one."""
+    from fleetlike.launch.config import parse_config
+    from fleetlike.launch.env import omp_note, worker_env
+
+    fixed = parse_config(["--nproc_per_node=2", "train.py"])
+    env = worker_env(fixed, 1, base={})
+    assert env["MASTER_PORT"] == "6172" and env["PADDLE_TRAINER_ENDPOINTS"] == "127.0.0.1:6170,127.0.0.1:6171"
+    two = parse_config(["--cluster_node_ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.2", "--started_port=7000",
+                        "--nproc_per_node=3", "train.py"])
+    assert (worker_env(two, 0, base={})["MASTER_ADDR"], worker_env(two, 0, base={})["MASTER_PORT"]) == ("10.0.0.1", "7003")
+    assert env["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS=1" in (omp_note(fixed, {}) or "")
+    assert worker_env(fixed, 0, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert omp_note(fixed, {"OMP_NUM_THREADS": "4"}) is None
+    one = parse_config(["--nproc_per_node=1", "train.py"])
+    assert "OMP_NUM_THREADS" not in worker_env(one, 0, base={}) and omp_note(one, {}) is None

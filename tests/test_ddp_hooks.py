@@ -26,6 +26,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_common import dyadic_batch, dyadic_model
 from dp_common import torch_group
 from fleetlike import DistributedStrategy
 from fleetlike.comm import CommGroups
@@ -36,19 +37,7 @@ STEPS = 4
 LR = 0.125
 
 
-def _model() -> torch.nn.Module:
-    g = torch.Generator().manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
-    with torch.no_grad():
-        for p in m.parameters():  # multiples of 1/8 in [-1, 1]: every sum of STEPS steps is exact
-            p.copy_(torch.randint(-8, 9, p.shape, generator=g).float() / 8)
-    return m
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return (torch.randint(-2, 3, (4, 6), generator=g).float(),
-            torch.randint(-2, 3, (4, 3), generator=g).float())
+_model, _batch = dyadic_model, dyadic_batch
 
 
 def _train(ddp: DDP, rank: int, steps: int = STEPS, accumulate: int = 1, start: int = 0,

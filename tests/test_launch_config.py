@@ -227,8 +227,9 @@ def test_worker_env_is_exactly_the_contract() -> None:
         "PADDLE_NODE_NUM": "2",
         "FLAGS_selected_gpus": "",
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7100",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7102",  # after node 0's endpoints: torch's store
         "FLEETLIKE_JOB_ID": "j1", "FLEETLIKE_NODE_IP": "127.0.0.2",
+        "OMP_NUM_THREADS": "1",  # unset in BASE, 2 workers: torchrun's default
         "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
     }
     with pytest.raises(ValueError) as info:

@@ -66,6 +66,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "GROUP_RANK", "FLAGS_selected_gpus", "CUDA_VISIBLE_DEVICES"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    env.setdefault("OMP_NUM_THREADS", "1")  # else the launcher notes that it sets it (stderr)
     env.update(extra)
     return env
 

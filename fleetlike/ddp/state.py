@@ -41,6 +41,7 @@ from fleetlike.collectives import Downsampler, RingWorkers
 from fleetlike.comm import CommGroups, Communicator, Work, create_world
 from fleetlike.comm.cuda import stream_device
 from fleetlike.config import DistributedStrategy
+from fleetlike.ddp.world import check_world, groups_for, model_group
 from fleetlike.roles import Role, detect_role, parse_endpoint
 from fleetlike.roles.settings import env_settings
 from fleetlike.strategies.data_parallel import gradient_collective
@@ -58,8 +59,9 @@ class FleetHookState:
         strategy: the `DistributedStrategy` whose fields choose the collective (checked for
             combinations it cannot run; a copy is kept).
         groups, role: fleetlike communicators of the job and this process's `Role`; None meets
-            the job from the launcher's environment (torchrun, ``python -m fleetlike.launch``,
-            mpiexec, Slurm) on the first hook call.
+            the bound DDP model's own process group on the first hook call (through the
+            script's torch.distributed store: `fleetlike.ddp.world`), or, given only ``role``,
+            that role's job.
         model: the DDP model (or its module), whose parameter names the NaN check reports and
             gossip's residuals are keyed by (needed to checkpoint them); `register` binds it.
     """
@@ -100,6 +102,7 @@ class FleetHookState:
         self.sampler = Downsampler(self.gossip_n) if self.gossip_n > 1 else None
         self._pool: dict[str, torch.Tensor] = {}  # gossip residuals of a re-laid-out bucket, by name
         self.names: dict[int, str] = {}
+        self.process_group: Any = None  # the bound DDP model's group (`bind`)
         self._param_sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self._busy = 0.0
@@ -128,6 +131,9 @@ class FleetHookState:
         """Name the parameters of ``model`` (a DDP model's ``module.`` prefix is dropped)."""
         module = getattr(model, "module", model)
         self.names = {id(p): n for n, p in module.named_parameters()}
+        self.process_group = model_group(model)
+        if self.groups is not None:
+            check_world(self.groups, self.process_group)
 
     def connect(
         self, groups: CommGroups | None = None, role: Role | None = None, device: torch.device | None = None
@@ -135,10 +141,13 @@ class FleetHookState:
         """Build the collective on ``groups`` (collective: every rank calls it, in the same order
         as its other group creations); None meets the job from the environment, on a backend
         that moves tensors of ``device`` (the buckets' device: NCCL for CUDA buckets)."""
-        if groups is None:
+        if groups is None and role is None and self._role_hint is None and self.process_group is not None:
+            groups = groups_for(self.process_group, device)
+        elif groups is None:
             role = role or self._role_hint or detect_role()
             backend = env_settings().backend or "auto"  # FLEETLIKE_BACKEND, as fleet.init reads it
             groups, self._owns_groups = CommGroups(create_world(role, backend=backend, device=device), role), True
+        check_world(groups, self.process_group)
         role = groups.role if role is None else role
         plain = self.strategy.copy()
         plain.gossip = False  # gossip is applied by the hook itself (keys survive DDP's re-bucketing)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
 from fleetlike.config import DistributedStrategy
 from fleetlike.fleet.context import FleetContext
 from fleetlike.program import Program
@@ -68,6 +69,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.programs: tuple[Program, Program, Program] | None = None
         self._skip_sync = False
         self._pending_state: dict[str, Any] | None = None
+        #: divergence guard per engine (by id; dropped with the engines on `rebind`)
+        self._guards: dict[int, DivergenceGuard | None] = {}
 
     # One set of groups, state and defaults: the wrapped optimizer's, read through each time
     # (its load_state_dict replaces the objects), so schedulers and scalers act on what steps.
@@ -176,6 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         carried = [engine.state_dict() for engine in self.engines]
         self._context = context
         self.engines = []
+        self._guards = {}
         if self.programs is None:
             self._pending_state = carried or self._pending_state
             return
@@ -239,10 +243,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # only when no model's units skip it (a non-finite AMP step, a merge micro-step)
         states = [engine.synchronize() for engine in engines]
         skip = any(st.skip_update or st.accumulate for st in states)
+        guards = [self._guard(engine) for engine in engines]
         for i, engine in enumerate(engines):
             last = i == len(engines) - 1
             engine.update(update if last and not skip else (lambda: None), loss=loss)
+        if not skip:
+            for guard in guards:
+                if guard is not None:
+                    guard.tick()
         return loss if closure is not None else (result[0] if result else None)
+
+    def _guard(self, engine: Engine) -> DivergenceGuard | None:
+        """The divergence guard of ``engine``'s model, made (and first checked: the parameters
+        are still the ones broadcast from rank 0) at its first step; None under local SGD,
+        whose ranks hold different parameters between two averagings by design."""
+        guards = self._guards
+        if id(engine) not in guards:
+            s, groups = engine.ctx.strategy, engine.ctx.groups
+            guard = None
+            if not (s.localsgd or s.adaptive_localsgd):
+                comm = groups.extra("fleet divergence guard", 0, groups.world.rank)
+                assert comm is not None
+                guard = DivergenceGuard(comm, engine.ctx.model.named_parameters(), every=every_from_env(),
+                                        what="fleet.distributed_optimizer")
+                guard.check("at the first step, after fleet.distributed_model's broadcast from rank 0")
+            guards[id(engine)] = guard
+        return guards[id(engine)]
 
     @property
     def step_info(self) -> dict[str, Any]:

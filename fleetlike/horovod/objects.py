@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fleetlike.collectives import broadcast_coalesced
+from fleetlike.collectives.divergence import DivergenceGuard
 from fleetlike.horovod.collectives import _agree, allgather, broadcast_
 from fleetlike.horovod.negotiate import Kind
 from fleetlike.horovod.runtime import runtime
@@ -111,6 +112,9 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             raise ValueError(f"hvd.broadcast_parameters: root_rank={root_rank} is not a rank (0..{rt.comm.size - 1})")
         with torch.no_grad():
             broadcast_coalesced(rt.comm, [t.data for t in tensors], root=int(root_rank))
+        # the guard proves the broadcast took: every rank now holds root_rank's values
+        named = [(n if n is not None else f"params[{i}]", t) for i, (n, t) in enumerate(items)]
+        DivergenceGuard(rt.comm, named, what="hvd.broadcast_parameters").check(f"after broadcasting rank {int(root_rank)}'s")
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from fleetlike.collectives import Bucket, BucketCollective, CompressedAllReduce, FlatAllReduce, GradReducer, plan_buckets
+from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
 from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
@@ -251,6 +252,10 @@ class HorovodOptimizer(HorovodWrapper):
         self._agree(Kind.OPTIMIZER_SETUP)  # once: every rank wraps the same model (bucket layout)
         rt.optimizers[self._join_id] = self
         self._need_agreement = False
+        guard_comm = rt.optimizer_groups().extra("hvd divergence guard", 0, rt.comm.rank)
+        assert guard_comm is not None
+        self._guard = DivergenceGuard(guard_comm, [(self._names.get(id(p), f"parameter {i}"), p) for i, p in enumerate(params)],
+                                      every=every_from_env(), what="hvd.DistributedOptimizer")
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
@@ -474,7 +479,10 @@ class HorovodOptimizer(HorovodWrapper):
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return self.inner_optimizer.step(closure)
+        result = self.inner_optimizer.step(closure)
+        if not (self._joiners or self._rt.joined_seen):  # a joined rank no longer steps: no check
+            self._guard.tick()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (in place: they are bucket views); refused while a backward's

@@ -14,6 +14,7 @@ import socket
 from collections.abc import Sequence
 
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
+from fleetlike.launch.env import torch_master_port
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 
 __all__ = [
@@ -39,9 +40,22 @@ def cuda_device_count() -> int:
         return 0
 
 
-def check_ports(node_ip: str, ports: Sequence[int]) -> None:
-    """Bind each port on ``node_ip`` once, to prove it is free and that node_ip is local."""
+def check_torch_port(config: LaunchConfig) -> None:
+    """Node 0 with fixed ports: torch's ``env://`` store port (`torch_master_port`) is free too."""
+    port = torch_master_port(config)
+    if port > 65535:
+        raise LaunchInputError(
+            f"--started_port={config.started_port} with --nproc_per_node={config.nproc_per_node}: "
+            f"torch's MASTER_PORT would be {port}, outside 1..65535; choose a lower --started_port"
+        )
+    check_ports(config.node_ip, [port], what="torch.distributed's MASTER_PORT")
+
+
+def check_ports(node_ip: str, ports: Sequence[int], what: str | None = None) -> None:
+    """Bind each port on ``node_ip`` once, to prove it is free and that node_ip is local
+    (``what`` names the port's use in messages; default: the local rank it is for)."""
     for local, port in enumerate(ports):
+        use = what or f"local rank {local}"
         try:
             infos = socket.getaddrinfo(node_ip, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
@@ -55,7 +69,7 @@ def check_ports(node_ip: str, ports: Sequence[int]) -> None:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     raise LaunchInputError(
-                        f"port {port} on {node_ip} (for local rank {local}) is already in use; "
+                        f"port {port} on {node_ip} (for {use}) is already in use; "
                         "free it or choose another --started_port"
                     ) from None
                 if exc.errno == errno.EADDRNOTAVAIL:
@@ -64,7 +78,7 @@ def check_ports(node_ip: str, ports: Sequence[int]) -> None:
                         f"{node_ip}:{port}); run each node's launcher with its own IP"
                     ) from None
                 raise LaunchInputError(
-                    f"cannot bind {node_ip}:{port} (for local rank {local}): {exc.strerror}; "
+                    f"cannot bind {node_ip}:{port} (for {use}): {exc.strerror}; "
                     "choose another --started_port"
                 ) from None
 
@@ -90,6 +104,8 @@ def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> N
             )
     if not config.auto_ports:
         check_ports(config.node_ip, config.local_ports)
+        if config.node_index == 0:
+            check_torch_port(config)
     if config.meets_through_file:
         check_rendezvous_file(config)
     try:

@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles import parse_endpoint
 
-__all__ = ["ACCELERATE_SITE", "AGENT_STORE", "MALLOC_TUNABLE", "PROXY_VARIABLES", "tuned_glibc_tunables", "worker_env"]
+__all__ = [
+    "ACCELERATE_SITE", "AGENT_STORE", "MALLOC_TUNABLE", "OMP_NOTE", "PROXY_VARIABLES", "omp_note", "torch_master_port",
+    "tuned_glibc_tunables", "worker_env",
+]
 
 #: torch's (and torchrun's) name for "the store at MASTER_ADDR:MASTER_PORT is hosted by the
 #: launcher": set to ``True`` with ``--started_port=auto``, read by `PaddleCloudRoleMaker`
@@ -36,6 +39,36 @@ PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTP
 #: (docs/BENCHMARKS.md, "Data parallel vs PyTorch DDP"). glibc reads tunables only at process
 #: start, which is why the launcher, not ``fleet.init``, sets it.
 MALLOC_TUNABLE = "glibc.malloc.tcache_count=0"
+
+
+#: What the launcher says once when it sets ``OMP_NUM_THREADS=1`` for the workers (`omp_note`).
+OMP_NOTE = ("OMP_NUM_THREADS is unset: every worker gets OMP_NUM_THREADS=1 (as torchrun does), so "
+            "{n} workers do not each start one thread per core and overload the machine; set "
+            "OMP_NUM_THREADS yourself to tune it")
+
+
+def omp_note(config: LaunchConfig, base: Mapping[str, str] | None = None) -> str | None:
+    """The line to print when `worker_env` sets ``OMP_NUM_THREADS`` (unset, several workers)."""
+    env = os.environ if base is None else base
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        return OMP_NOTE.format(n=config.nproc_per_node)
+    return None
+
+
+def torch_master_port(config: LaunchConfig) -> int:
+    """The workers' ``MASTER_PORT``, where ``torch.distributed``'s ``env://`` store listens.
+
+    With fixed ports, fleetlike's rendezvous store listens on rank 0's endpoint
+    (``started_port``), so torch's gets the port after node 0's last endpoint,
+    ``started_port + nproc_per_node``: a script calling both ``fleet.init()`` and
+    ``init_process_group()`` never binds one port twice (torchrun does the mirror image: torch
+    at ``MASTER_PORT``, fleetlike's endpoints from ``MASTER_PORT + 1``). With ``auto`` the first
+    node's launcher hosts one store at rank 0's endpoint and both join it
+    (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    port = parse_endpoint(config.master_endpoint, name="master endpoint")[1]
+    if config.auto_ports:
+        return port
+    return port + config.nproc_per_node
 
 
 def tuned_glibc_tunables(current: str | None) -> str:
@@ -72,7 +105,12 @@ def worker_env(
     LOCAL_WORLD_SIZE      nproc_per_node
     GROUP_RANK            node index (torchrun name)
     MASTER_ADDR           rank 0's IP: the fleetlike rendezvous store is hosted there
-    MASTER_PORT           rank 0's port (started_port, or the port node 0's launcher chose)
+    MASTER_PORT           torch's ``env://`` store: ``started_port + nproc_per_node`` (the
+                          port after node 0's endpoints: fleetlike's own rendezvous is on
+                          rank 0's), or with ``auto`` the port node 0's launcher hosts
+                          (`torch_master_port`)
+    OMP_NUM_THREADS       ``1`` where unset and nproc_per_node > 1, as torchrun sets it
+                          (`omp_note`); a value already set is kept
     TORCHELASTIC_USE_AGENT_STORE  ``--started_port=auto`` only: ``True``, as under torchrun:
                           the store at MASTER_ADDR:MASTER_PORT is hosted by the (first
                           node's) launcher, so rank 0 (fleetlike, or torch's ``env://``)
@@ -100,7 +138,7 @@ def worker_env(
         env.pop(name, None)
     rank = config.rank(local_rank)
     endpoints = config.endpoints
-    master_host, master_port = parse_endpoint(config.master_endpoint, name="master endpoint")
+    master_host = parse_endpoint(config.master_endpoint, name="master endpoint")[0]
     gpu = str(config.selected_gpus[local_rank]) if config.selected_gpus else ""
     env.update(
         {
@@ -116,11 +154,13 @@ def worker_env(
             "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
             "GROUP_RANK": str(config.node_index),
             "MASTER_ADDR": master_host,
-            "MASTER_PORT": str(master_port),
+            "MASTER_PORT": str(torch_master_port(config)),
             "FLEETLIKE_JOB_ID": config.job_id,
             "FLEETLIKE_NODE_IP": config.node_ip,
         }
     )
+    if omp_note(config, env) is not None:
+        env["OMP_NUM_THREADS"] = "1"
     if config.auto_ports:
         env[AGENT_STORE] = str(True)
     else:

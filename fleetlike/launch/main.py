@@ -29,7 +29,7 @@ from fleetlike.launch.config import (
     parse_config,
 )
 from fleetlike.launch.elastic_agent import restart_loop
-from fleetlike.launch.env import worker_env
+from fleetlike.launch.env import omp_note, worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.launch.workers import (
@@ -133,6 +133,9 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
     log_path, env)``) instead of ending the local job; it returns the new worker or None."""
     if config.print_config:
         print(format_config(config), flush=True)
+    note = omp_note(config)
+    if note is not None:
+        print(f"{_PREFIX} {note}", file=sys.stderr, flush=True)
     workers: list[Worker] = []
     command = worker_command(config)
 
