@@ -260,6 +260,9 @@ class HorovodOptimizer(HorovodWrapper):
         self._should_synchronize = True
         # our hooks first: they count the backward passes and arm the reducer before its own run
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # the gradients accumulate into the (dense) bucket views: which parameters produce sparse
+        # gradients shows only before that, in the first backward (removed at its end)
+        self._sparse_watch = [p.register_hook(self._sparse_watcher(p)) for p in params]
         buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(params, cap))]
         self._slots = buckets[0].numel if buckets and self._flagged else -1
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
@@ -394,9 +397,18 @@ class HorovodOptimizer(HorovodWrapper):
                 continue
             p.grad = view
 
+    def _sparse_watcher(self, p: torch.Tensor) -> Any:
+        def watch(grad: torch.Tensor) -> None:
+            if grad.is_sparse:
+                self._sparse.add(id(p))
+        return watch
+
     def _end_backward(self) -> None:
         with self._hvd_lock:
             self._in_backward = False
+            for h in self._sparse_watch:
+                h.remove()
+            self._sparse_watch = []
             if self._need_agreement:  # while the buckets are in flight on their communicators
                 self._need_agreement = False
                 self._agree()
@@ -475,9 +487,9 @@ class HorovodOptimizer(HorovodWrapper):
         self._read_flags()
 
     def _detach(self) -> None:
-        for h in self._hooks:
+        for h in self._hooks + getattr(self, "_sparse_watch", []):
             h.remove()
-        self._hooks = []
+        self._hooks, self._sparse_watch = [], []
         if self.reducer is not None:
             self.reducer.remove()
         if self._rt.optimizers.get(self._join_id) is self:
