@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16,

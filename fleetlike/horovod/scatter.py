@@ -29,7 +29,7 @@ from fleetlike.horovod.ops import COMM_OP, OPS, Compression, Compressor, ReduceO
 from fleetlike.horovod.order import Handle, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
-from fleetlike.horovod.wire import as_bytes, from_bytes, moves_natively, reduce_dtype, scale_
+from fleetlike.horovod.wire import as_bytes, moves_natively, reduce_dtype, scale_
 
 __all__ = ["ReducescatterOpError", "alltoall", "alltoall_async", "grouped_reducescatter", "grouped_reducescatter_async", "reducescatter",
            "reducescatter_async"]

@@ -19,7 +19,7 @@ import torch
 
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES
 
-__all__ = ["as_bytes", "reduce_dtype", "scale_", "from_bytes"]
+__all__ = ["as_bytes", "from_bytes", "moves_natively", "reduce_dtype", "scale_"]
 
 #: moved by every backend's own collectives (gloo's all-to-all included)
 _NATIVE = frozenset({torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8})
