@@ -297,10 +297,11 @@ def rank_suite(hvd: Any, spec: dict[str, Any]) -> dict[str, Any]:
         got.append(hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum if k % 2 == 0 else hvd.Average).numpy())
     last = hvd.join()
     out["join"] = (got, last)
+    # Horovod: the joined rank keeps waiting while the active ranks' allgather raises
     if r == 0:
-        out["join.allgather"] = _catch(hvd.join, hvd.HorovodInternalError)
+        out["join.allgather"] = ("joined", hvd.join())
     else:
-        out["join.allgather"] = _catch(lambda: hvd.allgather(torch.ones(1)), hvd.HorovodInternalError)
+        out["join.allgather"] = (_catch(lambda: hvd.allgather(torch.ones(1)), hvd.HorovodInternalError), hvd.join())
     hvd.barrier()
     # training
     out["train"] = {c[0]: train_rank(hvd, c, r) for c in TRAIN_CASES}

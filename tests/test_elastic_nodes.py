@@ -178,25 +178,3 @@ def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
     for report in done:
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         check_epochs(report, 1400)
-
-
-@pytest.mark.slow
-def test_hvd_distributed_optimizer_is_refused_and_not_retried(launchers: Launchers, tmp_path: Path) -> None:
-    """hvd.DistributedOptimizer in an elastic job fails at construction naming the fix; the
-    same error before any progress is not retried although --max_restarts=3 would allow it."""
-    out = tmp_path / "out-hvd"
-    out.mkdir()
-    proc = launchers.start("--nnodes=1:2", "--max_restarts=3", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                           "--node_ip=127.0.0.1", "--nproc_per_node=1", "--started_port=auto",
-                           "--log_dir=log-hvd", str(WORKERS / "elastic_hvd_optimizer.py"), str(out))
-    code, _, stderr = finish(proc, timeout=60)
-    assert code == 1, stderr
-    assert ("last line: RuntimeError: hvd.DistributedOptimizer cannot be used in an elastic job (this "
-            "process was started with python -m fleetlike.launch --nnodes MIN:MAX)") in stderr
-    assert "Wrap the optimizer with fleet.distributed_optimizer(optimizer) instead" in stderr
-    assert len(list(out.glob("pid.*"))) == 2 and not list(out.glob("built.*"))  # two starts, not four
-    assert "not retryable: two workers failed the same way before reporting progress" in stderr
-    assert summary(stderr) == (
-        "fleetlike.launch: summary: job ended with code 1; worker failures: local rank 0 exited with "
-        "code 1, local rank 0 exited with code 1; restarted 1/3; nodes lost: -; nodes joined: -")
-    assert_all_gone(out)

@@ -75,8 +75,10 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
         hvd.allreduce(torch.ones(1), op="mean")
     with pytest.raises(ValueError, match="supersedes average"):
         hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
-    with pytest.raises(ValueError, match="process set"):
+    with pytest.raises(TypeError, match="process_set must be an hvd.ProcessSet"):
         hvd.allreduce(torch.ones(1), process_set=object())
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
     with pytest.raises(ValueError, match="splits=.* must hold 1"):
         hvd.alltoall(torch.ones(4), splits=[1, 3])
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
@@ -115,8 +117,10 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
 
 
 def test_init_arguments_are_checked() -> None:
-    with pytest.raises(ValueError, match="one global process set"):
+    with pytest.raises(TypeError, match="every entry must be an hvd.ProcessSet"):
         hvd.init(process_sets=[1])
+    with pytest.raises(ValueError, match="a list of hvd.ProcessSet or 'dynamic'"):
+        hvd.init(process_sets="static")
     assert not hvd.is_initialized()
 
 

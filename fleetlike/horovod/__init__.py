@@ -21,33 +21,34 @@ Example (Horovod's own lines):
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
-from fleetlike import elastic
 from fleetlike.comm import CollectiveMismatchError, CollectiveTimeoutError
+from fleetlike.horovod import elastic
 from fleetlike.horovod.adasum import AdasumUnsupportedError
 from fleetlike.horovod.adasum_optimizer import AdasumOptimizer
 from fleetlike.horovod.collectives import (
-    Handle,
-    allgather,
-    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    poll,
-    synchronize,
+)
+from fleetlike.horovod.gather import (
+    allgather,
+    allgather_async,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
 )
 from fleetlike.horovod.join import barrier, join
 from fleetlike.horovod.negotiate import HorovodInternalError
@@ -71,15 +72,33 @@ from fleetlike.horovod.ops import (
     ReduceOp,
     Sum,
 )
-from fleetlike.horovod.optimizer import HorovodOptimizer
-from fleetlike.horovod.scatter import alltoall, alltoall_async, reducescatter, reducescatter_async
+from fleetlike.horovod.optimizer import HorovodOptimizer, OutsideSetOptimizer
+from fleetlike.horovod.order import Handle, poll, synchronize
+from fleetlike.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    init,
+    process_set_included,
+    process_set_runtime,
+    remove_process_set,
+)
+from fleetlike.horovod.scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from fleetlike.horovod.runtime import (
+    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
+    ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -94,6 +113,7 @@ from fleetlike.horovod.runtime import (
     size,
 )
 from fleetlike.horovod.sync_bn import SyncBatchNorm
+from fleetlike.horovod.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "elastic",
@@ -110,6 +130,7 @@ __all__ = [
     "FP16Compressor",
     "Handle",
     "HorovodInternalError",
+    "ProcessSet",
     "HorovodOptimizer",
     "Max",
     "Min",
@@ -135,11 +156,16 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "ddl_built",
+    "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
@@ -155,12 +181,19 @@ __all__ = [
     "mpi_threads_supported",
     "nccl_built",
     "poll",
+    "add_process_set",
     "rank",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 
@@ -191,18 +224,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         ...                                named_parameters=model.named_parameters(),
         ...                                compression=hvd.Compression.fp16)
     """
-    if elastic.ElasticSettings.launched():
-        raise RuntimeError(
-            "hvd.DistributedOptimizer cannot be used in an elastic job (this process was started "
-            "with python -m fleetlike.launch --nnodes MIN:MAX): its communicators are built once "
-            "and cannot follow the world when it is re-formed. Wrap the optimizer with "
-            "fleet.distributed_optimizer(optimizer) instead (the same gradient averaging, rebound "
-            "at every re-formation); hvd.rank(), hvd.size() and the hvd collectives do follow")
-    if process_set is not None:
-        raise ValueError("hvd.DistributedOptimizer: fleetlike's Horovod face has only the global process set")
     if num_groups and groups is None:
         groups = num_groups
     red = ReduceOp.parse(op)
+    if process_set is not None and process_set is not global_process_set:
+        if red is ReduceOp.ADASUM:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        if not process_set_included(process_set, "hvd.DistributedOptimizer"):
+            return OutsideSetOptimizer(optimizer, named_parameters, process_set)
+    rt = process_set_runtime(process_set, "hvd.DistributedOptimizer")
     if red is ReduceOp.ADASUM:
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -211,8 +241,5 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                              "strategy (bucket settings) do not apply to it")
         return AdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step)
     return HorovodOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, red,
-                            gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy, agree=agree)
-
-# ``import fleetlike.horovod.elastic`` / ``hvd.elastic``: fleetlike.elastic itself (Horovod's
-# names: State, TorchState, ObjectState, run, HostsUpdatedInterrupt...), not a copy
-sys.modules[f"{__name__}.elastic"] = elastic
+                            gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy, agree=agree,
+                            rt=rt)

@@ -1,6 +1,7 @@
-"""Horovod's tensor collectives on fleetlike's communicators: allreduce (and grouped), allgather,
-broadcast, with Horovod's in-place ``_`` and ``_async`` forms, ``poll`` and ``synchronize``
-(alltoall and reducescatter: `scatter`; barrier and join: `join`).
+"""Horovod's allreduce (and grouped allreduce) on fleetlike's communicators, with Horovod's
+in-place ``_`` and ``_async`` forms, and the agreement every hvd collective starts with
+(allgather and broadcast: `gather`; alltoall and reducescatter: `scatter`; barrier and join:
+`join`; handles, ``poll``, ``synchronize`` and matching by name: `order`).
 
 Every call first agrees with the other ranks (`negotiate`: shapes, dtypes, ops, names, and who
 has joined), then starts the data collective with ``agreed=True``. The async forms return a
@@ -37,24 +38,22 @@ import torch
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
 from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
-from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, identity, resolve_op
-from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, resolve_op
+from fleetlike.horovod.order import Handle, poll, resolve, submit, synchronize
+from fleetlike.horovod.process_sets import process_set_runtime
+from fleetlike.horovod.runtime import Runtime
 from fleetlike.horovod.speculate import REAL, RING, Plan, Round, SlotBuffer
+from fleetlike.horovod.wire import reduce_dtype, scale_
 
 T = TypeVar("T")
 
 __all__ = [
     "Handle",
-    "allgather",
-    "allgather_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
-    "broadcast",
-    "broadcast_",
-    "broadcast_async",
-    "broadcast_async_",
+    "comm_device",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
@@ -63,63 +62,6 @@ __all__ = [
     "synchronize",
 ]
 
-
-
-class Handle:
-    """What an ``_async`` call returns: pass it to `poll` or `synchronize` (Horovod's handle)."""
-
-    __slots__ = ("_rt", "_name", "_work", "_finish", "_result", "_done")
-
-    def __init__(self, rt: Runtime, name: str | None, work: Work, finish: Callable[[], Any]) -> None:
-        self._rt, self._name, self._work, self._finish = rt, name, work, finish
-        self._result: Any = None
-        self._done = False
-
-    def poll(self) -> bool:
-        return self._done or self._work.is_completed()
-
-    def wait(self) -> Any:
-        if not self._done:
-            try:
-                self._work.wait()
-                self._result = self._finish()
-            finally:
-                self._done = True
-                if self._name is not None:
-                    with self._rt.lock:
-                        self._rt.in_flight.pop(self._name, None)
-        return self._result
-
-
-def poll(handle: Handle) -> bool:
-    """True when the collective behind ``handle`` has completed (``synchronize`` will not block)."""
-    if not isinstance(handle, Handle):
-        raise TypeError(f"hvd.poll: expected a handle from an _async call, got {type(handle).__name__}")
-    return handle.poll()
-
-
-def synchronize(handle: Handle) -> Any:
-    """Wait for ``handle``'s collective and return its result (the tensor, or a tuple)."""
-    if not isinstance(handle, Handle):
-        raise TypeError(f"hvd.synchronize: expected a handle from an _async call, got {type(handle).__name__}")
-    return handle.wait()
-
-
-# ------------------------------------------------------------------------------ agreement
-
-
-def _claim(rt: Runtime, name: str | None, what: str) -> None:
-    if name is None:
-        return
-    if not isinstance(name, str):
-        raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
-    if name in rt.in_flight:
-        raise ValueError(
-            "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
-            f"tensor that is currently being processed ({name!r}). If you want to request another "
-            "tensor, use a different tensor name (or synchronize the first one's handle)."
-        )
-    rt.in_flight[name] = True
 
 
 def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreement:
@@ -131,16 +73,13 @@ def _agree(rt: Runtime, kind: Kind, name: str | None, **fields: Any) -> Agreemen
 
 
 def _round(rt: Runtime, plan: Plan, name: str | None, real: SlotBuffer | None) -> Round:
-    """Agree on ``plan`` (`speculate`: predicted, or exchanged and checked)."""
+    """Agree on ``plan`` (`speculate`: predicted, or exchanged and checked). Rows naming other
+    collectives first go through `order.resolve` (which may raise `Reorder`)."""
     rnd = rt.speculator.agree(plan, real)
     rt.note_states(rnd.states)
     if rnd.agreement is not None:
-        try:
-            check(rnd.agreement, rt.comm, f"hvd.{Kind(plan.row[1]).label}", OP_NAMES)
-        except Exception:
-            if name is not None:
-                rt.in_flight.pop(name, None)
-            raise
+        resolve(rt, rnd.agreement, plan.row[6])
+        check(rnd.agreement, rt.comm, f"hvd.{Kind(plan.row[1]).label}", OP_NAMES)
     return rnd
 
 
@@ -167,8 +106,7 @@ def comm_device(rt: Runtime, t: torch.Tensor) -> torch.device:
 def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post: float,
                   counts: Sequence[int]) -> tuple[Work, Callable[[], torch.Tensor]]:
     """Start reducing ``buf`` in place over the Horovod world (agreement already done)."""
-    if pre != 1.0:
-        buf.mul_(pre)
+    scale_(buf, pre)
     if op is ReduceOp.ADASUM:
         if rt.adasum_comms is None:
             rt.adasum_comms = adasum_comms(rt.comm)
@@ -178,13 +116,15 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
         if flat is not buf:
             buf.copy_(flat)
         work: Work = CompletedWork(buf)
+    elif op is ReduceOp.AVERAGE and not buf.dtype.is_floating_point:
+        # Horovod's integer average: the sum, scaled by 1/size in float64 and truncated
+        work = rt.comm.all_reduce_async(buf, "sum", agreed=True)
+        post = post / rt.comm.size
     else:
         work = rt.comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
 
     def finish() -> torch.Tensor:
-        if post != 1.0:
-            buf.mul_(post)
-        return buf
+        return scale_(buf, post)
 
     return work, finish
 
@@ -226,8 +166,7 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
         sb = spec.take(dtype, numel, device)
         fill(sb.data)
     data = sb.data
-    if pre != 1.0:
-        data.mul_(pre)
+    scale_(data, pre)
     try:
         rnd = _round(rt, plan, name, sb)
     except Exception:
@@ -244,8 +183,7 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
 
     def finish(consume: Callable[[torch.Tensor, bool], T]) -> T:
         try:
-            if post != 1.0:
-                data.mul_(post)
+            scale_(data, post)
             return consume(data, not ring)
         finally:
             if not ring:
@@ -256,22 +194,21 @@ def _reduce(rt: Runtime, kind: Kind, name: str | None, fill: Callable[[torch.Ten
 
 
 def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float, what: str,
-               in_place: bool) -> Handle:
-    rt = runtime(what)
+               in_place: bool, process_set: Any) -> Handle:
+    rt = process_set_runtime(process_set, what)
     _tensor(tensor, what)
-    with rt.lock:
-        _claim(rt, name, what)
-        src = tensor.detach().reshape(-1)
-        device = comm_device(rt, tensor)
-        staged = device != tensor.device
-        direct = src if in_place and tensor.is_contiguous() and not staged else None
-        work, finish_flat = _reduce(rt, Kind.ALLREDUCE, name, lambda d: d.copy_(src), [tensor.numel()],
-                                    tensor.dtype, device, op, pre, post, direct, shape=tuple(tensor.shape))
+    if op is ReduceOp.ADASUM and rt.is_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    src = tensor.detach().reshape(-1)
+    device = comm_device(rt, tensor)
+    wire = reduce_dtype(tensor.dtype)
+    staged = device != tensor.device or wire != tensor.dtype
+    direct = src if in_place and tensor.is_contiguous() and not staged else None
 
     def consume(flat: torch.Tensor, pooled: bool) -> torch.Tensor:
         if not in_place:
             if staged:
-                return flat.view(tensor.shape).to(tensor.device)
+                return flat.view(tensor.shape).to(tensor.device, tensor.dtype)
             return flat.view(tensor.shape).clone() if pooled else flat.view(tensor.shape)
         if flat is not direct:  # pooled: back into the tensor (through its flat view if it has one)
             if direct is not None:
@@ -280,25 +217,26 @@ def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
                 tensor.detach().copy_(flat.view(tensor.shape))
         return tensor
 
-    def finish() -> torch.Tensor:
-        return finish_flat(consume)
+    def start() -> tuple[Work, Callable[[], torch.Tensor]]:
+        work, finish_flat = _reduce(rt, Kind.ALLREDUCE, name, lambda d: d.copy_(src), [tensor.numel()],
+                                    wire, device, op, pre, post, direct, shape=tuple(tensor.shape))
+        return work, lambda: finish_flat(consume)
 
-    return Handle(rt, name, work, finish)
+    return submit(rt, name, "allreduce", what, start)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
-    """Start reducing ``tensor`` in place over all ranks; returns a handle."""
-    _no_process_set(process_set, "hvd.allreduce_async_")
+    """Start reducing ``tensor`` in place over the ranks (of ``process_set``); returns a handle."""
     return _allreduce(tensor, name, resolve_op(op, average), prescale_factor, postscale_factor,
-                      "hvd.allreduce_async_", True)
+                      "hvd.allreduce_async_", True, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` in place over all ranks and return it."""
+    """Reduce ``tensor`` in place over the ranks and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
@@ -306,34 +244,34 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     """Start reducing a copy of ``tensor``; ``synchronize`` returns the reduced copy."""
-    _no_process_set(process_set, "hvd.allreduce_async")
     return _allreduce(_tensor(tensor, "hvd.allreduce_async"), name, resolve_op(op, average), prescale_factor,
-                      postscale_factor, "hvd.allreduce_async", False)
+                      postscale_factor, "hvd.allreduce_async", False, process_set)
 
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return synchronize(allreduce_async(tensor, None, name, op, pre, post))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float,
+                process_set: Any) -> torch.Tensor:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        return synchronize(allreduce_async(tensor, None, name, op, pre, post, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post), None, None, None, None
+        return (allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
+                          process_set=ctx.process_set), None, None, None, None, None)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over all ranks (a new tensor; ``tensor`` is unchanged).
+    """The reduction of ``tensor`` over the ranks (a new tensor; ``tensor`` is unchanged).
 
     Example:
         >>> hvd.allreduce(torch.tensor([hvd.rank()], dtype=torch.float32))   # the mean rank
     """
-    _no_process_set(process_set, "hvd.allreduce")
     red = resolve_op(op, average)
     compressed, ctx = compression.compress(_tensor(tensor, "hvd.allreduce"))
-    out = _AllreduceFn.apply(compressed, name, red, prescale_factor, postscale_factor)
+    out = _AllreduceFn.apply(compressed, name, red, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
@@ -341,8 +279,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
 
 def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, pre: float, post: float,
-                      what: str) -> Handle:
-    rt = runtime(what)
+                      what: str, process_set: Any) -> Handle:
+    rt = process_set_runtime(process_set, what)
     tensors = [_tensor(t, what) for t in tensors]
     if not tensors:
         raise ValueError(f"{what}: the list of tensors is empty")
@@ -350,19 +288,15 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
     if len(dtypes) > 1:
         raise TypeError(f"{what}: the tensors of one group must share a dtype; got {sorted(map(str, dtypes))}. "
                         "Group them by dtype (one call per dtype)")
+    if op is ReduceOp.ADASUM and rt.is_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
     counts = [t.numel() for t in tensors]
     shapes_crc = zlib.crc32(repr([tuple(t.shape) for t in tensors]).encode()) & 0x7FFFFFFF
     device = comm_device(rt, tensors[0])
+    wire = reduce_dtype(tensors[0].dtype)
 
     def fill(d: torch.Tensor) -> None:
-        torch.cat([t.detach().reshape(-1).to(device) for t in tensors], out=d)
-
-    with rt.lock:
-        _claim(rt, name, what)
-        work, finish_flat = _reduce(
-            rt, Kind.GROUPED_ALLREDUCE, name, fill,
-            counts, tensors[0].dtype, device, op, pre, post, ntensors=len(tensors),
-            shape=(sum(counts), shapes_crc))
+        torch.cat([t.detach().reshape(-1).to(device, wire) for t in tensors], out=d)
 
     def consume(done: torch.Tensor, pooled: bool) -> list[torch.Tensor]:
         offset = 0
@@ -372,19 +306,20 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
                 offset += c
         return list(tensors)
 
-    def finish() -> list[torch.Tensor]:
-        return finish_flat(consume)
+    def start() -> tuple[Work, Callable[[], list[torch.Tensor]]]:
+        work, finish_flat = _reduce(rt, Kind.GROUPED_ALLREDUCE, name, fill, counts, wire, device, op, pre, post,
+                                    ntensors=len(tensors), shape=(sum(counts), shapes_crc))
+        return work, lambda: finish_flat(consume)
 
-    return Handle(rt, name, work, finish)
+    return submit(rt, name, "grouped_allreduce", what, start)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     """Start reducing every tensor of the list in place, fused into one buffer (one collective)."""
-    _no_process_set(process_set, "hvd.grouped_allreduce_async_")
     return _grouped_in_place(tensors, name, resolve_op(op, average), prescale_factor, postscale_factor,
-                             "hvd.grouped_allreduce_async_")
+                             "hvd.grouped_allreduce_async_", process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -399,22 +334,23 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
     """Start reducing copies of the tensors, fused; ``synchronize`` returns the list of results."""
-    _no_process_set(process_set, "hvd.grouped_allreduce_async")
     copies = [_tensor(t, "hvd.grouped_allreduce_async").detach().clone() for t in tensors]
     return _grouped_in_place(copies, name, resolve_op(op, average), prescale_factor, postscale_factor,
-                             "hvd.grouped_allreduce_async")
+                             "hvd.grouped_allreduce_async", process_set)
 
 
 class _GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, *tensors: torch.Tensor) -> Any:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post)))
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, process_set: Any,
+                *tensors: torch.Tensor) -> Any:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = grouped_allreduce(list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post)
-        return (None, None, None, None, *reduced)
+        reduced = grouped_allreduce(list(grads), op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
+                                    process_set=ctx.process_set)
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -422,134 +358,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
     """Reductions of every tensor of the list (new tensors), fused into one collective."""
-    _no_process_set(process_set, "hvd.grouped_allreduce")
     pairs = [compression.compress(_tensor(t, "hvd.grouped_allreduce")) for t in tensors]
-    outs = _GroupedFn.apply(name, resolve_op(op, average), prescale_factor, postscale_factor, *[p[0] for p in pairs])
+    outs = _GroupedFn.apply(name, resolve_op(op, average), prescale_factor, postscale_factor, process_set,
+                            *[p[0] for p in pairs])
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs)]
-
-
-# ------------------------------------------------------------------------------ allgather
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> Handle:
-    """Start gathering every rank's ``tensor`` along the first dimension (sizes may differ)."""
-    what = "hvd.allgather_async"
-    _no_process_set(process_set, what)
-    rt = runtime(what)
-    t = _tensor(tensor, what).detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    home, t = t.device, t.to(comm_device(rt, t))
-    with rt.lock:
-        _claim(rt, name, what)
-        ag = _agree(rt, Kind.ALLGATHER, name, dtype=t.dtype, shape=tuple(t.shape))
-        rows = [ag.shape(i)[0] for i in range(rt.comm.size)]
-        trailing = tuple(t.shape[1:])
-        per_row = int(torch.Size(trailing).numel())
-        width = max(rows) * per_row
-        chunk = torch.zeros(width, dtype=t.dtype, device=t.device)
-        chunk[: t.numel()] = t.reshape(-1)
-        flat = torch.empty(width * rt.comm.size, dtype=t.dtype, device=t.device)
-        work = rt.comm.all_gather_flat_async(chunk, out=flat, agreed=True)
-
-    def finish() -> torch.Tensor:
-        parts = flat.view(rt.comm.size, width)
-        out = torch.cat([parts[i, : rows[i] * per_row] for i in range(rt.comm.size)]).view(sum(rows), *trailing)
-        return out.to(home)
-
-    return Handle(rt, name, work, finish)
-
-
-class _AllgatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ctx.dim = tensor.shape[0] if tensor.dim() else 1
-        return synchronize(allgather_async(tensor, name))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce(grad, op=ReduceOp.AVERAGE)
-        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64))
-        offset = int(dims[: rank_of_runtime()].sum())
-        return reduced.narrow(0, offset, ctx.dim), None
-
-
-def rank_of_runtime() -> int:
-    return runtime("hvd").comm.rank
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along the first dimension (which may differ).
-
-    Example:
-        >>> hvd.allgather(torch.arange(hvd.rank() + 1))   # on 2 ranks: tensor([0, 0, 1])
-    """
-    _no_process_set(process_set, "hvd.allgather")
-    return _AllgatherFn.apply(_tensor(tensor, "hvd.allgather"), name)
-
-
-# ------------------------------------------------------------------------------ broadcast
-
-
-def _broadcast_in_place(tensor: torch.Tensor, root_rank: int, name: str | None, what: str) -> Handle:
-    rt = runtime(what)
-    _tensor(tensor, what)
-    with rt.lock:
-        _claim(rt, name, what)
-        _agree(rt, Kind.BROADCAST, name, dtype=tensor.dtype, root=int(root_rank), shape=tuple(tensor.shape))
-        if not 0 <= int(root_rank) < rt.comm.size:
-            rt.in_flight.pop(name or "", None)
-            raise ValueError(f"{what}: root_rank={root_rank} is not a rank of this job (0..{rt.comm.size - 1})")
-        buf = tensor.data.to(comm_device(rt, tensor))
-        work = rt.comm.broadcast_async(buf, int(root_rank), agreed=True)
-
-    def finish() -> torch.Tensor:
-        if buf.device != tensor.device:  # staged (see `comm_device`): the result goes back
-            tensor.data.copy_(buf)
-        return tensor
-
-    return Handle(rt, name, work, finish)
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Handle:
-    """Start overwriting ``tensor`` with ``root_rank``'s, in place."""
-    _no_process_set(process_set, "hvd.broadcast_async_")
-    return _broadcast_in_place(tensor, root_rank, name, "hvd.broadcast_async_")
-
-
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Handle:
-    """Start broadcasting a copy of ``tensor`` from ``root_rank``."""
-    _no_process_set(process_set, "hvd.broadcast_async")
-    out = _tensor(tensor, "hvd.broadcast_async").detach().clone()
-    return _broadcast_in_place(out, root_rank, name, "hvd.broadcast_async")
-
-
-class _BroadcastFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-        ctx.root = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce(grad, op=ReduceOp.AVERAGE)
-        if rank_of_runtime() != ctx.root:
-            reduced = reduced * 0
-        return reduced, None, None
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` on every rank (a new tensor)."""
-    _no_process_set(process_set, "hvd.broadcast")
-    return _BroadcastFn.apply(_tensor(tensor, "hvd.broadcast"), root_rank, name)
-
-
-def _no_process_set(process_set: Any, what: str) -> None:
-    if process_set is not None:
-        raise ValueError(f"{what}: process_set={process_set!r}: fleetlike's Horovod face has only the global "
-                         "process set (use hvd.init(comm=[ranks]) for a subset)")

@@ -29,11 +29,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fleetlike.comm import Work
+from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.adasum import check_adasum
-from fleetlike.horovod.collectives import _agree, _no_process_set, _reduce_start
-from fleetlike.horovod.negotiate import JOINED, Agreement, Kind, allreduce_count, check, descriptor
+from fleetlike.horovod.collectives import _agree, _reduce_start
+from fleetlike.horovod.negotiate import JOINED, NOT_WITH_JOIN, Agreement, Kind, allreduce_count, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, ReduceOp, identity
+from fleetlike.horovod.order import Reorder, resolve, submit, synchronize
+from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.horovod.speculate import JOINED_CODE, RING, SLOTS, Pending, Round, SlotBuffer, carrier
 
@@ -41,11 +43,14 @@ __all__ = ["barrier", "join"]
 
 
 def barrier(process_set: Any = None) -> None:
-    """Every rank waits here until all have arrived."""
-    _no_process_set(process_set, "hvd.barrier")
-    rt = runtime("hvd.barrier()")
-    with rt.lock:
+    """Every rank (of ``process_set``) waits here until all have arrived."""
+    rt = process_set_runtime(process_set, "hvd.barrier()")
+
+    def start() -> tuple[Work, Any]:
         _agree(rt, Kind.BARRIER, None)
+        return CompletedWork(None), lambda: None
+
+    synchronize(submit(rt, None, "barrier", "hvd.barrier()", start))
 
 
 def join(device: int = -1) -> int:
@@ -75,6 +80,12 @@ def join(device: int = -1) -> int:
                     opt.end_join()
                 return max(newly) if newly else rt.comm.size - 1
             rt.note_states(states)
+            try:
+                resolve(rt, ag)
+            except Reorder:
+                continue  # the active ranks reorder their pending collectives: agree again
+            if ag.kind(ag.active[0]) in NOT_WITH_JOIN:
+                continue  # the active ranks raise Horovod's error; this rank keeps waiting
             check(ag, rt.comm, "hvd.join", OP_NAMES)
             _answer(rt, ag)
 

@@ -47,6 +47,7 @@ from fleetlike.comm.guard import mismatch_table
 __all__ = [
     "ACTIVE",
     "JOINED",
+    "NOT_WITH_JOIN",
     "Agreement",
     "HorovodInternalError",
     "Kind",
@@ -76,6 +77,9 @@ class Kind(enum.IntEnum):
     OPTIMIZER = 8  # a DistributedOptimizer's gradient reduction (its buckets follow)
     JOIN = 9
     OPTIMIZER_SETUP = 10  # a DistributedOptimizer is built (its bucket layout is compared)
+    PROCESS_SET = 11  # a process set is added or removed (its ranks travel in the name)
+    GROUPED_ALLGATHER = 12
+    GROUPED_REDUCESCATTER = 13
 
     @property
     def label(self) -> str:
@@ -93,12 +97,14 @@ _NAME_SLOTS = 6  # 48 bytes of the name travel for the error table; its crc32 co
 # state kind op dtype root ntensors name_crc name[6] ndim numel dims[12]
 _HEAD = 7 + _NAME_SLOTS + 2
 WIDTH = _HEAD + MAX_DIMS
-_NOT_WITH_JOIN = {
+NOT_WITH_JOIN = {
     Kind.ALLGATHER: "Allgather is not supported with Join at this time. "
                     "Specify sparse_as_dense=True if using DistributedOptimizer",
     Kind.ALLTOALL: "Alltoall is not supported with Join at this time.",
     Kind.BROADCAST: "Broadcast is not supported with Join at this time.",
     Kind.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
+    Kind.GROUPED_ALLGATHER: "Allgather is not supported with Join at this time.",
+    Kind.GROUPED_REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
 }
 
 
@@ -224,8 +230,10 @@ def _fields(kind: Kind) -> tuple[str, ...]:
     common = ("kind", "name")
     if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
         return common + ("op", "dtype", "shape")
-    if kind is Kind.GROUPED_ALLREDUCE:
+    if kind in (Kind.GROUPED_ALLREDUCE, Kind.GROUPED_REDUCESCATTER):
         return common + ("op", "dtype", "ntensors", "shape")
+    if kind is Kind.GROUPED_ALLGATHER:
+        return common + ("dtype", "ntensors", "shape")
     if kind is Kind.BROADCAST:
         return common + ("dtype", "root", "shape")
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL):
@@ -242,9 +250,9 @@ def check(agreement: Agreement, comm: Communicator, what: str, op_names: Sequenc
     if not active:
         return
     kind = agreement.kind(active[0])
-    if agreement.joined and kind in _NOT_WITH_JOIN and all(agreement.kind(i) == kind for i in active):
+    if agreement.joined and kind in NOT_WITH_JOIN and all(agreement.kind(i) == kind for i in active):
         raise HorovodInternalError(
-            f"{_NOT_WITH_JOIN[kind]} (ranks {[comm.ranks[i] for i in agreement.joined]} of "
+            f"{NOT_WITH_JOIN[kind]} (ranks {[comm.ranks[i] for i in agreement.joined]} of "
             f"communicator {comm.name!r} have called hvd.join())"
         )
 

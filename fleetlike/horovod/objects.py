@@ -28,9 +28,12 @@ import torch
 
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.collectives.divergence import DivergenceGuard
-from fleetlike.horovod.collectives import _agree, allgather, broadcast_
+from fleetlike.comm import CompletedWork, Work
+from fleetlike.horovod.collectives import _agree
+from fleetlike.horovod.gather import allgather, broadcast_
 from fleetlike.horovod.negotiate import Kind
-from fleetlike.horovod.runtime import runtime
+from fleetlike.horovod.order import submit, synchronize
+from fleetlike.horovod.process_sets import process_set_runtime
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -51,17 +54,16 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     Example:
         >>> epoch = hvd.broadcast_object(epoch, root_rank=0)
     """
-    if process_set is not None:
-        raise ValueError("hvd.broadcast_object: fleetlike's Horovod face has only the global process set")
-    rt = runtime("hvd.broadcast_object")
+    rt = process_set_runtime(process_set, "hvd.broadcast_object")
     name = name or type(obj).__name__
     dev = rt.device  # the communicator's (CUDA under NCCL)
-    mine = _dumps(obj).to(dev) if rt.comm.rank == root_rank else None
+    is_root = rt.ranks[rt.comm.rank] == root_rank
+    mine = _dumps(obj).to(dev) if is_root else None
     size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=dev)
-    broadcast_(size, root_rank, name=f"{name}.sz")
+    broadcast_(size, root_rank, name=f"{name}.sz", process_set=process_set)
     data = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    broadcast_(data, root_rank, name=f"{name}.t")
-    return obj if rt.comm.rank == root_rank else _loads(data.cpu())
+    broadcast_(data, root_rank, name=f"{name}.t", process_set=process_set)
+    return obj if is_root else _loads(data.cpu())
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
@@ -70,13 +72,12 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
     Example:
         >>> hvd.allgather_object({"rank": hvd.rank()})   # [{'rank': 0}, {'rank': 1}]
     """
-    if process_set is not None:
-        raise ValueError("hvd.allgather_object: fleetlike's Horovod face has only the global process set")
-    rt = runtime("hvd.allgather_object")
+    rt = process_set_runtime(process_set, "hvd.allgather_object")
     name = name or type(obj).__name__
     data = _dumps(obj).to(rt.device)
-    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64, device=rt.device), name=f"{name}.sz").tolist()
-    gathered = allgather(data, name=f"{name}.t").cpu()
+    sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64, device=rt.device), name=f"{name}.sz",
+                      process_set=process_set).tolist()
+    gathered = allgather(data, name=f"{name}.t", process_set=process_set).cpu()
     out, at = [], 0
     for n in sizes[: rt.comm.size]:
         out.append(_loads(gathered[at : at + n]))
@@ -98,27 +99,35 @@ def _named(params: Any) -> list[tuple[str | None, torch.Tensor]]:
     return [(str(k) if k is not None else None, v) for k, v in items]
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -> None:
     """Overwrite every tensor of ``params`` with ``root_rank``'s (model start, resume).
 
     ``params``: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors."""
-    rt = runtime("hvd.broadcast_parameters")
+    what = "hvd.broadcast_parameters"
+    rt = process_set_runtime(process_set, what)
     items = _named(params)
     tensors = [t for _, t in items]
-    with rt.lock:
+
+    def start() -> tuple[Work, Any]:
         _agree(rt, Kind.BROADCAST, "broadcast_parameters", dtype=torch.uint8, root=int(root_rank),
                ntensors=len(tensors), shape=(sum(t.numel() for t in tensors),))
-        if not 0 <= int(root_rank) < rt.comm.size:
-            raise ValueError(f"hvd.broadcast_parameters: root_rank={root_rank} is not a rank (0..{rt.comm.size - 1})")
+        root = rt.local_root(root_rank, what)
         with torch.no_grad():
-            broadcast_coalesced(rt.comm, [t.data for t in tensors], root=int(root_rank))
-        # the guard proves the broadcast took: every rank now holds root_rank's values
-        named = [(n if n is not None else f"params[{i}]", t) for i, (n, t) in enumerate(items)]
-        DivergenceGuard(rt.comm, named, what="hvd.broadcast_parameters").check(f"after broadcasting rank {int(root_rank)}'s")
+            broadcast_coalesced(rt.comm, [t.data for t in tensors], root=root)
+        return CompletedWork(None), lambda: None
+
+    synchronize(submit(rt, None, "broadcast_parameters", what, start))
+    # the guard proves the broadcast took: every rank of the set now holds root_rank's values
+    named = [(n if n is not None else f"params[{i}]", t) for i, (n, t) in enumerate(items)]
+    DivergenceGuard(rt.comm, named, what=what).check(f"after broadcasting rank {int(root_rank)}'s")
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Make every rank's optimizer state (tensors and hyper-parameters) ``root_rank``'s."""
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
+                              process_set: Any = None) -> None:
+    """Make every rank's optimizer state (tensors and hyper-parameters) ``root_rank``'s.
+
+    ``model`` (Horovod's): the model, whose sparse embeddings get sparse zero gradients when
+    the state must be created first."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     inner = getattr(optimizer, "inner_optimizer", optimizer)
@@ -128,16 +137,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     # equal, and only the hyper-parameters travel (Horovod would take a zero-gradient step
     # here, which leaves Adam's step counter at 1). Otherwise a rank without state creates
     # it (Horovod's zero-gradient step, parameters put back) to receive the root's.
-    root_empty = broadcast_object(not inner.state, root_rank, name="optimizer.empty")
+    root_empty = broadcast_object(not inner.state, root_rank, name="optimizer.empty", process_set=process_set)
     if root_empty:
         inner.state.clear()
     elif not inner.state:
-        _create_state(inner)
+        _create_state(inner, _sparse_params(model))
     # hyper-parameters (lr, betas, momentum, ...) and non-tensor state entries travel pickled
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     plain = {i: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
              for i, st in enumerate(_states(inner))}
-    root_groups, root_plain = broadcast_object((groups, plain), root_rank, name="optimizer.options")
+    root_groups, root_plain = broadcast_object((groups, plain), root_rank, name="optimizer.options",
+                                               process_set=process_set)
     if len(root_groups) != len(inner.param_groups):
         raise ValueError(f"hvd.broadcast_optimizer_state: rank {root_rank} has {len(root_groups)} param groups, "
                          f"this rank {len(inner.param_groups)}; build the same optimizer on every rank")
@@ -147,7 +157,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     for i, st in enumerate(_states(inner)):
         st.update(root_plain.get(i, {}))
         tensors += [v for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
-    broadcast_parameters(tensors, root_rank)
+    broadcast_parameters(tensors, root_rank, process_set=process_set)
 
 
 def _states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -156,15 +166,26 @@ def _states(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [opt.state[p] for g in opt.param_groups for p in g["params"] if p in opt.state]
 
 
-def _create_state(opt: torch.optim.Optimizer) -> None:
+def _sparse_params(model: Any) -> set[int]:
+    """The parameters of ``model`` with sparse gradients (``nn.Embedding(sparse=True)`` and
+    ``nn.EmbeddingBag(sparse=True)``), as Horovod's ``model=`` argument finds them."""
+    if model is None:
+        return set()
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+
+
+def _create_state(opt: torch.optim.Optimizer, sparse: set[int]) -> None:
     """Horovod's trick for an optimizer that has not stepped: one step with zero gradients
-    creates its state; the parameters are put back so the step changes nothing else."""
+    (sparse ones for the parameters in ``sparse``) creates its state; the parameters are put
+    back so the step changes nothing else."""
     saved = []
     for g in opt.param_groups:
         for p in g["params"]:
             if p.requires_grad:
                 saved.append((p, p.detach().clone(), p.grad))
-                p.grad = torch.zeros_like(p)
+                zero = torch.zeros_like(p)
+                p.grad = zero.to_sparse() if id(p) in sparse else zero
     opt.step()
     with torch.no_grad():
         for p, value, grad in saved:

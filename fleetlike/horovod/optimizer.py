@@ -62,10 +62,11 @@ from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
 from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
+from fleetlike.horovod.order import Reorder, resolve
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
 
-__all__ = ["HorovodOptimizer", "named_parameter_map"]
+__all__ = ["HorovodOptimizer", "OutsideSetOptimizer", "named_parameter_map"]
 
 _ZERO_GRAD_ERROR = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                     "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
@@ -79,8 +80,9 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
 def named_parameter_map(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
     """Parameter id -> name, with Horovod's checks (tuples, unique names, every parameter named)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if named_parameters is None:
-        return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    if named_parameters is None:  # Horovod's names: the group's index, then the parameter's
+        return {id(p): f"allreduce.noname.{i}.{j}" for i, g in enumerate(optimizer.param_groups)
+                for j, p in enumerate(g["params"])}
     named = list(named_parameters)
     if any(not isinstance(p, tuple) for p in named):
         raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
@@ -164,6 +166,13 @@ class HorovodWrapper(FleetDistributedOptimizer):
     """What Horovod's two optimizer wrappers (bucketed averaging, Adasum deltas) share: the eager
     style only, a plain backward and the wrapped optimizer's own state."""
 
+    _names: dict[int, str]
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's map of parameter -> name (``allreduce.noname.<group>.<index>`` unnamed)."""
+        return {p: self._names[id(p)] for g in self.param_groups for p in g["params"]}
+
     def backward(self, loss: torch.Tensor) -> None:  # type: ignore[override]
         """``loss.backward()`` (Horovod has no loss scaling of its own)."""
         loss.backward()
@@ -185,8 +194,9 @@ class HorovodOptimizer(HorovodWrapper):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
                  compression: type[Compressor] | Compressor = Compression.none, backward_passes_per_step: int = 1,
                  op: ReduceOp = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 sparse_as_dense: bool = False, *, strategy: Any = None, agree: bool = True) -> None:
-        rt = runtime("hvd.DistributedOptimizer")
+                 sparse_as_dense: bool = False, *, strategy: Any = None, agree: bool = True,
+                 rt: Runtime | None = None) -> None:
+        rt = rt or runtime("hvd.DistributedOptimizer")
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"hvd.DistributedOptimizer reduces gradients with Average, Sum or Adasum; got op={op.value!r}")
         if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
@@ -199,18 +209,33 @@ class HorovodOptimizer(HorovodWrapper):
             chosen.fp16_allreduce_configs = {"dtype": wire}
         super().__init__(optimizer, chosen, fleet.context())
         self._names = named_parameter_map(optimizer, named_parameters)
-        self._rt: Runtime = rt
         self.op = op
         #: agree with the other ranks before each reduction (join, model mismatch check)
         self.agree = bool(agree)
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
+        self.gradient_predivide_factor = gradient_predivide_factor
         self.set_backward_passes_per_step(backward_passes_per_step)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._groups_arg = groups
+        self._hvd_lock = threading.RLock()
+        #: parameters whose last gradient was sparse: handed back sparse after the reduction
+        self._sparse: set[int] = set()
+        self._hooks: list[Any] = []
+        self.reducer: GradReducer | None = None  # type: ignore[assignment]
+        self._bind(rt)
+
+    def _bind(self, rt: Runtime) -> None:
+        """Build the buckets, their communicators and hooks on ``rt`` (collective: every rank
+        binds its optimizers in the same order). Called at construction and again when an
+        elastic job re-forms the world (`rebind`)."""
+        self._rt: Runtime = rt
+        chosen = self.user_defined_strategy
+        params = self._params
         cap = chosen.bucket_cap_bytes()
-        if groups is not None:
-            cap = self._cap_for_groups(groups, params)
-        self._join_id = len(rt.optimizers)
+        if self._groups_arg is not None:
+            cap = self._cap_for_groups(self._groups_arg, params)
+        self._join_id = next(i for i in range(len(rt.optimizers) + 1) if i not in rt.optimizers)
         # the buckets travel on communicators of their own, so an agreement on the Horovod world
         # overlaps them (each communicator keeps its own order); with join answered from the
         # bucket flags, on communicators of this optimizer's own (see `fleetlike.horovod.join`)
@@ -225,11 +250,10 @@ class HorovodOptimizer(HorovodWrapper):
         #: inside hvd.join: the posted first bucket of zeros, then every bucket's handle
         self._join_first: Work | None = None
         self._join_rest: list[Work] | None = None
-        pre = 1.0 / gradient_predivide_factor
-        post = gradient_predivide_factor * (n if op is ReduceOp.SUM else 1)
+        pre = 1.0 / self.gradient_predivide_factor
+        post = self.gradient_predivide_factor * (n if self.op is ReduceOp.SUM else 1)
         if pre != 1.0 or post != 1.0:
             collective = _Scaled(collective, pre, post)
-        self._hvd_lock = threading.RLock()
         self._passes = 0
         self._in_backward = False
         self._communicated = False
@@ -237,6 +261,9 @@ class HorovodOptimizer(HorovodWrapper):
         self._should_synchronize = True
         # our hooks first: they count the backward passes and arm the reducer before its own run
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # the gradients accumulate into the (dense) bucket views: which parameters produce sparse
+        # gradients shows only before that, in the first backward (removed at its end)
+        self._sparse_watch = [p.register_hook(self._sparse_watcher(p)) for p in params]
         buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(params, cap))]
         self._slots = buckets[0].numel if buckets and self._flagged else -1
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
@@ -245,7 +272,6 @@ class HorovodOptimizer(HorovodWrapper):
         self._flag_view: torch.Tensor | None = None
         self._one_hot: torch.Tensor | None = None
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
-        self._params = params
         self._numel = sum(p.numel() for p in params)
         sizes = [b.numel for b in self.reducer.buckets]
         self._layout = (len(sizes), zlib.crc32(repr((sizes, self._flagged)).encode()) & 0x7FFFFFFF)
@@ -256,6 +282,16 @@ class HorovodOptimizer(HorovodWrapper):
         assert guard_comm is not None
         self._guard = DivergenceGuard(guard_comm, [(self._names.get(id(p), f"parameter {i}"), p) for i, p in enumerate(params)],
                                       every=every_from_env(), what="hvd.DistributedOptimizer")
+
+    def rebind(self, rt: Runtime) -> None:
+        """Follow a re-formed world (an elastic job): the gradients in the buckets are kept, the
+        communicators, buckets and hooks are built anew on ``rt``."""
+        with self._hvd_lock:
+            grads = {id(p): p.grad.detach().clone() for p in self._params if p.grad is not None}
+            self._detach()
+            for p in self._params:
+                p.grad = grads.get(id(p))
+            self._bind(rt)
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
@@ -282,11 +318,8 @@ class HorovodOptimizer(HorovodWrapper):
     def _on_grad(self, p: torch.Tensor) -> None:
         with self._hvd_lock:
             if p.grad is not None and p.grad.is_sparse:
-                if not self.sparse_as_dense:
-                    raise ValueError(
-                        f"hvd.DistributedOptimizer: the gradient of {self._names.get(id(p), 'a parameter')} is "
-                        "sparse; fleetlike reduces dense buckets: pass sparse_as_dense=True"
-                    )
+                # reduced densely in its bucket, handed back sparse after (see `synchronize`)
+                self._sparse.add(id(p))
                 p.grad = p.grad.to_dense()
             if self._in_backward:
                 return
@@ -311,10 +344,16 @@ class HorovodOptimizer(HorovodWrapper):
         row = descriptor(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
                        name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
-            ag = rt.speculator.agree(row).agreement
-            if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
-                raise RuntimeError("hvd.DistributedOptimizer: agreed by prediction (a fleetlike bug)")
-            rt.note_states([r[0] for r in ag.rows])
+            while True:
+                ag = rt.speculator.agree(row).agreement
+                if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
+                    raise RuntimeError("hvd.DistributedOptimizer: agreed by prediction (a fleetlike bug)")
+                rt.note_states([r[0] for r in ag.rows])
+                try:
+                    resolve(rt, ag, row[6])
+                except Reorder:
+                    continue  # other ranks start pending collectives first: agree again
+                break
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
     def _flags(self) -> torch.Tensor:
@@ -363,9 +402,18 @@ class HorovodOptimizer(HorovodWrapper):
                 continue
             p.grad = view
 
+    def _sparse_watcher(self, p: torch.Tensor) -> Any:
+        def watch(grad: torch.Tensor) -> None:
+            if grad.is_sparse:
+                self._sparse.add(id(p))
+        return watch
+
     def _end_backward(self) -> None:
         with self._hvd_lock:
             self._in_backward = False
+            for h in self._sparse_watch:
+                h.remove()
+            self._sparse_watch = []
             if self._need_agreement:  # while the buckets are in flight on their communicators
                 self._need_agreement = False
                 self._agree()
@@ -444,10 +492,13 @@ class HorovodOptimizer(HorovodWrapper):
         self._read_flags()
 
     def _detach(self) -> None:
-        for h in self._hooks:
+        for h in self._hooks + getattr(self, "_sparse_watch", []):
             h.remove()
-        self._hooks = []
-        self.reducer.remove()
+        self._hooks, self._sparse_watch = [], []
+        if self.reducer is not None:
+            self.reducer.remove()
+        if self._rt.optimizers.get(self._join_id) is self:
+            del self._rt.optimizers[self._join_id]
 
     # ------------------------------------------------------------------ Horovod's optimizer API
 
@@ -461,6 +512,9 @@ class HorovodOptimizer(HorovodWrapper):
             self._passes = 0
             self._communicated = False
             self._synchronized = True
+            for p in self._params:
+                if id(p) in self._sparse and p.grad is not None:
+                    p.grad = p.grad.to_sparse()  # a sparse-gradient optimizer (SparseAdam) needs it so
         return True
 
     @contextlib.contextmanager
@@ -498,3 +552,37 @@ class HorovodOptimizer(HorovodWrapper):
                     else:
                         p.grad.detach_().zero_()
 
+
+
+class OutsideSetOptimizer(HorovodWrapper):
+    """``hvd.DistributedOptimizer(..., process_set=S)`` on a rank outside ``S``: as in Horovod,
+    no gradient is reduced (no hooks) and ``step()`` is the wrapped optimizer's own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any, process_set: Any) -> None:
+        super().__init__(optimizer, fleet.context().strategy, fleet.context())
+        self._names = named_parameter_map(optimizer, named_parameters)
+        self.process_set = process_set
+        self.backward_passes_per_step = 1
+        self._should_synchronize = True
+
+    def __repr__(self) -> str:
+        return f"hvd.DistributedOptimizer({self.inner_optimizer!r}, outside {self.process_set})"
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+
+    def synchronize(self) -> bool:  # type: ignore[override]
+        return True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.inner_optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none)
+
+    def _detach(self) -> None:
+        pass

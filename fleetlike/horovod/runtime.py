@@ -37,9 +37,11 @@ from fleetlike.roles import MPIRoleMaker, Role, RoleMaker, detect_source, parse_
 
 __all__ = [
     "Runtime",
+    "ccl_built",
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "ddl_built",
     "gloo_built",
     "gloo_enabled",
     "init",
@@ -56,6 +58,7 @@ __all__ = [
     "runtime",
     "shutdown",
     "size",
+    "split_runtime",
 ]
 
 
@@ -63,8 +66,14 @@ class Runtime:
     """What ``hvd.init`` set up; one per process (see `runtime`)."""
 
     def __init__(self, comm: Communicator, groups: CommGroups, role: Role, device: torch.device,
-                 strategy: DistributedStrategy | None, subset: bool) -> None:
+                 strategy: DistributedStrategy | None, subset: bool, ranks: Sequence[int] | None = None) -> None:
         self.comm = comm
+        #: the Horovod ranks of this runtime's members (a process set's), in its rank order
+        self.ranks: list[int] = list(range(comm.size)) if ranks is None else list(ranks)
+        #: a process set's runtime (not the Horovod world's)
+        self.is_set = ranks is not None
+        #: inside `order.drive`: whether the call driving may leave its collective pending
+        self.driving: bool | None = None
         self.groups = groups
         self.role = role
         self.device = device
@@ -90,6 +99,12 @@ class Runtime:
         #: active flags of the optimizers' buckets), for join's "last rank to join"; only grows
         #: within a join epoch, so it does not depend on the order a joined rank saw them in
         self.joined_seen: set[int] = set()
+        #: the process sets added on this Horovod world, by id (`fleetlike.horovod.process_sets`)
+        self.process_sets: dict[int, Any] = {}
+        #: runtimes of the process sets this rank belongs to (closed by shutdown)
+        self.children: list[Runtime] = []
+        #: async collectives submitted and not yet started, oldest first (`fleetlike.horovod.order`)
+        self.pending: list[Any] = []
         hosts = [parse_endpoint(e)[0] for e in role.endpoints]
         locals_ = [hosts[:i].count(h) for i, h in enumerate(hosts)]
         same = [i for i, lr in enumerate(locals_) if lr == locals_[role.rank]]
@@ -113,6 +128,30 @@ class Runtime:
         rings = [groups.extra(f"hvd-optimizer-{key}.ring{i}", 0, groups.world.rank) for i in range(n)]
         assert all(r is not None for r in rings)  # color 0 on every rank
         return [r for r in rings if r is not None]
+
+    def local_root(self, root_rank: int, what: str) -> int:
+        """``root_rank`` (a Horovod rank, as Horovod's collectives take it even on a process
+        set) as a rank of this runtime's communicator."""
+        root = int(root_rank)
+        if root not in self.ranks:
+            where = "this job" if self.ranks == list(range(len(self.ranks))) else f"the process set {self.ranks}"
+            raise ValueError(f"{what}: root_rank={root_rank} is not a rank of {where} "
+                             f"(choose one of {self.ranks})")
+        return self.ranks.index(root)
+
+    def close(self) -> None:
+        """Close what this runtime opened (its process sets' runtimes first)."""
+        for child in self.children:
+            child.close()
+        self.children = []
+        for opt in list(self.optimizers.values()):
+            opt._detach()
+        for c in self.own_comms:
+            c.close()
+        if self._optimizer_groups is not None:
+            self._optimizer_groups.close()
+        if self.subset:
+            self.groups.close()
 
     def note_states(self, states: Sequence[int]) -> None:
         """Record the ranks an exchange (or an optimizer's flags) showed as joined."""
@@ -146,7 +185,6 @@ def runtime(what: str = "this call") -> Runtime:
 
 def init(
     comm: Sequence[int] | None = None,
-    process_sets: Any = None,
     *,
     role_maker: RoleMaker | Role | None = None,
     strategy: DistributedStrategy | None = None,
@@ -154,20 +192,23 @@ def init(
     timeout: float | None = None,
     check_collectives: bool = False,
 ) -> None:
-    """Initialise the Horovod face (idempotent: a second call does nothing).
+    """Initialise the Horovod world (idempotent: a second call does nothing, unless a failed
+    collective closed the world, which is then replaced by a new one).
 
     ``comm``: a list of world ranks forming the Horovod world (every process calls ``init``
     with the same list); None for all ranks. The keyword-only arguments are fleetlike's: the
     role maker (default: detect the launch), the `DistributedStrategy` whose data-parallel
     settings `DistributedOptimizer` uses (fuse_grad_size_in_MB, nccl_comm_num, hierarchical
     and fp16 allreduce; also read from ``FLEETLIKE_STRATEGY``), backend and timeout as
-    ``fleet.init``. Horovod's ``process_sets`` are not provided: a non-None value raises."""
+    ``fleet.init``. ``hvd.init`` (`fleetlike.horovod.process_sets.init`) adds Horovod's
+    ``process_sets`` on top."""
     global _RUNTIME, _EXCLUDED, _OWNS_FLEET
-    if process_sets is not None:
-        raise ValueError(
-            f"hvd.init(process_sets={process_sets!r}): fleetlike's Horovod face has one global process "
-            "set; use hvd.init(comm=[ranks]) for a subset of ranks"
-        )
+    if _RUNTIME is not None and _RUNTIME.comm._closed:
+        # a failed collective closed this world: start a new one (Horovod's elastic recovery
+        # and its own tests call hvd.init() again after a HorovodInternalError)
+        shutdown()
+        if fleet.initialized and fleet.context().world._closed:
+            fleet.shutdown()
     with _INIT_LOCK:
         if _RUNTIME is not None or _EXCLUDED is not None:
             return  # initialised already (or left out by comm=): nothing collective runs again
@@ -188,16 +229,26 @@ def init(
             _RUNTIME = Runtime(ctx.world, ctx.groups, ctx.role, ctx.device, strategy, False)
             return
         members = _members(comm, ctx.role.world_size)
-        me = ctx.role.rank
-        sub = ctx.world.split(0 if me in members else None, members.index(me) if me in members else 0,
-                              name=f"hvd[{','.join(map(str, members))}]")
-        if sub is None:
+        _RUNTIME = split_runtime(ctx.world, ctx.role, ctx.device, strategy, members, "hvd")
+        if _RUNTIME is None:
             _EXCLUDED = members
-            return
-        role = Role.from_endpoints(members.index(me), [ctx.role.endpoints[r] for r in members],
-                                   job_id=ctx.role.job_id, source=ctx.role.source,
-                                   selected_gpus=ctx.role.selected_gpus)
-        _RUNTIME = Runtime(sub, CommGroups(sub, role), role, ctx.device, strategy, True)
+
+
+def split_runtime(world: Communicator, role: Role, device: torch.device, strategy: DistributedStrategy | None,
+                  members: Sequence[int], label: str, process_set: bool = False) -> Runtime | None:
+    """Collective over ``world``: a runtime of the ``members`` (ranks of ``world``, in that
+    order) on a communicator split off for them; None on the other ranks. A ``process_set``'s
+    runtime keeps the members' ranks (Horovod names roots by them); a new Horovod world
+    (``init(comm=...)``) numbers its ranks from 0."""
+    me = role.rank
+    sub = world.split(0 if me in members else None, list(members).index(me) if me in members else 0,
+                      name=f"{label}[{','.join(map(str, members))}]")
+    if sub is None:
+        return None
+    sub_role = Role.from_endpoints(list(members).index(me), [role.endpoints[r] for r in members],
+                                   job_id=role.job_id, source=role.source, selected_gpus=role.selected_gpus)
+    return Runtime(sub, CommGroups(sub, sub_role), sub_role, device, strategy, True,
+                   ranks=members if process_set else None)
 
 
 def _members(comm: Any, world_size: int) -> list[int]:
@@ -226,38 +277,43 @@ def shutdown() -> None:
         rt, owned = _RUNTIME, _OWNS_FLEET
         _RUNTIME, _EXCLUDED, _OWNS_FLEET = None, None, False
         if rt is not None:
-            for opt in list(rt.optimizers.values()):
-                opt._detach()
-            for c in rt.own_comms:
-                c.close()
-            if rt._optimizer_groups is not None:
-                rt._optimizer_groups.close()
-            if rt.subset:
-                rt.groups.close()
+            rt.close()
         if owned and fleet.initialized:
             fleet.shutdown()
 
 
 def _follow_world() -> None:
     """An elastic job re-formed the fleet's world (`fleetlike.elastic.run`): ``hvd.rank()``,
-    ``hvd.size()`` and the collectives move to it. ``hvd.DistributedOptimizer`` keeps
-    communicators of its own built at construction and cannot move: it is refused when built in
-    an elastic launch (``hvd.DistributedOptimizer``), and here too for one built otherwise, with
-    the way out; a ``comm=`` subset cannot be re-derived from a new membership either."""
+    ``hvd.size()`` and the collectives move to it, and every ``hvd.DistributedOptimizer``
+    rebuilds its buckets' communicators on it (every rank rebinds its optimizers in the order
+    they were built). Process sets belong to the old world and are dropped (add them again in
+    a reset callback); a ``comm=`` subset cannot be re-derived from a new membership."""
     global _RUNTIME
     with _INIT_LOCK:
         rt = _RUNTIME
         if rt is None:
             return
-        if rt.optimizers or rt.subset:
-            what = "hvd.DistributedOptimizer" if rt.optimizers else "hvd.init(comm=[...])"
+        if rt.subset:
             raise RuntimeError(
-                f"{what} cannot follow an elastic job's new world (its communicators were built "
-                "for the old one); in an elastic job wrap the optimizer with "
-                "fleet.distributed_optimizer (the same averaging, rebound on every re-formation) "
-                "and call hvd.init() without comm=")
+                "hvd.init(comm=[...]) cannot follow an elastic job's new world (the ranks it lists "
+                "belong to the old one); in an elastic job call hvd.init() without comm=")
+        optimizers = [rt.optimizers[k] for k in sorted(rt.optimizers)]
+        for opt in optimizers:
+            opt._detach()
+        for ps, _ in rt.process_sets.values():
+            ps.process_set_id = None
+        rt.process_sets = {}
+        for child in rt.children:
+            child.close()
+        rt.children = []
+        for c in rt.own_comms:
+            c.close()
+        if rt._optimizer_groups is not None:
+            rt._optimizer_groups.close()
         ctx = fleet.context()
-        _RUNTIME = Runtime(ctx.world, ctx.groups, ctx.role, ctx.device, rt.strategy, False)
+        _RUNTIME = new = Runtime(ctx.world, ctx.groups, ctx.role, ctx.device, rt.strategy, False)
+    for opt in optimizers:
+        opt.rebind(new)
 
 
 elastic.on_world_replaced(_follow_world)
@@ -336,6 +392,16 @@ def gloo_built() -> bool:
 def nccl_built() -> bool:
     """Whether the NCCL backend can run here (a GPU and CuPy's NCCL)."""
     return nccl_unavailable_reason() is None
+
+
+def ccl_built() -> bool:
+    """False: fleetlike has no oneCCL backend (gloo, MPI and NCCL move the data)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: fleetlike has no IBM DDL backend."""
+    return False
 
 
 def cuda_built() -> bool:

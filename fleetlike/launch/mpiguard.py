@@ -28,7 +28,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["GUARD_LINE", "guard", "main", "shell"]
+__all__ = ["FD_VARS", "GUARD_LINE", "guard", "main", "shell"]
 
 #: What `guard` prints (to stderr) before ending itself; ``{how}`` is "exited with code N" or
 #: "was killed by signal NAME", as the ordinary launcher says it.
@@ -55,10 +55,32 @@ def _with_parent() -> None:
         pass
 
 
+#: environment variables through which an MPI launcher names a descriptor the rank must inherit
+FD_VARS = ("PMI_FD", "PMIX_SERVER_FD", "OMPI_MCA_ess_base_fd", "HYDI_CONTROL_FD")
+
+
+def _inherited_fds() -> tuple[int, ...]:
+    """The open descriptors named by `FD_VARS` (hydra's PMI_FD first of all)."""
+    fds = []
+    for var in FD_VARS:
+        try:
+            fd = int(os.environ.get(var, ""))
+        except ValueError:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        fds.append(fd)
+    return tuple(fds)
+
+
 def guard(command: Sequence[str]) -> int:
     """Run ``command``; 0 if it succeeded, else print `GUARD_LINE` and die by SIGKILL."""
     try:
-        proc = subprocess.Popen(list(command), preexec_fn=_with_parent)
+        # hydra hands each rank its PMI connection as an inherited descriptor (PMI_FD, and
+        # PMI_PORT's fallback none); Popen closes every descriptor but 0-2 unless told to keep it
+        proc = subprocess.Popen(list(command), preexec_fn=_with_parent, pass_fds=_inherited_fds())
     except OSError as exc:
         print(f"fleetlike.launch: cannot start {command[0]!r}: {exc}", file=sys.stderr, flush=True)
         return 127

@@ -2,8 +2,8 @@
 
 Usage: elastic_digits.py OUT EPOCHS PAUSE STYLE    (STYLE: eager | program | horovod)
 horovod: hvd.init(), hvd.elastic.TorchState / @hvd.elastic.run, hvd.size() and hvd.allgather_object
-for the bookkeeping; the gradients through fleet.distributed_optimizer (hvd.DistributedOptimizer
-cannot follow a re-formed world and is refused in elastic jobs).
+for the bookkeeping; the gradients through fleet.distributed_optimizer (hvd.DistributedOptimizer in
+an elastic job: test_horovod_elastic.py).
 Every process writes OUT/pid.<pid> and OUT/node.<pid> (its node's IP) when it starts; rank 0
 writes OUT/progress ("step world time")
 after every step; every rank writes OUT/done.<pid>.json at the end (its pid, the re-formations
