@@ -537,7 +537,8 @@ def parse_config(
     ``device_count`` reports visible CUDA devices; it is asked only without ``--selected_gpus``.
     Then all visible GPUs are used, or with ``--nproc_per_node=N`` GPUs 0..N-1 when at least N
     are visible, else CPU. ``environ`` (default ``os.environ``) is read with ``--use_paddlecloud``
-    only (`fleetlike.launch.cloud`).
+    (`fleetlike.launch.cloud`), and for the job's secret (`SECRET_ENV`: required when several
+    launchers must share it and no ``--rendezvous_file`` carries it) and ``FLEETLIKE_JOB_ID``.
     """
     args = build_parser().parse_args(list(argv))
     ips = tuple(ip.strip() for ip in args.cluster_node_ips.split(",") if ip.strip())
@@ -592,20 +593,10 @@ def parse_config(
             ips = (node_ip,)
     env = os.environ if environ is None else environ
     secret_text = env.get(SECRET_ENV, "").strip()
-    several = len(ips) > 1 or (nodes[0] and nodes[1] > 1 and args.host_discovery_script is None)
     through_file = port is None and len(ips) > 1
-    if several and not through_file and not secret_text:
-        what = (f"--nnodes={args.nnodes} (other nodes' launchers join its rendezvous)" if nodes[0]
-                else f"--cluster_node_ips={','.join(ips)} with --started_port={args.started_port}")
-        raise LaunchInputError(
-            f"{what}: every node's launcher must hold the same job secret, and nothing carries it "
-            f"between them; export {SECRET_ENV} with the same random value on every node (python "
-            f"-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port={AUTO_PORT} "
-            "with --rendezvous_file, which carries node 0's"
-        )
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc, env)
     from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get("FLEETLIKE_JOB_ID")
-    return LaunchConfig(
+    config = LaunchConfig(
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
         cluster_node_ips=ips,
@@ -636,6 +627,17 @@ def parse_config(
         job_secret=secret_text or new_secret(),
         job_id_from_file=bool(from_file),
     )
+    several = config.node_num > 1 or (config.max_nodes > 1 and config.host_discovery_script is None)
+    if several and not config.meets_through_file and not secret_text:
+        what = (f"--nnodes={args.nnodes} (other nodes' launchers join its rendezvous)" if nodes[0]
+                else f"--cluster_node_ips={','.join(ips)} with --started_port={args.started_port}")
+        raise LaunchInputError(
+            f"{what}: every node's launcher must hold the same job secret, and nothing carries it "
+            f"between them; export {SECRET_ENV} with the same random value on every node (python "
+            f"-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port={AUTO_PORT} "
+            "with --rendezvous_file, which carries node 0's"
+        )
+    return config
 
 
 def _port_text(config: LaunchConfig) -> str:
