@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import pickle
 import secrets
 import stat
 import tempfile
@@ -35,7 +36,7 @@ import threading
 
 __all__ = [
     "SECRET_DIR_ENV", "SECRET_ENV", "JobSecret", "PayloadRefused", "SecretError", "current",
-    "new_secret", "seal", "set_current", "unseal",
+    "current_or_none", "dumps_signed", "loads_signed", "new_secret", "seal", "set_current", "unseal",
 ]
 
 #: The variable that carries a job's secret to its processes (hex, at least 32 digits).
@@ -124,6 +125,13 @@ def set_current(secret: JobSecret) -> None:
         _CURRENT = secret
 
 
+def current_or_none() -> JobSecret | None:
+    """The secret of the job this process joined through the rendezvous; None when it joined
+    none (one process, or an MPI world: MPI's launcher admits its ranks)."""
+    with _LOCK:
+        return _CURRENT
+
+
 def current(what: str) -> JobSecret:
     """The secret of the job this process joined; SecretError naming ``what`` before any."""
     with _LOCK:
@@ -156,6 +164,21 @@ def unseal(blob: bytes, context: str, sender: int, secret: JobSecret | None = No
             f"job's secret ({SECRET_ENV}) may send data to its members"
         )
     return data
+
+
+def dumps_signed(obj: object, context: str, sender: int) -> bytes:
+    """``obj`` pickled and `seal`-ed with the joined job's secret (only pickled when the world
+    was not formed through the rendezvous: see `current_or_none`)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    key = current_or_none()
+    return data if key is None else seal(data, context, sender, key)
+
+
+def loads_signed(blob: bytes, context: str, sender: int) -> object:
+    """The object `dumps_signed` made at ``sender``; `PayloadRefused` before unpickling anything
+    whose HMAC is not the job's."""
+    key = current_or_none()
+    return pickle.loads(blob if key is None else unseal(blob, context, sender, key))
 
 
 def private_dir(environ: dict[str, str] | None = None) -> str:
