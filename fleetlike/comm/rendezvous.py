@@ -3,12 +3,13 @@
 Rank 0 listens on the master endpoint's own IP only (never 0.0.0.0). Everything of a job lives
 under a prefix derived from the job's secret (`fleetlike.comm.secret`): TCPStore cannot list
 keys, so a process without the secret cannot find, read or overwrite any of them. The only public
-key is a greeting (`JOB_KEY`): a random challenge and its HMAC with the secret, so a joining
-process learns that the store belongs to its job (and two jobs that share a port refuse each
-other with a message instead of silently forming one wrong world) without anyone learning the
-job's id. Under the prefix, the job id is checked, then each joining rank proves it holds the
-secret (an HMAC of the challenge, its rank and endpoint) and rank 0 gives it its seat only then,
-signing the seat so the joiner knows rank 0 holds the secret too. A process with another secret
+keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else; overwriting it changes
+nothing) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
+writes a random challenge and the job id under the prefix: finding them tells a joining process
+that the host holds its secret (two jobs that share a port refuse each other with a message
+instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
+rank then proves it holds the secret (an HMAC of the challenge, its rank and endpoint) and rank 0
+gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. A process with another secret
 (or none) is refused with a message on its side and a line in rank 0's log naming the address it
 gave; the job goes on.
 
@@ -46,12 +47,12 @@ from fleetlike.comm.secret import (
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
-    "JOB_KEY", "KNOCK_KEY", "JobMismatchError", "RendezvousError", "SecretMismatchError", "connect",
-    "greet", "host_store", "job_store", "read_job_id", "secret_for",
+    "JOB_KEY", "KNOCK_KEY", "JobMismatchError", "RendezvousError", "SecretMismatchError",
+    "challenge_of", "connect", "greet", "host_store", "job_store", "knock", "read_job_id", "secret_for",
 ]
 
-#: The store's public greeting: ``{"challenge": hex, "tag": HMAC(secret, challenge)}``.
-JOB_KEY = "fleetlike/hello"
+#: The store's public marker: a fleetlike job is hosted here (its content says nothing more).
+JOB_KEY = "fleetlike/job"
 #: Where a process refused for want of the secret leaves its address for rank 0's log.
 KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
@@ -85,17 +86,28 @@ def job_store(raw: dist.Store, secret: JobSecret) -> dist.Store:
 
 
 def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False) -> bool:
-    """Write the signed greeting and ``job_id`` (under the secret's prefix) on ``raw``.
+    """Write the challenge and ``job_id`` under the secret's prefix on ``raw``, then `JOB_KEY`.
 
-    ``only_if_absent``: leave a greeting already there (rank 0 on a store someone else hosts);
-    returns whether this call wrote it."""
+    ``only_if_absent``: leave a challenge already there (rank 0 on a store another holder of
+    the secret hosts: the launcher); returns whether this call wrote it."""
+    private = job_store(raw, secret)
     challenge = _random.token_hex(16)
-    hello = json.dumps({"challenge": challenge, "tag": secret.mac("hello", challenge)})
-    job_store(raw, secret).set("job_id", job_id)
+    wrote = True
     if only_if_absent:
-        return raw.compare_set(JOB_KEY, "", hello).decode() == hello
-    raw.set(JOB_KEY, hello)
-    return True
+        wrote = private.compare_set("challenge", "", challenge).decode() == challenge
+    else:
+        private.set("challenge", challenge)
+    if wrote:
+        private.set("job_id", job_id)
+    raw.set(JOB_KEY, "fleetlike")
+    return wrote
+
+
+def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
+    """The challenge the store's host left under ``secret``'s prefix; None: the host does not
+    hold ``secret`` (another job's store, or this process was given another secret)."""
+    private = job_store(raw, secret)
+    return private.get("challenge").decode() if private.check(["challenge"]) else None
 
 
 def read_job_id(raw: dist.Store, secret: JobSecret) -> str | None:
@@ -138,7 +150,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
                 "job using that port? Pick another --started_port / MASTER_PORT."
             ) from exc
-        hello = _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start)
+        challenge = challenge_of(raw, secret) or ""
     else:
         try:
             raw = dist.TCPStore(host, port, role.world_size, False, _td(timeout))
@@ -152,17 +165,17 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
         if role.rank == 0:  # on a store another launcher hosts (torchrun's): greet if it did not
             assert secret is not None
             greet(raw, secret, role.job_id, only_if_absent=True)
-        hello = _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start)
         if secret is None:
-            secret = _find_private_secret(role, hello, host, port, timeout, start)
-        _check_job(raw, secret, hello, role, host, port)
+            secret = _find_private_secret(role, raw, host, port)
+        challenge = _check_job(raw, secret, role, host, port)
     set_current(secret)
     with _LOCK:
         meeting = _MEETINGS.get(role.job_id, 0)
         _MEETINGS[role.job_id] = meeting + 1
     store = dist.PrefixStore(f"job/{role.job_id}/{meeting}/", job_store(raw, secret))
     # The prefix store holds a reference to the raw one, so rank 0's server lives as long.
-    seal = (hello["challenge"], role.job_id, meeting)
+    seal = (challenge, role.job_id, meeting)
     if role.rank == 0:
         _admit(store, raw, secret, seal, role, host, port, timeout, start)
     else:
@@ -179,7 +192,7 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     --started_port=auto`` and `fleetlike.testing` call it with port 0 and give the workers the
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
-    signs the greeting; a store hosted without one has no greeting yet (rank 0 writes it).
+    keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
     """
     fd, bound = _listen(host, port)
     store = dist.TCPStore(
@@ -207,35 +220,30 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     return sock.detach(), bound  # the store owns the descriptor from here on
 
 
-def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float,
-           start: float) -> dict[str, str]:
+def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:
     try:
         raw.wait([JOB_KEY], _td(max(timeout - (time.monotonic() - start), 1.0)))
-        hello = json.loads(raw.get(JOB_KEY).decode())
-        if not isinstance(hello, dict) or not all(isinstance(hello.get(k), str) for k in ("challenge", "tag")):
-            raise ValueError("malformed greeting")
     except Exception as exc:  # noqa: BLE001
         raise RendezvousError(
             f"rank {role.rank}: the store at {host}:{port} never announced a fleetlike job "
             f"within {time.monotonic() - start:.1f}s; something else may be listening there"
         ) from exc
-    return hello
 
 
-def _knock(raw: dist.Store, role: Role) -> None:
-    """Leave this process's address where rank 0 of the store's job reports refused processes."""
+def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
+    """Leave this process's address where the store's job reports the processes it refused."""
     try:
         n = raw.add(KNOCK_KEY, 1)
-        raw.set(f"{KNOCK_KEY}/{n}", json.dumps({"endpoint": role.current_endpoint, "rank": role.rank,
-                                                "pid": os.getpid(), "host": socket.gethostname()}))
-    except Exception:  # noqa: BLE001 - the refusal below is what matters
+        raw.set(f"{KNOCK_KEY}/{n}", json.dumps({"endpoint": endpoint, "pid": os.getpid(),
+                                                "host": host or socket.gethostname()}))
+    except Exception:  # noqa: BLE001 - the refusal that follows is what matters
         pass
 
 
-def _check_job(raw: dist.Store, secret: JobSecret, hello: dict[str, str], role: Role, host: str,
-               port: int) -> None:
-    if not secret.verify(hello["tag"], "hello", hello["challenge"]):
-        _knock(raw, role)
+def _check_job(raw: dist.Store, secret: JobSecret, role: Role, host: str, port: int) -> str:
+    challenge = challenge_of(raw, secret)
+    if challenge is None:
+        knock(raw, role.current_endpoint)
         raise SecretMismatchError(
             f"rank {role.rank} (job {role.job_id!r}) reached the rendezvous store at {host}:{port}, "
             "but it does not hold this job's secret: it belongs to another job, or this process "
@@ -249,6 +257,7 @@ def _check_job(raw: dist.Store, secret: JobSecret, hello: dict[str, str], role: 
             f"but it belongs to job {theirs!r}; refusing to join another job. Give each job its "
             "own --started_port, or the same --job_id to every launcher of one job."
         )
+    return challenge
 
 
 def _make_private_secret(role: Role) -> JobSecret:
@@ -264,29 +273,24 @@ def _make_private_secret(role: Role) -> JobSecret:
     return secret
 
 
-def _find_private_secret(role: Role, hello: dict[str, str], host: str, port: int, timeout: float,
-                         start: float) -> JobSecret:
-    """The secret rank 0 left in this user's private directory (the greeting signed with it)."""
-    problem = "no such file"
-    path = "?"
-    while True:
-        try:
-            path = secret_file(role.job_id, role.master_endpoint)
-            found = read_private(path)
-        except (OSError, SecretError) as exc:
-            raise RendezvousError(f"rank {role.rank}: {exc}") from None
-        if found is not None and found.verify(hello["tag"], "hello", hello["challenge"]):
-            return found
-        if found is not None:
-            problem = "it holds another job's secret (an earlier run's)"
-        if time.monotonic() - start > timeout:
-            raise RendezvousError(
-                f"rank {role.rank}: no {SECRET_ENV} was given, and rank 0's secret for the store at "
-                f"{host}:{port} is not in {path} ({problem}) after {timeout:g}s. Set {SECRET_ENV} "
-                "to the same random value in every rank's environment (python -c 'import "
-                "secrets; print(secrets.token_hex(32))'), or share the directory between nodes"
-            )
-        time.sleep(0.05)
+def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> JobSecret:
+    """The secret rank 0 left in this user's private directory. Rank 0 writes that file before
+    the store's marker, so once the marker is seen the file is there, or never will be."""
+    try:
+        path = secret_file(role.job_id, role.master_endpoint)
+        found = read_private(path)
+    except (OSError, SecretError) as exc:
+        raise RendezvousError(f"rank {role.rank}: {exc}") from None
+    if found is not None and challenge_of(raw, found) is not None:
+        return found
+    knock(raw, role.current_endpoint)
+    problem = "no such file" if found is None else "it holds another job's secret"
+    raise SecretMismatchError(
+        f"rank {role.rank}: no {SECRET_ENV} was given, and the secret of the job at the store "
+        f"{host}:{port} is not in {path} ({problem}): this process is not one of the job's, or "
+        f"the job's nodes share no such directory. Set {SECRET_ENV} to the same random value in "
+        "every rank's environment (python -c 'import secrets; print(secrets.token_hex(32))')"
+    )
 
 
 def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[str, str, int],
@@ -310,7 +314,10 @@ def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[st
                       "that rank is seated already, or its proof does not verify", file=sys.stderr,
                       flush=True)
         proofs, moved = count, count > proofs or moved
-        count = int(raw.add(KNOCK_KEY, 0))
+        try:
+            count = int(raw.add(KNOCK_KEY, 0))
+        except Exception:  # noqa: BLE001 - a stranger overwrote the counter: nothing more to log
+            count = knocks
         for n in range(knocks + 1, count + 1):
             if logged < _MAX_KNOCKS_LOGGED:
                 logged += 1

@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from fleetlike.comm import Communicator
 from fleetlike.comm.gloo import GlooCommunicator
-from fleetlike.comm.rendezvous import JOB_KEY, KNOCK_KEY, SecretMismatchError, job_store
+from fleetlike.comm.rendezvous import JOB_KEY, SecretMismatchError, challenge_of, job_store, knock
 from fleetlike.comm.secret import SECRET_ENV, JobSecret, SecretError, from_env, set_current
 from fleetlike.roles import Role, parse_endpoint
 
@@ -114,18 +114,8 @@ def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port
             "secret from their launcher (python -m fleetlike.launch --nnodes MIN:MAX ...), whose "
             "nodes share it through that variable")
     store.wait([JOB_KEY], datetime.timedelta(seconds=timeout))
-    try:
-        hello = json.loads(store.get(JOB_KEY).decode())
-        ok = secret.verify(str(hello["tag"]), "hello", str(hello["challenge"]))
-    except (ValueError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        try:  # leave an address for the store's launcher to report
-            n = store.add(KNOCK_KEY, 1)
-            store.set(f"{KNOCK_KEY}/{n}", json.dumps({"endpoint": settings.endpoint, "pid": os.getpid(),
-                                                       "host": settings.node_ip}))
-        except Exception:  # noqa: BLE001 - the refusal is what matters
-            pass
+    if challenge_of(store, secret) is None:
+        knock(store, settings.endpoint, settings.node_ip)
         raise SecretMismatchError(
             f"fleetlike.elastic: the rendezvous store at {host}:{port} does not hold this job's "
             f"secret: it belongs to another job, or this worker was given another {SECRET_ENV}; "

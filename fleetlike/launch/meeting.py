@@ -49,8 +49,7 @@ import time
 
 import torch.distributed as dist
 
-from fleetlike.comm import JOB_KEY
-from fleetlike.comm.rendezvous import job_store, read_job_id
+from fleetlike.comm.rendezvous import challenge_of, job_store, read_job_id
 from fleetlike.comm.secret import JobSecret, SecretError
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.launch.ports import HostedEndpoints
@@ -284,8 +283,7 @@ def _join(address: StoreAddress, config: LaunchConfig,
         return None, str(exc), True
     try:
         raw = dist.TCPStore(host, port, None, False, _td(max(min(remaining, _STORE_SECONDS), 1.0)))
-        hello = json.loads(raw.get(JOB_KEY).decode()) if raw.check([JOB_KEY]) else {}
-        greets = secret.verify(str(hello.get("tag", "")), "hello", str(hello.get("challenge", "")))
+        greets = challenge_of(raw, secret) is not None
         job = read_job_id(raw, secret) if greets else None
         store = _job_store(raw, config)
         token = store.get("token").decode() if greets and store.check(["token"]) else None
