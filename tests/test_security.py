@@ -206,3 +206,39 @@ def test_payloads_signed_with_another_secret_are_never_unpickled(tmp_path: Path)
         assert "does not carry this job's signature" in results[0][name]
         assert "from rank 1" in results[0][name]
     assert not marker.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_of_the_launcher_takes_the_workers_children_too(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [PY, "-m", "fleetlike.launch", "--nproc_per_node=1", "--started_port=auto",
+         f"--log_dir={tmp_path / 'log'}", str(WORKERS / "with_child.py"), str(tmp_path)],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pids.0").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p) for p in (tmp_path / "pids.0").read_text().split()]
+        assert all(_alive(p) for p in pids)
+        launcher.kill()  # SIGKILL: the launcher cannot clean up
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "a worker or its child outlived the launcher"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
