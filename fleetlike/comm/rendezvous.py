@@ -314,10 +314,11 @@ def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[st
                       "that rank is seated already, or its proof does not verify", file=sys.stderr,
                       flush=True)
         proofs, moved = count, count > proofs or moved
-        try:
-            count = int(raw.add(KNOCK_KEY, 0))
-        except Exception:  # noqa: BLE001 - a stranger overwrote the counter: nothing more to log
-            count = knocks
+        # never ``add`` on a public key: a stranger may have made it a non-number, and the
+        # store's server drops the connection of a client that adds to one
+        count = knocks
+        while logged + count - knocks < _MAX_KNOCKS_LOGGED and raw.check([f"{KNOCK_KEY}/{count + 1}"]):
+            count += 1
         for n in range(knocks + 1, count + 1):
             if logged < _MAX_KNOCKS_LOGGED:
                 logged += 1

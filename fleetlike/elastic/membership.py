@@ -189,7 +189,7 @@ class Membership:
 
     def record(self, event: Mapping[str, object]) -> None:
         """Append one re-formation record (`EVENTS_KEY`) for the launchers to report."""
-        self._store.set(f"{EVENTS_KEY}/{self._store.add(EVENTS_KEY, 1)}", json.dumps(dict(event)))
+        self._private.set(f"{EVENTS_KEY}/{self._private.add(EVENTS_KEY, 1)}", json.dumps(dict(event)))
 
     def waiting(self) -> int:
         """Workers waiting to join (admitted when the world next re-forms)."""

@@ -160,7 +160,8 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
     (`fleetlike.launch.discovery`) and stopped with the job. The last line is the summary:
     the worker failures, and (elastic jobs) the nodes lost and joined (`NodeWatch`)."""
     rendezvous = host_rendezvous(config)
-    watch = NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous) if config.min_nodes else None
+    watch = (NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous,
+                       secret=JobSecret(config.job_secret)) if config.min_nodes else None)
     if watch is not None:
         watch.start()
     discovery = HostDiscovery(config) if config.host_discovery_script is not None else None
