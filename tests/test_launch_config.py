@@ -65,7 +65,9 @@ def test_defaults_on_cpu(script: str) -> None:
         ("127.0.0.1",), "127.0.0.1", 6170, 1, ())
     assert c.training_script_args == ("--lr", "0.1") and c.log_dir == "log"
     assert re.fullmatch(r"[0-9a-f]{12}", c.job_id)
-    assert parse_config([script], device_count=lambda: 0).job_id != c.job_id  # random per job
+    # random per job without a secret shared through the environment
+    assert parse_config([script], device_count=lambda: 0, environ={}).job_id != parse_config(
+        [script], device_count=lambda: 0, environ={}).job_id
     assert c.endpoints == ("127.0.0.1:6170",) and c.log_path(0) == "log/workerlog.0"
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.node_ip = "x"  # type: ignore[misc]
@@ -175,9 +177,12 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
         (["--ips=192.0.2.1", "--started_port=6170", "train.py"], 0,
          "--node_ip=192.0.2.1 is not an address of this machine (cannot bind 192.0.2.1:6170); run "
          "each node's launcher with its own IP"),
-        (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be a finite number of seconds >= 0"),
-        (["--kill_grace=inf", "train.py"], 0, "--kill_grace=inf must be a finite number of seconds >= 0"),
-        (["--kill_grace=nan", "train.py"], 0, "--kill_grace=nan must be a finite number of seconds >= 0"),
+        (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
+        (["--kill_grace=inf", "train.py"], 0, "--kill_grace=inf must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
+        (["--kill_grace=nan", "train.py"], 0, "--kill_grace=nan must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
         (["--ips=127.0.0.1,127.0.0.2", "--start_port=auto", "train.py"], 0,
          "--started_port=auto with --cluster_node_ips=127.0.0.1,127.0.0.2 (2 nodes) needs "
          "--rendezvous_file=PATH, where the first node's launcher writes the address of the store "
