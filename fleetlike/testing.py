@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleetlike.comm.secret import JobSecret, new_secret
+from fleetlike.comm import JobSecret, new_secret
 from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 from fleetlike.roles.role import Role
 

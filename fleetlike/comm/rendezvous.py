@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fleetlike.comm.base import CommError
 from fleetlike.comm.secret import (
-    SECRET_ENV, JobSecret, SecretError, from_env, new_secret, read_private, secret_file,
+    SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
 from fleetlike.roles.role import Role, parse_endpoint
@@ -120,7 +120,7 @@ def secret_for(role: Role) -> JobSecret | None:
     """``role.secret``, else `SECRET_ENV`; None when neither is given."""
     if role.secret:
         return JobSecret(role.secret, source="Role.secret")
-    return from_env()
+    return secret_from_env()
 
 
 def connect(role: Role, timeout: float = 300.0) -> dist.Store:
@@ -198,7 +198,7 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store = dist.TCPStore(
         host, bound, None, True, _td(timeout), wait_for_workers=False, master_listen_fd=fd
     )
-    secret = secret or from_env()
+    secret = secret or secret_from_env()
     if secret is not None:
         greet(store, secret, job_id)
     return store

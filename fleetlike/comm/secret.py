@@ -36,7 +36,8 @@ import threading
 
 __all__ = [
     "SECRET_DIR_ENV", "SECRET_ENV", "JobSecret", "PayloadRefused", "SecretError", "current",
-    "current_or_none", "dumps_signed", "loads_signed", "new_secret", "seal", "set_current", "unseal",
+    "current_or_none", "dumps_signed", "loads_signed", "new_secret", "seal", "secret_from_env", "set_current",
+    "unseal",
 ]
 
 #: The variable that carries a job's secret to its processes (hex, at least 32 digits).
@@ -141,7 +142,7 @@ def current(what: str) -> JobSecret:
     return found
 
 
-def from_env(environ: dict[str, str] | None = None) -> JobSecret | None:
+def secret_from_env(environ: dict[str, str] | None = None) -> JobSecret | None:
     """The secret in `SECRET_ENV`, or None when it is not set."""
     text = (os.environ if environ is None else environ).get(SECRET_ENV, "")
     return JobSecret(text) if text.strip() else None

@@ -20,7 +20,7 @@ ordered by (node IP, local rank, pid), so a node's ranks are contiguous and the 
 
 Example (what `fleetlike.elastic.init` does)::
 
-    members = Membership.from_env()
+    members = Membership.secret_from_env()
     role, world = members.form(timeout=1800.0)
 """
 
@@ -42,8 +42,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from fleetlike.comm import Communicator
 from fleetlike.comm.gloo import GlooCommunicator
-from fleetlike.comm.rendezvous import JOB_KEY, SecretMismatchError, challenge_of, job_store, knock
-from fleetlike.comm.secret import SECRET_ENV, JobSecret, SecretError, from_env, set_current
+from fleetlike.comm import JOB_KEY, SecretMismatchError, challenge_of, job_store, knock
+from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, secret_from_env, set_current
 from fleetlike.roles import Role, parse_endpoint
 
 __all__ = ["ENV", "EVENTS_KEY", "ElasticSettings", "Membership"]
@@ -105,7 +105,7 @@ def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port
                    timeout: float) -> JobSecret:
     """The job's secret (`SECRET_ENV`), once the store's greeting proves its host holds it too."""
     try:
-        secret = from_env()
+        secret = secret_from_env()
     except SecretError as exc:
         raise RuntimeError(f"fleetlike.elastic: {exc}") from None
     if secret is None:
@@ -149,7 +149,7 @@ class Membership:
 
     @classmethod
     def from_env(cls) -> Membership:
-        return cls(ElasticSettings.from_env())
+        return cls(ElasticSettings.secret_from_env())
 
     def form(self, timeout: float) -> tuple[Role, Communicator]:
         """Join the next round (blocks until it closes) and build its world communicator."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fleetlike.comm.secret import dumps_signed, loads_signed
+from fleetlike.comm import dumps_signed, loads_signed
 from fleetlike.fleet import fleet
 from fleetlike.fleet.checkpoint import CheckpointError, atomic_dir, resolve
 

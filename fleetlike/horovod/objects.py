@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fleetlike.collectives import broadcast_coalesced
-from fleetlike.comm.secret import dumps_signed, loads_signed
+from fleetlike.comm import dumps_signed, loads_signed
 from fleetlike.horovod.collectives import _agree, allgather, broadcast_
 from fleetlike.horovod.negotiate import Kind
 from fleetlike.horovod.runtime import runtime

@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from fleetlike.comm.secret import SECRET_ENV
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.main import main as launch_main
 
 __all__ = ["main"]

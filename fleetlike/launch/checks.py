@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Sequence
 
-from fleetlike.comm.secret import JobSecret
+from fleetlike.comm import JobSecret
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 

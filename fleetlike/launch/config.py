@@ -15,7 +15,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
-from fleetlike.comm.secret import SECRET_ENV, JobSecret, SecretError, new_secret
+from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.roles import is_host, parse_gpu_list
 

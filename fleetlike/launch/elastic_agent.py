@@ -42,8 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetlike.comm import host_store
-from fleetlike.comm.rendezvous import job_store
-from fleetlike.comm.secret import JobSecret
+from fleetlike.comm import job_store
+from fleetlike.comm import JobSecret
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
 from fleetlike.launch.discovery import HostDiscovery
 from fleetlike.launch.nodewatch import NodeWatch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from fleetlike.comm.secret import SECRET_ENV
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles import parse_endpoint
 

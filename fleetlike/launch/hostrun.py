@@ -37,7 +37,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
-from fleetlike.comm.secret import SECRET_ENV, new_secret
+from fleetlike.comm import SECRET_ENV, new_secret
 from fleetlike.launch.config import LaunchInputError, _HelpExit, default_job_id
 from fleetlike.launch.hosts import (
     HostsJob,

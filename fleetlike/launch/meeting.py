@@ -49,8 +49,8 @@ import time
 
 import torch.distributed as dist
 
-from fleetlike.comm.rendezvous import challenge_of, job_store, read_job_id
-from fleetlike.comm.secret import JobSecret, SecretError
+from fleetlike.comm import challenge_of, job_store, read_job_id
+from fleetlike.comm import JobSecret, SecretError
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.roles import parse_endpoint

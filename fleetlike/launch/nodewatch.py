@@ -35,8 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fleetlike.comm.rendezvous import job_store
-from fleetlike.comm.secret import JobSecret
+from fleetlike.comm import job_store
+from fleetlike.comm import JobSecret
 from fleetlike.roles import parse_endpoint
 
 __all__ = ["BEAT_PREFIX", "EVENTS_KEY", "MISSED", "PERIOD", "EventKind", "NodeWatch", "NodeEvent"]

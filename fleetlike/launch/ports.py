@@ -30,7 +30,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from fleetlike.comm import host_store
-from fleetlike.comm.secret import JobSecret
+from fleetlike.comm import JobSecret
 
 __all__ = ["HostedEndpoints", "hold_endpoints", "host_endpoints", "reserve_port"]
 

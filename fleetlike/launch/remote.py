@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from fleetlike.comm.secret import SECRET_ENV
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.hosts import FORWARDED, FORWARDED_PREFIXES, shell_argv
 from fleetlike.launch.workers import _die_with_launcher
 
