@@ -149,7 +149,7 @@ class Membership:
 
     @classmethod
     def from_env(cls) -> Membership:
-        return cls(ElasticSettings.secret_from_env())
+        return cls(ElasticSettings.from_env())
 
     def form(self, timeout: float) -> tuple[Role, Communicator]:
         """Join the next round (blocks until it closes) and build its world communicator."""
