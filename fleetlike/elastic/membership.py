@@ -20,7 +20,7 @@ ordered by (node IP, local rank, pid), so a node's ranks are contiguous and the 
 
 Example (what `fleetlike.elastic.init` does)::
 
-    members = Membership.secret_from_env()
+    members = Membership.from_env()
     role, world = members.form(timeout=1800.0)
 """
 
