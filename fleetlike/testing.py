@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fleetlike.comm import JobSecret, new_secret
 from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 from fleetlike.roles.role import Role
 
@@ -95,16 +96,19 @@ class HostedJob:
         ...     create_world(job.role(0), timeout=1.5)   # waits for ranks 1 and 2
     """
 
-    def __init__(self, hosted: HostedEndpoints, job_id: str) -> None:
+    def __init__(self, hosted: HostedEndpoints, job_id: str, secret: str = "") -> None:
         self.hosted = hosted
         self.job_id = job_id
+        #: the job's secret (`fleetlike.comm.secret`), in every rank's `Role`
+        self.secret = secret
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return self.hosted.endpoints
 
     def role(self, rank: int) -> Role:
-        return Role.from_endpoints(rank, self.endpoints, job_id=self.job_id, master_hosted=True)
+        return Role.from_endpoints(rank, self.endpoints, job_id=self.job_id, master_hosted=True,
+                                   secret=self.secret)
 
     def close(self) -> None:
         self.hosted.close()
@@ -120,7 +124,9 @@ def hosted_job(
     nodes: int | Sequence[int] = 1, world_size: int | None = None, *, job_id: str = "test"
 ) -> HostedJob:
     """Host a job of ``world_size`` ranks over ``nodes`` loopback nodes (see `node_hosts`)."""
-    return HostedJob(host_endpoints(node_hosts(nodes, world_size), job_id), job_id)
+    secret = new_secret()
+    hosted = host_endpoints(node_hosts(nodes, world_size), job_id, secret=JobSecret(secret))
+    return HostedJob(hosted, job_id, secret)
 
 
 def make_world(role: Role, backend: str = "auto", timeout: float = 60.0) -> Any:
@@ -167,7 +173,9 @@ def run_ranks(
     """
     own: HostedJob | None = None
     if endpoints is not None:
-        roles = [Role.from_endpoints(r, list(endpoints), job_id=job_id) for r in range(len(endpoints))]
+        secret = new_secret()
+        roles = [Role.from_endpoints(r, list(endpoints), job_id=job_id, secret=secret)
+                 for r in range(len(endpoints))]
     else:
         if job is None:
             job = own = hosted_job(nodes, world_size, job_id=job_id)

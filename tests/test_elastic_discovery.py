@@ -151,11 +151,12 @@ def test_remote_agent_argv_is_the_hosts_form_one(tmp_path: Path) -> None:
 
     config = _config(tmp_path, tmp_path / "d.sh", training_script_args=("a b",), started_port=None)
     argv = agent_argv(node_launcher_args(config, "10.0.0.7"), cwd="/job", env={"PYTHONPATH": "/src"})
-    assert argv[:6] == [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", "/job", "--watch_stdin"]
+    assert argv[:7] == [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", "/job", "--watch_stdin",
+                        "--secret_stdin"]  # the job's secret comes on stdin, never on the command line
     rest = argv[argv.index("--") + 1:]
     assert rest[-2:] == ["t.py", "a b"]
     assert {"--nnodes=1:2", "--rdzv_endpoint=127.0.0.1:1", "--node_ip=10.0.0.7", "--nproc_per_node=2",
             "--started_port=auto", f"--log_dir={tmp_path}/log/node-10.0.0.7"} <= set(rest)
     # the parsed form of those flags is the node's config
-    node = parse_config(rest)
+    node = parse_config(rest, environ={"FLEETLIKE_JOB_SECRET": config.job_secret})
     assert (node.node_ip, node.min_nodes, node.max_nodes, node.host_discovery_script) == ("10.0.0.7", 1, 2, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -263,3 +264,47 @@ def test_datasets_with_caches_pickle_for_spawned_workers(tmp_path):
     assert len(list((tmp_path / "decoded").glob("*.pkl"))) == 5 and len(list((tmp_path / "local").rglob("*.jpg"))) == 5
     sampler = pickle.loads(pickle.dumps(DistributedSampler(range(9), 2, 1, shuffle=False)))
     assert list(sampler) == [1, 3, 5, 7, 0]
+
+
+class _Planted:
+    """What a stranger leaves in a shared cache directory: runs when unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_shared_cache_directory_is_refused_and_its_planted_files_never_load(tmp_path):
+    """A cache directory another user owns, or one others may write (mode 0777), may hold files a
+    stranger planted: it is refused before anything in it is read; a new one is made 0700."""
+    from fleetlike.io.store import UnsafeCacheDirError
+
+    marker = tmp_path / "planted-ran"
+    data = [torch.full((3,), float(i)) for i in range(4)]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for index in range(4):  # where the disk cache keeps sample i (and a few other guesses)
+        for name in (f"{index}.pkl", f".fleetlike-cache/{index}.pkl"):
+            (shared / name).parent.mkdir(exist_ok=True)
+            (shared / name).write_bytes(pickle.dumps(_Planted(str(marker))))
+    shared.chmod(0o777)
+    cases = [("others may write", "may be written by group and others (mode 777)")]
+    if os.getuid() == 0:  # another owner, as a second user's directory would be
+        os.chown(shared, 65534, 65534)
+        cases = [("another owner", "belongs to uid 65534")]
+    for _, why in cases:
+        with pytest.raises(UnsafeCacheDirError, match=re.escape(why)):
+            CachedDataset(data, "disk", shared)
+        with pytest.raises(UnsafeCacheDirError, match="cache_dir=os.path.expanduser"):
+            FileCache(make_source(tmp_path / "src", {"a": 10}), shared)
+    os.chown(shared, os.getuid(), os.getgid())
+    shared.chmod(0o770)  # ours, but the group may write
+    with pytest.raises(UnsafeCacheDirError, match=re.escape("may be written by group (mode 770)")):
+        CachedDataset(data, "disk", shared)
+    assert not marker.exists()
+    fresh = tmp_path / "fresh" / "cache"
+    cached = CachedDataset(data, "disk", fresh)
+    assert (fresh.stat().st_mode & 0o777) == 0o700
+    assert [cached[i].tolist() for i in range(4)] == [d.tolist() for d in data]

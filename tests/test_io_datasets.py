@@ -72,10 +72,14 @@ def test_image_list_decodes_as_pillow(tmp_path):
     ("a.jpg one\n", r"train.txt:2: label 'one' in 'a.jpg one' is not an int"),
     ("a.jpg 3\n", r"train.txt:2: label 3 in 'a.jpg 3' is outside \[0, 3\)"),
     ("a.jpg -1\n", r"train.txt:2: label -1 .* is outside"),
+    ("../../etc/passwd 0\n", r"train.txt:2: path '../../etc/passwd' leaves the data root"),
+    ("/etc/passwd 0\n", r"train.txt:2: path '/etc/passwd' leaves the data root"),
+    ("a/../../b.jpg 0\n", r"train.txt:2: path 'a/../../b.jpg' leaves the data root"),
+    (b"caf\xe9.jpg 0\n", r"train.txt:2: byte 0xe9 at column 4 is not UTF-8"),
 ])
 def test_bad_list_lines_are_named(tmp_path, line, message):
     path = tmp_path / "train.txt"
-    path.write_text("ok.jpg 0\n" + line)
+    path.write_bytes(b"ok.jpg 0\n" + (line if isinstance(line, bytes) else line.encode()))
     with pytest.raises(ValueError, match=message):
         ImageListDataset(tmp_path, path, num_classes=3)
 

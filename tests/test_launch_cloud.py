@@ -27,7 +27,8 @@ def cloud(node: int = 1, nodes: int = 2, **extra: str) -> dict[str, str]:
     """The variables PaddleCloud sets on node ``node`` of ``nodes`` (10.0.0.1, 10.0.0.2, ...)."""
     ips = [f"10.0.0.{i + 1}" for i in range(nodes)]
     env = {"PADDLE_TRAINERS_NUM": str(nodes), "PADDLE_TRAINERS": ",".join(ips), "POD_IP": ips[node],
-           "PADDLE_TRAINER_ID": str(node), "TRAINER_PORTS_NUM": "4", "PADDLE_PORT": "7100"}
+           "PADDLE_TRAINER_ID": str(node), "TRAINER_PORTS_NUM": "4", "PADDLE_PORT": "7100",
+           "FLEETLIKE_JOB_SECRET": "5e" * 32}  # the job's nodes share it (fixed ports: nothing else could)
     env.update(extra)
     return {k: v for k, v in env.items() if v is not None}
 

@@ -24,6 +24,17 @@ from fleetlike.launch import (
 pytestmark = pytest.mark.timeout(30)
 
 
+SECRET = "5e" * 32
+
+
+@pytest.fixture(autouse=True)
+def _shared_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several nodes' launchers share a secret through the environment (the tests below about
+    its absence remove it); no job id from the environment."""
+    monkeypatch.setenv("FLEETLIKE_JOB_SECRET", SECRET)
+    monkeypatch.delenv("FLEETLIKE_JOB_ID", raising=False)
+
+
 @pytest.fixture()
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.chdir(tmp_path)
@@ -54,7 +65,9 @@ def test_defaults_on_cpu(script: str) -> None:
         ("127.0.0.1",), "127.0.0.1", 6170, 1, ())
     assert c.training_script_args == ("--lr", "0.1") and c.log_dir == "log"
     assert re.fullmatch(r"[0-9a-f]{12}", c.job_id)
-    assert parse_config([script], device_count=lambda: 0).job_id != c.job_id  # random per job
+    # random per job without a secret shared through the environment
+    assert parse_config([script], device_count=lambda: 0, environ={}).job_id != parse_config(
+        [script], device_count=lambda: 0, environ={}).job_id
     assert c.endpoints == ("127.0.0.1:6170",) and c.log_path(0) == "log/workerlog.0"
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.node_ip = "x"  # type: ignore[misc]
@@ -68,11 +81,39 @@ def test_aliases_and_multi_node_layout(script: str) -> None:
     assert long == short
     assert long.endpoints == ("10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.2:7000", "10.0.0.2:7001")
     assert [long.rank(i) for i in range(2)] == [2, 3] and long.node_index == 1
-    # every node's launcher derives the same job id from the shared flags
+    # every node's launcher derives the same job id from the secret they share, not from flags
     other = parse_config(["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.1", "--start_port=7000",
                           "--gpus=0,1", script], device_count=lambda: 2)
     assert long.job_id == other.job_id == default_job_id(("10.0.0.1", "10.0.0.2"), 7000, 2)
+    assert long.job_secret == SECRET
+    moved = parse_config(["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.1", "--start_port=7000",
+                          "--gpus=0,1", script], device_count=lambda: 2,
+                         environ={"FLEETLIKE_JOB_SECRET": "77" * 32})
+    assert moved.job_id != long.job_id  # another secret, another id: the flags alone say nothing
     assert parse_config(["--job_id=abc", script], device_count=lambda: 0).job_id == "abc"
+
+
+def test_default_job_ids_are_random_without_a_shared_secret(script: str) -> None:
+    ids = {parse_config([script], environ={}).job_id for _ in range(3)}
+    assert len(ids) == 3
+    secrets_ = {parse_config([script], environ={}).job_secret for _ in range(2)}
+    assert len(secrets_) == 2 and all(len(s) == 64 for s in secrets_)
+    assert parse_config([script], environ={"FLEETLIKE_JOB_ID": "given"}).job_id == "given"
+    assert "job_secret" not in repr(parse_config([script], environ={}))  # never shown
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.2", "--started_port=7000"],
+     "--cluster_node_ips=10.0.0.1,10.0.0.2 with --started_port=7000"),
+    (["--nnodes=1:2", "--rdzv_endpoint=127.0.0.1:5"], "--nnodes=1:2 (other nodes' launchers join"),
+])
+def test_several_launchers_need_a_shared_secret(script: str, argv, what) -> None:
+    with pytest.raises(LaunchInputError) as info:
+        parse_config([*argv, script], environ={})
+    assert str(info.value).startswith(f"{what}")
+    assert "export FLEETLIKE_JOB_SECRET with the same random value on every node" in str(info.value)
+    with pytest.raises(LaunchInputError, match="at least 32 hexadecimal digits"):
+        parse_config([*argv, script], environ={"FLEETLIKE_JOB_SECRET": "short"})
 
 
 @pytest.mark.parametrize(
@@ -136,7 +177,12 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
         (["--ips=192.0.2.1", "--started_port=6170", "train.py"], 0,
          "--node_ip=192.0.2.1 is not an address of this machine (cannot bind 192.0.2.1:6170); run "
          "each node's launcher with its own IP"),
-        (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be >= 0 seconds"),
+        (["--kill_grace=-1", "train.py"], 0, "--kill_grace=-1.0 must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
+        (["--kill_grace=inf", "train.py"], 0, "--kill_grace=inf must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
+        (["--kill_grace=nan", "train.py"], 0, "--kill_grace=nan must be a finite number of seconds >= 0 (a worker that ignores "
+         "SIGTERM would otherwise never be killed); e.g. --kill_grace=3"),
         (["--ips=127.0.0.1,127.0.0.2", "--start_port=auto", "train.py"], 0,
          "--started_port=auto with --cluster_node_ips=127.0.0.1,127.0.0.2 (2 nodes) needs "
          "--rendezvous_file=PATH, where the first node's launcher writes the address of the store "
@@ -230,6 +276,7 @@ def test_worker_env_is_exactly_the_contract() -> None:
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "7102",  # after node 0's endpoints: torch's store
         "FLEETLIKE_JOB_ID": "j1", "FLEETLIKE_NODE_IP": "127.0.0.2",
         "OMP_NUM_THREADS": "1",  # unset in BASE, 2 workers: torchrun's default
+        "FLEETLIKE_JOB_SECRET": TWO_BY_TWO.job_secret,
         "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
     }
     with pytest.raises(ValueError) as info:
@@ -342,7 +389,8 @@ def test_auto_ports_are_held_from_their_choice_to_the_end_of_the_job(script: str
 
     import torch.distributed as dist
 
-    from fleetlike.comm.rendezvous import JOB_KEY
+    from fleetlike.comm.rendezvous import read_job_id
+    from fleetlike.comm.secret import JobSecret
     from fleetlike.launch.checks import host_ports
 
     config = parse_config(["--start_port=auto", "--nproc_per_node=3", "--job_id=jA", script])
@@ -358,7 +406,8 @@ def test_auto_ports_are_held_from_their_choice_to_the_end_of_the_job(script: str
             assert not _bindable("127.0.0.1", port)
         # rank 0's port is a store of this job, already serving
         client = dist.TCPStore("127.0.0.1", ports[0], None, False, datetime.timedelta(seconds=5))
-        assert client.get(JOB_KEY) == b"jA"
+        assert read_job_id(client, JobSecret(config.job_secret)) == "jA"  # only with the secret
+        assert read_job_id(client, JobSecret("00" * 32)) is None
         env = worker_env(chosen, 1, base={"TORCHELASTIC_USE_AGENT_STORE": "False"})
         assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(f"127.0.0.1:{p}" for p in ports)
         assert env["PADDLE_CURRENT_ENDPOINT"] == f"127.0.0.1:{ports[1]}"

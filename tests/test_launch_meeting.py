@@ -86,11 +86,16 @@ def test_two_nodes_meet_and_agree_on_every_endpoint(tmp_path: Path, held) -> Non
 
 def test_the_file_is_written_atomically_and_removed_only_by_its_writer(tmp_path: Path) -> None:
     path = tmp_path / "rdzv"
-    mine = StoreAddress("127.0.0.1:4000", "j", "t1")
+    mine = StoreAddress("127.0.0.1:4000", "j", "t1", "ab" * 32)
     write_address(str(path), mine)
     write_address(str(path), dataclasses.replace(mine, token="t2"))  # replaces, never appends
     assert read_address(str(path)) == dataclasses.replace(mine, token="t2")
     assert [p.name for p in tmp_path.iterdir()] == ["rdzv"]  # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds the job's secret
+    path.chmod(0o666)
+    with pytest.raises(ValueError, match="nobody else may write it"):
+        read_address(str(path))  # a file others may write is never trusted
+    path.chmod(0o600)
     assert not remove_address(str(path), "t1") and path.exists()  # a later job's file stays
     assert remove_address(str(path), "t2") and not path.exists()
     assert read_address(str(path)) is None
@@ -115,7 +120,7 @@ def test_a_stale_file_is_never_joined(tmp_path: Path, held) -> None:
     rdzv = tmp_path / "rdzv"
     earlier, hosted_earlier = held(node_config(0, tmp_path / "earlier"))
     assert hosted_earlier.store is not None
-    live = StoreAddress(hosted_earlier.endpoints[0], "jm", "the-earlier-runs-token")
+    live = StoreAddress(hosted_earlier.endpoints[0], "jm", "the-earlier-runs-token", earlier.job_secret)
     dead = dataclasses.replace(live, store="127.0.0.1:1")
     other_job = dataclasses.replace(live, job_id="someone-else")
     second, hosted1 = held(node_config(1, rdzv, timeout=0.6))
@@ -123,6 +128,8 @@ def test_a_stale_file_is_never_joined(tmp_path: Path, held) -> None:
         (dead, "names the store at 127.0.0.1:1, where nothing answers"),
         (live, f"names the store at {live.store}, which belongs to another run"),
         (other_job, "names job 'someone-else', not this launcher's 'jm'"),
+        (dataclasses.replace(live, secret="cd" * 32),
+         f"names the store at {live.store}, which does not greet with the file's secret"),
     ]:
         write_address(str(rdzv), stale)
         with pytest.raises(MeetingError, match=re.escape(found)):
@@ -159,3 +166,33 @@ def test_node_0_reports_the_nodes_that_never_joined(tmp_path: Path, held) -> Non
     assert (f"at the store {hosted.endpoints[0]} of job 'jm', but node(s) 1 (127.0.0.2) did not "
             "join") in str(info.value)
     assert not (tmp_path / "rdzv").exists()  # node 0 leaves no file behind
+
+
+def test_a_forged_file_naming_a_store_outside_the_cluster_is_refused(tmp_path: Path, held) -> None:
+    """Whoever can write the file hosts a store at an address outside --cluster_node_ips (its
+    own secret, its own job id in the file): node 1 never joins it, says so naming both
+    addresses, and meets node 0 once node 0's launcher writes the real file."""
+    from fleetlike.comm import host_store
+    from fleetlike.comm.secret import JobSecret, new_secret
+
+    rdzv = tmp_path / "rdzv"
+    forged_secret = new_secret()
+    outside = host_store("127.0.0.77", "jm", 10.0, secret=JobSecret(forged_secret))
+    forged = StoreAddress(f"127.0.0.77:{outside.port}", "jm", "forged-token", forged_secret)
+    outside_job = dataclasses.replace(node_config(1, rdzv, timeout=0.6), job_id_from_file=True)
+    second, hosted1 = held(outside_job)
+    write_address(str(rdzv), forged)
+    with pytest.raises(MeetingError) as info:
+        meet(second, hosted1)
+    assert (f"names a store at 127.0.0.77:{outside.port}, but node 0 is --cluster_node_ips[0]=127.0.0.1"
+            in str(info.value))
+    from fleetlike.comm.rendezvous import job_store
+    forged_space = job_store(outside, JobSecret(forged_secret))
+    assert not forged_space.check(["launch/jm/claim/1"])  # node 1 published nothing there
+    thread, result = meet_in_thread(dataclasses.replace(second, rendezvous_timeout=20.0), hosted1)
+    first, hosted0 = held(node_config(0, rdzv))
+    met0 = meet(first, hosted0)
+    thread.join(30)
+    met1 = result["config"]
+    assert met1.endpoints == met0.endpoints and met1.master_endpoint == hosted0.endpoints[0]
+    assert met1.job_secret == first.job_secret and met1.job_id == "jm"  # node 0's, from its file

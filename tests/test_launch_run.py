@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -77,11 +78,13 @@ class Launchers:
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
         self.procs: list[subprocess.Popen[str]] = []
+        #: the secret every launcher of the test's job shares (several nodes' launchers need one)
+        self.secret = secrets.token_hex(32)
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
             [PY, "-m", "fleetlike.launch", *args],
-            cwd=self.cwd, env=env or clean_env(), text=True,
+            cwd=self.cwd, env=env or clean_env(FLEETLIKE_JOB_SECRET=self.secret), text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )
         self.procs.append(proc)

@@ -18,12 +18,47 @@ from fleetlike.comm.errors import (
 from fleetlike.comm.handles import CompletedWork, Work
 from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.ragged import all_gather_ragged
-from fleetlike.comm.rendezvous import JOB_KEY, JobMismatchError, RendezvousError, host_store
+from fleetlike.comm.rendezvous import (
+    JOB_KEY,
+    JobMismatchError,
+    RendezvousError,
+    SecretMismatchError,
+    challenge_of,
+    host_store,
+    job_store,
+    knock,
+    read_job_id,
+)
+from fleetlike.comm.secret import (
+    SECRET_ENV,
+    JobSecret,
+    PayloadRefused,
+    SecretError,
+    dumps_signed,
+    loads_signed,
+    new_secret,
+    secret_from_env,
+    set_current,
+)
 from fleetlike.comm.single import SingleCommunicator
 from fleetlike.comm.stats import CommStats
 from fleetlike.comm.world import DEFAULT_TIMEOUT, Backend, CommGroups, create_world, resolve_backend
 
 __all__ = [
+    "SecretMismatchError",
+    "challenge_of",
+    "job_store",
+    "knock",
+    "read_job_id",
+    "SECRET_ENV",
+    "JobSecret",
+    "PayloadRefused",
+    "SecretError",
+    "dumps_signed",
+    "loads_signed",
+    "new_secret",
+    "secret_from_env",
+    "set_current",
     "DEFAULT_TIMEOUT",
     "SUPPORTED_DTYPES",
     "JOB_KEY",

@@ -1,14 +1,22 @@
-"""Rendezvous: a TCP key-value store hosted by rank 0, closed to other jobs.
+"""Rendezvous: a TCP key-value store hosted by rank 0, closed to other jobs and to strangers.
 
-Rank 0 listens on the master endpoint's own IP only (never 0.0.0.0), writes the job id under a fixed
-key, and every peer compares it with its own before doing anything else: two jobs that share a
-port refuse each other with a message instead of silently forming one wrong world. All further
-keys live under ``job/<id>/`` so nothing of one job can collide with another.
+Rank 0 listens on the master endpoint's own IP only (never 0.0.0.0). Everything of a job lives
+under a prefix derived from the job's secret (`fleetlike.comm.secret`): TCPStore cannot list
+keys, so a process without the secret cannot find, read or overwrite any of them. The only public
+keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else; overwriting it changes
+nothing) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
+writes a random challenge and the job id under the prefix: finding them tells a joining process
+that the host holds its secret (two jobs that share a port refuse each other with a message
+instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
+rank then proves it holds the secret (an HMAC of the challenge, its rank and endpoint) and rank 0
+gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. A process with another secret
+(or none) is refused with a message on its side and a line in rank 0's log naming the address it
+gave; the job goes on.
 
 A process may meet its job more than once (``fleet.shutdown()`` then ``fleet.init()``): rank 0
 keeps serving the store it hosts, and each meeting of a job in a process gets its own key space
-(``job/<id>/<n>/``, n counting the meetings, which every rank makes in the same order), so keys
-of an earlier world never answer a later one.
+(``<prefix>job/<id>/<n>/``, n counting the meetings, which every rank makes in the same order),
+so keys of an earlier world never answer a later one.
 
 When peers do not arrive the error names the store's ``host:port``, how long it waited and which
 ranks are missing, because "it hangs at init" is the most common report in this field.
@@ -21,18 +29,33 @@ Example:
 from __future__ import annotations
 
 import datetime
+import json
+import os
+import secrets as _random
 import socket
+import sys
 import threading
 import time
 
 import torch.distributed as dist
 
 from fleetlike.comm.base import CommError
+from fleetlike.comm.secret import (
+    SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
+    set_current, write_private,
+)
 from fleetlike.roles.role import Role, parse_endpoint
 
-__all__ = ["RendezvousError", "JobMismatchError", "connect", "host_store", "JOB_KEY"]
+__all__ = [
+    "JOB_KEY", "KNOCK_KEY", "JobMismatchError", "RendezvousError", "SecretMismatchError",
+    "challenge_of", "connect", "greet", "host_store", "job_store", "knock", "read_job_id", "secret_for",
+]
 
-JOB_KEY = "fleetlike/job_id"
+#: The store's public marker: a fleetlike job is hosted here (its content says nothing more).
+JOB_KEY = "fleetlike/job"
+#: Where a process refused for want of the secret leaves its address for rank 0's log.
+KNOCK_KEY = "fleetlike/knock"
+_MAX_KNOCKS_LOGGED = 20
 
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
@@ -49,8 +72,55 @@ class JobMismatchError(RendezvousError):
     """The store at the master endpoint belongs to another job."""
 
 
+class SecretMismatchError(JobMismatchError):
+    """The store at the master endpoint does not hold this process's job secret."""
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
+
+
+def job_store(raw: dist.Store, secret: JobSecret) -> dist.Store:
+    """The job's key space on ``raw``: readable only by holders of ``secret``."""
+    return dist.PrefixStore(secret.prefix, raw)
+
+
+def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False) -> bool:
+    """Write the challenge and ``job_id`` under the secret's prefix on ``raw``, then `JOB_KEY`.
+
+    ``only_if_absent``: leave a challenge already there (rank 0 on a store another holder of
+    the secret hosts: the launcher); returns whether this call wrote it."""
+    private = job_store(raw, secret)
+    challenge = _random.token_hex(16)
+    wrote = True
+    if only_if_absent:
+        wrote = private.compare_set("challenge", "", challenge).decode() == challenge
+    else:
+        private.set("challenge", challenge)
+    if wrote:
+        private.set("job_id", job_id)
+    raw.set(JOB_KEY, "fleetlike")
+    return wrote
+
+
+def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
+    """The challenge the store's host left under ``secret``'s prefix; None: the host does not
+    hold ``secret`` (another job's store, or this process was given another secret)."""
+    private = job_store(raw, secret)
+    return private.get("challenge").decode() if private.check(["challenge"]) else None
+
+
+def read_job_id(raw: dist.Store, secret: JobSecret) -> str | None:
+    """The job id on ``raw`` under ``secret``'s prefix (None when there is none)."""
+    store = job_store(raw, secret)
+    return store.get("job_id").decode() if store.check(["job_id"]) else None
+
+
+def secret_for(role: Role) -> JobSecret | None:
+    """``role.secret``, else `SECRET_ENV`; None when neither is given."""
+    if role.secret:
+        return JobSecret(role.secret, source="Role.secret")
+    return secret_from_env()
 
 
 def connect(role: Role, timeout: float = 300.0) -> dist.Store:
@@ -60,17 +130,28 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     """
     host, port = parse_endpoint(role.master_endpoint, name="master_endpoint")
     start = time.monotonic()
-    if role.rank == 0 and not role.master_hosted:
+    try:
+        secret = secret_for(role)
+    except SecretError as exc:
+        raise RendezvousError(str(exc)) from None
+    hosts = role.rank == 0 and not role.master_hosted
+    if secret is None and role.rank == 0:
+        secret = _make_private_secret(role)
+    if hosts:
+        assert secret is not None
         try:
             with _LOCK:
                 raw = _HOSTED.get((host, port))
                 if raw is None:
-                    raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=port)
+                    raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=port,
+                                                             secret=secret)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
                 "job using that port? Pick another --started_port / MASTER_PORT."
             ) from exc
+        _hello(raw, role, host, port, timeout, start)
+        challenge = challenge_of(raw, secret) or ""
     else:
         try:
             raw = dist.TCPStore(host, port, role.world_size, False, _td(timeout))
@@ -81,29 +162,45 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                 f"waiting {waited:.1f}s (timeout {timeout:g}s): {exc}. Check that rank 0 is "
                 "running and that every worker was given the same master endpoint."
             ) from exc
-        _check_job(raw, role, host, port, timeout, start)
+        if role.rank == 0:  # on a store another launcher hosts (torchrun's): greet if it did not
+            assert secret is not None
+            greet(raw, secret, role.job_id, only_if_absent=True)
+        _hello(raw, role, host, port, timeout, start)
+        if secret is None:
+            secret = _find_private_secret(role, raw, host, port)
+        challenge = _check_job(raw, secret, role, host, port)
+    set_current(secret)
     with _LOCK:
         meeting = _MEETINGS.get(role.job_id, 0)
         _MEETINGS[role.job_id] = meeting + 1
-    store = dist.PrefixStore(f"job/{role.job_id}/{meeting}/", raw)
+    store = dist.PrefixStore(f"job/{role.job_id}/{meeting}/", job_store(raw, secret))
     # The prefix store holds a reference to the raw one, so rank 0's server lives as long.
+    seal = (challenge, role.job_id, meeting)
+    if role.rank == 0:
+        _admit(store, raw, secret, seal, role, host, port, timeout, start)
+    else:
+        _prove(store, secret, seal, role, host, port, timeout, start)
     _meet(store, role, host, port, timeout, start)
     return store
 
 
-def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0) -> dist.TCPStore:
+def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
+               secret: JobSecret | None = None) -> dist.TCPStore:
     """Host job ``job_id``'s store on ``host`` (only) at ``port``; 0 lets the OS choose it.
 
     Rank 0 calls this with its endpoint's port. ``python -m fleetlike.launch
     --started_port=auto`` and `fleetlike.testing` call it with port 0 and give the workers the
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
-    so nothing can take it between its choice and its use.
+    so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
+    keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
     """
     fd, bound = _listen(host, port)
     store = dist.TCPStore(
         host, bound, None, True, _td(timeout), wait_for_workers=False, master_listen_fd=fd
     )
-    store.set(JOB_KEY, job_id)
+    secret = secret or secret_from_env()
+    if secret is not None:
+        greet(store, secret, job_id)
     return store
 
 
@@ -123,20 +220,149 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     return sock.detach(), bound  # the store owns the descriptor from here on
 
 
-def _check_job(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:
+def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:
     try:
         raw.wait([JOB_KEY], _td(max(timeout - (time.monotonic() - start), 1.0)))
-        theirs = raw.get(JOB_KEY).decode()
     except Exception as exc:  # noqa: BLE001
         raise RendezvousError(
             f"rank {role.rank}: the store at {host}:{port} never announced a fleetlike job "
             f"within {time.monotonic() - start:.1f}s; something else may be listening there"
         ) from exc
+
+
+def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
+    """Leave this process's address where the store's job reports the processes it refused."""
+    try:
+        n = raw.add(KNOCK_KEY, 1)
+        raw.set(f"{KNOCK_KEY}/{n}", json.dumps({"endpoint": endpoint, "pid": os.getpid(),
+                                                "host": host or socket.gethostname()}))
+    except Exception:  # noqa: BLE001 - the refusal that follows is what matters
+        pass
+
+
+def _check_job(raw: dist.Store, secret: JobSecret, role: Role, host: str, port: int) -> str:
+    challenge = challenge_of(raw, secret)
+    if challenge is None:
+        knock(raw, role.current_endpoint)
+        raise SecretMismatchError(
+            f"rank {role.rank} (job {role.job_id!r}) reached the rendezvous store at {host}:{port}, "
+            "but it does not hold this job's secret: it belongs to another job, or this process "
+            f"was given another {SECRET_ENV}; refusing to join. Give each job its own "
+            "--started_port, and every process of one job the secret its launcher made."
+        )
+    theirs = read_job_id(raw, secret)
     if theirs != role.job_id:
         raise JobMismatchError(
             f"rank {role.rank} (job {role.job_id!r}) reached the rendezvous store at {host}:{port}, "
             f"but it belongs to job {theirs!r}; refusing to join another job. Give each job its "
             "own --started_port, or the same --job_id to every launcher of one job."
+        )
+    return challenge
+
+
+def _make_private_secret(role: Role) -> JobSecret:
+    """Rank 0 of a job started without `SECRET_ENV`: a fresh secret in a file of this user's."""
+    secret = JobSecret(new_secret())
+    try:
+        write_private(secret_file(role.job_id, role.master_endpoint), secret.hex)
+    except (OSError, SecretError) as exc:
+        raise RendezvousError(
+            f"rank 0: no {SECRET_ENV} was given and the secret cannot be left for the other ranks "
+            f"({exc}); set {SECRET_ENV} to the same random value in every rank's environment"
+        ) from None
+    return secret
+
+
+def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> JobSecret:
+    """The secret rank 0 left in this user's private directory. Rank 0 writes that file before
+    the store's marker, so once the marker is seen the file is there, or never will be."""
+    try:
+        path = secret_file(role.job_id, role.master_endpoint)
+        found = read_private(path)
+    except (OSError, SecretError) as exc:
+        raise RendezvousError(f"rank {role.rank}: {exc}") from None
+    if found is not None and challenge_of(raw, found) is not None:
+        return found
+    knock(raw, role.current_endpoint)
+    problem = "no such file" if found is None else "it holds another job's secret"
+    raise SecretMismatchError(
+        f"rank {role.rank}: no {SECRET_ENV} was given, and the secret of the job at the store "
+        f"{host}:{port} is not in {path} ({problem}): this process is not one of the job's, or "
+        f"the job's nodes share no such directory. Set {SECRET_ENV} to the same random value in "
+        "every rank's environment (python -c 'import secrets; print(secrets.token_hex(32))')"
+    )
+
+
+def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[str, str, int],
+           role: Role, host: str, port: int, timeout: float, start: float) -> None:
+    """Rank 0: check each joiner's proof and give it its seat; log the processes refused."""
+    waiting = set(range(1, role.world_size))
+    proofs = knocks = 0
+    logged = 0
+    pause = 0.001
+    while waiting:
+        moved = False
+        count = int(store.add("proofs", 0))
+        for n in range(proofs + 1, count + 1):
+            proof = json.loads(store.get(f"proof/{n}").decode())
+            rank, endpoint, tag = int(proof["rank"]), str(proof["endpoint"]), str(proof["tag"])
+            if rank in waiting and secret.verify(tag, "join", *seal, rank, endpoint):
+                store.set(f"seat/{rank}", secret.mac("seat", *seal, rank, endpoint))
+                waiting.discard(rank)
+            else:
+                print(f"fleetlike.rendezvous: rank 0 refused a claim to rank {rank} from {endpoint}: "
+                      "that rank is seated already, or its proof does not verify", file=sys.stderr,
+                      flush=True)
+        proofs, moved = count, count > proofs or moved
+        # never ``add`` on a public key: a stranger may have made it a non-number, and the
+        # store's server drops the connection of a client that adds to one
+        count = knocks
+        while logged + count - knocks < _MAX_KNOCKS_LOGGED and raw.check([f"{KNOCK_KEY}/{count + 1}"]):
+            count += 1
+        for n in range(knocks + 1, count + 1):
+            if logged < _MAX_KNOCKS_LOGGED:
+                logged += 1
+                try:
+                    who = json.loads(raw.get(f"{KNOCK_KEY}/{n}").decode()[:512])
+                    said = f"{who.get('endpoint')!s:.80} (host {who.get('host')!s:.64}, pid {who.get('pid')!s:.12})"
+                except Exception:  # noqa: BLE001 - whatever a stranger wrote
+                    said = "an unreadable address"
+                print(f"fleetlike.rendezvous: refused a process without this job's secret at "
+                      f"{host}:{port}: it says it is {said}; the job goes on",
+                      file=sys.stderr, flush=True)
+        knocks, moved = count, count > knocks or moved
+        if not waiting:
+            break
+        if time.monotonic() - start > timeout:
+            raise RendezvousError(
+                f"rank 0: waited {time.monotonic() - start:.1f}s at the rendezvous store "
+                f"{host}:{port} (job {role.job_id!r}); ranks {sorted(waiting)} of {role.world_size} "
+                "did not arrive. Are all workers started, with the same endpoints and job id?"
+            )
+        pause = 0.001 if moved else min(pause * 2, 0.05)
+        time.sleep(pause)
+
+
+def _prove(store: dist.Store, secret: JobSecret, seal: tuple[str, str, int], role: Role, host: str,
+           port: int, timeout: float, start: float) -> None:
+    """A joining rank: prove the secret, wait for rank 0's signed seat."""
+    endpoint = role.current_endpoint
+    n = store.add("proofs", 1)
+    store.set(f"proof/{n}", json.dumps({"rank": role.rank, "endpoint": endpoint,
+                                        "tag": secret.mac("join", *seal, role.rank, endpoint)}))
+    try:
+        store.wait([f"seat/{role.rank}"], _td(max(timeout - (time.monotonic() - start), 1.0)))
+    except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
+        raise RendezvousError(
+            f"rank {role.rank}: rank 0 gave this process no seat at the rendezvous store "
+            f"{host}:{port} (job {role.job_id!r}) within {time.monotonic() - start:.1f}s: is rank 0 "
+            "running, and is another process already rank "
+            f"{role.rank}?"
+        ) from exc
+    if not secret.verify(store.get(f"seat/{role.rank}"), "seat", *seal, role.rank, endpoint):
+        raise SecretMismatchError(
+            f"rank {role.rank}: the seat given at {host}:{port} is not signed with this job's "
+            "secret (another process claimed this rank); refusing to join"
         )
 
 

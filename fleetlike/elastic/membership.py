@@ -10,8 +10,13 @@ whose process (or node) is gone. What torch's agent would do next (stop and rest
 worker) is what fleetlike does *not* do: `fleetlike.elastic.run` keeps the surviving processes
 and only builds a new world (a gloo communicator on the round's store) for the new round.
 
-Ranks of a round are ordered by (node IP, local rank, pid), so a node's ranks are contiguous and
-the topology (`Role`) is derived as for a launched job.
+Only holders of the job's secret take part (`fleetlike.comm.secret`): the store's greeting must
+verify with it before anything else, and torch's rendezvous state and every key of the rounds
+live under the secret's prefix, which nobody without it can find. A worker's place in a round is
+the seat torch's rendezvous assigned it; each seat's description (node IP, local rank, pid,
+endpoint) carries an HMAC of the round's seat number, checked before use. Ranks of a round are
+ordered by (node IP, local rank, pid), so a node's ranks are contiguous and the topology
+(`Role`) is derived as for a launched job.
 
 Example (what `fleetlike.elastic.init` does)::
 
@@ -37,6 +42,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from fleetlike.comm import Communicator
 from fleetlike.comm.gloo import GlooCommunicator
+from fleetlike.comm import JOB_KEY, SecretMismatchError, challenge_of, job_store, knock
+from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, secret_from_env, set_current
 from fleetlike.roles import Role, parse_endpoint
 
 __all__ = ["ENV", "EVENTS_KEY", "ElasticSettings", "Membership"]
@@ -94,6 +101,28 @@ class ElasticSettings:
                    env.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:1"), int(env.get("LOCAL_RANK", "0")))
 
 
+def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port: int,
+                   timeout: float) -> JobSecret:
+    """The job's secret (`SECRET_ENV`), once the store's greeting proves its host holds it too."""
+    try:
+        secret = secret_from_env()
+    except SecretError as exc:
+        raise RuntimeError(f"fleetlike.elastic: {exc}") from None
+    if secret is None:
+        raise RuntimeError(
+            f"fleetlike.elastic: {SECRET_ENV} is not set; an elastic job's workers get the job's "
+            "secret from their launcher (python -m fleetlike.launch --nnodes MIN:MAX ...), whose "
+            "nodes share it through that variable")
+    store.wait([JOB_KEY], datetime.timedelta(seconds=timeout))
+    if challenge_of(store, secret) is None:
+        knock(store, settings.endpoint, settings.node_ip)
+        raise SecretMismatchError(
+            f"fleetlike.elastic: the rendezvous store at {host}:{port} does not hold this job's "
+            f"secret: it belongs to another job, or this worker was given another {SECRET_ENV}; "
+            "refusing to join")
+    return secret
+
+
 class Membership:
     """This worker's seat in the rendezvous; `form` joins the next round and builds its world."""
 
@@ -101,13 +130,16 @@ class Membership:
         self.settings = settings
         host, port = parse_endpoint(settings.store, name=ENV["store"])
         self._store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=join_timeout))
+        self._secret = _member_secret(self._store, settings, host, port, join_timeout)
+        set_current(self._secret)
+        self._private = job_store(self._store, self._secret)
         # the round's store is all fleetlike needs: no second TCP store server on rank 0
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        backend = C10dRendezvousBackend(self._store, settings.run_id)
+        backend = C10dRendezvousBackend(self._private, settings.run_id)
         timeout = RendezvousTimeout(join=datetime.timedelta(seconds=join_timeout),
                                     last_call=datetime.timedelta(seconds=settings.last_call))
         self.handler: RendezvousHandler = DynamicRendezvousHandler.from_backend(
-            settings.run_id, self._store, backend, settings.min_workers, settings.max_workers,
+            settings.run_id, self._private, backend, settings.min_workers, settings.max_workers,
             settings.node_ip, timeout, keep_alive_interval=HEARTBEAT_SECONDS,
             keep_alive_max_attempt=HEARTBEATS_MISSED)
         self.rounds = 0
@@ -128,10 +160,11 @@ class Membership:
         store = dist.PrefixStore("fleetlike/", info.store)
         me = f"{self.settings.node_ip}|{self.settings.local_rank:06d}|{os.getpid():010d}|{self.settings.endpoint}"
         store.set(f"alive/{info.rank}", "0")  # before the seat: whoever sees every seat sees this
-        store.set(f"member/{info.rank}", me)
+        tag = self._secret.mac("seat", self.settings.run_id, info.rank, me)
+        store.set(f"member/{info.rank}", f"{tag}#{me}")
         keys = [f"member/{r}" for r in range(info.world_size)]
         store.wait(keys, datetime.timedelta(seconds=timeout))
-        seats = sorted(store.get(k).decode() for k in keys)
+        seats = sorted(self._seat(r, store.get(k).decode()) for r, k in enumerate(keys))
         rank = seats.index(me)
         self.members = [(s.split("|")[0], s.split("|")[3]) for s in seats]
         role = Role.from_endpoints(rank, [ep for _, ep in self.members], job_id=self.settings.run_id,
@@ -145,9 +178,18 @@ class Membership:
         self._watch.start()
         return role, world
 
+    def _seat(self, seat: int, value: str) -> str:
+        """The description at ``seat``, once its HMAC checks (a stranger's entry never counts)."""
+        tag, _, me = value.partition("#")
+        if not self._secret.verify(tag, "seat", self.settings.run_id, seat, me):
+            raise SecretMismatchError(
+                f"fleetlike.elastic: seat {seat} of this round is not signed with this job's "
+                f"secret ({me[:80]!r}); refusing to form a world with it")
+        return me
+
     def record(self, event: Mapping[str, object]) -> None:
         """Append one re-formation record (`EVENTS_KEY`) for the launchers to report."""
-        self._store.set(f"{EVENTS_KEY}/{self._store.add(EVENTS_KEY, 1)}", json.dumps(dict(event)))
+        self._private.set(f"{EVENTS_KEY}/{self._private.add(EVENTS_KEY, 1)}", json.dumps(dict(event)))
 
     def waiting(self) -> int:
         """Workers waiting to join (admitted when the world next re-forms)."""

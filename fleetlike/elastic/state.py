@@ -29,7 +29,6 @@ from __future__ import annotations
 import abc
 import copy
 import os
-import pickle
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.comm import dumps_signed, loads_signed
 from fleetlike.fleet import fleet
 from fleetlike.fleet.checkpoint_files import (
     LEGACY_FORMAT,
@@ -77,16 +77,18 @@ def mark_progress() -> None:
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:
-    """``root``'s ``obj`` on every rank of the fleet's world (pickled; two broadcasts)."""
+    """``root``'s ``obj`` on every rank of the fleet's world (pickled; two broadcasts). The
+    payload carries an HMAC with the job's secret, checked before unpickling
+    (`fleetlike.comm.secret.loads_signed`): only a member of the job can hand state over."""
     world = fleet.context().world
     if world.size == 1:
         return obj
-    data = pickle.dumps(obj) if world.rank == root else b""
+    data = dumps_signed(obj, "elastic.sync", root) if world.rank == root else b""
     size = world.broadcast(torch.tensor([len(data)], dtype=torch.int64), root)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if world.rank == root \
         else torch.empty(int(size.item()), dtype=torch.uint8)
     buf = world.broadcast(buf, root)
-    return obj if world.rank == root else pickle.loads(buf.numpy().tobytes())
+    return obj if world.rank == root else loads_signed(buf.numpy().tobytes(), "elastic.sync", root)
 
 
 def _clone(value: Any) -> Any:

@@ -1,7 +1,11 @@
 """Python objects and model state over the Horovod face: ``broadcast_object``,
 ``allgather_object``, ``broadcast_parameters``, ``broadcast_optimizer_state``.
 
-Objects travel pickled as uint8 tensors (a size first, then the bytes), as Horovod does.
+Objects travel pickled as uint8 tensors (a size first, then the bytes), as Horovod does, and are
+unpickled on the receiving ranks: pickle runs code, so each payload carries an HMAC with the
+job's secret (`fleetlike.comm.secret`) and is checked before unpickling; a payload without it
+raises `PayloadRefused` and is never loaded. Tensors need no pickle: ``hvd.allgather`` /
+``hvd.broadcast`` / ``broadcast_parameters`` move them as they are.
 ``broadcast_parameters`` accepts a ``state_dict()``, ``named_parameters()`` (a generator or a
 list of ``(name, tensor)``) or a list of tensors, and moves them in one collective per dtype
 (fleetlike's coalesced broadcast) after one agreement, instead of one collective per tensor.
@@ -19,8 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -28,7 +30,7 @@ import torch
 
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.collectives.divergence import DivergenceGuard
-from fleetlike.comm import CompletedWork, Work
+from fleetlike.comm import CompletedWork, Work, dumps_signed, loads_signed
 from fleetlike.horovod.collectives import _agree
 from fleetlike.horovod.gather import allgather, broadcast_
 from fleetlike.horovod.negotiate import Kind
@@ -38,18 +40,17 @@ from fleetlike.horovod.process_sets import process_set_runtime
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
-def _dumps(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+def _dumps(obj: Any, context: str, sender: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(dumps_signed(obj, context, sender)), dtype=torch.uint8)
 
 
-def _loads(t: torch.Tensor) -> Any:
-    return pickle.loads(t.numpy().tobytes())
+def _loads(t: torch.Tensor, context: str, sender: int) -> Any:
+    return loads_signed(t.numpy().tobytes(), context, sender)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
-    """``root_rank``'s ``obj`` on every rank (pickled; other ranks' ``obj`` is ignored).
+    """``root_rank``'s ``obj`` on every rank (pickled, signed with the job's secret and checked
+    before unpickling; other ranks' ``obj`` is ignored).
 
     Example:
         >>> epoch = hvd.broadcast_object(epoch, root_rank=0)
@@ -58,29 +59,30 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     name = name or type(obj).__name__
     dev = rt.device  # the communicator's (CUDA under NCCL)
     is_root = rt.ranks[rt.comm.rank] == root_rank
-    mine = _dumps(obj).to(dev) if is_root else None
+    mine = _dumps(obj, "hvd.broadcast_object", root_rank).to(dev) if is_root else None
     size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=dev)
     broadcast_(size, root_rank, name=f"{name}.sz", process_set=process_set)
     data = mine if mine is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     broadcast_(data, root_rank, name=f"{name}.t", process_set=process_set)
-    return obj if is_root else _loads(data.cpu())
+    return obj if is_root else _loads(data.cpu(), "hvd.broadcast_object", root_rank)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order (pickled; sizes may differ).
+    """Every rank's ``obj``, in rank order (pickled, signed with the job's secret and checked
+    before unpickling; sizes may differ).
 
     Example:
         >>> hvd.allgather_object({"rank": hvd.rank()})   # [{'rank': 0}, {'rank': 1}]
     """
     rt = process_set_runtime(process_set, "hvd.allgather_object")
     name = name or type(obj).__name__
-    data = _dumps(obj).to(rt.device)
+    data = _dumps(obj, "hvd.allgather_object", rt.comm.rank).to(rt.device)
     sizes = allgather(torch.tensor([data.numel()], dtype=torch.int64, device=rt.device), name=f"{name}.sz",
                       process_set=process_set).tolist()
     gathered = allgather(data, name=f"{name}.t", process_set=process_set).cpu()
     out, at = [], 0
-    for n in sizes[: rt.comm.size]:
-        out.append(_loads(gathered[at : at + n]))
+    for sender, n in enumerate(sizes[: rt.comm.size]):
+        out.append(obj if sender == rt.comm.rank else _loads(gathered[at : at + n], "hvd.allgather_object", sender))
         at += n
     return out
 

@@ -14,7 +14,7 @@ sample once, so evicting would throw away each sample just before its next use).
 
 Example:
     >>> decoded = ImageFolder("data/train", transform=Resize(256))         # deterministic part
-    >>> train = CachedDataset(decoded, "auto", "/tmp/decoded", cache_size=8 * 2**30,
+    >>> train = CachedDataset(decoded, "auto", os.path.expanduser("~/.cache/decoded"), cache_size=8 * 2**30,
     ...                       transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip(), ToTensor()]))
 """
 

@@ -25,7 +25,7 @@ import enum
 import io as _io
 import os
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Protocol
 
 from torch.utils.data import Dataset
@@ -59,8 +59,13 @@ def read_image_list(list_file: str | os.PathLike[str], num_classes: int | None =
     """``[(relative path, label)]`` from a ``path label`` list; blank lines are skipped and a
     path may contain spaces (the label is the last field)."""
     entries = []
-    with open(list_file, encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, 1):
+    with open(list_file, "rb") as fh:
+        for lineno, data in enumerate(fh, 1):
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{list_file}:{lineno}: byte {data[exc.start]:#04x} at column {exc.start + 1} "
+                                 "is not UTF-8; save the list as UTF-8") from None
             line = raw.strip()
             if not line:
                 continue
@@ -76,6 +81,10 @@ def read_image_list(list_file: str | os.PathLike[str], num_classes: int | None =
                 bound = f"[0, {num_classes})" if num_classes is not None else ">= 0"
                 raise ValueError(f"{list_file}:{lineno}: label {label} in {line!r} is outside {bound}; fix the "
                                  "list or num_classes")
+            pure = PurePosixPath(path)
+            if pure.is_absolute() or ".." in pure.parts or PureWindowsPath(path).drive:
+                raise ValueError(f"{list_file}:{lineno}: path {path!r} leaves the data root (absolute, or "
+                                 "with '..'); list paths relative to the root, inside it")
             entries.append((path, label))
     return entries
 

@@ -8,10 +8,10 @@ workers or ranks ask for the same missing file at once, one fetches and the othe
 (a per-file ``fcntl`` lock, see `DiskStore`).
 
 Example:
-    >>> cache = FileCache("/mnt/nfs/imagenet", "/tmp/imagenet-cache", max_bytes=200 * 2**30)
+    >>> cache = FileCache("/mnt/nfs/imagenet", "/local/me/imagenet-cache", max_bytes=200 * 2**30)
     >>> local = cache.get_file("train/n01440764/n01440764_10026.JPEG")
     >>> ds = ImageListDataset("/mnt/nfs/imagenet", "train.txt", file_cache=cache)   # reads through it
-    >>> get_file("train/x.JPEG", source="/mnt/nfs/imagenet", cache_dir="/tmp/imagenet-cache")
+    >>> get_file("train/x.JPEG", source="/mnt/nfs/imagenet", cache_dir="/local/me/imagenet-cache")
     >>> set_file_cache(cache); get_file("train/x.JPEG")       # Light's form: one process-wide cache
 """
 

@@ -10,10 +10,14 @@ use). Several DataLoader workers and ranks write at once, so
 - ``lock(key)`` is an ``fcntl`` lock per key: the first process fetches, the others wait and
   then find the file (one fetch, not one per process);
 - the byte count lives in a small file under a node-wide lock, recounted from the directory when
-  evicting, so processes agree on the total without a server.
+  evicting, so processes agree on the total without a server;
+- what is in the directory is trusted (the decoded-sample cache unpickles it), so the directory
+  must be the user's own and nobody else may write to it (`owned_directory`): one that does not
+  exist yet is created with mode 0700; another user's, or one that group or others may write
+  (``/tmp`` itself, a shared 0777 folder), is refused, saying why.
 
 Example:
-    >>> store = DiskStore("/tmp/cache", max_bytes=2**30, evict=True, what="FileCache")
+    >>> store = DiskStore("/local/cache/fc", max_bytes=2**30, evict=True, what="FileCache")
     >>> with store.lock("a/b.jpg"):
     ...     path = store.get("a/b.jpg") or store.put("a/b.jpg", chunks)
 """
@@ -29,7 +33,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["CacheFullError", "DiskStore", "LockPickling", "check_size"]
+__all__ = ["CacheFullError", "DiskStore", "LockPickling", "UnsafeCacheDirError", "check_size", "owned_directory"]
 
 _META = ".fleetlike-cache"
 
@@ -55,6 +59,36 @@ class CacheFullError(ValueError):
     """One item is larger than the whole cache."""
 
 
+class UnsafeCacheDirError(PermissionError):
+    """The cache directory belongs to another user, or others may write to it."""
+
+
+def owned_directory(directory: Path, what: str) -> None:
+    """Create ``directory`` (mode 0700) or check that it is this user's and that neither group
+    nor others may write to it; `UnsafeCacheDirError` saying which and the fix otherwise."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # the write probe below names the directory and the error
+    info = directory.lstat()
+    mode = info.st_mode & 0o777
+    why = None
+    if not directory.is_dir() or directory.is_symlink():
+        why = "is not a directory of its own (a link or a file)"
+    elif info.st_uid != os.getuid():
+        why = f"belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+    elif mode & 0o022:
+        why = f"may be written by {'group and others' if mode & 0o022 == 0o022 else 'group' if mode & 0o020 else 'others'} (mode {mode:o})"
+    if why is not None:
+        raise UnsafeCacheDirError(
+            f"{what}: cache directory {str(directory)!r} {why}: whoever can write there could plant "
+            "files that this process would load (the decoded-sample cache unpickles them). Give a "
+            "directory of your own that only you may write, or a new path (it is created with "
+            "mode 0700), e.g. cache_dir=os.path.expanduser('~/.cache/fleetlike/decoded')"
+        )
+
 def check_size(limit: int | None, what: str) -> int | None:
     if limit is None:
         return None
@@ -69,6 +103,7 @@ class DiskStore:
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int | None, evict: bool, what: str) -> None:
         self.root = Path(directory)
         self.max_bytes, self.evict, self.what = check_size(max_bytes, what), evict, what
+        owned_directory(self.root, what)
         meta = self.root / _META
         try:
             (meta / "locks").mkdir(parents=True, exist_ok=True)

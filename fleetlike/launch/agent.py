@@ -6,6 +6,8 @@ three additions that a process started over ``ssh`` needs:
 
 * ``--chdir DIR`` and ``--env NAME=VALUE``: the caller's working directory and the variables it
   forwards (``ssh`` gives a login environment, not the caller's);
+* ``--secret_stdin``: the first line of its standard input is the job's secret (never on a
+  command line, where other users of the host could read it);
 * ``--watch_stdin``: the agent stops its workers when its standard input reaches end of file.
   The caller holds the write end of that pipe and never writes to it; when the caller stops the
   agent's ``ssh`` client, or dies itself, ``ssh`` closes the remote command's input, and the
@@ -30,6 +32,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.main import main as launch_main
 
 __all__ = ["main"]
@@ -45,6 +48,17 @@ def _watch_stdin() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _first_line() -> str:
+    """The first line of stdin, read byte by byte (nothing after it is consumed)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode(errors="replace").strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m fleetlike.launch.agent``; returns the launcher's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -54,7 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chdir", default=None)
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--watch_stdin", action="store_true")
+    p.add_argument("--secret_stdin", action="store_true")
     opts = p.parse_args(own)
+    if opts.secret_stdin:
+        os.environ[SECRET_ENV] = _first_line()
     if opts.chdir:
         os.chdir(opts.chdir)
     for item in opts.env:

@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Sequence
 
+from fleetlike.comm import JobSecret
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
 from fleetlike.launch.env import torch_master_port
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
@@ -149,7 +150,7 @@ def host_ports(config: LaunchConfig) -> tuple[LaunchConfig, HostedEndpoints]:
     hosts = [config.node_ip] * config.nproc_per_node
     try:
         if config.node_index == 0:
-            hosted = host_endpoints(hosts, config.job_id)
+            hosted = host_endpoints(hosts, config.job_id, secret=JobSecret(config.job_secret))
         else:
             hosted = hold_endpoints(hosts)
     except OSError as exc:

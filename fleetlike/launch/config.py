@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import math
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
+from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.roles import is_host, parse_gpu_list
 
@@ -158,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes on this node (default: one per selected GPU, else 1)")
     p.add_argument("--log_dir", default="log", help="directory of workerlog.N files (default: log)")
     p.add_argument("--job_id", default=None,
-                   help="job identifier given to workers as FLEETLIKE_JOB_ID (default: random on "
-                   "one node; on several nodes a digest of the node IPs, port and process count, "
-                   "so every node's launcher derives the same value)")
+                   help="job identifier given to workers as FLEETLIKE_JOB_ID (default: "
+                   "FLEETLIKE_JOB_ID from the environment, else derived from the FLEETLIKE_JOB_SECRET "
+                   "every node was given, else random; with --rendezvous_file the other nodes take "
+                   "node 0's from the file)")
     p.add_argument("--kill_grace", default="3",
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default: 3)")
     p.add_argument("--accelerate_ddp", action="store_true",
@@ -206,17 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_job_id(
-    cluster_node_ips: Sequence[str], started_port: int | None, nproc_per_node: int
+    cluster_node_ips: Sequence[str], started_port: int | None, nproc_per_node: int,
+    environ: Mapping[str, str] | None = None,
 ) -> str:
-    """Random for one node; for several, a digest that every node's launcher computes alike.
+    """``FLEETLIKE_JOB_ID`` from ``environ`` (default ``os.environ``), else one derived from the
+    `SECRET_ENV` secret there (every node's launcher derives the same from the same secret, and
+    nobody without it can), else random per run.
 
-    Launchers on different machines cannot agree on a random value without talking to each
-    other, so a multi-node job is named by what the launchers already share: their flags.
+    Never a digest of the flags: anyone who knows them could compute it. The node layout
+    arguments are kept for callers that pass them; they do not enter the id.
     """
-    if len(cluster_node_ips) <= 1:
-        return uuid.uuid4().hex[:12]
-    text = f"{','.join(cluster_node_ips)}|{started_port}|{nproc_per_node}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    env = os.environ if environ is None else environ
+    given = env.get("FLEETLIKE_JOB_ID", "").strip()
+    if given:
+        return given
+    text = env.get(SECRET_ENV, "").strip()
+    if text:
+        try:
+            return JobSecret(text).job_id()
+        except SecretError as exc:
+            raise LaunchInputError(str(exc)) from None
+    return uuid.uuid4().hex[:12]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +269,11 @@ class LaunchConfig:
     host_discovery_script: str | None = None
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
     remote_shell: str = DEFAULT_REMOTE_SHELL
+    #: the job's secret (hex, `fleetlike.comm.secret`): `SECRET_ENV` of the launcher's
+    #: environment, else made here; the workers get it in `SECRET_ENV`. Never shown.
+    job_secret: str = dataclasses.field(default_factory=new_secret, repr=False)
+    #: no ``--job_id`` and not node 0 of a ``--rendezvous_file`` meeting: the id is node 0's
+    job_id_from_file: bool = False
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -329,8 +345,14 @@ class LaunchConfig:
                 f"cluster_endpoints has {len(self.cluster_endpoints)} entries for world_size="
                 f"{self.world_size}; give one endpoint per rank"
             )
-        if self.kill_grace < 0:
-            raise LaunchInputError(f"--kill_grace={self.kill_grace} must be >= 0 seconds")
+        if not 0 <= self.kill_grace < math.inf:
+            raise LaunchInputError(
+                f"--kill_grace={self.kill_grace} must be a finite number of seconds >= 0 (a "
+                "worker that ignores SIGTERM would otherwise never be killed); e.g. --kill_grace=3")
+        try:
+            JobSecret(self.job_secret)
+        except SecretError as exc:
+            raise LaunchInputError(str(exc)) from None
         if not self.job_id:
             raise LaunchInputError("--job_id is empty; give a non-empty name or leave it out")
         if self.max_restarts < 0:
@@ -515,7 +537,8 @@ def parse_config(
     ``device_count`` reports visible CUDA devices; it is asked only without ``--selected_gpus``.
     Then all visible GPUs are used, or with ``--nproc_per_node=N`` GPUs 0..N-1 when at least N
     are visible, else CPU. ``environ`` (default ``os.environ``) is read with ``--use_paddlecloud``
-    only (`fleetlike.launch.cloud`).
+    (`fleetlike.launch.cloud`), and for the job's secret (`SECRET_ENV`: required when several
+    launchers must share it and no ``--rendezvous_file`` carries it) and ``FLEETLIKE_JOB_ID``.
     """
     args = build_parser().parse_args(list(argv))
     ips = tuple(ip.strip() for ip in args.cluster_node_ips.split(",") if ip.strip())
@@ -568,10 +591,12 @@ def parse_config(
         node_ip = args.node_ip.strip() if args.node_ip else "127.0.0.1"
         if args.cluster_node_ips == "127.0.0.1":
             ips = (node_ip,)
-    job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc)
-    if nodes[0] and args.job_id is None:  # every node's launcher derives the same id
-        job_id = hashlib.sha256(f"elastic|{args.rdzv_endpoint}|{nproc}".encode()).hexdigest()[:12]
-    return LaunchConfig(
+    env = os.environ if environ is None else environ
+    secret_text = env.get(SECRET_ENV, "").strip()
+    through_file = port is None and len(ips) > 1
+    job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc, env)
+    from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get("FLEETLIKE_JOB_ID")
+    config = LaunchConfig(
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
         cluster_node_ips=ips,
@@ -599,7 +624,20 @@ def parse_config(
         host_discovery_script=args.host_discovery_script,
         discovery_interval=_seconds("--discovery_interval", args.discovery_interval),
         remote_shell=args.remote_shell,
+        job_secret=secret_text or new_secret(),
+        job_id_from_file=bool(from_file),
     )
+    several = config.node_num > 1 or (config.max_nodes > 1 and config.host_discovery_script is None)
+    if several and not config.meets_through_file and not secret_text:
+        what = (f"--nnodes={args.nnodes} (other nodes' launchers join its rendezvous)" if nodes[0]
+                else f"--cluster_node_ips={','.join(ips)} with --started_port={args.started_port}")
+        raise LaunchInputError(
+            f"{what}: every node's launcher must hold the same job secret, and nothing carries it "
+            f"between them; export {SECRET_ENV} with the same random value on every node (python "
+            f"-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port={AUTO_PORT} "
+            "with --rendezvous_file, which carries node 0's"
+        )
+    return config
 
 
 def _port_text(config: LaunchConfig) -> str:

@@ -41,7 +41,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from fleetlike.comm import JOB_KEY, host_store
+from fleetlike.comm import host_store
+from fleetlike.comm import job_store
+from fleetlike.comm import JobSecret
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
 from fleetlike.launch.discovery import HostDiscovery
 from fleetlike.launch.nodewatch import NodeWatch
@@ -127,7 +129,7 @@ def host_rendezvous(config: LaunchConfig) -> Any | None:
     if host != config.node_ip:
         return None
     try:
-        return host_store(host, config.job_id, port=port)
+        return host_store(host, config.job_id, port=port, secret=JobSecret(config.job_secret))
     except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
         raise LaunchInputError(
             f"--rdzv_endpoint={config.rdzv_endpoint}: cannot host the rendezvous store there "
@@ -158,7 +160,8 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
     (`fleetlike.launch.discovery`) and stopped with the job. The last line is the summary:
     the worker failures, and (elastic jobs) the nodes lost and joined (`NodeWatch`)."""
     rendezvous = host_rendezvous(config)
-    watch = NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous) if config.min_nodes else None
+    watch = (NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous,
+                       secret=JobSecret(config.job_secret)) if config.min_nodes else None)
     if watch is not None:
         watch.start()
     discovery = HostDiscovery(config) if config.host_discovery_script is not None else None
@@ -253,7 +256,7 @@ def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
         shutil.rmtree(progress, ignore_errors=True)
         os.makedirs(progress)
         if store is not None:
-            store.set(JOB_KEY, gen.job_id)  # the workers of this generation check it
+            job_store(store, JobSecret(config.job_secret)).set("job_id", gen.job_id)  # its workers check it
         env = {**_restart_env(config, generation), PROGRESS_DIR_VAR: os.path.abspath(progress)}
         failed: list[Worker] = []
         code = run_once(gen, stop, env, failed)

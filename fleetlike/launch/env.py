@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles import parse_endpoint
 
@@ -116,6 +117,8 @@ def worker_env(
                           node's) launcher, so rank 0 (fleetlike, or torch's ``env://``)
                           joins it instead of binding the port; removed otherwise
     FLEETLIKE_JOB_ID      the job id (--job_id, see `default_job_id`)
+    FLEETLIKE_JOB_SECRET  the job's secret (`fleetlike.comm.secret`): the rendezvous admits
+                          only processes that hold it
     FLEETLIKE_NODE_IP     this node's IP (--node_ip)
     CUDA_VISIBLE_DEVICES  GPU runs only: the launcher's own visible devices, unchanged in
                           order, so FLAGS_selected_gpus indexes the same devices it validated
@@ -156,6 +159,7 @@ def worker_env(
             "MASTER_ADDR": master_host,
             "MASTER_PORT": str(torch_master_port(config)),
             "FLEETLIKE_JOB_ID": config.job_id,
+            SECRET_ENV: config.job_secret,
             "FLEETLIKE_NODE_IP": config.node_ip,
         }
     )

@@ -26,6 +26,7 @@ Exit codes: as the ordinary launcher's (0, or the failed worker's code, or 128 +
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -36,6 +37,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
+from fleetlike.comm import SECRET_ENV, new_secret
 from fleetlike.launch.config import LaunchInputError, _HelpExit, default_job_id
 from fleetlike.launch.hosts import (
     HostsJob,
@@ -131,7 +133,7 @@ def _watch(procs: Sequence[subprocess.Popen[bytes]], names: Sequence[str], job: 
         stop.event.wait(_POLL_SECONDS)
 
 
-def _run_gloo(job: HostsJob, stop: _StopRequest) -> int:
+def _run_gloo(job: HostsJob, stop: _StopRequest, secret: str) -> int:
     cwd, env = os.getcwd(), forwarded_env(job.forward)
     procs: list[subprocess.Popen[bytes]] = []
     names = []
@@ -142,7 +144,7 @@ def _run_gloo(job: HostsJob, stop: _StopRequest) -> int:
                 argv = job.shell_argv(host.name) + [shlex.join(argv)]
             names.append(f"host {host.name} (node {k}, ranks {k * job.per_node}..{(k + 1) * job.per_node - 1})")
             try:
-                procs.append(start_agent(argv, stdin=subprocess.PIPE))
+                procs.append(start_agent(argv, stdin=subprocess.PIPE, secret=secret))
             except OSError as exc:
                 print(f"{_PREFIX} cannot start the agent of host {host.name}: {exc}", file=sys.stderr, flush=True)
                 stop_agents(procs, agent_grace(job.kill_grace))
@@ -153,7 +155,7 @@ def _run_gloo(job: HostsJob, stop: _StopRequest) -> int:
             stop_agents(procs, agent_grace(job.kill_grace))
 
 
-def _run_mpi(job: HostsJob, stop: _StopRequest) -> int:
+def _run_mpi(job: HostsJob, stop: _StopRequest, secret: str) -> int:
     with tempfile.TemporaryDirectory(prefix="fleetlike-mpi-") as tmp:
         launcher_exec = None
         if any(not h.local for h in job.hosts):
@@ -162,7 +164,9 @@ def _run_mpi(job: HostsJob, stop: _StopRequest) -> int:
                 fh.write("#!/bin/sh\nexec " + shlex.join([sys.executable, _MPIGUARD, "shell", job.remote_shell])
                          + ' "$@"\n')
             os.chmod(launcher_exec, 0o755)
-        proc = start_agent(mpiexec_command(job, launcher_exec), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # in mpiexec's environment (which it hands to every rank), not on its command line
+        proc = start_agent(mpiexec_command(job, launcher_exec), stdin=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, env={**os.environ, SECRET_ENV: secret})
         failed: list[int] = []
         tee = threading.Thread(target=_tee_stderr, args=(proc, failed), name="fleetlike-mpiexec-err", daemon=True)
         tee.start()
@@ -206,10 +210,14 @@ def _signum(how: str) -> int:
 
 def run_hosts(job: HostsJob) -> int:
     """Run ``job`` to the end and return the exit code (see module doc)."""
+    secret = os.environ.get(SECRET_ENV, "").strip() or new_secret()
+    # one id for every host's agent (a random default would differ per call)
+    job = dataclasses.replace(job, job_id=job.job_id or default_job_id(
+        job.node_names, job.started_port, job.per_node, {**os.environ, SECRET_ENV: secret}))
     stop = _StopRequest()
     stop.install()
     try:
-        return _run_mpi(job, stop) if job.mode is Mode.MPI else _run_gloo(job, stop)
+        return _run_mpi(job, stop, secret) if job.mode is Mode.MPI else _run_gloo(job, stop, secret)
     finally:
         stop.restore()
 

@@ -7,14 +7,18 @@ works on a shared filesystem:
 
 1. the launcher of the first node in ``--cluster_node_ips`` hosts the store on a port the OS
    chooses (rank 0's endpoint, as on one node), puts a random token in it, then writes the
-   store's ``host:port``, the job id and the token to ``--rendezvous_file`` atomically (a
-   temporary file in the same directory, renamed over the path, so a reader sees the old file
-   or the new one, never half of one);
+   store's ``host:port``, the job id, the token and the job's secret to ``--rendezvous_file``
+   atomically (a temporary file in the same directory, mode 0600, renamed over the path, so a
+   reader sees the old file or the new one, never half of one);
 2. every other launcher waits for the file (up to ``--rendezvous_timeout``) and joins the store
-   it names only if the file names this launcher's job and the store is alive, belongs to that
-   job and holds the same token. A file of another job, or one left by an earlier run (its store
-   gone, or a store with another token), is never joined: the launcher keeps waiting for node 0's
-   launcher to replace it, and its error names what it found;
+   it names only if the file is its user's own and nobody else may write it, the store's host
+   is ``--cluster_node_ips[0]`` (a file naming any other address is refused, naming both: whoever
+   can write the file must not be able to send the nodes elsewhere), the file names this
+   launcher's job (``--job_id`` given; without it the file's id is taken), and the store is
+   alive, greets with the file's secret and holds the same token. A file of another job, or
+   one left by an earlier run (its store gone, or a store with another token), is never joined:
+   the launcher keeps waiting for node 0's launcher to replace it, and its error names what it
+   found;
 3. every launcher claims its node's slot (once: a second launcher for the same node is refused),
    publishes the endpoints of its local ranks (ports it binds and holds, as on one node) under
    ``fleetlike/launch/<job_id>/``, and waits for every node's list. Their concatenation, node by
@@ -38,13 +42,15 @@ import json
 import os
 import secrets
 import socket
+import stat
 import tempfile
 import threading
 import time
 
 import torch.distributed as dist
 
-from fleetlike.comm import JOB_KEY
+from fleetlike.comm import challenge_of, job_store, read_job_id
+from fleetlike.comm import JobSecret, SecretError
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.roles import parse_endpoint
@@ -77,10 +83,11 @@ class StoreAddress:
     store: str
     job_id: str
     token: str
+    secret: str = dataclasses.field(default="", repr=False)
 
     def to_json(self) -> str:
         return json.dumps({"format": FILE_FORMAT, "store": self.store, "job_id": self.job_id,
-                           "token": self.token}) + "\n"
+                           "token": self.token, "secret": self.secret}) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> StoreAddress:
@@ -91,7 +98,7 @@ class StoreAddress:
             raise ValueError("not JSON") from None
         if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
             raise ValueError(f"no \"format\": {FILE_FORMAT!r} field")
-        fields = {name: data.get(name) for name in ("store", "job_id", "token")}
+        fields = {name: data.get(name) for name in ("store", "job_id", "token", "secret")}
         bad = [name for name, value in fields.items() if not isinstance(value, str) or not value]
         if bad:
             raise ValueError(f"{', '.join(bad)} missing or empty")
@@ -109,7 +116,7 @@ def write_address(path: str, address: StoreAddress) -> None:
             fh.write(address.to_json())
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(temp, 0o644)  # launchers on other nodes may run as other users
+        os.chmod(temp, 0o600)  # it holds the job's secret: the job's user's launchers only
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -121,10 +128,18 @@ def read_address(path: str) -> StoreAddress | None:
     """The address in ``path``; None while the file does not exist. ValueError for a file that
     is not a rendezvous file, OSError when it cannot be read."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, encoding="utf-8") as fh:
+        info = os.fstat(fh.fileno())
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise ValueError(
+                f"it is owned by uid {info.st_uid} (this launcher runs as {os.getuid()}) with mode "
+                f"{stat.S_IMODE(info.st_mode):o}; a rendezvous file is trusted only when it is this "
+                "user's and nobody else may write it"
+            )
+        text = fh.read()
     return StoreAddress.from_json(text)
 
 
@@ -158,11 +173,13 @@ def meet(config: LaunchConfig, hosted: HostedEndpoints, *, stop: threading.Event
     deadline = time.monotonic() + config.rendezvous_timeout
     if config.node_index != 0:
         store, address = _find_store(config, deadline, stop, poll)
+        config = dataclasses.replace(config, job_id=address.job_id, job_secret=address.secret,
+                                     job_id_from_file=False)
         return _exchange(config, hosted, store, address, deadline, stop, poll)
     if hosted.store is None:
         raise ValueError("node 0's HostedEndpoints must host the store (host_endpoints)")
-    store = _job_store(hosted.store, config.job_id)
-    address = StoreAddress(hosted.endpoints[0], config.job_id, secrets.token_hex(16))
+    store = _job_store(hosted.store, config)
+    address = StoreAddress(hosted.endpoints[0], config.job_id, secrets.token_hex(16), config.job_secret)
     store.set("token", address.token)
     path = config.rendezvous_file
     try:
@@ -182,8 +199,8 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _job_store(raw: dist.Store, job_id: str) -> dist.Store:
-    return dist.PrefixStore(f"fleetlike/launch/{job_id}/", raw)
+def _job_store(raw: dist.Store, config: LaunchConfig) -> dist.Store:
+    return dist.PrefixStore(f"launch/{config.job_id}/", job_store(raw, JobSecret(config.job_secret)))
 
 
 def _me(config: LaunchConfig) -> str:
@@ -211,7 +228,17 @@ def _find_store(config: LaunchConfig, deadline: float, stop: threading.Event,
             if address is None:
                 problem = "does not exist"
         if address is not None:
-            if address.job_id != config.job_id:
+            host = parse_endpoint(address.store, name="store")[0]
+            if host != config.cluster_node_ips[0]:
+                problem = (
+                    f"names a store at {address.store}, but node 0 is --cluster_node_ips[0]="
+                    f"{config.cluster_node_ips[0]}: the store's host must be node 0; refusing a "
+                    "file that would send this node elsewhere (forged, or written by another job)"
+                )
+            elif config.job_id_from_file:
+                config = dataclasses.replace(config, job_id=address.job_id, job_id_from_file=False)
+                continue
+            elif address.job_id != config.job_id:
                 problem = (
                     f"names job {address.job_id!r}, not this launcher's {config.job_id!r} (a file "
                     "of another job, or launchers started with different flags or --job_id)"
@@ -219,7 +246,8 @@ def _find_store(config: LaunchConfig, deadline: float, stop: threading.Event,
             elif address.token in refused:
                 pass  # the problem found then still stands
             else:
-                store, problem, final = _join(address, config, deadline)
+                joined = dataclasses.replace(config, job_secret=address.secret)
+                store, problem, final = _join(address, joined, deadline)
                 if store is not None:
                     return store, address
                 if final:
@@ -250,13 +278,23 @@ def _join(address: StoreAddress, config: LaunchConfig,
         why = f"names the store at {address.store}, where nothing answers ({exc.strerror or exc}: "
         return None, why + f"{stale})", False
     try:
+        secret = JobSecret(address.secret, source=f"the secret in {config.rendezvous_file}")
+    except SecretError as exc:
+        return None, str(exc), True
+    try:
         raw = dist.TCPStore(host, port, None, False, _td(max(min(remaining, _STORE_SECONDS), 1.0)))
-        job = raw.get(JOB_KEY).decode() if raw.check([JOB_KEY]) else None
-        store = _job_store(raw, config.job_id)
-        token = store.get("token").decode() if store.check(["token"]) else None
+        greets = challenge_of(raw, secret) is not None
+        job = read_job_id(raw, secret) if greets else None
+        store = _job_store(raw, config)
+        token = store.get("token").decode() if greets and store.check(["token"]) else None
     except Exception as exc:  # noqa: BLE001 - torch raises several types
         why = f"names {address.store}, which does not answer as a store ({exc}; {stale})"
         return None, why, False
+    if not greets:
+        return None, (
+            f"names the store at {address.store}, which does not greet with the file's secret "
+            f"(another job's store, or a forged file): {stale}"
+        ), True
     if job != address.job_id or token != address.token:
         return None, (
             f"names the store at {address.store}, which belongs to another run (job {job!r}, "

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fleetlike.comm import job_store
+from fleetlike.comm import JobSecret
 from fleetlike.roles import parse_endpoint
 
 __all__ = ["BEAT_PREFIX", "EVENTS_KEY", "MISSED", "PERIOD", "EventKind", "NodeWatch", "NodeEvent"]
@@ -74,8 +76,14 @@ class NodeEvent:
 class NodeWatch(threading.Thread):
     """This launcher's heartbeat and its view of the other launchers' (see the module docstring)."""
 
-    def __init__(self, endpoint: str, ip: str, *, store: Any | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, endpoint: str, ip: str, *, store: Any | None = None, timeout: float = 10.0,
+                 secret: JobSecret | None = None) -> None:
         super().__init__(name="fleetlike-launch-nodewatch", daemon=True)
+        # under the job secret's prefix (`fleetlike.comm.rendezvous.job_store`), where the
+        # workers record re-formations and nobody without the secret can touch the counters
+        self._secret = secret
+        if store is not None and secret is not None:
+            store = job_store(store, secret)
         self._endpoint, self._ip, self._store, self._timeout = endpoint, ip, store, timeout
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -85,7 +93,8 @@ class NodeWatch(threading.Thread):
 
     def _connect(self) -> Any:
         host, port = parse_endpoint(self._endpoint, name="--rdzv_endpoint")
-        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=self._timeout))
+        raw = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=self._timeout))
+        return raw if self._secret is None else job_store(raw, self._secret)
 
     def run(self) -> None:
         try:

@@ -30,6 +30,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from fleetlike.comm import host_store
+from fleetlike.comm import JobSecret
 
 __all__ = ["HostedEndpoints", "hold_endpoints", "host_endpoints", "reserve_port"]
 
@@ -86,15 +87,17 @@ class HostedEndpoints:
         self.close()
 
 
-def host_endpoints(hosts: Sequence[str], job_id: str, timeout: float = 300.0) -> HostedEndpoints:
+def host_endpoints(hosts: Sequence[str], job_id: str, timeout: float = 300.0, *,
+                   secret: JobSecret | None = None) -> HostedEndpoints:
     """Endpoints for ranks on ``hosts`` (one entry per rank, rank order), ports chosen by the OS.
 
-    Rank 0's port is a rendezvous store for ``job_id`` hosted here (on ``hosts[0]`` only); the
-    others are reserved sockets. Raises OSError when a host is not an address of this machine.
+    Rank 0's port is a rendezvous store for ``job_id`` hosted here (on ``hosts[0]`` only),
+    greeting with ``secret`` (`fleetlike.comm.rendezvous.host_store`); the others are reserved
+    sockets. Raises OSError when a host is not an address of this machine.
     """
     if not hosts:
         raise ValueError("hosts is empty: give one host per rank (at least one)")
-    store = host_store(hosts[0], job_id, timeout)
+    store = host_store(hosts[0], job_id, timeout, secret=secret)
     held = _hold(hosts[1:])
     ports = [int(store.port)] + [sock.getsockname()[1] for sock in held]
     return HostedEndpoints(_endpoints(hosts, ports), store, held)

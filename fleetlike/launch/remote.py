@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from fleetlike.comm import SECRET_ENV
 from fleetlike.launch.hosts import FORWARDED, FORWARDED_PREFIXES, shell_argv
 from fleetlike.launch.workers import _die_with_launcher
 
@@ -39,9 +40,13 @@ def forwarded_env(forward: Sequence[str] = (), environ: Mapping[str, str] | None
 
 
 def agent_argv(launcher_args: Sequence[str], *, cwd: str, env: Mapping[str, str]) -> list[str]:
-    """``python -m fleetlike.launch.agent --chdir CWD --watch_stdin --env ... -- LAUNCHER_ARGS``."""
-    argv = [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", cwd, "--watch_stdin"]
+    """``python -m fleetlike.launch.agent --chdir CWD --watch_stdin --secret_stdin --env ... --
+    LAUNCHER_ARGS``: the agent reads the job's secret from the first line of its input
+    (`start_agent` writes it), so it never appears on a command line; ``env`` never carries it."""
+    argv = [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", cwd, "--watch_stdin", "--secret_stdin"]
     for name, value in env.items():
+        if name == SECRET_ENV:
+            continue
         argv += ["--env", f"{name}={value}"]
     return argv + ["--", *launcher_args]
 
@@ -52,10 +57,21 @@ def agent_grace(kill_grace: float) -> float:
 
 
 def start_agent(argv: Sequence[str], *, stdin: int | None = subprocess.PIPE,
-                stderr: int | None = None) -> subprocess.Popen[bytes]:
-    """A child in its own session (so its group can be signalled) that dies with this process."""
-    return subprocess.Popen(list(argv), stdin=stdin, stderr=stderr, start_new_session=True,
-                            preexec_fn=_die_with_launcher)
+                stderr: int | None = None, secret: str | None = None,
+                env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A child in its own session (so its group can be signalled) that dies with this process.
+
+    ``secret``: written as the first line of the child's input (an agent started with
+    ``--secret_stdin``); the pipe then stays open, unwritten, as the stop cue."""
+    proc = subprocess.Popen(list(argv), stdin=stdin, stderr=stderr, start_new_session=True,
+                            preexec_fn=_die_with_launcher, env=None if env is None else dict(env))
+    if secret is not None and proc.stdin is not None:
+        try:
+            proc.stdin.write(secret.encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            pass  # the agent is gone already: its exit is reported by whoever watches it
+    return proc
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -3,6 +3,12 @@
 A training script often has children of its own (DataLoader workers, a tokenizer pool). Starting
 each worker as the leader of a new session lets the launcher signal the whole group at once, so
 stopping a job leaves nothing behind: SIGTERM first, SIGKILL after a grace period.
+
+A launcher killed with SIGKILL cannot stop anything. Its workers die with it
+(``PR_SET_PDEATHSIG``), but that setting is not inherited, so their own children would live on.
+A small guard process (`_Guard`, the standard library only) holds the other end of a pipe from
+the launcher and the list of the workers' process groups; when the pipe closes without the
+groups having been stopped (the launcher is gone, however it ended), it kills those groups.
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ def start_worker(
     except BaseException:
         log_file.close()
         raise
+    _Guard.shared().watch(process.pid)
     worker = Worker(local_rank, rank, log_path, process, log_file)
     if echo and process.stdout is not None:
         worker.tee = threading.Thread(
@@ -138,7 +145,65 @@ def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int =
                 "after SIGKILL",
                 file=sys.stderr,
             )
+    for worker in workers:
+        if not worker.group_alive():
+            _Guard.shared().forget(worker.process.pid)
     close_logs(workers)
+
+
+_GUARD_CODE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    word = line.strip()
+    if word.startswith("-"):
+        groups.discard(int(word[1:]))
+    elif word:
+        groups.add(int(word))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Guard:
+    """The process that kills the workers' groups if this launcher dies without stopping them."""
+
+    _shared: _Guard | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        # its own session: a signal to the launcher's group (Ctrl-C) does not reach it; no
+        # PDEATHSIG: it must outlive the launcher to do its work
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-S", "-c", _GUARD_CODE], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    @classmethod
+    def shared(cls) -> _Guard:
+        with cls._lock:
+            if cls._shared is None or cls._shared._proc is None or cls._shared._proc.poll() is not None:
+                cls._shared = cls()
+            return cls._shared
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None or self._proc.stdin is None:
+                return
+            try:
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except OSError:
+                self._proc = None  # it died: the launcher's own stop logic still covers the rest
+
+    def watch(self, group: int) -> None:
+        self._say(str(group))
+
+    def forget(self, group: int) -> None:
+        self._say(f"-{group}")
 
 
 def _die_with_launcher() -> None:

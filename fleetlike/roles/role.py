@@ -97,6 +97,8 @@ class Role:
             a client instead of binding the port: the host bound it on port 0 and never let it go,
             so no other process can take it between the choice of the port and its use.
         source: which role maker produced this (for the applied-strategy report and errors).
+        secret: the job's secret (hex; `fleetlike.comm.secret`), when the role maker was given
+            it; empty: the rendezvous reads ``FLEETLIKE_JOB_SECRET``. Never shown in ``repr``.
     """
 
     rank: int
@@ -111,6 +113,7 @@ class Role:
     master_endpoint: str = ""
     source: str = "user"
     master_hosted: bool = False
+    secret: str = dataclasses.field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -137,6 +140,7 @@ class Role:
         master_endpoint: str | None = None,
         source: str = "user",
         master_hosted: bool = False,
+        secret: str = "",
     ) -> Role:
         """Build a role from a rank and the endpoint list, deriving the node topology."""
         eps = tuple(endpoints)
@@ -169,6 +173,7 @@ class Role:
             master_endpoint=master_endpoint if master_endpoint else eps[0],
             source=source,
             master_hosted=master_hosted,
+            secret=secret,
         )
 
     @property
