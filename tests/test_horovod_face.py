@@ -167,7 +167,7 @@ def test_np_hosts_mpi_mode_keeps_hydras_descriptors(tmp_path: Path) -> None:
     from test_launch_run import clean_env
 
     proc = subprocess.run([sys.executable, "-m", "fleetlike.launch", "-np", "2", "-H", "localhost:2", "--mpi",
-                           str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=100)
+                           "--", sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(2):
         assert f"rank {r} of 2 mpi=True sum=3.0" in proc.stdout + proc.stderr

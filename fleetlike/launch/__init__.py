@@ -21,6 +21,7 @@ from fleetlike.launch.config import (
     LaunchInputError,
     build_parser,
     default_job_id,
+    open_job_warning,
     format_config,
     parse_config,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "PROXY_VARIABLES",
     "build_parser",
     "default_job_id",
+    "open_job_warning",
     "format_config",
     "hold_endpoints",
     "host_endpoints",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import uuid
@@ -31,6 +32,8 @@ __all__ = [
     "parse_config",
     "default_job_id",
     "format_config",
+    "open_job_secret",
+    "open_job_warning",
 ]
 
 DEFAULT_STARTED_PORT = 6170
@@ -230,6 +233,26 @@ def default_job_id(
     return uuid.uuid4().hex[:12]
 
 
+def open_job_secret(cluster_node_ips: Sequence[str], started_port: str | None, rdzv_endpoint: str | None,
+                    nnodes: str | None) -> str:
+    """The secret of a several-node job whose launchers share nothing but their flags: every
+    node derives the same one, and so can anyone who knows the flags (see `open_job_warning`)."""
+    text = "\0".join(["fleetlike open job", ",".join(cluster_node_ips), str(started_port),
+                      str(rdzv_endpoint), str(nnodes)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def open_job_warning(config: LaunchConfig) -> str | None:
+    """The line every node's launcher prints when its job is open (`LaunchConfig.open_job`)."""
+    if not config.open_job:
+        return None
+    return (f"warning: no {SECRET_ENV} is set, so this job's secret is derived from its flags: "
+            f"anyone who can reach {config.cluster_node_ips[0]} and knows them can join it. On a "
+            f"shared network, export {SECRET_ENV} with the same random value on every node (python "
+            "-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port=auto with "
+            "--rendezvous_file (docs/security.md)")
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """Everything the launcher needs, resolved. Endpoints and ranks are derived, not stored.
@@ -274,6 +297,9 @@ class LaunchConfig:
     job_secret: str = dataclasses.field(default_factory=new_secret, repr=False)
     #: no ``--job_id`` and not node 0 of a ``--rendezvous_file`` meeting: the id is node 0's
     job_id_from_file: bool = False
+    #: several nodes met by fixed ports with no ``SECRET_ENV``: the secret comes from the flags
+    #: (`open_job_secret`), so anyone who knows them can join; `open_job_warning` says so
+    open_job: bool = False
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -629,14 +655,15 @@ def parse_config(
     )
     several = config.node_num > 1 or (config.max_nodes > 1 and config.host_discovery_script is None)
     if several and not config.meets_through_file and not secret_text:
-        what = (f"--nnodes={args.nnodes} (other nodes' launchers join its rendezvous)" if nodes[0]
-                else f"--cluster_node_ips={','.join(ips)} with --started_port={args.started_port}")
-        raise LaunchInputError(
-            f"{what}: every node's launcher must hold the same job secret, and nothing carries it "
-            f"between them; export {SECRET_ENV} with the same random value on every node (python "
-            f"-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port={AUTO_PORT} "
-            "with --rendezvous_file, which carries node 0's"
-        )
+        # Paddle's launch form starts each node's launcher on its own, and nothing but the flags is
+        # shared between them: the job still runs (the launch contract), its secret taken from the
+        # flags, so it keeps every node of this job together but cannot keep out whoever knows
+        # them. `open_job_warning` says so on every node.
+        # an elastic job's nodes name only themselves: its rendezvous endpoint is what they share
+        secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
+        given_id = args.job_id is not None or bool(env.get("FLEETLIKE_JOB_ID", "").strip())
+        config = dataclasses.replace(config, job_secret=secret, open_job=True,
+                                     job_id=config.job_id if given_id else JobSecret(secret).job_id())
     return config
 
 

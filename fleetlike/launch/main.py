@@ -26,6 +26,7 @@ from fleetlike.launch.config import (
     LaunchInputError,
     _HelpExit,
     format_config,
+    open_job_warning,
     parse_config,
 )
 from fleetlike.launch.elastic_agent import restart_loop
@@ -133,9 +134,9 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
     log_path, env)``) instead of ending the local job; it returns the new worker or None."""
     if config.print_config:
         print(format_config(config), flush=True)
-    note = omp_note(config)
-    if note is not None:
-        print(f"{_PREFIX} {note}", file=sys.stderr, flush=True)
+    for note in (open_job_warning(config), omp_note(config)):
+        if note is not None:
+            print(f"{_PREFIX} {note}", file=sys.stderr, flush=True)
     workers: list[Worker] = []
     command = worker_command(config)
 
