@@ -252,7 +252,7 @@ def test_leftovers_are_removed_only_when_provably_stale(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     names = {
-        "dead": f".ckpt.tmp-{host}-{dead.pid}-0000abcd",     # this host, its writer is gone
+        "dead": f".ckpt.tmp-{host}-{dead.pid}-0000abcd",     # this machine, its writer is gone
         "dead_old": f".ckpt.old-{host}-{dead.pid}-0000abce",
         "alive": f".ckpt.tmp-{host}-{os.getppid()}-0000abcf",  # a writer still running: kept
         "other_host": ".ckpt.tmp-elsewhere-123-0000abd0",      # cannot check: kept while fresh

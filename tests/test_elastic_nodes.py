@@ -110,7 +110,9 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
     (uninterrupted,) = {r["accuracy"] for r in reports(reference)}
     assert all(r["resets"] == [] for r in reports(reference))
 
-    done, stderr = lose_a_node(launchers, tmp_path, "eager", 3, 0.03, join_late=True)
+    # a pause long enough that node B, started once A trains, joins well before the last epoch
+    # (with one thread per worker the steps are quick: at 0.03 s A could finish first)
+    done, stderr = lose_a_node(launchers, tmp_path, "eager", 3, 0.08, join_late=True)
     assert re.fullmatch(r"fleetlike\.launch: summary: job succeeded; worker failures: -; nodes lost: node "
                         r"127\.0\.0\.2 lost at commit \d+ \(its launcher stopped answering\); nodes "
                         r"joined: node 127\.0\.0\.2 joined at commit \d+", summary(stderr))

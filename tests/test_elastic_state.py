@@ -106,9 +106,16 @@ def test_bad_input_is_named() -> None:
     assert calls == [1, 2]
 
 
-def test_horovod_elastic_is_this_module() -> None:
+def test_horovod_elastic_names_ride_this_module() -> None:
+    """hvd.elastic is Horovod's name space over this module: its states are this module's (with
+    Horovod's check_host_updates), its interrupt is the same class, its run drives the same
+    re-formation inside an elastic job."""
     import fleetlike.horovod as hvd
     import fleetlike.horovod.elastic as hvd_elastic
 
-    assert hvd.elastic is elastic and hvd_elastic is elastic
-    assert {"State", "TorchState", "ObjectState", "run", "HostsUpdatedInterrupt"} <= set(elastic.__all__)
+    assert hvd.elastic is hvd_elastic
+    assert {"State", "TorchState", "ObjectState", "run", "HostsUpdatedInterrupt"} <= set(hvd_elastic.__all__)
+    assert hvd_elastic.HostsUpdatedInterrupt is elastic.HostsUpdatedInterrupt
+    for name in ("State", "TorchState", "ObjectState"):
+        assert issubclass(getattr(hvd_elastic, name), getattr(elastic, name))
+        assert callable(getattr(getattr(hvd_elastic, name), "check_host_updates"))

@@ -31,9 +31,10 @@ from fleetlike.io import DistributedSampler  # noqa: E402
 out, epochs, pause, style = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 (out / f"pid.{os.getpid()}").write_text(str(os.getpid()))
 (out / f"node.{os.getpid()}").write_text(os.environ.get("FLEETLIKE_NODE_IP", ""))
+core = elastic  # fleetlike's module: its reset log and shutdown
 if style == "horovod":
     hvd.init(timeout=60.0)  # an elastic launch: joins as elastic.init() does
-    elastic = hvd.elastic  # noqa: F811 - the same module
+    elastic = hvd.elastic  # noqa: F811 - Horovod's names over that module
 else:
     elastic.init(timeout=60.0)
 (xtr, ytr), (xte, yte) = digits_split(0)
@@ -105,7 +106,7 @@ def train(state: elastic.TorchState) -> None:
 
 train(state)
 report = {"pid": os.getpid(), "rank": fleet.worker_index(), "world": fleet.worker_num(),
-          "resets": elastic.RESET_LOG, "seen": state.seen, "accuracy": accuracy(net, xte, yte),
+          "resets": core.RESET_LOG, "seen": state.seen, "accuracy": accuracy(net, xte, yte),
           "steps": state.step}
 (out / f"done.{os.getpid()}.json").write_text(json.dumps(report))
-elastic.shutdown()
+core.shutdown()

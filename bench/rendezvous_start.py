@@ -1,0 +1,115 @@
+"""What the job secret's handshake costs at start: a world's rendezvous, timed on two trees.
+
+Every rank of a world times its own ``make_world(role)`` (the rendezvous on the store, the
+admission by rank 0 where the tree has one, then gloo's connections) from the moment it starts
+it; a round's figure is the slowest rank's. ``--base REV`` (a git revision, its ``fleetlike/``
+extracted to a temporary folder) and the working tree take turns round by round, each round in a
+fresh process of its own, so both see the same machine. Per step nothing changes: the handshake
+runs once, when the world forms; the collectives after it are the same calls.
+
+Usage (from the repository root)::
+
+    python -m bench.rendezvous_start --base 2f9e186 --rounds 7 --worlds 2,4
+
+Prints the table, writes ``docs/benchmarks/rendezvous_start.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._common import Column, format_table, run_info, save_figure, save_json
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "benchmarks" / "rendezvous_start.json"
+
+
+def _rank(role: Any) -> float:
+    from fleetlike.testing import make_world
+
+    t0 = time.perf_counter()
+    world = make_world(role, backend="gloo")
+    took = time.perf_counter() - t0
+    world.barrier()
+    return took
+
+
+def _worker(world: int) -> None:
+    from fleetlike.testing import run_ranks
+
+    print(json.dumps(max(run_ranks(_rank, world, timeout=120))))
+
+
+def _extract(rev: str, into: Path) -> Path:
+    archive = into / "base.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), rev, "fleetlike"], cwd=ROOT, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into / "tree", filter="data")
+    return into / "tree"
+
+
+def _one(tree: Path, world: int) -> float:
+    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
+    done = subprocess.run([sys.executable, "-m", "bench.rendezvous_start", "--worker", str(world)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench.rendezvous_start: a {world}-rank world of {tree} failed:\n{done.stderr}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="2f9e186", help="git revision to compare against")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        _worker(args.worker)
+        return
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"base": _extract(args.base, Path(tmp)), "this tree": ROOT}
+        for world in worlds:
+            seconds: dict[str, list[float]] = {name: [] for name in trees}
+            for _ in range(args.rounds):
+                for name, tree in trees.items():
+                    seconds[name].append(_one(tree, world))
+            base, new = statistics.median(seconds["base"]), statistics.median(seconds["this tree"])
+            rows.append({"world": world, "base_ms": base * 1e3, "new_ms": new * 1e3,
+                         "added_ms": (new - base) * 1e3, "base_all": seconds["base"],
+                         "new_all": seconds["this tree"]})
+    columns = [Column("world", "world", "{}"), Column("base_ms", f"{args.base} ms (median)", "{:.1f}"),
+               Column("new_ms", "this tree ms (median)", "{:.1f}"), Column("added_ms", "added ms", "{:+.1f}")]
+    print(format_table(columns, rows))
+    save_json(args.out, {"run": run_info("bench.rendezvous_start", argv), "base": args.base,
+                         "rounds": args.rounds, "rows": rows})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["base_ms"] for r in rows], 0.4, label=args.base)
+    ax.bar([x + 0.2 for x in xs], [r["new_ms"] for r in rows], 0.4, label="with the job secret")
+    ax.set_xticks(list(xs), [f"{r['world']} ranks" for r in rows])
+    ax.set_ylabel("make_world, slowest rank (ms)")
+    ax.legend()
+    save_figure(fig, Path(args.out).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
