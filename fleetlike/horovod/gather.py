@@ -26,7 +26,7 @@ from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.collectives import _agree, _tensor, allreduce, comm_device, grouped_allreduce
 from fleetlike.horovod.negotiate import Kind
 from fleetlike.horovod.ops import ReduceOp
-from fleetlike.horovod.order import Handle, submit, synchronize
+from fleetlike.horovod.order import Handle, finish_in_turn, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
 from fleetlike.horovod.wire import as_bytes, from_bytes
@@ -132,15 +132,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         mine = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64, device=ts[0].device)
         dims = rt.comm.all_gather_flat(mine, agreed=True).view(rt.comm.size, len(ts)).tolist()
         started = [_gather_rows(rt, t, [dims[r][j] for r in range(rt.comm.size)]) for j, t in enumerate(ts)]
-
-        def finish() -> list[torch.Tensor]:
-            out = []
-            for work, fin in started:
-                work.wait()
-                out.append(fin().to(home))
-            return out
-
-        return CompletedWork(None), finish
+        return CompletedWork(None), finish_in_turn(started, home)
 
     return submit(rt, name, "grouped_allgather", what, start)
 

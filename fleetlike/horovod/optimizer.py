@@ -62,7 +62,7 @@ from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
 from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
-from fleetlike.horovod.order import Reorder, resolve
+from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.strategies.data_parallel import gradient_collective
 
@@ -344,16 +344,7 @@ class HorovodOptimizer(HorovodWrapper):
         row = descriptor(kind, op=OPS.index(self.op), root=self._join_id, numel=self._numel, shape=self._layout,
                        name=f"DistributedOptimizer.{self._join_id}")
         with rt.lock:
-            while True:
-                ag = rt.speculator.agree(row).agreement
-                if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
-                    raise RuntimeError("hvd.DistributedOptimizer: agreed by prediction (a fleetlike bug)")
-                rt.note_states([r[0] for r in ag.rows])
-                try:
-                    resolve(rt, ag, row[6])
-                except Reorder:
-                    continue  # other ranks start pending collectives first: agree again
-                break
+            ag = agree_in_order(rt, row, "hvd.DistributedOptimizer")
             check(ag, rt.comm, "hvd.DistributedOptimizer", OP_NAMES)
 
     def _flags(self) -> torch.Tensor:

@@ -40,7 +40,8 @@ from fleetlike.horovod import timeline
 from fleetlike.horovod.negotiate import ACTIVE, Agreement
 from fleetlike.horovod.runtime import Runtime
 
-__all__ = ["Handle", "Reorder", "claim", "drive", "poll", "resolve", "submit", "synchronize"]
+__all__ = ["Handle", "Reorder", "agree_in_order", "claim", "drive", "finish_in_turn", "poll", "resolve", "submit",
+           "synchronize"]
 
 #: pending collectives a rank can list in one exchange
 MAX_PENDING = 62
@@ -223,3 +224,33 @@ def resolve(rt: Runtime, ag: Agreement, own_key: int | None = None) -> None:
     leavers = [i for i in active if table[i][0]]
     if leavers:
         raise Reorder(None, me in leavers)
+
+
+def agree_in_order(rt: Runtime, row: tuple, what: str) -> Agreement:
+    """Agree on ``row`` with the other ranks (the caller holds ``rt.lock``): while other ranks
+    start pending named collectives first (`Reorder`), let them go ahead and agree again."""
+    while True:
+        ag = rt.speculator.agree(row).agreement
+        if ag is None:  # pragma: no cover - only a slotted allreduce is ever predicted
+            raise RuntimeError(f"{what}: agreed by prediction without data (a fleetlike bug)")
+        rt.note_states([r[0] for r in ag.rows])
+        try:
+            resolve(rt, ag, row[6])
+        except Reorder:
+            continue
+        return ag
+
+
+def finish_in_turn(started: list[tuple[Work, Callable[[], torch.Tensor]]],
+                   home: torch.device) -> Callable[[], list[torch.Tensor]]:
+    """The finish of a grouped op: each member's work waited for and its result brought back to
+    ``home`` (the caller's device), in the group's order."""
+    def finish() -> list[torch.Tensor]:
+        out = []
+        for work, fin in started:
+            work.wait()
+            out.append(fin().to(home))
+        return out
+
+    return finish
+

@@ -27,7 +27,7 @@ from typing import Any
 
 from fleetlike.horovod.negotiate import Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES
-from fleetlike.horovod.order import Reorder, resolve
+from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime, split_runtime
 from fleetlike.horovod import runtime as _runtime_module
 
@@ -171,15 +171,7 @@ def _agree_on(rt: Runtime, what: str, ranks: Sequence[int]) -> None:
     """Every rank adds (or removes) the same set at the same point, else every rank raises."""
     row = descriptor(Kind.PROCESS_SET, name=f"{what}{list(ranks)}")
     with rt.lock:
-        while True:
-            ag = rt.speculator.agree(row).agreement
-            assert ag is not None  # only allreduces are predicted
-            rt.note_states([r[0] for r in ag.rows])
-            try:
-                resolve(rt, ag, row[6])
-            except Reorder:
-                continue  # other ranks start pending collectives first: agree again
-            break
+        ag = agree_in_order(rt, row, f"hvd.{what}")
         check(ag, rt.comm, f"hvd.{what}", OP_NAMES)
 
 

@@ -26,7 +26,7 @@ from fleetlike.horovod.collectives import _agree, _tensor, comm_device
 from fleetlike.horovod.gather import allgather, grouped_allgather
 from fleetlike.horovod.negotiate import HorovodInternalError, Kind
 from fleetlike.horovod.ops import COMM_OP, OPS, Compression, Compressor, ReduceOp
-from fleetlike.horovod.order import Handle, submit, synchronize
+from fleetlike.horovod.order import Handle, finish_in_turn, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
 from fleetlike.horovod.wire import as_bytes, moves_natively, reduce_dtype, scale_
@@ -263,15 +263,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
         _agree(rt, Kind.GROUPED_REDUCESCATTER, name, op=OPS.index(red), dtype=ts[0].dtype, ntensors=len(ts),
                shape=(sum(t.numel() for t in ts), crc))
         started = [_scatter_one(rt, t, red, prescale_factor, postscale_factor) for t in ts]
-
-        def finish() -> list[torch.Tensor]:
-            out = []
-            for work, fin in started:
-                work.wait()
-                out.append(fin().to(home))
-            return out
-
-        return CompletedWork(None), finish
+        return CompletedWork(None), finish_in_turn(started, home)
 
     return submit(rt, name, "grouped_reducescatter", what, start)
 
