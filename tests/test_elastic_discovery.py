@@ -52,7 +52,7 @@ def test_discovered_node_joins_at_a_commit(launchers: Launchers, tmp_path: Path)
     assert progress(out)[1] == 2
     hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
     wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
-    code, _, stderr = finish(a, timeout=60)
+    code, _, stderr = finish(a, timeout=60, logs=tmp_path / "log-a")
     assert code == 0, stderr
     assert "host discovery: started the launcher of 127.0.0.2" in stderr
     done = reports(out)

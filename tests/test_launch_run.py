@@ -7,6 +7,7 @@ by asserting that none is left running. No test chooses a port: every job runs w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -98,7 +99,8 @@ class Launchers:
             try:
                 proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may end between the two
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
 
 
@@ -117,9 +119,26 @@ def out(tmp_path: Path) -> Path:
     return path
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
-    stdout, stderr = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen[str], timeout: float = 60, logs: Path | None = None) -> tuple[int, str, str]:
+    """The launcher's exit code and output; past ``timeout`` the test fails with what it printed
+    so far and the last lines of every log file under ``logs``, so a job that hangs says where."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        said = [f"--- {name} ---\n{(text or b'').decode(errors='replace') if isinstance(text, bytes) else text}"
+                for name, text in (("stdout", exc.output), ("stderr", exc.stderr))]
+        if logs is not None:
+            said += [f"--- {path} (last lines) ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                     for path in sorted(logs.rglob("*log*")) if path.is_file()]
+        raise AssertionError(f"the launcher did not end within {timeout:g} s\n" + "\n".join(said)) from None
     return proc.returncode, stdout, stderr
+
+
+def job_output(proc: subprocess.Popen[str], exc: subprocess.TimeoutExpired) -> str:
+    said = [f"--- {name} ---\n{text if isinstance(text, str) else (text or b'').decode(errors='replace')}"
+            for name, text in (("stdout", exc.output), ("stderr", exc.stderr))]
+    cwd = Path(proc.args[0]).parent if False else None  # noqa: F841 - the cwd is not on Popen
+    return "\n".join(said)
 
 
 def expected_env(ips: list[str], node: int, per: int, local: int, ports: list[int], job: str,
