@@ -45,12 +45,13 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
+from fleetlike.collectives.divergence import DivergenceGuard
 from fleetlike.comm import CommGroups
-from fleetlike.config import DistributedStrategy
+from fleetlike.config import DistributedStrategy, envvars
 from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, strategy_from_env
 from fleetlike.ddp.slot import HookSlot, attach
 from fleetlike.ddp.world import groups_for, model_group
+from fleetlike.roles.settings import every_from_env
 
 __all__ = ["settings", "install", "uninstall"]
 
@@ -65,7 +66,7 @@ class _Settings:
     meets its own group), and the states of the DDP models built so far (by parameter id, for
     the accumulation gate)."""
 
-    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str], every: int) -> None:
+    def __init__(self, strategy: DistributedStrategy, knobs: Mapping[str, str], every: int | None) -> None:
         self.strategy = strategy
         self.every = every  # divergence guard period, in backward passes
         self.knobs = dict(knobs)
@@ -117,7 +118,7 @@ def uninstall() -> None:
 def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
     cfg = settings()
     bound = _DDP_SIGNATURE.bind(self, *args, **kwargs)
-    if "bucket_cap_mb" not in bound.arguments and "FLEETLIKE_FUSION_MB" in cfg.knobs:
+    if "bucket_cap_mb" not in bound.arguments and envvars.FUSION_MB in cfg.knobs:
         kwargs["bucket_cap_mb"] = float(cfg.strategy.fuse_grad_size_in_MB)
     _ORIGINAL_DDP_INIT(self, *args, **kwargs)
     if self._comm_hooks:  # DDP's own mixed precision registered a hook already: it stays
@@ -126,7 +127,7 @@ def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         return
     device = next((p.device for p in self.parameters()), None)
     state = FleetHookState(cfg.strategy, groups=cfg.connect(self, device), model=self)
-    if cfg.knobs.get("FLEETLIKE_ALLREDUCE_MODE", "").strip().lower() == "hierarchical":
+    if cfg.knobs.get(envvars.ALLREDUCE_MODE, "").strip().lower() == "hierarchical":
         for name, applied, why in state.notes:
             if name == "use_hierarchical_allreduce" and not applied:
                 raise KnobError(f"FLEETLIKE_ALLREDUCE_MODE=hierarchical cannot run here: {why}; "

@@ -28,7 +28,7 @@ horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlik
                       Horovod face over fleet's communicators and the reducer (everything below)
 io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
                       size and device; records data waits into strategies.health)
-launch                the launcher: the public names of roles, and of comm (the launcher hosts
+launch                the launcher: the environment table of config, the public names of roles, and of comm (the launcher hosts
                       the rendezvous store with --started_port=auto)
 top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
                       helper that builds roles and worlds); nothing in the package imports them
@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
     ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
     ("io", ("fleetlike.io",), None),
-    ("launch", ("fleetlike.launch",), {"roles", "comm"}),
+    ("launch", ("fleetlike.launch",), {"config", "roles", "comm"}),
     ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
 ]
 

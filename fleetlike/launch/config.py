@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
+from fleetlike.config import envvars
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.roles import is_host, parse_gpu_list
 
@@ -221,7 +222,7 @@ def default_job_id(
     arguments are kept for callers that pass them; they do not enter the id.
     """
     env = os.environ if environ is None else environ
-    given = env.get("FLEETLIKE_JOB_ID", "").strip()
+    given = env.get(envvars.JOB_ID, "").strip()
     if given:
         return given
     text = env.get(SECRET_ENV, "").strip()
@@ -621,7 +622,7 @@ def parse_config(
     secret_text = env.get(SECRET_ENV, "").strip()
     through_file = port is None and len(ips) > 1
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc, env)
-    from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get("FLEETLIKE_JOB_ID")
+    from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get(envvars.JOB_ID)
     config = LaunchConfig(
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
@@ -661,7 +662,7 @@ def parse_config(
         # them. `open_job_warning` says so on every node.
         # an elastic job's nodes name only themselves: its rendezvous endpoint is what they share
         secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
-        given_id = args.job_id is not None or bool(env.get("FLEETLIKE_JOB_ID", "").strip())
+        given_id = args.job_id is not None or bool(env.get(envvars.JOB_ID, "").strip())
         config = dataclasses.replace(config, job_secret=secret, open_job=True,
                                      job_id=config.job_id if given_id else JobSecret(secret).job_id())
     return config
