@@ -79,3 +79,43 @@ def test_the_knobs_are_the_tables_knobs() -> None:
     assert knobs.applied_knobs({name: "1" for name in knobs.KNOWN_ELSEWHERE}) == {}
     with pytest.raises(knobs.KnobError, match="FLEETLIKE_ALLREDUCE_DTYP=.*not a fleetlike setting"):
         knobs.applied_knobs({"FLEETLIKE_ALLREDUCE_DTYP": "fp16"})
+
+
+def test_both_launcher_forms_declare_the_shared_flags_once() -> None:
+    """The one-node form and the -np/-H form take the shared flags from one table: same names,
+    same defaults; the parsers declare no other flag twice."""
+    from fleetlike.launch.config import SHARED_FLAGS, build_parser
+    from fleetlike.launch.hosts import _parser
+
+    forms = {"node": build_parser(), "hosts": _parser()}
+    declared = {form: {tuple(a.option_strings): a for a in p._actions if a.option_strings} for form, p in forms.items()}
+    for name, flag in SHARED_FLAGS.items():
+        for form, actions in declared.items():
+            action = actions[flag.names]
+            assert action.default == flag.default and action.help == flag.help[form], (name, form)
+    common = set(declared["node"]) & set(declared["hosts"]) - {("-h", "--help")}
+    assert common == {f.names for f in SHARED_FLAGS.values()}
+
+
+def test_one_table_says_which_options_each_face_applies() -> None:
+    """The DDP hook refuses, by `config.rules.FACE_OPTIONS`, exactly the switches it cannot run
+    (each alone, named in the error with the fix); the Horovod row is the Horovod optimizer's."""
+    from fleetlike.config import DistributedStrategy
+    from fleetlike.config.rules import FACE_OPTIONS
+    from fleetlike.ddp import FleetHookState
+
+    features = ["localsgd", "adaptive_localsgd", "amp", "recompute", "gradient_merge", "use_hierarchical_allreduce",
+                "fuse_all_reduce_ops", "fp16_allreduce", "gossip", "sharding", "sync_batch_norm",
+                "find_unused_parameters", "check_nan_inf", "slow_rank_check"]
+    assert FACE_OPTIONS["ddp"].honours <= set(features) and FACE_OPTIONS["horovod"].honours <= set(features)
+    refused = []
+    for name in features:
+        s = DistributedStrategy()
+        setattr(s, name, True)
+        try:
+            FleetHookState(s).close()
+        except ValueError as exc:
+            assert f"strategy.{name}=True" in str(exc) and "Fix: " in str(exc), exc
+            refused.append(name)
+    assert sorted(refused) == sorted(set(features) - FACE_OPTIONS["ddp"].honours)
+    assert set(refused) == {"localsgd", "adaptive_localsgd", "sharding", "amp", "recompute", "sync_batch_norm"}
