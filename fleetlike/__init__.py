@@ -5,13 +5,37 @@ Example (step 1 of the four-step conversion):
     >>> from fleetlike import fleet, DistributedStrategy, roles
 """
 
+import importlib
+from typing import Any
+
 from fleetlike import roles
-from fleetlike import mixed_precision, role_maker
-from fleetlike import cc
-from fleetlike.cc import light_init
 from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
 from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
+
+#: names of the faces other than Fleet's, imported on first use, so that ``import fleetlike``
+#: loads the core and the fleet facade only (not the Horovod face, elastic or the DDP patch)
+_LAZY = {
+    "cc": ("fleetlike.horovod.light", None),
+    "light_init": ("fleetlike.horovod.light", "light_init"),
+    "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
+    "role_maker": ("fleetlike.fleet.role_maker", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fleetlike' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.2.0"
 

@@ -1,10 +1,12 @@
-"""Fleet's module name for the role makers: ``from fleetlike import role_maker``.
+"""``from fleetlike import role_maker``: Fleet's module name for the role makers.
 
-Paddle users write ``role_maker.PaddleCloudRoleMaker(is_collective=True)`` (seed 003); this
-module is `fleetlike.roles` under that name, re-exporting the same objects.
+The module lives in `fleetlike.fleet.role_maker`; this name is kept so every documented import keeps working.
+Importing it imports that module and binds this name to the same module object (its state,
+patches and private names are one), so nothing is defined twice.
 """
 
-from fleetlike.roles import *  # noqa: F401,F403
-from fleetlike.roles import __all__ as _roles_all
+import sys
 
-__all__ = list(_roles_all)
+from fleetlike.fleet import role_maker as _module
+
+sys.modules[__name__] = _module

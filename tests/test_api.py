@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 API_MD = ROOT.parent / "shared" / "API.md"
 #: importing it patches torch's DistributedDataParallel for the whole process, so it is read,
 #: not imported
-PATCHES_ON_IMPORT = {"fleetlike.auto"}
+PATCHES_ON_IMPORT = {"fleetlike.ddp.auto"}
+#: root shims binding an old import path to a face's module (tests/test_layers.py checks that
+#: each is that module); fleetlike.auto is ddp.auto under its documented name, read above
+SHIM_OF_PATCHING = {"fleetlike.auto": "fleetlike.ddp.auto"}
 
 
 def _public_modules() -> list[str]:
@@ -42,7 +45,7 @@ def test_the_walk_finds_the_packages_of_the_contract() -> None:
         assert name in PUBLIC, name
 
 
-@pytest.mark.parametrize("name", [n for n in PUBLIC if n not in PATCHES_ON_IMPORT])
+@pytest.mark.parametrize("name", [n for n in PUBLIC if n not in PATCHES_ON_IMPORT and n not in SHIM_OF_PATCHING])
 def test_all_names_what_the_module_exports(name: str) -> None:
     module = importlib.import_module(name)
     exported = getattr(module, "__all__", None)

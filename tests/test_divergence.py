@@ -25,7 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_common import dyadic_batch, dyadic_model
 from dp_common import torch_group
-from fleetlike.collectives.divergence import ENV_VAR, DivergenceError, checksums, every_from_env
+from fleetlike.collectives.divergence import DEFAULT_EVERY, DivergenceError, DivergenceGuard, checksums
+from fleetlike.config.envvars import DIVERGENCE_CHECK_N_STEPS as ENV_VAR
+from fleetlike.roles.settings import env_settings, every_from_env
 from fleetlike.roles import Role
 from fleetlike.testing import run_ranks
 
@@ -112,6 +114,10 @@ def test_checksums_are_the_bit_sums() -> None:
     bumped = [t.clone() for t in tensors]
     bumped[0][2, 3] = torch.nextafter(bumped[0][2, 3], torch.tensor(10.0))  # one ulp of one element
     assert checksums(bumped).tolist()[0] != want[0] and checksums(bumped).tolist()[1:] == want[1:]
-    assert every_from_env({}) == 200 and every_from_env({ENV_VAR: "0"}) == 0
-    with pytest.raises(ValueError, match=f"{ENV_VAR}='-3' is not accepted; use an integer >= 0"):
-        every_from_env({ENV_VAR: "-3"})
+    assert every_from_env({}) is None and every_from_env({ENV_VAR: "0"}) == 0
+    assert env_settings({ENV_VAR: " 7 "}).divergence_every == 7
+    for bad in ("-3", "x"):
+        with pytest.raises(ValueError, match=f"{ENV_VAR}='{bad}' is not accepted; use an integer >= 0"):
+            every_from_env({ENV_VAR: bad})
+    # unset: the guard's own default
+    assert DivergenceGuard(None, [], every=every_from_env({})).every == DEFAULT_EVERY == 200  # type: ignore[arg-type]

@@ -9,29 +9,34 @@ Layers, bottom up (`LAYERS`); a layer may import the layers listed for it, by de
 layer below it:
 
 ====================  =========================================================================
-config                `DistributedStrategy`, the registry, the rules: nothing of fleetlike
-mixed_precision       seed 003's ``decorate``: marks an optimizer with AMP settings (config)
+config                `DistributedStrategy`, the registry, the rules, the environment table:
+                      nothing of fleetlike
 roles                 who am I: role makers and the frozen `Role`
 comm                  communicators over roles
 collectives           buckets, reducer, flat / hierarchical / compressed averaging (comm only)
 program               `Program`, `Executor`
 strategies            one unit per feature (config, collectives, program, comm, roles)
-ddp                   PyTorch DDP's face: communication hooks from a strategy, ``fleetlike.auto``'s
-                      zero-code-change patch and its env knobs (config, collectives, comm, roles,
+ddp                   PyTorch DDP's face: communication hooks from a strategy, ``ddp.auto`` (the
+                      zero-code-change patch) and its env knobs (config, collectives, comm, roles,
                       strategies: the data-parallel collective and the slow-rank helpers)
-fleet                 the facade of API.md (everything below)
+fleet                 the facade of API.md and Paddle's aliases (``fleet.mixed_precision``'s
+                      ``decorate``, ``fleet.role_maker``) (everything below)
 elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
                       (fleet for the world it re-forms; everything below)
 plan                  the strategy planner: builds each strategy's real programs over dry
                       communicators and costs them (everything below but mixed_precision)
-horovod               ``import fleetlike.horovod as hvd`` and Light's ``fleetlike.cc`` (``light_init``): the
-                      Horovod face over fleet's communicators and the reducer (everything below)
+horovod               ``import fleetlike.horovod as hvd`` and Light's names (``horovod.light``,
+                      ``light_init``): the Horovod face over fleet's communicators and the reducer
+                      (everything below)
 io                    data input: samplers, loaders, caches, datasets (fleet for the job's rank,
                       size and device; records data waits into strategies.health)
-launch                the launcher: the public names of roles, and of comm (the launcher hosts
+launch                the launcher: the environment table of config, the public names of roles, and of comm (the launcher hosts
                       the rendezvous store with --started_port=auto)
-top                   ``fleetlike/__init__.py``, ``role_maker`` (re-exports), ``testing`` (test
-                      helper that builds roles and worlds); nothing in the package imports them
+top                   ``fleetlike/__init__.py`` (the faces other than Fleet's on first use),
+                      the shims that keep the old import paths (``auto``, ``cc``,
+                      ``mixed_precision``, ``role_maker``: each the same module object as the face's
+                      own), ``testing`` (test helper that builds roles and worlds); nothing in the
+                      package imports them
 ====================  =========================================================================
 """
 
@@ -47,23 +52,30 @@ import fleetlike
 
 ROOT = Path(fleetlike.__file__).resolve().parent
 
+#: old import paths kept at the root: module -> the face's module it is (the same object)
+SHIMS = {"auto": "fleetlike.ddp.auto", "cc": "fleetlike.horovod.light",
+         "mixed_precision": "fleetlike.fleet.mixed_precision", "role_maker": "fleetlike.fleet.role_maker"}
+#: the faces, each a package over the core
+FACES = ("ddp", "fleet", "horovod")
+#: what ``import fleetlike`` may load (at module level, transitively): the core and Fleet's face
+EAGER_LAYERS = {"config", "roles", "comm", "collectives", "program", "strategies", "fleet", "top"}
+
 #: bottom up: (layer, module prefixes, the layers it may import or None for "every layer below")
 LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("config", ("fleetlike.config",), set()),
-    ("mixed_precision", ("fleetlike.mixed_precision",), {"config"}),
     ("roles", ("fleetlike.roles",), None),
     ("comm", ("fleetlike.comm",), None),
     ("collectives", ("fleetlike.collectives",), {"comm"}),
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
-    ("ddp", ("fleetlike.ddp", "fleetlike.auto"), {"config", "collectives", "comm", "roles", "strategies"}),
+    ("ddp", ("fleetlike.ddp",), {"config", "collectives", "comm", "roles", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
     ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
-    ("horovod", ("fleetlike.horovod", "fleetlike.cc"), None),
+    ("horovod", ("fleetlike.horovod",), None),
     ("io", ("fleetlike.io",), None),
-    ("launch", ("fleetlike.launch",), {"roles", "comm"}),
-    ("top", ("fleetlike", "fleetlike.role_maker", "fleetlike.testing"), None),
+    ("launch", ("fleetlike.launch",), {"config", "roles", "comm"}),
+    ("top", ("fleetlike", *(f"fleetlike.{shim}" for shim in SHIMS), "fleetlike.testing"), None),
 ]
 
 #: layers whose modules others may import only through the package (its public names)
@@ -271,4 +283,62 @@ def test_the_checker_sees_what_it_must() -> None:
     assert _layer("fleetlike.collectives.reducer") == "collectives"
     assert _layer("fleetlike.testing") == "top" and _layer("fleetlike") == "top"
     assert _allowed("config") == set() and _allowed("collectives") == {"comm"}
-    assert _allowed("fleet") >= {"strategies", "program", "mixed_precision"}
+    assert _allowed("fleet") >= {"strategies", "program", "ddp"}
+
+
+def _module_level_imports(name: str) -> set[str]:
+    """The fleetlike modules ``name`` imports when it is imported: statements outside functions
+    and classes, and not under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(t for t, _, _ in _imports(ast.unparse(node), name))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit([n for n in getattr(node, field, []) if isinstance(n, ast.stmt)])
+
+    visit(tree.body)
+    return found - {name}
+
+
+def _loaded_by(name: str) -> set[str]:
+    """Every fleetlike module importing ``name`` loads (packages above a module included)."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+        todo += sorted(_module_level_imports(m))
+    return seen
+
+
+def test_each_face_is_a_package_over_the_core_and_the_root_holds_only_shims() -> None:
+    for face in FACES:
+        assert _is_package(f"fleetlike.{face}"), face
+        # a face reuses the core (and Horovod's builds on fleet's communicators), never the root
+        below = {_layer(t) for m in MODULES if _layer(m) == face for t, _, _ in IMPORTS[m]} - {face}
+        assert "top" not in below and below <= _allowed(face), (face, below)
+    root = {m for m in MODULES if m.count(".") == 1 and not _is_package(m)}
+    assert root == {f"fleetlike.{s}" for s in SHIMS} | {"fleetlike.testing"}
+    for shim, target in SHIMS.items():
+        text = MODULES[f"fleetlike.{shim}"].read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 15 and "sys.modules[__name__] = _module" in text, shim
+        assert _module_level_imports(f"fleetlike.{shim}") == {target}, shim
+
+
+def test_import_fleetlike_loads_the_core_and_fleet_only() -> None:
+    loaded = _loaded_by("fleetlike")
+    assert {_layer(m) for m in loaded} <= EAGER_LAYERS, sorted(m for m in loaded if _layer(m) not in EAGER_LAYERS)
+    # the other faces come on first use, by their documented names
+    assert set(fleetlike._LAZY) == {"cc", "light_init", "mixed_precision", "role_maker"}

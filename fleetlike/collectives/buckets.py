@@ -12,14 +12,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from fleetlike.comm import dtype_name
 
-__all__ = ["Bucket", "plan_buckets"]
+__all__ = ["Bucket", "non_finite", "plan_buckets"]
 
 
 def plan_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int | None) -> list[list[torch.nn.Parameter]]:
@@ -104,3 +104,13 @@ class Bucket:
             "size": size,
             "dtype": dtype_name(self.dtype),
         }
+
+
+def non_finite(flat: torch.Tensor, views: Sequence[torch.Tensor], name_of: Callable[[int], str]) -> list[str]:
+    """The names (``name_of(i)`` for view i) of the ``views`` (slices of the gradient buffer
+    ``flat``) holding NaN or Inf:
+    the NaN check of every face (the reducer's buckets before their allreduce, DDP's buckets
+    before and after). One pass over ``flat`` when it is finite, the common case."""
+    if bool(torch.isfinite(flat).all()):
+        return []
+    return [name_of(i) for i, view in enumerate(views) if not bool(torch.isfinite(view).all())]

@@ -16,7 +16,8 @@ failed check gathers more, to name the ranks. At the default ``every`` it costs 
 of a step (docs/ddp.md has the measurement).
 
 ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` sets ``every`` for every face (0 turns the periodic check
-off; the check after the starting broadcast stays); `DivergenceGuard` takes it as an argument.
+off; the check after the starting broadcast stays): the faces read it through
+`fleetlike.roles.settings.env_settings` and pass it down; this layer never reads the environment.
 
 Example:
     >>> guard = DivergenceGuard(comm, model.named_parameters(), every=DEFAULT_EVERY)
@@ -26,18 +27,15 @@ Example:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from fleetlike.comm import Communicator, ReduceOp
 
-__all__ = ["DEFAULT_EVERY", "ENV_VAR", "DivergenceError", "DivergenceGuard", "checksums", "every_from_env"]
+__all__ = ["DEFAULT_EVERY", "DivergenceError", "DivergenceGuard", "checksums"]
 
-#: the variable every face reads for the period of the check
-ENV_VAR = "FLEETLIKE_DIVERGENCE_CHECK_N_STEPS"
-#: steps between two checks by default
+#: steps between two checks by default (``every=None``)
 DEFAULT_EVERY = 200
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -45,23 +43,6 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class DivergenceError(RuntimeError):
     """The ranks' parameters differ where data parallelism requires them equal."""
-
-
-def every_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` (default `DEFAULT_EVERY`; 0 = no periodic check);
-    ValueError naming the variable, its value and what is accepted."""
-    env = os.environ if environ is None else environ
-    text = env.get(ENV_VAR)
-    if text is None or not text.strip():
-        return DEFAULT_EVERY
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{ENV_VAR}={text!r} is not accepted; use an integer >= 0 (steps between two "
-                         f"parameter checks across ranks; 0 = only after the starting broadcast; default {DEFAULT_EVERY})")
-    return value
 
 
 def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -85,12 +66,13 @@ class DivergenceGuard:
         comm: a communicator of the ranks that must agree, used by nothing that may run at the
             same time (a face gives the guard a split of its own).
         params: ``(name, tensor)`` pairs (``model.named_parameters()``), the same on every rank.
-        every: steps between periodic checks (`tick`); 0 turns them off.
+        every: steps between periodic checks (`tick`); 0 turns them off; None: `DEFAULT_EVERY`.
         what: the face, for the error (``"DDP"``, ``"fleet"``, ``"hvd.DistributedOptimizer"``).
     """
 
-    def __init__(self, comm: Communicator, params: Iterable[tuple[str, torch.Tensor]], every: int = DEFAULT_EVERY,
+    def __init__(self, comm: Communicator, params: Iterable[tuple[str, torch.Tensor]], every: int | None = None,
                  what: str = "data parallel") -> None:
+        every = DEFAULT_EVERY if every is None else every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"every={every!r} must be an integer >= 0 (0 = no periodic check)")
         self.comm = comm
@@ -134,5 +116,5 @@ class DivergenceGuard:
             f"{self.names[first]!r} {tuple(t.shape)} (parameter {first} of {n}; {int(differ.numel())} differ "
             f"in all): {split}. Every rank must start from the same parameters (broadcast them from "
             f"one rank) and apply the same averaged update; a rank that trains alone or loads "
-            f"another checkpoint diverges. ({ENV_VAR} sets how often this is checked)"
+            f"another checkpoint diverges. (FLEETLIKE_DIVERGENCE_CHECK_N_STEPS sets how often this is checked)"
         )

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives.buckets import Bucket, plan_buckets
+from fleetlike.collectives.buckets import Bucket, non_finite, plan_buckets
 from fleetlike.collectives.flat import BucketCollective
 from fleetlike.comm import Communicator, Work
 
@@ -189,11 +189,9 @@ class GradReducer:
     def _raise_non_finite(self, bucket: Bucket) -> None:
         self.armed = False
         world = self.collective.world
-        bad = [
-            self._names.get(id(p), f"parameter {tuple(p.shape)}")
-            for p, view in zip(bucket.params, bucket.views)
-            if not bool(torch.isfinite(view).all())
-        ]
+        params = bucket.params
+        bad = non_finite(bucket.buffer, bucket.views,
+                         lambda i: self._names.get(id(params[i]), f"parameter {tuple(params[i].shape)}"))
         raise FloatingPointError(
             f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
             f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "

@@ -34,6 +34,8 @@ import stat
 import tempfile
 import threading
 
+from fleetlike.config import envvars
+
 __all__ = [
     "SECRET_DIR_ENV", "SECRET_ENV", "JobSecret", "PayloadRefused", "SecretError", "current",
     "current_or_none", "dumps_signed", "loads_signed", "new_secret", "seal", "secret_from_env", "set_current",
@@ -41,9 +43,9 @@ __all__ = [
 ]
 
 #: The variable that carries a job's secret to its processes (hex, at least 32 digits).
-SECRET_ENV = "FLEETLIKE_JOB_SECRET"
+SECRET_ENV = envvars.JOB_SECRET
 #: Where rank 0 of a job started without the secret leaves it for the other ranks (mode 0700).
-SECRET_DIR_ENV = "FLEETLIKE_SECRET_DIR"
+SECRET_DIR_ENV = envvars.SECRET_DIR
 _MIN_HEX = 32
 _MAC_HEX = 64
 

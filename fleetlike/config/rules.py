@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 from fleetlike.config.fields import StrategyValueError
 
-__all__ = ["CLASHES", "RULES", "Clash", "Conflict", "Options", "check"]
+__all__ = ["CLASHES", "FACE_OPTIONS", "RULES", "Clash", "Conflict", "FaceOptions", "Options", "check", "refuse_unhonoured"]
 
 
 class Options(Protocol):
@@ -125,3 +125,44 @@ def check(strategy: Options) -> None:
             raise StrategyValueError(
                 clash.field, True, "not together", clash.fix,
                 f"strategy.{clash.field} (with a clip_norm) cannot work: {clash.why}. Fix: {clash.fix}")
+
+
+class FaceOptions(NamedTuple):
+    """Which strategy switches a face applies: any other one that is on raises (``why`` and
+    ``fix`` say what to do), so no face drops an option without a word."""
+
+    face: str
+    honours: frozenset[str]
+    why: str
+    fix: str
+
+
+#: the switches (`DistributedStrategy.enabled_features` names) each face applies; Fleet's face
+#: (``fleet.distributed_model`` / ``distributed_optimizer``) applies every one
+FACE_OPTIONS: dict[str, FaceOptions] = {
+    "ddp": FaceOptions(
+        "a DDP communication hook",
+        frozenset({"gradient_merge", "use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "gossip",
+                   "find_unused_parameters", "check_nan_inf", "slow_rank_check"}),
+        "it only combines DDP's gradient buckets, it cannot change the optimizer, the forward or the model",
+        "turn it off here, or train through fleet.distributed_optimizer, which runs it"),
+    "horovod": FaceOptions(
+        "hvd.DistributedOptimizer",
+        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce"}),
+        "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, nccl_comm_num and "
+        "the hierarchical settings)",
+        "turn those off for the Horovod face, or use fleet.distributed_model / fleet.distributed_optimizer, "
+        "which apply every option (backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm "
+        "its sync BN)"),
+}
+
+
+def refuse_unhonoured(strategy: Options, face: str) -> None:
+    """ValueError naming every switch on in ``strategy`` that ``face`` (a `FACE_OPTIONS` key)
+    does not apply, why, and the fix."""
+    row = FACE_OPTIONS[face]
+    extra = [name for name in strategy.enabled_features() if name not in row.honours]
+    if extra:
+        raise ValueError(
+            f"{', '.join(f'strategy.{n}=True' for n in extra)}: {row.face} applies only "
+            f"{', '.join(sorted(row.honours))}; {row.why}. Fix: {row.fix}")

@@ -37,7 +37,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from fleetlike.config import rules
+from fleetlike.config import envvars, rules
 from fleetlike.config.fields import (
     Field,
     Section,
@@ -62,7 +62,7 @@ __all__ = ["STRATEGY_ENV_VAR", "ConfigSection", "DistributedStrategy", "Inactive
 
 #: Name of the environment variable whose JSON (or JSON file path) overrides a strategy. Read by
 #: the fleet layer only; pass its value to `DistributedStrategy.update_from_override`.
-STRATEGY_ENV_VAR = "FLEETLIKE_STRATEGY"
+STRATEGY_ENV_VAR = envvars.STRATEGY
 
 _SCALARS: dict[str, Field] = {e.name: e for e in ENTRIES if isinstance(e, Field)}
 _SECTIONS: dict[str, Section] = {e.name: e for e in ENTRIES if isinstance(e, Section)}

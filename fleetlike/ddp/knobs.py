@@ -39,22 +39,16 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fleetlike.config import STRATEGY_ENV_VAR, DistributedStrategy
+from fleetlike.config import STRATEGY_ENV_VAR, DistributedStrategy, envvars
 
 __all__ = ["ACCELERATE_VAR", "KNOBS", "KNOWN_ELSEWHERE", "Knob", "KnobError", "applied_knobs", "strategy_from_env"]
 
 #: set by ``python -m fleetlike.launch --accelerate_ddp``: workers import `fleetlike.auto`
-ACCELERATE_VAR = "FLEETLIKE_ACCELERATE_DDP"
+ACCELERATE_VAR = envvars.ACCELERATE_DDP
 
-#: ``FLEETLIKE_*`` variables other parts of fleetlike (and its launcher) read: not knobs, not errors
-KNOWN_ELSEWHERE = frozenset({
-    STRATEGY_ENV_VAR, ACCELERATE_VAR, "FLEETLIKE_BACKEND", "FLEETLIKE_CHECK_COLLECTIVES",
-    "FLEETLIKE_JOB_ID", "FLEETLIKE_JOB_SECRET", "FLEETLIKE_SECRET_DIR", "FLEETLIKE_MASTER_ADDR", "FLEETLIKE_MASTER_PORT", "FLEETLIKE_NODE_IP",
-    "FLEETLIKE_NODE_IPS", "FLEETLIKE_NCCL_BENCH", "FLEETLIKE_TEST_MARKER",
-    "FLEETLIKE_PROGRESS_DIR", "FLEETLIKE_RESTART_COUNT", "FLEETLIKE_ELASTIC_LAST_CALL",
-    "FLEETLIKE_ELASTIC_MAX_WORKERS", "FLEETLIKE_ELASTIC_MIN_WORKERS", "FLEETLIKE_ELASTIC_RUN_ID",
-    "FLEETLIKE_ELASTIC_STORE", "FLEETLIKE_DIVERGENCE_CHECK_N_STEPS",
-})
+#: ``FLEETLIKE_*`` variables other parts of fleetlike (and its launcher) read: not knobs, not
+#: errors (the table of `fleetlike.config.envvars`, less the knobs)
+KNOWN_ELSEWHERE = envvars.fleetlike_names() - frozenset(envvars.KNOB_NAMES)
 
 
 class KnobError(ValueError):
@@ -97,30 +91,30 @@ def _positive(build: Callable[[float], dict[str, Any]]) -> Callable[[str], dict[
 
 _F16 = "fp16_allreduce_configs"
 KNOBS: tuple[Knob, ...] = (
-    Knob("FLEETLIKE_ALLREDUCE_DTYPE", "fp32, fp16, bf16, mixed", "PERSEUS_ALLREDUCE_DTYPE", _choice({
+    Knob(envvars.ALLREDUCE_DTYPE, "fp32, fp16, bf16, mixed", "PERSEUS_ALLREDUCE_DTYPE", _choice({
         "fp32": {"fp16_allreduce": False},
         "fp16": {"fp16_allreduce": True, f"{_F16}.dtype": "float16", f"{_F16}.mode": "all"},
         "bf16": {"fp16_allreduce": True, f"{_F16}.dtype": "bfloat16", f"{_F16}.mode": "all"},
         "mixed": {"fp16_allreduce": True, f"{_F16}.dtype": "float16", f"{_F16}.mode": "mixed"},
     })),
-    Knob("FLEETLIKE_ALLREDUCE_MODE", "flat, hierarchical, auto", "PERSEUS_ALLREDUCE_MODE", _choice({
+    Knob(envvars.ALLREDUCE_MODE, "flat, hierarchical, auto", "PERSEUS_ALLREDUCE_MODE", _choice({
         "flat": {"use_hierarchical_allreduce": False},
         "hierarchical": {"use_hierarchical_allreduce": True},
         "auto": {"use_hierarchical_allreduce": True},
     })),
-    Knob("FLEETLIKE_ALLREDUCE_STREAMS", "an integer from 1 to 16", "PERSEUS_ALLREDUCE_STREAMS",
+    Knob(envvars.ALLREDUCE_STREAMS, "an integer from 1 to 16", "PERSEUS_ALLREDUCE_STREAMS",
          _int(1, 16, lambda v: {"nccl_comm_num": v})),
-    Knob("FLEETLIKE_FUSION_MB", "a number of MB > 0", "PERSEUS_ALLREDUCE_FUSION",
+    Knob(envvars.FUSION_MB, "a number of MB > 0", "PERSEUS_ALLREDUCE_FUSION",
          _positive(lambda v: {"fuse_all_reduce_ops": True, "fuse_grad_size_in_MB": v})),
-    Knob("FLEETLIKE_GRADIENT_SCALE", "a number > 0 (with a 16-bit FLEETLIKE_ALLREDUCE_DTYPE)",
+    Knob(envvars.GRADIENT_SCALE, "a number > 0 (with a 16-bit FLEETLIKE_ALLREDUCE_DTYPE)",
          "PERSEUS_ALLREDUCE_GRADIENT_SCALE", _positive(lambda v: {f"{_F16}.grad_scale": v})),
-    Knob("FLEETLIKE_ACCUMULATE_N_STEPS", "an integer >= 1", "PERSEUS_ACCUMULATE_N_STEPS",
+    Knob(envvars.ACCUMULATE_N_STEPS, "an integer >= 1", "PERSEUS_ACCUMULATE_N_STEPS",
          _int(1, None, lambda v: {"gradient_merge": v > 1, "gradient_merge_configs.k_steps": v})),
-    Knob("FLEETLIKE_NAN_CHECK", "0 or 1", "PERSEUS_ALLREDUCE_NANHECK",
+    Knob(envvars.NAN_CHECK, "0 or 1", "PERSEUS_ALLREDUCE_NANHECK",
          _choice({"0": {"check_nan_inf": False}, "1": {"check_nan_inf": True}})),
-    Knob("FLEETLIKE_PERF_CHECK_N_STEPS", "an integer >= 0 (0 = off)", "PERSEUS_PERF_CHECK_N_STEPS",
+    Knob(envvars.PERF_CHECK_N_STEPS, "an integer >= 0 (0 = off)", "PERSEUS_PERF_CHECK_N_STEPS",
          _int(0, None, lambda v: {"slow_rank_check": v > 0, "slow_rank_check_configs.every_n_steps": max(v, 1)})),
-    Knob("FLEETLIKE_DOWNSAMPLE_N_ELEMENTS", "an integer >= 1 (1 = off)", "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+    Knob(envvars.DOWNSAMPLE_N_ELEMENTS, "an integer >= 1 (1 = off)", "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
          _int(1, None, lambda v: {"gossip": v > 1, "gossip_configs.downsample_n_elements": max(v, 2)})),
 )
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -164,9 +158,9 @@ def strategy_from_env(environ: Mapping[str, str]) -> DistributedStrategy:
         except (KeyError, ValueError):
             raise KnobError(f"{name}={value!r} is not accepted; use {knob.accepted}") from None
         _update(s, options)
-    if "FLEETLIKE_GRADIENT_SCALE" in knobs and not s.fp16_allreduce:
+    if envvars.GRADIENT_SCALE in knobs and not s.fp16_allreduce:
         raise KnobError(
-            f"FLEETLIKE_GRADIENT_SCALE={knobs['FLEETLIKE_GRADIENT_SCALE']!r} scales gradients around a "
+            f"FLEETLIKE_GRADIENT_SCALE={knobs[envvars.GRADIENT_SCALE]!r} scales gradients around a "
             "16-bit cast, but the allreduce stays fp32; set FLEETLIKE_ALLREDUCE_DTYPE to fp16, bf16 or "
             "mixed, or unset FLEETLIKE_GRADIENT_SCALE"
         )

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from fleetlike.collectives import Downsampler, RingWorkers
+from fleetlike.collectives.buckets import non_finite
 from fleetlike.comm import CommGroups, Communicator, Work, create_world
 from fleetlike.comm.cuda import stream_device
-from fleetlike.config import DistributedStrategy
+from fleetlike.config import DistributedStrategy, rules
 from fleetlike.ddp.world import check_world, groups_for, model_group
 from fleetlike.roles import Role, detect_role, parse_endpoint
 from fleetlike.roles.settings import env_settings
@@ -78,13 +79,7 @@ class FleetHookState:
         if not isinstance(s, DistributedStrategy):
             raise TypeError(f"strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         s.validate_combination()
-        for field in ("localsgd", "adaptive_localsgd", "sharding", "amp", "recompute", "sync_batch_norm"):
-            if getattr(s, field):
-                raise ValueError(
-                    f"strategy.{field}=True: a DDP communication hook only combines DDP's gradient "
-                    "buckets, it cannot change the optimizer, the forward or the model; turn it off "
-                    "here, or train through fleet.distributed_optimizer, which runs it"
-                )
+        rules.refuse_unhonoured(s, "ddp")
         self.strategy = s
         self.accumulate = int(s.gradient_merge_configs["k_steps"]) if s.gradient_merge else 1
         self.nan_check = bool(s.check_nan_inf)
@@ -253,14 +248,11 @@ class FleetHookState:
 
     @staticmethod
     def non_finite(flat: torch.Tensor, params: Sequence[torch.Tensor], name: Any) -> list[str]:
-        if bool(torch.isfinite(flat).all()):
-            return []
-        out, at = [], 0
-        for p in params:
-            if not bool(torch.isfinite(flat[at: at + p.numel()]).all()):
-                out.append(name(p))
-            at += p.numel()
-        return out
+        """The names of ``params`` whose slice of DDP's bucket ``flat`` holds NaN/Inf (the
+        core's check, `fleetlike.collectives.buckets.non_finite`)."""
+        sizes = [p.numel() for p in params]
+        views = flat.split([*sizes, flat.numel() - sum(sizes)])[:len(params)]
+        return non_finite(flat, views, lambda i: name(params[i]))
 
     # ------------------------------------------------------------------ slow-rank check
 

@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
 from fleetlike.comm import Communicator
+from fleetlike.config import envvars
 from fleetlike.comm.gloo import GlooCommunicator
 from fleetlike.comm import JOB_KEY, SecretMismatchError, challenge_of, job_store, knock
 from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, secret_from_env, set_current
@@ -50,11 +51,11 @@ __all__ = ["ENV", "EVENTS_KEY", "ElasticSettings", "Membership"]
 
 #: What the launcher gives each worker of an elastic job (``--nnodes MIN:MAX``).
 ENV = {
-    "store": "FLEETLIKE_ELASTIC_STORE",          # host:port of the rendezvous store
-    "min": "FLEETLIKE_ELASTIC_MIN_WORKERS",      # MIN nodes * nproc_per_node
-    "max": "FLEETLIKE_ELASTIC_MAX_WORKERS",      # MAX nodes * nproc_per_node
-    "last_call": "FLEETLIKE_ELASTIC_LAST_CALL",  # seconds a round waits for more after MIN
-    "run_id": "FLEETLIKE_ELASTIC_RUN_ID",        # the job id
+    "store": envvars.ELASTIC_STORE,          # host:port of the rendezvous store
+    "min": envvars.ELASTIC_MIN_WORKERS,      # MIN nodes * nproc_per_node
+    "max": envvars.ELASTIC_MAX_WORKERS,      # MAX nodes * nproc_per_node
+    "last_call": envvars.ELASTIC_LAST_CALL,  # seconds a round waits for more after MIN
+    "run_id": envvars.ELASTIC_RUN_ID,        # the job id
 }
 
 #: Where rank 0 of each re-formed world records it (a counter; the records at ``<key>/<n>``) on
@@ -97,8 +98,8 @@ class ElasticSettings:
             )
         return cls(env[ENV["store"]], int(env[ENV["min"]]), int(env[ENV["max"]]),
                    float(env[ENV["last_call"]]), env[ENV["run_id"]],
-                   env.get("FLEETLIKE_NODE_IP", "127.0.0.1"),
-                   env.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:1"), int(env.get("LOCAL_RANK", "0")))
+                   env.get(envvars.NODE_IP, "127.0.0.1"),
+                   env.get(envvars.PADDLE_CURRENT_ENDPOINT, "127.0.0.1:1"), int(env.get(envvars.LOCAL_RANK, "0")))
 
 
 def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port: int,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm import dumps_signed, loads_signed
+from fleetlike.config import envvars
 from fleetlike.fleet import fleet
 from fleetlike.fleet.checkpoint_files import (
     LEGACY_FORMAT,
@@ -52,7 +53,7 @@ __all__ = ["PROGRESS_DIR_VAR", "State", "ObjectState", "TorchState", "mark_progr
 
 #: Where the launcher (``--max_restarts``) looks for progress markers; the same name as
 #: ``fleetlike.launch.elastic_agent.PROGRESS_DIR_VAR`` (a test checks they agree).
-PROGRESS_DIR_VAR = "FLEETLIKE_PROGRESS_DIR"
+PROGRESS_DIR_VAR = envvars.PROGRESS_DIR
 
 _PROGRESS_LOCK = threading.Lock()
 _MARKED: set[str] = set()  # guarded by _PROGRESS_LOCK

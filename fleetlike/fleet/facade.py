@@ -40,7 +40,7 @@ from fleetlike.fleet.context import FleetContext
 from fleetlike.fleet.model import DistributedModel
 from fleetlike.fleet.optimizer import DistributedOptimizer
 from fleetlike.fleet.util import Util
-from fleetlike.mixed_precision import DecoratedOptimizer
+from fleetlike.fleet.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
 from fleetlike.roles.settings import EnvSettings, env_settings

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
+from fleetlike.collectives.divergence import DivergenceGuard
+from fleetlike.roles.settings import every_from_env
 from fleetlike.config import DistributedStrategy
 from fleetlike.fleet.context import FleetContext
 from fleetlike.program import Program

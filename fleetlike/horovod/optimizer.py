@@ -55,7 +55,8 @@ from typing import Any
 import torch
 
 from fleetlike.collectives import Bucket, BucketCollective, CompressedAllReduce, FlatAllReduce, GradReducer, plan_buckets
-from fleetlike.collectives.divergence import DivergenceGuard, every_from_env
+from fleetlike.collectives.divergence import DivergenceGuard
+from fleetlike.roles.settings import every_from_env
 from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
+from fleetlike.config import envvars
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.roles import is_host, parse_gpu_list
 
@@ -27,6 +28,9 @@ __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT",
     "DEFAULT_STARTED_PORT",
     "LaunchConfig",
+    "SHARED_FLAGS",
+    "SharedFlag",
+    "add_shared_flag",
     "LaunchInputError",
     "build_parser",
     "parse_config",
@@ -119,6 +123,51 @@ class _Parser(argparse.ArgumentParser):
         raise _HelpExit(status)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class SharedFlag:
+    """A flag both forms of the launcher take (one node / Fleet's form and the ``-np/-H`` form):
+    its names and default once; ``help`` says what it means in each form."""
+
+    names: tuple[str, ...]
+    default: str | None
+    help: dict[str, str]
+
+
+#: the flags the two parsers share, by their first name without the dashes
+SHARED_FLAGS: dict[str, SharedFlag] = {
+    "started_port": SharedFlag(("--started_port", "--start_port"), str(DEFAULT_STARTED_PORT), {
+        "node": "port of local process 0; process i uses started_port+i (default: 6170). "
+                "'auto': the launcher binds free ports chosen by the OS and holds them, and "
+                "the first node's launcher hosts the rendezvous store on rank 0's itself, so no "
+                "other process can take a port between its choice and its use (several nodes "
+                "also need --rendezvous_file)",
+        "hosts": f"port of local rank 0 on every host (default: {DEFAULT_STARTED_PORT})"}),
+    "log_dir": SharedFlag(("--log_dir",), "log", {
+        "node": "directory of workerlog.N files (default: log)",
+        "hosts": "worker logs: LOG_DIR/nodeK/workerlog.i (default: log)"}),
+    "job_id": SharedFlag(("--job_id",), None, {
+        "node": "job identifier given to workers as FLEETLIKE_JOB_ID (default: "
+                "FLEETLIKE_JOB_ID from the environment, else derived from the FLEETLIKE_JOB_SECRET "
+                "every node was given, else random; with --rendezvous_file the other nodes take "
+                "node 0's from the file)",
+        "hosts": "job id (default: derived from hosts and port)"}),
+    "kill_grace": SharedFlag(("--kill_grace",), "3", {
+        "node": "seconds between SIGTERM and SIGKILL when stopping workers (default: 3)",
+        "hosts": "seconds between SIGTERM and SIGKILL (default: 3)"}),
+    "remote_shell": SharedFlag(("--remote_shell", "--remote-shell"), DEFAULT_REMOTE_SHELL, {
+        "node": "with --host_discovery_script: the command that runs a shell command line "
+                f"on {{host}}; the line is appended as one argument (default: {DEFAULT_REMOTE_SHELL!r})",
+        "hosts": "command that runs a shell command line on {host}; the line is appended as "
+                 f"one argument (default: {DEFAULT_REMOTE_SHELL!r})"}),
+}
+
+
+def add_shared_flag(p: argparse.ArgumentParser, name: str, form: str) -> None:
+    """Declare `SHARED_FLAGS` ``name`` on ``p`` with the help of ``form`` ("node" or "hosts")."""
+    flag = SHARED_FLAGS[name]
+    p.add_argument(*flag.names, default=flag.default, help=flag.help[form])
+
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's flags, with Paddle 2.x spellings as aliases."""
     p = _Parser(
@@ -134,12 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node_ip", default=None,
                    help="this node's IP, one of --cluster_node_ips (default: the only one, "
                    "else 127.0.0.1)")
-    p.add_argument("--started_port", "--start_port", default=str(DEFAULT_STARTED_PORT),
-                   help="port of local process 0; process i uses started_port+i (default: 6170). "
-                   "'auto': the launcher binds free ports chosen by the OS and holds them, and "
-                   "the first node's launcher hosts the rendezvous store on rank 0's itself, so no "
-                   "other process can take a port between its choice and its use (several nodes "
-                   "also need --rendezvous_file)")
+    add_shared_flag(p, "started_port", "node")
     p.add_argument("--rendezvous_file", default=None, metavar="PATH",
                    help="--started_port=auto on several nodes: a file on a filesystem every node "
                    "shares (NFS, ...), the same path on every node. The first node's launcher "
@@ -159,14 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "variable is an input error naming it")
     p.add_argument("--nproc_per_node", default=None,
                    help="processes on this node (default: one per selected GPU, else 1)")
-    p.add_argument("--log_dir", default="log", help="directory of workerlog.N files (default: log)")
-    p.add_argument("--job_id", default=None,
-                   help="job identifier given to workers as FLEETLIKE_JOB_ID (default: "
-                   "FLEETLIKE_JOB_ID from the environment, else derived from the FLEETLIKE_JOB_SECRET "
-                   "every node was given, else random; with --rendezvous_file the other nodes take "
-                   "node 0's from the file)")
-    p.add_argument("--kill_grace", default="3",
-                   help="seconds between SIGTERM and SIGKILL when stopping workers (default: 3)")
+    add_shared_flag(p, "log_dir", "node")
+    add_shared_flag(p, "job_id", "node")
+    add_shared_flag(p, "kill_grace", "node")
     p.add_argument("--accelerate_ddp", action="store_true",
                    help="workers import fleetlike.auto first: their torch DDP models average through fleetlike")
     p.add_argument("--malloc_tuning", default="on", choices=("on", "off"),
@@ -196,9 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery_interval", default=f"{DEFAULT_DISCOVERY_INTERVAL:g}", metavar="SECONDS",
                    help="seconds between two runs of --host_discovery_script "
                    f"(default: {DEFAULT_DISCOVERY_INTERVAL:g})")
-    p.add_argument("--remote_shell", "--remote-shell", default=DEFAULT_REMOTE_SHELL,
-                   help="with --host_discovery_script: the command that runs a shell command line "
-                   f"on {{host}}; the line is appended as one argument (default: {DEFAULT_REMOTE_SHELL!r})")
+    add_shared_flag(p, "remote_shell", "node")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved configuration before starting")
     p.add_argument("-m", "--module", action="store_true",
@@ -221,7 +258,7 @@ def default_job_id(
     arguments are kept for callers that pass them; they do not enter the id.
     """
     env = os.environ if environ is None else environ
-    given = env.get("FLEETLIKE_JOB_ID", "").strip()
+    given = env.get(envvars.JOB_ID, "").strip()
     if given:
         return given
     text = env.get(SECRET_ENV, "").strip()
@@ -621,7 +658,7 @@ def parse_config(
     secret_text = env.get(SECRET_ENV, "").strip()
     through_file = port is None and len(ips) > 1
     job_id = args.job_id if args.job_id is not None else default_job_id(ips, port, nproc, env)
-    from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get("FLEETLIKE_JOB_ID")
+    from_file = through_file and args.job_id is None and node_ip != ips[0] and not env.get(envvars.JOB_ID)
     config = LaunchConfig(
         training_script=args.training_script,
         training_script_args=tuple(args.training_script_args),
@@ -661,7 +698,7 @@ def parse_config(
         # them. `open_job_warning` says so on every node.
         # an elastic job's nodes name only themselves: its rendezvous endpoint is what they share
         secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
-        given_id = args.job_id is not None or bool(env.get("FLEETLIKE_JOB_ID", "").strip())
+        given_id = args.job_id is not None or bool(env.get(envvars.JOB_ID, "").strip())
         config = dataclasses.replace(config, job_secret=secret, open_job=True,
                                      job_id=config.job_id if given_id else JobSecret(secret).job_id())
     return config

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetlike.comm import host_store
+from fleetlike.config import envvars
 from fleetlike.comm import job_store
 from fleetlike.comm import JobSecret
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
@@ -58,18 +59,18 @@ __all__ = [
 
 #: The directory where a worker marks its first progress (read by `restart_loop`); the same
 #: name is read by ``fleetlike.elastic.mark_progress`` (a test checks the two agree).
-PROGRESS_DIR_VAR = "FLEETLIKE_PROGRESS_DIR"
+PROGRESS_DIR_VAR = envvars.PROGRESS_DIR
 #: The worker's generation (0 for the first start).
-RESTART_COUNT_VAR = "FLEETLIKE_RESTART_COUNT"
+RESTART_COUNT_VAR = envvars.RESTART_COUNT
 
 #: What an elastic job's workers are told (``--nnodes``); the same names as
 #: ``fleetlike.elastic.membership.ENV``, which reads them (a test checks the two agree).
 ELASTIC_ENV = {
-    "store": "FLEETLIKE_ELASTIC_STORE",
-    "min": "FLEETLIKE_ELASTIC_MIN_WORKERS",
-    "max": "FLEETLIKE_ELASTIC_MAX_WORKERS",
-    "last_call": "FLEETLIKE_ELASTIC_LAST_CALL",
-    "run_id": "FLEETLIKE_ELASTIC_RUN_ID",
+    "store": envvars.ELASTIC_STORE,
+    "min": envvars.ELASTIC_MIN_WORKERS,
+    "max": envvars.ELASTIC_MAX_WORKERS,
+    "last_call": envvars.ELASTIC_LAST_CALL,
+    "run_id": envvars.ELASTIC_RUN_ID,
 }
 
 _PREFIX = "fleetlike.launch:"
@@ -243,8 +244,8 @@ def _elastic_job(config: LaunchConfig, stop: Any, run_once: RunOnce, attempts: l
 
 
 def _restart_env(config: LaunchConfig, generation: int) -> dict[str, str]:
-    return {RESTART_COUNT_VAR: str(generation), "TORCHELASTIC_RESTART_COUNT": str(generation),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts)}
+    return {RESTART_COUNT_VAR: str(generation), envvars.TORCHELASTIC_RESTART_COUNT: str(generation),
+            envvars.TORCHELASTIC_MAX_RESTARTS: str(config.max_restarts)}
 
 
 def _generations(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any | None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from fleetlike.comm import SECRET_ENV
+from fleetlike.config import envvars
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.roles import parse_endpoint
 
@@ -22,7 +22,7 @@ __all__ = [
 #: torch's (and torchrun's) name for "the store at MASTER_ADDR:MASTER_PORT is hosted by the
 #: launcher": set to ``True`` with ``--started_port=auto``, read by `PaddleCloudRoleMaker`
 #: (``Role.master_hosted``) and by torch's own ``env://`` / ``tcp://`` initialization.
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+AGENT_STORE = envvars.AGENT_STORE
 
 #: ``--accelerate_ddp``: the folder whose ``sitecustomize.py`` makes every worker import
 #: ``fleetlike.auto`` before the script (a path, not an import: launch sits below fleetlike.ddp)
@@ -51,7 +51,7 @@ OMP_NOTE = ("OMP_NUM_THREADS is unset: every worker gets OMP_NUM_THREADS=1 (as t
 def omp_note(config: LaunchConfig, base: Mapping[str, str] | None = None) -> str | None:
     """The line to print when `worker_env` sets ``OMP_NUM_THREADS`` (unset, several workers)."""
     env = os.environ if base is None else base
-    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+    if config.nproc_per_node > 1 and envvars.OMP_NUM_THREADS not in env:
         return OMP_NOTE.format(n=config.nproc_per_node)
     return None
 
@@ -145,38 +145,38 @@ def worker_env(
     gpu = str(config.selected_gpus[local_rank]) if config.selected_gpus else ""
     env.update(
         {
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": str(config.world_size),
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-            "PADDLE_NODE_NUM": str(config.node_num),
-            "FLAGS_selected_gpus": gpu,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(config.world_size),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-            "GROUP_RANK": str(config.node_index),
-            "MASTER_ADDR": master_host,
-            "MASTER_PORT": str(torch_master_port(config)),
-            "FLEETLIKE_JOB_ID": config.job_id,
-            SECRET_ENV: config.job_secret,
-            "FLEETLIKE_NODE_IP": config.node_ip,
+            envvars.PADDLE_TRAINER_ID: str(rank),
+            envvars.PADDLE_TRAINERS_NUM: str(config.world_size),
+            envvars.PADDLE_TRAINER_ENDPOINTS: ",".join(endpoints),
+            envvars.PADDLE_CURRENT_ENDPOINT: endpoints[rank],
+            envvars.PADDLE_NODE_NUM: str(config.node_num),
+            envvars.SELECTED_GPUS: gpu,
+            envvars.RANK: str(rank),
+            envvars.WORLD_SIZE: str(config.world_size),
+            envvars.LOCAL_RANK: str(local_rank),
+            envvars.LOCAL_WORLD_SIZE: str(config.nproc_per_node),
+            envvars.GROUP_RANK: str(config.node_index),
+            envvars.TORCH_MASTER_ADDR: master_host,
+            envvars.TORCH_MASTER_PORT: str(torch_master_port(config)),
+            envvars.JOB_ID: config.job_id,
+            envvars.JOB_SECRET: config.job_secret,
+            envvars.NODE_IP: config.node_ip,
         }
     )
     if omp_note(config, env) is not None:
-        env["OMP_NUM_THREADS"] = "1"
+        env[envvars.OMP_NUM_THREADS] = "1"
     if config.auto_ports:
         env[AGENT_STORE] = str(True)
     else:
         env.pop(AGENT_STORE, None)
     if config.selected_gpus:
-        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        visible = env.get(envvars.CUDA_VISIBLE_DEVICES, "").strip()
         if not visible:
             visible = ",".join(str(i) for i in range(max(config.selected_gpus) + 1))
-        env["CUDA_VISIBLE_DEVICES"] = visible
+        env[envvars.CUDA_VISIBLE_DEVICES] = visible
     if config.malloc_tuning:
-        env["GLIBC_TUNABLES"] = tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))
+        env[envvars.GLIBC_TUNABLES] = tuned_glibc_tunables(env.get(envvars.GLIBC_TUNABLES))
     if config.accelerate_ddp:
-        env["FLEETLIKE_ACCELERATE_DDP"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (ACCELERATE_SITE, env.get("PYTHONPATH")) if p)
+        env[envvars.ACCELERATE_DDP] = "1"
+        env[envvars.PYTHONPATH] = os.pathsep.join(p for p in (ACCELERATE_SITE, env.get(envvars.PYTHONPATH)) if p)
     return env

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Sequence
 
 from fleetlike.comm import SECRET_ENV, new_secret
+from fleetlike.config import envvars
 from fleetlike.launch.config import LaunchInputError, _HelpExit, default_job_id
 from fleetlike.launch.hosts import (
     HostsJob,
@@ -94,10 +95,10 @@ def mpiexec_command(job: HostsJob, launcher_exec: str | None) -> list[str]:
             argv += ["-localhost", local.name]
     argv += ["-hosts", ",".join(f"{h.name}:{h.procs}" for h in job.hosts)]
     for name, value in (
-        ("FLEETLIKE_NODE_IPS", ",".join(job.node_names)),
-        ("FLEETLIKE_MASTER_ADDR", job.hosts[0].name),
-        ("FLEETLIKE_MASTER_PORT", str(job.started_port)),
-        ("FLEETLIKE_JOB_ID", _job_id(job)),
+        (envvars.NODE_IPS, ",".join(job.node_names)),
+        (envvars.MASTER_ADDR, job.hosts[0].name),
+        (envvars.MASTER_PORT, str(job.started_port)),
+        (envvars.JOB_ID, _job_id(job)),
     ):
         argv += ["-genv", name, value]
     argv += list(job.mpiexec_args)
@@ -105,7 +106,7 @@ def mpiexec_command(job: HostsJob, launcher_exec: str | None) -> list[str]:
     for k, host in enumerate(job.hosts):
         if k:
             argv.append(":")
-        argv += ["-n", str(host.procs), "-env", "FLEETLIKE_NODE_IP", host.name, *guard, *job.command]
+        argv += ["-n", str(host.procs), "-env", envvars.NODE_IP, host.name, *guard, *job.command]
     return argv
 
 

@@ -35,7 +35,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 
-from fleetlike.launch.config import DEFAULT_REMOTE_SHELL, DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit
+from fleetlike.launch.config import DEFAULT_REMOTE_SHELL, DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit, add_shared_flag
 from fleetlike.roles import is_host
 
 __all__ = [
@@ -272,14 +272,11 @@ def _parser() -> argparse.ArgumentParser:
                       "--remote_shell (default)")
     mode.add_argument("--mpi", dest="mode", action="store_const", const=Mode.MPI,
                       help="mpiexec (MPICH's hydra) starts the processes")
-    p.add_argument("--remote_shell", "--remote-shell", default=DEFAULT_REMOTE_SHELL,
-                   help="command that runs a shell command line on {host}; the line is appended as "
-                   f"one argument (default: {DEFAULT_REMOTE_SHELL!r})")
-    p.add_argument("--started_port", "--start_port", default=str(DEFAULT_STARTED_PORT),
-                   help=f"port of local rank 0 on every host (default: {DEFAULT_STARTED_PORT})")
-    p.add_argument("--log_dir", default="log", help="worker logs: LOG_DIR/nodeK/workerlog.i (default: log)")
-    p.add_argument("--job_id", default=None, help="job id (default: derived from hosts and port)")
-    p.add_argument("--kill_grace", default="3", help="seconds between SIGTERM and SIGKILL (default: 3)")
+    add_shared_flag(p, "remote_shell", "hosts")
+    add_shared_flag(p, "started_port", "hosts")
+    add_shared_flag(p, "log_dir", "hosts")
+    add_shared_flag(p, "job_id", "hosts")
+    add_shared_flag(p, "kill_grace", "hosts")
     p.add_argument("-x", dest="forward", action="append", default=[], metavar="NAME",
                    help="also pass environment variable NAME to remote hosts (repeatable)")
     p.add_argument("--mpiexec_args", "--mpi-args", default="",

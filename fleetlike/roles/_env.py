@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from fleetlike.config import envvars
 from fleetlike.roles.role import Role, is_host
 
 __all__ = [
@@ -91,13 +92,13 @@ def parse_gpu_list(text: str, *, name: str) -> tuple[int, ...]:
 
 def selected_gpus(environ: Environ) -> tuple[int, ...]:
     """GPU ids from ``FLAGS_selected_gpus`` (the launcher's, Paddle's name); empty on CPU."""
-    text = get(environ, "FLAGS_selected_gpus")
-    return parse_gpu_list(text, name="FLAGS_selected_gpus") if text else ()
+    text = get(environ, envvars.SELECTED_GPUS)
+    return parse_gpu_list(text, name=envvars.SELECTED_GPUS) if text else ()
 
 
 def job_id(environ: Environ) -> str:
     """The job id: ``FLEETLIKE_JOB_ID`` (set by the launcher), else Slurm's or torchrun's."""
-    for name in ("FLEETLIKE_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+    for name in (envvars.JOB_ID, "SLURM_JOB_ID", envvars.TORCHELASTIC_RUN_ID):
         value = get(environ, name)
         if value is not None:
             return value
@@ -106,7 +107,7 @@ def job_id(environ: Environ) -> str:
 
 def master_addr(environ: Environ) -> str | None:
     """The rendezvous host the user named: ``FLEETLIKE_MASTER_ADDR``, else ``MASTER_ADDR``."""
-    for name in ("FLEETLIKE_MASTER_ADDR", "MASTER_ADDR"):
+    for name in (envvars.MASTER_ADDR, envvars.TORCH_MASTER_ADDR):
         value = get(environ, name)
         if value is not None:
             if not is_host(value.strip("[]")):
@@ -119,7 +120,7 @@ def agent_store(environ: Environ) -> bool:
     """``TORCHELASTIC_USE_AGENT_STORE=True``: the store at the master endpoint is hosted by the
     launcher (torch's name and spelling; ``fleetlike.launch --started_port=auto`` sets it), so
     rank 0 connects to it instead of hosting one."""
-    return get(environ, "TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return get(environ, envvars.AGENT_STORE) == str(True)
 
 
 def base_port(environ: Environ, *, default: int = DEFAULT_PORT, offset: int = 0) -> int:
@@ -127,14 +128,14 @@ def base_port(environ: Environ, *, default: int = DEFAULT_PORT, offset: int = 0)
 
     ``offset`` exists for torchrun, whose own store already listens on ``MASTER_PORT``.
     """
-    explicit = get_int(environ, "FLEETLIKE_MASTER_PORT")
+    explicit = get_int(environ, envvars.MASTER_PORT)
     if explicit is not None:
-        name, port = "FLEETLIKE_MASTER_PORT", explicit
+        name, port = envvars.MASTER_PORT, explicit
     else:
-        from_master = get_int(environ, "MASTER_PORT")
+        from_master = get_int(environ, envvars.TORCH_MASTER_PORT)
         if from_master is None:
             return default
-        name, port = "MASTER_PORT", from_master + offset
+        name, port = envvars.TORCH_MASTER_PORT, from_master + offset
     if not 1 <= port <= 65535:
         raise ValueError(f"{name} gives port {port}, outside 1..65535")
     return port
@@ -148,7 +149,7 @@ def node_hosts(environ: Environ, node_num: int, *, source: str) -> tuple[list[st
     identify the nodes (``real`` is False); the rendezvous then has to come from the master
     address, which the caller insists on.
     """
-    listed = get(environ, "FLEETLIKE_NODE_IPS")
+    listed = get(environ, envvars.NODE_IPS)
     if listed is not None:
         hosts = [h.strip() for h in listed.split(",") if h.strip()]
         if len(hosts) != node_num:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from fleetlike.config import envvars
 from fleetlike.roles import _env
 from fleetlike.roles.base import RoleMaker
 from fleetlike.roles.paddle import is_paddle, paddle_role, single_role
@@ -128,7 +129,8 @@ class LauncherVars:
 
 #: Name of each launcher -> its variables.
 LAUNCHER_VARS: dict[str, LauncherVars] = {
-    "torchrun": LauncherVars("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", 1),
+    "torchrun": LauncherVars(envvars.RANK, envvars.WORLD_SIZE, envvars.LOCAL_RANK, envvars.LOCAL_WORLD_SIZE,
+                             envvars.GROUP_RANK, 1),
     "openmpi": LauncherVars(
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
@@ -180,7 +182,7 @@ def mpich_role(environ: _env.Environ) -> Role:
 
 
 def is_torchrun(environ: _env.Environ) -> bool:
-    return _env.get(environ, "RANK") is not None and _env.get(environ, "WORLD_SIZE") is not None
+    return _env.get(environ, envvars.RANK) is not None and _env.get(environ, envvars.WORLD_SIZE) is not None
 
 
 def is_openmpi(environ: _env.Environ) -> bool:

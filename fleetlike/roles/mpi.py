@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from fleetlike.config import envvars
 from fleetlike.roles import _env
 from fleetlike.roles.base import RoleMaker
 from fleetlike.roles.detect import is_mpich, is_openmpi, mpich_role, openmpi_role
@@ -53,7 +54,7 @@ def mpi_role(comm: Any, environ: _env.Environ) -> Role:
     from mpi4py import MPI
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    own = _env.get(environ, "FLEETLIKE_NODE_IP") or MPI.Get_processor_name()
+    own = _env.get(environ, envvars.NODE_IP) or MPI.Get_processor_name()
     hosts = comm.allgather(own)
     bad = sorted({h for h in hosts if not is_host(h)})
     if bad:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fleetlike.config import envvars
 from fleetlike.roles import _env
 from fleetlike.roles.base import RoleMaker
 from fleetlike.roles.role import Role, parse_endpoint
@@ -29,10 +30,10 @@ __all__ = [
 ]
 
 _PADDLE_VARS = (
-    "PADDLE_TRAINER_ID",
-    "PADDLE_TRAINERS_NUM",
-    "PADDLE_TRAINER_ENDPOINTS",
-    "PADDLE_CURRENT_ENDPOINT",
+    envvars.PADDLE_TRAINER_ID,
+    envvars.PADDLE_TRAINERS_NUM,
+    envvars.PADDLE_TRAINER_ENDPOINTS,
+    envvars.PADDLE_CURRENT_ENDPOINT,
 )
 
 
@@ -67,10 +68,10 @@ def paddle_role(environ: _env.Environ) -> Role:
     """
     if not is_paddle(environ):
         return single_role(environ, "single")
-    listed = _env.get(environ, "PADDLE_TRAINER_ENDPOINTS")
-    current = _env.get(environ, "PADDLE_CURRENT_ENDPOINT")
-    trainer_id = _env.get_int(environ, "PADDLE_TRAINER_ID")
-    trainers = _env.get_int(environ, "PADDLE_TRAINERS_NUM")
+    listed = _env.get(environ, envvars.PADDLE_TRAINER_ENDPOINTS)
+    current = _env.get(environ, envvars.PADDLE_CURRENT_ENDPOINT)
+    trainer_id = _env.get_int(environ, envvars.PADDLE_TRAINER_ID)
+    trainers = _env.get_int(environ, envvars.PADDLE_TRAINERS_NUM)
 
     if listed is not None:
         endpoints = _split_endpoints(listed)

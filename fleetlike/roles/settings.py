@@ -9,6 +9,9 @@ are the role makers, the launcher, elastic membership and the DDP knobs (docs/AR
                             without editing the script)
 ``FLEETLIKE_BACKEND``       force a backend: gloo, mpi, nccl, single (default: auto)
 ``FLEETLIKE_CHECK_COLLECTIVES``  "1" turns the collective desync check on (debugging)
+``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS``  steps between two parameter checksums across ranks in
+                            every face (0: only after the starting broadcast; unset: the
+                            guard's default, `fleetlike.collectives.divergence.DEFAULT_EVERY`)
 ``CUDA_VISIBLE_DEVICES``    set: the process trains on a GPU even without FLAGS_selected_gpus
 ==========================  ===============================================================
 """
@@ -19,7 +22,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-__all__ = ["EnvSettings", "env_settings"]
+from fleetlike.config import envvars
+
+__all__ = ["EnvSettings", "env_settings", "every_from_env"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,18 +34,39 @@ class EnvSettings:
     check_collectives: bool = False
     #: CUDA_VISIBLE_DEVICES as set (a GPU job launched without FLAGS_selected_gpus)
     cuda_visible_devices: str | None = None
+    #: FLEETLIKE_DIVERGENCE_CHECK_N_STEPS as an int >= 0; None when unset (the guard's default)
+    divergence_every: int | None = None
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     env = os.environ if environ is None else environ
-    flag = env.get("FLEETLIKE_CHECK_COLLECTIVES", "").strip().lower()
+    flag = env.get(envvars.CHECK_COLLECTIVES, "").strip().lower()
     if flag not in ("", "0", "1", "true", "false", "yes", "no"):
         raise ValueError(
-            f"FLEETLIKE_CHECK_COLLECTIVES={flag!r} is not a switch; use 1 or 0"
+            f"{envvars.CHECK_COLLECTIVES}={flag!r} is not a switch; use 1 or 0"
         )
     return EnvSettings(
-        strategy_override=env.get("FLEETLIKE_STRATEGY") or None,
-        backend=env.get("FLEETLIKE_BACKEND") or None,
+        divergence_every=every_from_env(env),
+        strategy_override=env.get(envvars.STRATEGY) or None,
+        backend=env.get(envvars.BACKEND) or None,
         check_collectives=flag in ("1", "true", "yes"),
-        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES") or None,
+        cuda_visible_devices=env.get(envvars.CUDA_VISIBLE_DEVICES) or None,
     )
+
+
+def every_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` for the divergence guard every face builds: an int
+    >= 0, or None when unset (the guard's own default); ValueError naming the variable, its
+    value and what is accepted."""
+    env = os.environ if environ is None else environ
+    text = env.get(envvars.DIVERGENCE_CHECK_N_STEPS)
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{envvars.DIVERGENCE_CHECK_N_STEPS}={text!r} is not accepted; use an integer >= 0 (steps "
+                         "between two parameter checks across ranks; 0 = only after the starting broadcast)")
+    return value

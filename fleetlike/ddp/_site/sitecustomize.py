@@ -1,5 +1,5 @@
 """Imported by Python at start-up when ``python -m fleetlike.launch --accelerate_ddp`` puts this
-folder first on the workers' PYTHONPATH: imports `fleetlike.auto` before the training script
+folder first on the workers' PYTHONPATH: imports `fleetlike.ddp.auto` (``fleetlike.auto``) before the training script
 (only with ``FLEETLIKE_ACCELERATE_DDP=1``, so other Python processes the script starts with the
 same path are left alone), then runs the ``sitecustomize`` this one shadows, if any."""
 
@@ -9,7 +9,7 @@ import os
 import sys
 
 if os.environ.get("FLEETLIKE_ACCELERATE_DDP") == "1":
-    import fleetlike.auto  # noqa: F401
+    import fleetlike.ddp.auto  # noqa: F401
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
