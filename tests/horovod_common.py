@@ -88,7 +88,16 @@ TRAIN_CASES = [
     ("sgd_sum", "sgd", 1, "none", "sum", False),
     ("adam_scaler", "adam", 1, "none", "average", True),
     ("sgd_noagree", "sgd", 1, "none", "average", False),  # agree=False: no per-step agreement
+    ("adam_groups", "adam", 2, "none", "average", False),  # groups: explicit lists, one fused reduction each
+    ("sgd_groups", "sgd", 1, "fp16", "average", False),  # groups=2: two runs of parameters
 ]
+
+
+def groups_for(name: str, model: torch.nn.Module) -> Any:
+    """Horovod's ``groups=`` of the grouped training cases (None for the others)."""
+    if name == "adam_groups":
+        return [[model.fc1.weight, model.fc2.bias], [model.fc2.weight]]
+    return 2 if name == "sgd_groups" else None
 STEPS = 3
 
 
@@ -99,7 +108,7 @@ def train_rank(hvd: Any, case: tuple, rank: int) -> list[np.ndarray]:
     opt = hvd.DistributedOptimizer(make_opt(kind, model.parameters()), named_parameters=model.named_parameters(),
                                    compression=getattr(hvd.Compression, comp), backward_passes_per_step=bpps,
                                    op=op, gradient_predivide_factor=2.0 if name == "momentum" else 1.0,
-                                   agree=not name.endswith("noagree"))
+                                   agree=not name.endswith("noagree"), groups=groups_for(name, model))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if use_scaler else None
     for step in range(STEPS):

@@ -83,6 +83,17 @@ def face_rank(hvd: Any, spec: dict[str, Any]) -> dict[str, Any]:
     if r != 0:
         h = hvd.allreduce_async(torch.ones(2), name="dup")
     out["dup.sum"] = hvd.synchronize(h).tolist()
+    # a collective that completed with its handle never synchronized frees its name (Horovod's
+    # background thread retires it): the name can be submitted again
+    h = hvd.allreduce_async(torch.ones(2), name="unsynced")
+    while not hvd.poll(h):
+        time.sleep(0.005)
+    out["dup.freed"] = hvd.allreduce(torch.full((2,), float(r)), name="unsynced").tolist()
+    # DistributedOptimizer(groups=...) that differ between ranks: every rank raises at construction
+    m = torch.nn.Linear(3, 2)
+    groups = [[m.weight], [m.bias]] if r == 0 else [[m.weight, m.bias]]
+    out["groups.differ"] = _err(lambda: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                                 groups=groups), hvd.CollectiveMismatchError)
     names = ["a", "b", "c"] if r % 2 == 0 else ["c", "a", "b"]
     handles = {nm: hvd.allreduce_async(torch.full((3,), float(ord(nm) + r)), name=nm, op=hvd.Sum) for nm in names}
     out["order"] = {nm: hvd.synchronize(h).tolist() for nm, h in sorted(handles.items())}

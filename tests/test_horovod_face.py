@@ -94,6 +94,8 @@ def check(results: list[dict[str, Any]]) -> None:
         if r == 0:
             assert res["dup"].startswith("ValueError") and "same name" in res["dup"]
         assert res["dup.sum"] == [1.0, 1.0]  # the average of ones
+        assert res["dup.freed"] == [(n - 1) / 2] * 2
+        assert res["groups.differ"].startswith("CollectiveMismatchError"), res["groups.differ"]
         for nm in "abc":
             assert res["order"][nm] == [float(sum(ord(nm) + q for q in range(n)))] * 3
         assert res["order.never"].startswith("CollectiveMismatchError"), res["order.never"]

@@ -89,8 +89,15 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="Compression.none, .fp16 or .bf16"):
         hvd.DistributedOptimizer(sgd, compression=object())
-    with pytest.raises(ValueError, match="groups as a positive int"):
-        hvd.DistributedOptimizer(sgd, groups=[[p] for p in model.parameters()])
+    for bad in (0, -1, True, (model.weight,), "2"):
+        with pytest.raises(ValueError, match=r"groups should be a non-negative integer or a list of list"):
+            hvd.DistributedOptimizer(sgd, groups=bad)
+    with pytest.raises(ValueError, match=r"groups must consist of torch.Tensor: groups\[0\]\[1\] is a str"):
+        hvd.DistributedOptimizer(sgd, groups=[[model.weight, "bias"]])
+    with pytest.raises(ValueError, match=r"only appear once in groups: groups\[1\]\[0\] \(allreduce.noname.0.0\)"):
+        hvd.DistributedOptimizer(sgd, groups=[[model.weight], [model.weight]])
+    with pytest.raises(ValueError, match=r"groups\[0\]\[0\] .* is not a parameter of the wrapped optimizer"):
+        hvd.DistributedOptimizer(sgd, groups=[[torch.nn.Parameter(torch.ones(2))]])
     with pytest.raises(ValueError, match="backward_passes_per_step=0"):
         hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
     with pytest.raises(ValueError, match="Found duplicates: w"):
@@ -114,6 +121,33 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
         hvd.broadcast_parameters(3, root_rank=0)
     with pytest.raises(ValueError, match="LBFGS"):
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+
+
+def test_groups_become_the_fused_buckets(one: Any) -> None:
+    """Horovod's ``groups``: each listed group is one fused reduction, every unlisted trainable
+    parameter a group of its own, frozen ones left out; an int n splits the parameters in the
+    optimizer's order into n nearly equal runs. The buckets start in the order backward fills them."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    w0, b0, w1, b1, w2, b2 = model.parameters()
+    b1.requires_grad_(False)
+
+    def layout(groups: Any) -> list[list[torch.Tensor]]:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=groups)
+        try:
+            return [b.params for b in opt.reducer.buckets]
+        finally:
+            opt._detach()
+
+    def same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> bool:
+        return [[id(p) for p in g] for g in got] == [[id(p) for p in g] for g in want]
+
+    assert same(layout([[w0, w2], [b1, b0]]), [[b2], [w1], [b0], [w0, w2]])
+    assert same(layout(2), [[w2, b2], [w0, b0, w1]])
+    assert same(layout(9), [[b2], [w2], [w1], [b0], [w0]])
+    mixed = torch.nn.Linear(2, 2).to(torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*model.parameters(), *mixed.parameters()], lr=0.1),
+                                   groups=[[w0, mixed.weight, b0]])
+    assert [[id(p) for p in b.params] for b in opt.reducer.buckets][-2:] == [[id(w0), id(b0)], [id(mixed.weight)]]
 
 
 def test_init_arguments_are_checked() -> None:

@@ -61,6 +61,7 @@ from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
+from fleetlike.horovod.grouping import plan_groups
 from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.order import agree_in_order
@@ -219,6 +220,8 @@ class HorovodOptimizer(HorovodWrapper):
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._groups_arg = groups
+        #: Horovod's explicit grouping: each group one bucket (see `fleetlike.horovod.grouping`)
+        self._planned_groups = None if groups is None else plan_groups(groups, self._params, self._names)
         self._hvd_lock = threading.RLock()
         #: parameters whose last gradient was sparse: handed back sparse after the reduction
         self._sparse: set[int] = set()
@@ -234,8 +237,6 @@ class HorovodOptimizer(HorovodWrapper):
         chosen = self.user_defined_strategy
         params = self._params
         cap = chosen.bucket_cap_bytes()
-        if self._groups_arg is not None:
-            cap = self._cap_for_groups(self._groups_arg, params)
         self._join_id = next(i for i in range(len(rt.optimizers) + 1) if i not in rt.optimizers)
         # the buckets travel on communicators of their own, so an agreement on the Horovod world
         # overlaps them (each communicator keeps its own order); with join answered from the
@@ -265,7 +266,8 @@ class HorovodOptimizer(HorovodWrapper):
         # the gradients accumulate into the (dense) bucket views: which parameters produce sparse
         # gradients shows only before that, in the first backward (removed at its end)
         self._sparse_watch = [p.register_hook(self._sparse_watcher(p)) for p in params]
-        buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(params, cap))]
+        planned = plan_buckets(params, cap) if self._groups_arg is None else self._planned_groups
+        buckets = [Bucket(i, ps) for i, ps in enumerate(planned)]
         self._slots = buckets[0].numel if buckets and self._flagged else -1
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
             buckets[0] = Bucket(0, buckets[0].params, (buckets[0].offsets, self._slots + n))
@@ -296,17 +298,6 @@ class HorovodOptimizer(HorovodWrapper):
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
-
-    @staticmethod
-    def _cap_for_groups(groups: Any, params: list[torch.nn.Parameter]) -> int:
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(
-                f"hvd.DistributedOptimizer(groups={groups!r}): fleetlike fuses gradients into contiguous "
-                "buckets; give groups as a positive int (about that many fused buckets) or None (bucket "
-                "size from strategy.fuse_grad_size_in_MB); explicit lists of parameters are not supported"
-            )
-        total = sum(p.numel() * p.element_size() for p in params)
-        return max(1, -(-total // groups))
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: communicate every ``passes`` backward passes."""

@@ -82,8 +82,13 @@ class Handle:
         self._times[1] = timeline.now()
 
     def _release(self) -> None:
-        if self._name is not None:
-            self._rt.in_flight.pop(self._name, None)
+        if self._name is not None and self._rt.in_flight.get(self._name) is self:
+            self._rt.in_flight.pop(self._name)
+
+    def completed_unclaimed(self) -> bool:
+        """Started and finished (or failed) though nobody synchronized it yet: Horovod frees the
+        name of such a collective when it completes, so the name may be submitted again."""
+        return self._error is not None or (self._work is not None and self._work.is_completed())
 
     def poll(self) -> bool:
         if self._done:
@@ -128,13 +133,15 @@ def synchronize(handle: Handle) -> Any:
 
 
 def claim(rt: Runtime, name: str | None, what: str) -> None:
-    """Reserve ``name`` until its handle is synchronized (Horovod's duplicate-name error, raised
-    on this rank alone before anything is exchanged)."""
+    """Reserve ``name`` until its collective completes (Horovod's duplicate-name error, raised
+    on this rank alone before anything is exchanged). A collective that completed but was never
+    synchronized frees its name, as in Horovod, whose background thread retires it."""
     if name is None:
         return
     if not isinstance(name, str):
         raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
-    if name in rt.in_flight:
+    held = rt.in_flight.get(name)
+    if held is not None and not (isinstance(held, Handle) and held.completed_unclaimed()):
         raise ValueError(
             "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
             f"tensor that is currently being processed ({name!r}). If you want to request another "
@@ -155,6 +162,8 @@ def submit(rt: Runtime, name: str | None, label: str, what: str,
     with rt.lock:
         claim(rt, name, what)
         h = Handle(rt, name, op_key(rt, label, name), label, start)
+        if name is not None:
+            rt.in_flight[name] = h
         rt.pending.append(h)
         try:
             drive(rt, h, may_leave=True)

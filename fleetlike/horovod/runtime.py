@@ -86,6 +86,7 @@ class Runtime:
         #: one hvd collective at a time agrees and starts (the exchange and the data keep the
         #: same order on every rank even when hooks run on another thread)
         self.lock = threading.RLock()
+        #: names of submitted collectives not yet retired (a Handle each; see `order.claim`)
         self.in_flight: dict[str, Any] = {}
         #: the agreed history, from which every rank predicts the next allreduce alike, which
         #: then needs no exchange (`speculate`)
