@@ -217,7 +217,46 @@ def test_a_failure_while_applying_puts_everything_back(tmp_path):
         blob.data = torch.ones(3)
         before = job.snapshot()
         with pytest.raises(CheckpointError, match="could not be applied .*refuses every other state.*was put back as it was"):
-            job.load(tmp_path / "c")  # models and optimizer were applied first, then put back
+            job.load(tmp_path / "c")  # the optimizer was applied first, then put back
+        assert bitwise_equal(job.snapshot(), before)
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_fails_half_way_is_put_back_and_a_plain_one_is_never_copied(tmp_path, monkeypatch):
+    """A plain model (torch's load_state_dict, no hooks) is applied last, without a copy of its
+    weights; a model whose loading may fail is held like everything else, and when it fails with
+    its first layer already overwritten, the whole job is put back."""
+    from fleetlike.fleet import checkpoint as ckpt
+
+    with one_process():
+        job = build("program", seed=9, steps=2)
+        model = job.models[0]
+        job.save(tmp_path / "c")
+        held: list = []
+        hold = ckpt._hold
+        monkeypatch.setattr(ckpt, "_hold", lambda obj: held.append(obj) or hold(obj))
+        job.step(5)
+        job.load(tmp_path / "c")
+        assert held == [*job.optimizers, *job.extras.values()]  # the model: no copy
+        assert bitwise_equal(job.snapshot()["models"], [ckpt.read_file(tmp_path / "c", "models.pt")[0]])
+
+        saved = ckpt.read_file(tmp_path / "c", "models.pt")[0]
+        overwritten: list[bool] = []
+
+        def refuse(module, state_dict, prefix, *_: object) -> None:  # the checkpoint's state only
+            if torch.equal(state_dict[prefix + "weight"], saved["2.weight"]):
+                overwritten.append(torch.equal(model[0].weight, saved["0.weight"]))
+                raise ValueError("the last layer refuses")
+
+        model[2].register_load_state_dict_pre_hook(refuse)
+        assert ckpt._why_unsafe(model, model.state_dict()) == "module '2' has load_state_dict hooks"
+        job.step(6)
+        before = job.snapshot()
+        assert not torch.equal(model[0].weight, saved["0.weight"])
+        held.clear()
+        with pytest.raises(CheckpointError, match="could not be applied .*the last layer refuses.*was put back as it was"):
+            job.load(tmp_path / "c")
+        assert overwritten == [True] and held == [*job.optimizers, *job.extras.values(), model]
         assert bitwise_equal(job.snapshot(), before)
 
 

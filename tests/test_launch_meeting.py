@@ -1,13 +1,19 @@
 """``--started_port=auto`` on several nodes, in one process: the launchers of two loopback "nodes"
 (127.0.0.1 and 127.0.0.2) meet through a rendezvous file (`fleetlike.launch.meeting`), and a
-file left by another job or an earlier run is never joined. The same with real launcher processes
-is in test_launch_run.py."""
+file left by another job or an earlier run is never joined, nor one forged to name a store outside
+the cluster (in process, and with real launcher processes). The jobs of real launchers that
+succeed are in test_launch_run.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -196,3 +202,64 @@ def test_a_forged_file_naming_a_store_outside_the_cluster_is_refused(tmp_path: P
     met1 = result["config"]
     assert met1.endpoints == met0.endpoints and met1.master_endpoint == hosted0.endpoints[0]
     assert met1.job_secret == first.job_secret and met1.job_id == "jm"  # node 0's, from its file
+
+
+def _launcher(rdzv: Path, node: int, timeout: float, out: Path, secret: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PADDLE_", "FLEETLIKE_", "TORCHELASTIC", "OMPI_", "PMI_", "SLURM_"))
+           and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    env.update(OMP_NUM_THREADS="1", FLEETLIKE_JOB_SECRET=secret)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(IPS)}",
+         f"--node_ip={IPS[node]}", "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=1",
+         "--job_id=jr", f"--rendezvous_timeout={timeout:g}", f"--log_dir={out}/log{node}",
+         str(Path(__file__).parent / "launch_workers" / "behave.py"), str(out), "--ok"],
+        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_real_launchers_refuse_a_forged_file_and_publish_nothing_there(tmp_path: Path) -> None:
+    """Node 0's launcher (127.0.0.1) writes the file; someone rewrites it to name a store they
+    host on 127.0.0.3 (their own secret and token, this job's id). Node 1's launcher (127.0.0.2)
+    refuses it, naming both addresses, and the stranger's store never receives a key. With node
+    0's file back, node 1's launcher joins and the job finishes."""
+    from fleetlike.comm import host_store
+    from fleetlike.comm.secret import JobSecret, new_secret
+
+    rdzv, out, secret = tmp_path / "rdzv", tmp_path / "out", new_secret()
+    out.mkdir()
+    forged_secret = new_secret()
+    stranger = host_store("127.0.0.3", "jr", 60.0, secret=JobSecret(forged_secret))
+    forged = StoreAddress(f"127.0.0.3:{stranger.port}", "jr", "forged-token", forged_secret)
+    procs = [_launcher(rdzv, 0, 90, out, secret)]
+    try:
+        deadline = time.monotonic() + 60
+        while not rdzv.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        real = read_address(str(rdzv))
+        assert real is not None and real.store.startswith("127.0.0.1:") and real.secret == secret
+        keys = stranger.num_keys()
+        write_address(str(rdzv), forged)
+        procs.append(_launcher(rdzv, 1, 3, out, secret))
+        _, stderr = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 1
+        assert stderr.startswith(
+            f"fleetlike.launch: node 1 (127.0.0.2): --rendezvous_file={rdzv} names a store at "
+            f"{forged.store}, but node 0 is --cluster_node_ips[0]=127.0.0.1: the store's host must be "
+            "node 0; refusing a file that would send this node elsewhere (forged, or written by another "
+            "job) after waiting 3s (--rendezvous_timeout)"), stderr
+        assert stranger.num_keys() == keys  # node 1 published nothing there
+        assert not (out / "pid.1").exists() and procs[0].poll() is None  # no worker; node 0 waits on
+        write_address(str(rdzv), real)  # node 0's own file, put back
+        procs.append(_launcher(rdzv, 1, 60, out, secret))
+        for proc in (procs[0], procs[2]):
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 0, stderr
+        assert sorted(p.name for p in out.glob("pid.*")) == ["pid.0", "pid.1"] and not rdzv.exists()
+        assert stranger.num_keys() == keys
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()

@@ -39,6 +39,8 @@ from fleetlike.fleet.checkpoint_files import (
     atomic_dir,
     commit,
     explain_write_error,
+    full_disk_errno,
+    full_disk_error,
     load_pt,
     make_tag,
     read_json,
@@ -148,6 +150,25 @@ def _agree(world: Any, failed: bool) -> bool:
     return bool(flag.item())
 
 
+def _agree_on_writes(world: Any, error: BaseException | None, target: Path) -> None:
+    """Raise on every rank when any rank's write failed: its own error on a failing rank, and on
+    the others what the first failing rank met (a full disk named as such, with the directory
+    and the intact previous checkpoint). One MAX allreduce of every rank's outcome."""
+    codes = torch.zeros(world.size)
+    if error is not None:  # 1 + errno of a full disk, or 1
+        codes[world.rank] = 1.0 + full_disk_errno(error)
+    world.all_reduce(codes, "max", agreed=True)
+    failed = [(r, int(c) - 1) for r, c in enumerate(codes.tolist()) if c > 0]
+    if error is not None:
+        raise error
+    if failed:
+        rank, errnum = failed[0]
+        if errnum:
+            raise full_disk_error(target, errnum, f" (rank {rank}'s shard)")
+        raise CheckpointError(f"rank {rank} failed to write its shard of {target} (see its error); nothing was "
+                              "replaced, the previous checkpoint is as it was")
+
+
 def _shard_name(rank: int) -> str:
     return f"shard-{rank:05d}.pt"
 
@@ -194,10 +215,12 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
             write_json(tmp / "fleet.json", meta)
     except BaseException as exc:
         error = explain_write_error(exc, target)
-    if _agree(world, error is not None):
+    try:
+        _agree_on_writes(world, error, target)
+    except BaseException:
         if world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise error if error is not None else CheckpointError(f"another rank failed to write its shard into {tmp}")
+        raise
     try:
         if world.rank == 0:
             missing = [n for n in (_shard_name(r) for r in range(world.size)) if not (tmp / n).exists()]
@@ -361,13 +384,18 @@ def load_training(dirname: str | os.PathLike[str], state: TrainingState, device:
     if not isinstance(extras, dict) or sorted(extras) != sorted(state.extras):
         raise CheckpointError(f"{path / 'extras.pt'} holds {sorted(extras) if isinstance(extras, dict) else extras!r}, "
                               f"fleet.json lists {sorted(state.extras)}: the files come from different saves")
-    plan = [(m, saved) for m, saved in zip(state.models, models)] \
-        + [(o, saved) for o, saved in zip(state.optimizers, optimizers)] \
-        + [(obj, extras[name]) for name, obj in state.extras.items()]
+    # Models go last, and a model whose application cannot fail (`_why_unsafe` finds nothing:
+    # names and shapes were checked above, and torch's own code copies tensor into tensor) goes
+    # without a copy of its weights: nothing that could call for putting it back comes after it.
+    # Every other object is held (copied) just before it is applied.
+    risky = [(m, saved, bool(_why_unsafe(m, saved))) for m, saved in zip(state.models, models)]
+    plan = [(o, saved, True) for o, saved in zip(state.optimizers, optimizers)] \
+        + [(obj, extras[name], True) for name, obj in state.extras.items()] \
+        + [item for item in risky if item[2]] + [item for item in risky if not item[2]]
     touched: list[tuple[Any, Any]] = []
     try:
-        for obj, saved in plan:
-            touched.append((obj, _hold(obj)))  # held just before: a failing object is put back too
+        for obj, saved, hold in plan:
+            touched.append((obj, _hold(obj) if hold else None))  # a failing object is put back too
             obj.load_state_dict(saved)
     except Exception as exc:
         stuck = _put_back(touched)
@@ -401,9 +429,14 @@ def _hold(obj: Any) -> tuple[Any, Any]:
 
 
 def _put_back(touched: list[tuple[Any, Any]]) -> list[str]:
-    """Return each touched object to its held state, last first; the ones that refused."""
+    """Return each touched object to its held state, last first; the ones that refused (or,
+    applied without a copy because nothing could fail, failed all the same)."""
     stuck = []
-    for obj, (saved, pending) in reversed(touched):
+    for obj, held in reversed(touched):
+        if held is None:
+            stuck.append(f"{type(obj).__name__} (applied without a copy: its application was not expected to fail)")
+            continue
+        saved, pending = held
         try:
             obj.load_state_dict(saved)
         except Exception as exc:  # noqa: BLE001 - reported with the original error
@@ -411,6 +444,38 @@ def _put_back(touched: list[tuple[Any, Any]]) -> list[str]:
         if hasattr(obj, "_pending_state"):
             obj._pending_state = pending
     return stuck
+
+
+#: torch's modules whose own ``_load_from_state_dict`` (normalization layers: versions and
+#: ``num_batches_tracked``) copies as `torch.nn.Module`'s does
+_TORCH_LOADERS = "torch.nn.modules."
+
+
+def _why_unsafe(model: torch.nn.Module, saved: dict[str, Any]) -> str:
+    """Why applying ``saved`` (names and shapes already checked) could fail half-way; "" when it
+    cannot: torch's own ``load_state_dict`` with no hooks and no extra state, which only
+    ``copy_`` each tensor into a plain, same-device, writable tensor of the same shape."""
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+        return f"{type(model).__name__} has its own load_state_dict"
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return "torch swaps module parameters on load (torch.__future__)"
+    for name, module in model.named_modules():
+        kind = type(module)
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return f"module {name or kind.__name__!r} has load_state_dict hooks"
+        loader = kind._load_from_state_dict
+        if loader is not torch.nn.Module._load_from_state_dict and not loader.__module__.startswith(_TORCH_LOADERS):
+            return f"module {name or kind.__name__!r} has its own _load_from_state_dict"
+        if kind.set_extra_state is not torch.nn.Module.set_extra_state:
+            return f"module {name or kind.__name__!r} has extra state"
+    for key, now in model.state_dict(keep_vars=True).items():
+        held = saved[key]
+        if type(held) is not torch.Tensor or type(now) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            return f"{key} is a tensor subclass"
+        if now.device != held.device or now.is_inference() or now.is_meta \
+                or torch._debug_has_internal_overlap(now) != 0:
+            return f"{key} may refuse the copy (device, inference or overlapping memory)"
+    return ""
 
 
 def _optimizer_states(path: Path, meta: dict[str, Any], state: TrainingState,

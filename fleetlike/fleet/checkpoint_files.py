@@ -53,6 +53,8 @@ __all__ = [
     "atomic_dir",
     "commit",
     "explain_write_error",
+    "full_disk_errno",
+    "full_disk_error",
     "load_pt",
     "make_tag",
     "read_json",
@@ -294,18 +296,32 @@ def _full_disk(exc: BaseException) -> OSError | None:
     return None
 
 
-def explain_write_error(exc: BaseException, target: Path) -> BaseException:
-    """``exc`` as the user should read it: a full disk names the directory and what is intact."""
+def full_disk_errno(exc: BaseException) -> int:
+    """``ENOSPC`` or ``EDQUOT`` when ``exc`` (or what caused it) is a full disk; else 0."""
     full = _full_disk(exc)
-    if full is None:
-        return exc
+    return 0 if full is None else int(full.errno)
+
+
+def full_disk_error(target: Path, errnum: int, who: str = "") -> CheckpointError:
+    """A full disk while saving ``target`` (``who``: whose write, when not this process's),
+    naming the directory and the checkpoint that is intact."""
     try:
         intact = f"the previous checkpoint {resolve(target)} is intact"
     except CheckpointError:
         intact = f"there was no previous checkpoint at {target}"
-    what = "no space left" if full.errno == errno.ENOSPC else "disk quota exceeded"
-    return CheckpointError(f"{what} on {target.parent} while saving {target} ({os.strerror(full.errno)}); "
+    what = "no space left" if errnum == errno.ENOSPC else "disk quota exceeded"
+    return CheckpointError(f"{what} on {target.parent} while saving {target}{who} ({os.strerror(errnum)}); "
                            f"{intact}. Free space there (or save elsewhere) and save again")
+
+
+def explain_write_error(exc: BaseException, target: Path) -> BaseException:
+    """``exc`` as the user should read it: a full disk names the directory and what is intact."""
+    errnum = full_disk_errno(exc)
+    if not errnum:
+        return exc
+    explained = full_disk_error(target, errnum)
+    explained.__cause__ = exc  # what the OS said, kept (and `full_disk_errno` still finds it)
+    return explained
 
 
 @contextlib.contextmanager
