@@ -100,9 +100,11 @@ def preload_mode(value: str | None = None) -> str:
     return text
 
 
-def startup_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables an interpreter or a library reads once at start (see the module doc)."""
-    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE")}
+def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, str]:
+    """The variables an interpreter or a library reads once at start (see the module doc);
+    with ``-u`` in ``flags``, PYTHONUNBUFFERED says nothing more and is left out."""
+    return {k: v for k, v in env.items() if (k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE"))
+            and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
 
 
 def _parse_command(command: Sequence[str]) -> tuple[list[str], str, str, list[str]] | str:
@@ -294,7 +296,7 @@ def _server_code() -> str:
 
 
 def _private_client(flags: list[str], env: Mapping[str, str]) -> _Client | str:
-    key = (tuple(flags), tuple(sorted(startup_env(env).items())))
+    key = (tuple(flags), tuple(sorted(startup_env(env, flags).items())))
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
         if client is not None and not client.closed:
@@ -363,7 +365,7 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
     elif hello.get("threads", 1) != 1:
         reason = f"the server runs {hello.get('threads')} Python threads after its imports and cannot fork safely"
     else:
-        theirs, ours = hello.get("startup", {}), startup_env(env)
+        theirs, ours = startup_env(hello.get("startup", {}), flags), startup_env(env, flags)
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         if differ:
             reason = (f"the worker's start-up environment differs from the server's in {', '.join(differ)} "
