@@ -56,6 +56,7 @@ def _run(tmp: Path, mode: str) -> tuple[int, list[str], dict[str, dict], str]:
     return proc.returncode, lines, records, stdout
 
 
+@pytest.mark.slow  # the fast tier starts every launcher job's workers preloaded
 def test_preloaded_workers_start_end_and_restart_as_plain_ones(tmp_path: Path) -> None:
     plain = _run(tmp_path, "off")
     fast = _run(tmp_path, "torch")
