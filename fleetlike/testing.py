@@ -19,22 +19,28 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fleetlike.comm import JobSecret, new_secret
 from fleetlike.launch.ports import HostedEndpoints, host_endpoints
 from fleetlike.roles.role import Role
 
-__all__ = ["HostedJob", "RankError", "run_ranks", "hosted_job", "node_hosts", "free_ports", "make_world"]
+__all__ = ["HostedJob", "RankError", "run_ranks", "hosted_job", "node_hosts", "free_ports", "make_world",
+           "preload_server"]
 
 _CTX: Any = None
 
@@ -248,3 +254,46 @@ def _reap(procs: list[Any]) -> None:
                 pass
     for p in procs:
         p.join(timeout=5)
+
+
+_SERVER_CODE = (
+    "import os, socket\n"
+    "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+    "old = os.umask(0o177)\n"
+    "s.bind({path!r})\n"
+    "os.umask(old)\n"
+    "s.listen(64)\n"
+    "from fleetlike.launch.preload import serve_forever\n"
+    "serve_forever({path!r}, listener=s)\n"
+)
+
+
+@contextlib.contextmanager
+def preload_server(env: Mapping[str, str] | None = None, flags: Sequence[str] = ("-u",)) -> Iterator[str]:
+    """A shared preload server (`fleetlike.launch.preload.serve_forever`) for the launchers a test
+    session starts; yields its socket path, for ``FLEETLIKE_PRELOAD_SOCKET`` (with
+    ``FLEETLIKE_PRELOAD=torch``). ``env`` and ``flags`` are the workers' start-up environment
+    and interpreter flags (the launcher's workers run ``python -u``); a worker whose differ starts
+    as a plain process, with one line saying why. The socket is bound before this returns, the
+    imports go on in the background (a launcher that connects meanwhile waits for them); the
+    server and its children are ended on exit."""
+    folder = tempfile.mkdtemp(prefix="fleetlike-preload-")
+    path = os.path.join(folder, "server.sock")
+    proc = subprocess.Popen([sys.executable, *flags, "-c", _SERVER_CODE.format(path=path)],
+                            env=dict(os.environ if env is None else env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the preload server did not bind {path} (exit code {proc.poll()})")
+            time.sleep(0.01)
+        yield path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from helpers import preload_env
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BIN = Path(PY).parent
@@ -23,6 +25,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     (so a test run inside some job, or with FLEETLIKE_STRATEGY exported, runs what it says)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_ROLE_PREFIXES) and k not in _ROLE_NAMES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(preload_env())
     env.update(extra)
     return env
 

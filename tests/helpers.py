@@ -4,11 +4,24 @@ sys.path in the workers too), so they stay plain module-level functions."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cross_entropy", "labelled_batch", "max_diff", "mse", "params", "regression_batch"]
+__all__ = ["PRELOAD_VARIABLES", "cross_entropy", "labelled_batch", "max_diff", "mse", "params", "preload_env",
+           "regression_batch"]
+
+#: the session's preload server (tests/conftest.py), kept by the helpers that otherwise clear
+#: every FLEETLIKE_ variable from a launcher's environment
+PRELOAD_VARIABLES = ("FLEETLIKE_PRELOAD", "FLEETLIKE_PRELOAD_SOCKET")
+
+
+def preload_env() -> dict[str, str]:
+    """The preload variables of this process's environment (the launchers' workers fork from the
+    session's server; the test says so where it needs a plain start)."""
+    return {k: os.environ[k] for k in PRELOAD_VARIABLES if k in os.environ}
 
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import preload_env
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "examples" / "ddp" / "main.py"
@@ -41,6 +42,7 @@ def _env(**knobs: str) -> dict[str, str]:
            if not k.startswith(("FLEETLIKE_", "PADDLE_", "TORCHELASTIC")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT)
     env["OMP_NUM_THREADS"] = "1"
+    env.update(preload_env())
     env.update(knobs)
     return env
 

@@ -149,7 +149,8 @@ def test_remote_agent_argv_is_the_hosts_form_one(tmp_path: Path) -> None:
     from fleetlike.launch.discovery import node_launcher_args
     from fleetlike.launch.remote import agent_argv
 
-    config = _config(tmp_path, tmp_path / "d.sh", training_script_args=("a b",), started_port=None)
+    config = _config(tmp_path, tmp_path / "d.sh", training_script_args=("a b",), started_port=None,
+                     preload="torch")
     argv = agent_argv(node_launcher_args(config, "10.0.0.7"), cwd="/job", env={"PYTHONPATH": "/src"})
     assert argv[:7] == [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", "/job", "--watch_stdin",
                         "--secret_stdin"]  # the job's secret comes on stdin, never on the command line
@@ -160,3 +161,4 @@ def test_remote_agent_argv_is_the_hosts_form_one(tmp_path: Path) -> None:
     # the parsed form of those flags is the node's config
     node = parse_config(rest, environ={"FLEETLIKE_JOB_SECRET": config.job_secret})
     assert (node.node_ip, node.min_nodes, node.max_nodes, node.host_discovery_script) == ("10.0.0.7", 1, 2, None)
+    assert node.preload == "torch"  # a discovered node starts its workers as this one does

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fleetlike.launch import main
+from helpers import preload_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -69,6 +70,7 @@ def clean_env(**extra: str) -> dict[str, str]:
              "GROUP_RANK", "FLAGS_selected_gpus", "CUDA_VISIBLE_DEVICES"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
     env.setdefault("OMP_NUM_THREADS", "1")  # else the launcher notes that it sets it (stderr)
+    env.update(preload_env())
     env.update(extra)
     return env
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
 from fleetlike.config import envvars
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
+from fleetlike.launch.preload import PRELOAD_CHOICES, PRELOAD_ENV, preload_mode
 from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
@@ -213,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
                    "coalesce and are reused instead of growing the heap; a GLIBC_TUNABLES that "
                    "already sets tcache_count is kept. off: the environment is left as it is")
+    p.add_argument("--preload", default=None, choices=PRELOAD_CHOICES,
+                   help=f"torch: start (and restart) workers by forking an interpreter that has "
+                   f"imported torch already, seconds faster each; off: a fresh interpreter each "
+                   f"(default: {PRELOAD_ENV} from the environment, else off; see docs/launching.md)")
     p.add_argument("--max_restarts", default="0", metavar="N",
                    help="restart all local workers up to N times after a worker fails, each start "
                    "a new rendezvous generation (default: 0, a failure ends the job); with --nnodes "
@@ -314,6 +319,8 @@ class LaunchConfig:
     print_config: bool = False
     malloc_tuning: bool = True
     accelerate_ddp: bool = False
+    #: ``--preload`` (`fleetlike.launch.preload`): "off" or "torch"
+    preload: str = "off"
     rendezvous_file: str | None = None
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
     ports: tuple[int, ...] = ()
@@ -540,6 +547,13 @@ def _nnodes(text: str | None) -> tuple[int, int]:
     return low, high
 
 
+def _preload(flag: str | None, env: Mapping[str, str]) -> str:
+    try:
+        return preload_mode(flag if flag is not None else env.get(PRELOAD_ENV, ""))
+    except ValueError as exc:
+        raise LaunchInputError(str(exc).replace("--preload", PRELOAD_ENV if flag is None else "--preload")) from None
+
+
 def _seconds(name: str, text: str) -> float:
     try:
         value = float(text)
@@ -674,6 +688,7 @@ def parse_config(
         print_config=args.print_config,
         malloc_tuning=args.malloc_tuning == "on",
         accelerate_ddp=args.accelerate_ddp,
+        preload=_preload(args.preload, env),
         rendezvous_file=args.rendezvous_file,
         rendezvous_timeout=rdzv_timeout,
         ports=ports,
@@ -738,6 +753,7 @@ def format_config(config: LaunchConfig) -> str:
         ("host_discovery", f"{config.host_discovery_script} every {config.discovery_interval:g} s, "
                            f"through {config.remote_shell!r}" if config.host_discovery_script else "off"),
         ("malloc_tuning", "on (glibc tcache off for workers)" if config.malloc_tuning else "off"),
+        ("preload", config.preload),
     ]
     if config.use_paddlecloud:
         rows.insert(2, ("use_paddlecloud", "yes (nodes and ports from the cloud's environment)"))

@@ -110,6 +110,7 @@ def node_launcher_args(config: LaunchConfig, host: str) -> list[str]:
         f"--kill_grace={config.kill_grace:g}",
         f"--max_restarts={config.max_restarts}",
         f"--malloc_tuning={'on' if config.malloc_tuning else 'off'}",
+        f"--preload={config.preload}",
     ]
     if config.module:
         args.append("-m")

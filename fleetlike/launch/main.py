@@ -143,7 +143,7 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
     def respawn(local: int, log_path: str, env: dict[str, str]) -> Worker:
         return start_worker(command, {**worker_env(config, local), **(extra_env or {}), **env},
                             local_rank=local, rank=config.rank(local), log_path=log_path,
-                            echo=local == 0)
+                            echo=local == 0, preload=config.preload)
 
     try:
         for local in range(config.nproc_per_node):

@@ -22,7 +22,9 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, TextIO
+from typing import IO, TextIO, Union
+
+from fleetlike.launch.preload import PreloadedProcess, start_preloaded
 
 __all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit", "last_line"]
 
@@ -34,7 +36,7 @@ class Worker:
     local_rank: int
     rank: int
     log_path: str
-    process: subprocess.Popen[bytes]
+    process: Union[subprocess.Popen[bytes], PreloadedProcess]
     log_file: IO[bytes]
     tee: threading.Thread | None = None
 
@@ -86,11 +88,17 @@ def start_worker(
     rank: int,
     log_path: str,
     echo: bool,
+    preload: str = "off",
 ) -> Worker:
-    """Start one worker in a new session; ``echo`` also copies its output to ``sys.stdout``."""
+    """Start one worker in a new session; ``echo`` also copies its output to ``sys.stdout``.
+    ``preload="torch"`` forks it from a preload server when it can (`fleetlike.launch.preload`)."""
     log_file = open(log_path, "wb")
     try:
-        process = subprocess.Popen(
+        process: subprocess.Popen[bytes] | PreloadedProcess | None = None
+        if preload != "off":
+            process = start_preloaded(command, env, stdout=None if echo else log_file.fileno(), rank=rank)
+        if process is None:
+            process = subprocess.Popen(
             list(command),
             env=dict(env),
             stdin=subprocess.DEVNULL,

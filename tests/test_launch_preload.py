@@ -1,0 +1,119 @@
+"""``--preload=torch``: a worker forked from the preload server is started, ends, restarts and is
+signalled exactly as a plain one. One job per mode covers an exception, a kill -9, two restarts
+and the launcher's SIGTERM; the records the workers write and the launcher's lines must agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetlike.launch import LaunchInputError, parse_config
+from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV, start_preloaded
+from fleetlike.testing import preload_server
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "tests" / "launch_workers" / "preload_probe.py"
+#: differ from run to run whatever the start: ports, the job's id, the agent's folders
+_PER_RUN = ("PADDLE_TRAINER_ENDPOINTS", "PADDLE_CURRENT_ENDPOINT", "MASTER_PORT", "FLEETLIKE_JOB_ID",
+            "FLEETLIKE_PROGRESS_DIR")
+
+
+def _run(tmp: Path, mode: str) -> tuple[int, list[str], dict[str, dict], str]:
+    """The launcher with ``--preload=mode`` until generation 2 is up, then its SIGTERM."""
+    out = tmp / mode
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in (PRELOAD_ENV, SOCKET_ENV)}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=2", "--started_port=auto",
+         "--max_restarts=2", f"--preload={mode}", f"--log_dir={out}/log", str(PROBE), str(out)],
+        cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((out / f"ready-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [ln.replace(str(out), "OUT") for ln in stderr.splitlines() if ln.startswith("fleetlike.launch:")]
+    records = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("gen*-rank*.json"))}
+    terms = {r: (out / f"term-{r}").read_text() for r in (0, 1)}
+    assert terms == {0: str(int(signal.SIGTERM)), 1: str(int(signal.SIGTERM))}, terms
+    return proc.returncode, lines, records, stdout
+
+
+@pytest.mark.slow  # the fast tier starts every launcher job's workers preloaded
+def test_preloaded_workers_start_end_and_restart_as_plain_ones(tmp_path: Path) -> None:
+    plain = _run(tmp_path, "off")
+    fast = _run(tmp_path, "torch")
+    code, lines, records, stdout = plain
+    assert code == 128 + signal.SIGTERM
+    assert any("exited with code 1" in ln and "ValueError: generation 0 fails" in ln for ln in lines), lines
+    assert any("was killed by signal SIGKILL" in ln for ln in lines), lines
+    assert any("received SIGTERM; stopped all 2 local workers" in ln for ln in lines), lines
+    assert fast[0] == code
+    assert fast[1] == lines  # the same failures, restarts and summary, and no fall-back line
+    assert sorted(records) == sorted(fast[2]) == [f"gen{g}-rank{r}" for g in range(3) for r in range(2)]
+    for recs in (records, fast[2]):  # the default generators are seeded afresh in each worker
+        for key in ("np_draw", "torch_seed", "torch_draw"):
+            assert len({str(rec[key]) for rec in recs.values()}) == len(recs), key
+    for name, mine in records.items():
+        theirs = fast[2][name]
+        assert mine.pop("preloaded") is False and theirs.pop("preloaded") is True, name
+        for record in (mine, theirs):
+            for key in _PER_RUN:
+                record["env"].pop(key, None)
+            record["argv"][1] = record["argv"][1].replace(str(tmp_path / "off"), "OUT").replace(
+                str(tmp_path / "torch"), "OUT")
+            record["orig_argv_tail"][1] = record["argv"][1]
+            record["env"][PRELOAD_ENV] = record["env"].get(PRELOAD_ENV)
+            for key in ("np_draw", "torch_seed", "torch_draw"):
+                del record[key]
+        assert theirs == mine, name
+    assert [ln for ln in stdout.splitlines() if "started" in ln] == [
+        ln for ln in fast[3].splitlines() if "started" in ln]  # rank 0's echo to the console
+
+
+def test_what_a_preloaded_start_cannot_honour_starts_plainly_saying_why(tmp_path: Path, capfd) -> None:
+    log = open(tmp_path / "log", "wb")
+    env = dict(os.environ)
+    assert start_preloaded(["/bin/sh", "-c", "true"], env, stdout=log.fileno(), rank=0) is None
+    assert start_preloaded([sys.executable, "-c", "pass"], env, stdout=log.fileno(), rank=1) is None
+    with preload_server(env) as path:
+        env[SOCKET_ENV] = path
+        env["PYTHONHASHSEED"] = "7"  # read once at interpreter start: the server's differs
+        assert start_preloaded([sys.executable, "-u", str(PROBE)], env, stdout=log.fileno(), rank=2) is None
+        env.pop("PYTHONHASHSEED")
+        missing = tmp_path / "missing.py"
+        assert start_preloaded([sys.executable, "-u", str(missing)], env, stdout=log.fileno(), rank=3) is None
+    log.close()
+    said = [ln for ln in capfd.readouterr().err.splitlines() if "--preload=torch" in ln]
+    assert len(said) == 4, said
+    assert "is not this interpreter" in said[0] and "(rank 0) as a plain process" in said[0]
+    assert "'-c'" in said[1]
+    assert "differs from the server's in PYTHONHASHSEED" in said[2]
+    assert "missing.py" in said[3] and "is not a .py file" in said[3]
+
+
+def test_preload_flag_and_its_variable() -> None:
+    assert parse_config(["x.py"], environ={}).preload == "off"
+    assert parse_config(["x.py"], environ={PRELOAD_ENV: "torch"}).preload == "torch"
+    assert parse_config(["--preload=off", "x.py"], environ={PRELOAD_ENV: "torch"}).preload == "off"
+    with pytest.raises(LaunchInputError, match=f"{PRELOAD_ENV}='numpy'.*off, torch"):
+        parse_config(["x.py"], environ={PRELOAD_ENV: "numpy"})
+    with pytest.raises(LaunchInputError, match="--preload"):
+        parse_config(["--preload=yes", "x.py"], environ={})
