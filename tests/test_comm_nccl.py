@@ -8,6 +8,7 @@ ranks on one device. The base class would short-cut a group of one, so the nccl 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import itertools
@@ -405,19 +406,37 @@ def fake(monkeypatch):
     WATCHDOG.clear()
 
 
-def _through(cuda: _FakeCuda, label: str, start, wait=None) -> None:
+def _through(cuda: _FakeCuda, label: str, start, wait=None, caller: bool = False, same: bool = False) -> None:
     """Gradients made on a side stream go through ``start()`` (a helper path or not); the
     consumer, on another stream, waits and reads. Every NCCL kernel must run after the
     gradients, the read after every NCCL kernel, and no helper thread may hold back a stream
-    that is not its own."""
-    producer, consumer = _FakeStream(cuda, f"producer-{label}"), _FakeStream(cuda, f"consumer-{label}")
+    that is not its own. ``caller``: the gradients are made and ``start()`` runs on a thread of
+    the caller's own (as autograd's), whose device fleetlike has not set. ``same``: the
+    consumer is the producer's thread and stream (a backward and the step after it)."""
+    producer = _FakeStream(cuda, f"producer-{label}")
+    consumer = producer if same else _FakeStream(cuda, f"consumer-{label}")
     first = len(cuda.log)
-    with cuda.stream(producer):
-        cuda.kernel(f"grad:{label}")
-        work = start()
-    with cuda.stream(consumer):
+    got: list = []
+
+    def consume(work) -> None:
         (wait or (lambda w: w.wait()))(work)
         cuda.kernel(f"read:{label}")
+
+    def produce() -> None:
+        with cuda.stream(producer):
+            cuda.kernel(f"grad:{label}")
+            got.append(start())
+            if same:
+                consume(got[-1])
+
+    if caller:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"caller-{label}") as pool:
+            pool.submit(produce).result()
+    else:
+        produce()
+    if not same:
+        with cuda.stream(consumer):
+            consume(got[0])
     grad, = cuda.find(f"grad:{label}", first)
     read, = cuda.find(f"read:{label}", first)
     launches = cuda.find("nccl:", first)
@@ -504,6 +523,48 @@ def test_fake_ddp_hook_completes_its_future_after_nccl_on_a_helper_stream(fake, 
         state.close()
 
 
+def test_fake_horovod_face_orders_side_stream_gradients_on_the_ranks_device(fake):
+    """The Horovod face on an NCCL world of a rank on GPU 1: gradients made on a side stream by
+    a thread of the caller's (as autograd's) go through ``hvd.allreduce_async_``, the
+    out-of-place and grouped forms (``hvd.synchronize`` on another thread and stream), and the
+    DistributedOptimizer's hooks (its ``synchronize`` and the read on the stream ``backward``
+    ran on: the optimizer finishes its buckets in backward's final callback, which torch runs
+    on the caller's streams, so a step on that stream reads them, as in torch). Each NCCL call
+    after the gradients, the read after each NCCL call, and every CUDA call fleetlike makes
+    with GPU 1 current."""
+    import fleetlike.horovod as hvd
+    from fleetlike import fleet
+
+    cuda = fake.cuda
+    world = fake(device="cuda:1")
+    first = len(cuda.log)
+    role = Role.from_endpoints(0, ["127.0.0.1:6170"])
+    fleet.replace_world(role, world)  # the rank's tensors stay on the CPU: CUDA is the fake's
+    hvd.init()
+    try:
+        x, big = torch.full((6,), 2.0), torch.arange(1 << 12, dtype=torch.float32)
+        _through(cuda, "hvd-in-place", lambda: hvd.allreduce_async_(x, op=hvd.Sum), hvd.synchronize, caller=True)
+        _through(cuda, "hvd-out", lambda: hvd.allreduce_async(big, name="big"), hvd.synchronize, caller=True)
+        parts = [x.clone(), big[:5].clone()]
+        _through(cuda, "hvd-grouped", lambda: hvd.grouped_allreduce_async_(parts, op=hvd.Sum), hvd.synchronize,
+                 caller=True)
+        model = torch.nn.Linear(4, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        loss = model(torch.ones(3, 4)).square().sum()
+        _through(cuda, "hvd-optimizer", lambda: (loss.backward(), opt)[1], lambda o: o.synchronize(), caller=True,
+                 same=True)
+        assert torch.equal(x, torch.full((6,), 2.0)) and torch.equal(parts[1], big[:5])  # a world of one
+        opt.zero_grad()
+    finally:
+        hvd.shutdown()
+        fleet.shutdown()
+    ours = [e for e in cuda.log[first:] if e[0] != "set_device" and not e[2].startswith(("grad:", "read:"))]
+    assert {e[4] for e in ours if e[0] == "record"} >= {"caller-hvd-in-place_0", "MainThread"}, ours
+    wrong = [e for e in ours if e[3] != 1]
+    assert not wrong, wrong[:5]
+
+
 def test_fake_every_thread_uses_the_ranks_device(fake):
     """A rank on GPU 1: the training thread, the issuer, the finishers and the watchdog thread
     make every CUDA call with GPU 1 current (a call on GPU 0 would make a context there)."""
@@ -531,8 +592,18 @@ def test_fake_every_thread_uses_the_ranks_device(fake):
         assert seen.wait(5), "the watchdog thread never polled the collective's event"
     finally:
         _FakeEvent.query = monkey_query
+    # a thread of the caller's launching while the issuer has work queued: its stream position
+    # is recorded for the issuer, with GPU 1 current there too
+    from fleetlike.comm.cuda import ISSUER
+
+    gate = threading.Event()
+    queued = ISSUER.submit(lambda: gate.wait(5), world.stream_device)
+    threading.Timer(0.2, gate.set).start()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="caller") as pool:
+        pool.submit(lambda: world.all_reduce(torch.ones(4))).result(10)
+    queued.wait()
     threads = {th for *_, th in cuda.log}
-    assert {"fleetlike-watchdog", "fleetlike-nccl_0", "MainThread"} <= threads, threads
+    assert {"fleetlike-watchdog", "fleetlike-nccl_0", "MainThread", "caller_0"} <= threads, threads
     wrong = [entry for entry in cuda.log if entry[0] != "set_device" and entry[3] != 1]
     assert not wrong, wrong[:5]
 

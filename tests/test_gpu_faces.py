@@ -313,3 +313,115 @@ def test_ddp_hook_on_cuda_buckets(backend, fp16):
         loss_fn(model, batch(s, torch.device("cuda"))).backward()
         opt.step()
     assert max_diff(got, state(model)) <= (2e-3 if fp16 else 1e-5)
+
+
+# ------------------------------------------------------------------------------ side streams
+
+
+SPIN = 50_000_000  # cycles of GPU spin before each backward: an unordered collective reads stale buckets
+
+
+def _cpu_sgd(momentum: float) -> list[np.ndarray]:
+    """The reference: plain torch SGD on the CPU (a world of one averages nothing)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss_fn(model, batch(s, torch.device("cpu"))).backward()
+        opt.step()
+    return state(model)
+
+
+def _train_on(stream: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device) -> None:
+    """STEPS steps with ``stream`` current, each backward queued behind a GPU spin."""
+    with torch.cuda.stream(stream):
+        for s in range(STEPS):
+            opt.zero_grad()
+            torch.cuda._sleep(SPIN)
+            loss_fn(model, batch(s, dev)).backward()
+            opt.step()
+    torch.cuda.synchronize()
+
+
+def _side_streams(role: Any, backend: str = "nccl") -> dict[str, Any]:
+    """Training and reductions issued on a non-default stream, each after a GPU spin, through
+    the DDP hook (flat, fp16 on helper threads, two communicators) and the Horovod face (its
+    DistributedOptimizer, and ``allreduce_async_`` / ``allreduce_async`` / grouped started on a
+    helper thread of the caller's and synchronized on a third stream), all on one NCCL world
+    (``backend='gloo'``: the same calls on the CPU, with the stream calls as no-ops, for a dry
+    run of this function where no GPU is)."""
+    import threading
+
+    import torch.distributed as dist
+
+    import fleetlike.horovod as hvd
+    from fleetlike.ddp import register
+
+    _device_env("cuda" if backend == "nccl" else "cpu", backend)
+    fleet.init(role, timeout=60, backend=backend)
+    dev = fleet.device()
+    side = torch.cuda.Stream(device=dev)
+    out: dict[str, Any] = {"backend": fleet.context().world.backend, "device": str(dev)}
+    dist.init_process_group(backend, init_method=f"file:///tmp/fleetlike-gpu-side-{os.getpid()}", rank=0, world_size=1)
+    try:
+        for name, strategy in (("ddp", DistributedStrategy()),
+                               ("ddp-fp16", DistributedStrategy(fp16_allreduce=True)),
+                               ("ddp-2comms", DistributedStrategy(nccl_comm_num=2))):
+            model = torch.nn.parallel.DistributedDataParallel(Net().to(dev), bucket_cap_mb=0.0005,
+                                                              device_ids=[dev.index] if dev.type == "cuda" else None)
+            hook = register(model, strategy, groups=fleet.context().groups, role=role)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            _train_on(side, model, opt, dev)
+            out[name] = state(model.module)
+            hook.close()
+        hvd.init()
+        try:
+            model = Net().to(dev)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=model.named_parameters())
+            _train_on(side, model, opt, dev)
+            out["hvd-optimizer"] = state(model)
+            n = 1 << 20
+            x, y, z = (torch.zeros(n, device=dev) for _ in range(3))
+            producer, consumer = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+            handles: list[Any] = []
+
+            def produce() -> None:  # a thread of the caller's: its current stream is the producer
+                with torch.cuda.stream(producer):
+                    torch.cuda._sleep(4 * SPIN)
+                    x.fill_(3.0)
+                    y.fill_(5.0)
+                    z.fill_(7.0)
+                    handles.append(hvd.allreduce_async_(x, op=hvd.Sum, name="side.in_place"))
+                    handles.append(hvd.allreduce_async(x, op=hvd.Sum, name="side.copy"))
+                    handles.append(hvd.grouped_allreduce_async_([y, z], op=hvd.Sum, name="side.grouped"))
+
+            torch.cuda.synchronize()
+            worker = threading.Thread(target=produce)
+            worker.start()
+            worker.join()
+            with torch.cuda.stream(consumer):
+                got = [hvd.synchronize(h) for h in handles]
+                read = [x.clone(), got[1].clone(), y.clone(), z.clone()]
+            torch.cuda.synchronize()
+            out["hvd-async"] = [float(t.min()) for t in read] + [float(t.max()) for t in read]
+        finally:
+            hvd.shutdown()
+    finally:
+        dist.destroy_process_group()
+        fleet.shutdown()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_side_stream_gradients_through_ddp_and_horovod_match_the_cpu():
+    """The GPU half of the fake NCCL's side-stream checks for the DDP and Horovod faces: one
+    rank process runs every variant; each must equal plain torch on the CPU."""
+    got = run_ranks(_side_streams, 1, timeout=240)[0]
+    assert got["backend"] == "nccl" and got["device"] == "cuda:0"
+    plain = _cpu_sgd(0.0)
+    for name, tol in (("ddp", 2e-5), ("ddp-fp16", 2e-3), ("ddp-2comms", 2e-5)):
+        assert max_diff(got[name], plain) <= tol, (name, max_diff(got[name], plain))
+    momentum = _cpu_sgd(0.9)
+    assert max_diff(got["hvd-optimizer"], momentum) <= 2e-5, max_diff(got["hvd-optimizer"], momentum)
+    assert got["hvd-async"] == [3.0, 3.0, 5.0, 7.0] * 2, got["hvd-async"]

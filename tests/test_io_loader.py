@@ -128,6 +128,62 @@ def test_errors_and_breaks_leave_no_thread_behind():
         get_data_loader(indexed(4), 2, 1, 0, sampler=torch.utils.data.SequentialSampler(range(4))).state_dict()
 
 
+@pytest.mark.timeout(60)
+def test_prefetch_thread_copies_on_the_loaders_gpu(monkeypatch):
+    """A rank on GPU 1: the prefetch thread's copies, side stream and events run with GPU 1
+    current (with GPU 0 current they land there, one context per rank of the node), and the
+    training thread's stream waits for each copy's event. torch.cuda is replaced by recorders."""
+    import contextlib
+
+    import fleetlike.comm.cuda as cuda_mod
+    import fleetlike.io.loader as loader_mod
+
+    local, calls = threading.local(), []
+
+    def note(what):
+        calls.append((what, threading.current_thread().name, getattr(local, "device", 0)))
+
+    class Stream:
+        def __init__(self, device=None, **kw):
+            note("stream")
+
+        def wait_event(self, event):
+            note(f"wait:{event.n}")
+
+    class Event:
+        made = 0
+
+        def __init__(self, *a, **kw):
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self, stream=None):
+            note(f"record:{self.n}")
+
+    def set_device(index):
+        local.device = int(getattr(index, "index", index))
+
+    @contextlib.contextmanager
+    def stream(s):
+        note("stream-ctx")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(cuda_mod, "_THREAD", threading.local())  # no thread has set a device yet
+    monkeypatch.setattr(loader_mod, "_record_stream", lambda batch, s: None)
+    monkeypatch.setattr(loader_mod, "to_device", lambda batch, device, non_blocking=False: (note("copy"), batch)[1])
+    loader = get_data_loader(indexed(12), 4, 1, 0, shuffle=False, device="cuda:1", pin_memory=False, prefetch=2)
+    assert [b[1].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    helper = [c for c in calls if c[1] == "fleetlike-prefetch"]
+    assert [c[0] for c in helper].count("copy") == 3 and {c[2] for c in helper} == {1}, helper
+    waits = [c[0] for c in calls if c[1] == "MainThread" and c[0].startswith("wait:")]
+    assert waits == [f"wait:{n}" for n in (1, 2, 3)], calls
+
+
 # ------------------------------------------------------------------------ real ranks
 
 N, B = 50, 4

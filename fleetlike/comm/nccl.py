@@ -352,6 +352,7 @@ class _NcclWork(Work):
                 "wait() on an NCCL collective inside `with comm.group():`; its kernel is launched "
                 "at the end of the block, so wait on the handle after the block"
             )
+        use_device(self._device)  # a thread that only waits (hvd.synchronize elsewhere) is set too
         _current_stream(self._device).wait_event(self._event)
         if self._blocking:
             self._event.synchronize()
@@ -574,6 +575,7 @@ class NcclCommunicator(Communicator):
         post: Callable[[], None] | None = None,
         blocking: bool = False,
     ) -> Work:
+        use_device(self._device)  # before the event below: a thread of the caller's may still be on GPU 0
         if ISSUER.busy() and not _GROUP.depth:
             # helper jobs are issuing NCCL calls: queue behind them, so this rank's order of
             # calls is the order they were asked for, as on every other rank
@@ -594,7 +596,7 @@ class NcclCommunicator(Communicator):
         """Order the comm stream after the caller's stream (``ready``: a position recorded on
         another thread) and enqueue ``call`` on it."""
         stream = self._stream
-        use_device(self._device)
+        use_device(self._device)  # on the issuer too: `_launch` set it on the calling thread only
         with _ISSUE_LOCK:
             if ready is None:
                 ready = self._ready
@@ -648,6 +650,7 @@ class NcclCommunicator(Communicator):
                     "check_collectives off around it), or issue the collectives without a group"
                 )
         elif self.check_sizes and not agreed and self.size > 1 and not _GROUP.depth:
+            use_device(self._device)  # its pinned buffer and copies come before the launch
             self._check_sizes_async(op, tensor, red, root)
         return super()._issue(op, tensor, start, args, red, root, True)
 

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from fleetlike.comm.cuda import use_device
 from fleetlike.io.job import current_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.strategies.health import DATA_WAIT
@@ -146,6 +147,9 @@ class _Pass:
 
     def _fill(self) -> None:
         try:
+            # the copies, pinning and events below run on this thread: with GPU 0 current
+            # they would land there (and make a context there) on every rank of the node
+            use_device(self.device)
             for item in self.source:
                 if not self._put(self._move(item)):
                     return
