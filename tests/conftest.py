@@ -45,6 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
     malloc cache off); a job whose workers differ starts them plainly, saying so."""
     if os.environ.get(PRELOAD_ENV, "torch") == "off" or SOCKET_ENV in os.environ:
         return
+    # scikit-learn (imported by the tests that read its digits) sets these two in os.environ on
+    # import; set first, the server and every later launcher see the same start-up environment
+    os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
+    os.environ.setdefault("KMP_INIT_AT_FORK", "FALSE")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["GLIBC_TUNABLES"] = tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))

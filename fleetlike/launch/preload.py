@@ -75,6 +75,7 @@ PRELOAD_CHOICES = ("off", "torch")
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
 
 _PREFIX = "fleetlike.launch:"
+_NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
                      "OPENBLAS_", "TORCH_", "PYTORCH_", "LC_")
 _FLAGS = ("-u", "-B", "-E", "-s", "-S", "-O", "-OO", "-b", "-bb", "-q", "-I", "-P")
@@ -107,6 +108,19 @@ def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, 
     with ``-u`` in ``flags``, PYTHONUNBUFFERED says nothing more and is left out."""
     return {k: v for k, v in env.items() if (k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE"))
             and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
+
+
+def _namespaces() -> dict[str, str]:
+    """This process's Linux namespaces (``net:[4026531840]``...): a forked worker lives in its
+    server's, so a launcher in another network namespace (``ip netns exec``) or container must
+    not use it."""
+    found = {}
+    for kind in _NAMESPACES:
+        try:
+            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
+        except OSError:
+            found[kind] = "-"
+    return found
 
 
 def _parse_command(command: Sequence[str]) -> tuple[list[str], str, str, list[str]] | str:
@@ -364,6 +378,11 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
     reason = ""
     if hello.get("flags") != flags:
         reason = f"the server runs with interpreter flags {hello.get('flags')}, the worker with {flags}"
+    elif hello.get("namespaces") != _namespaces():
+        theirs = hello.get("namespaces") or {}
+        differ = sorted(k for k, v in _namespaces().items() if theirs.get(k) != v)
+        reason = (f"the server runs in other Linux namespaces ({', '.join(differ) or 'unknown'}: "
+                  "`ip netns exec`, a container) and its workers would run there")
     elif hello.get("threads", 1) != 1:
         reason = f"the server runs {hello.get('threads')} Python threads after its imports and cannot fork safely"
     else:
@@ -472,7 +491,7 @@ def _serve(conns: list[socket.socket], listener: socket.socket | None, base_path
     signal.signal(signal.SIGCHLD, lambda *_: None)
     owner: dict[int, socket.socket] = {}
     hello = {"op": "hello", "pid": os.getpid(), "flags": _interpreter_flags(),
-             "startup": startup, "threads": threading.active_count()}
+             "startup": startup, "threads": threading.active_count(), "namespaces": _namespaces()}
     for conn in conns:
         _send(conn, hello)
     while conns or listener is not None:
