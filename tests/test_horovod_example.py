@@ -1,4 +1,5 @@
-"""examples/horovod/pytorch_mnist.py: Horovod's PyTorch MNIST example with one import changed.
+"""examples/horovod/pytorch_mnist.py and pytorch_mnist_elastic.py: Horovod's PyTorch MNIST examples
+(plain and elastic) with one import changed.
 
 The structure test reads the script with `ast` and compares it with Horovod's
 ``examples/pytorch/pytorch_mnist.py``: the same sequence of ``hvd.*`` names, the same functions
@@ -7,17 +8,24 @@ function bodies identical to Horovod's. The fingerprints below are sha256 prefix
 ``ast.dump`` of Horovod's own definitions (horovod/horovod master, 2026), so any edit to those
 bodies fails here. The run tests start it as a Horovod user would, with the fleetlike launcher,
 ``mpiexec -n 2`` and torchrun, and check that it learns (test accuracy far above the 10% of chance).
+The elastic example gets the same structure check against Horovod's
+``examples/elastic/pytorch/pytorch_mnist_elastic.py`` and one elastic run with a worker SIGKILLed.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from examples_common import ROOT, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from test_elastic_nodes import free_port
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
 SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--lr", "0.05"]
@@ -120,3 +128,135 @@ def test_example_learns_under_torchrun(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     acc = accuracy(proc.stdout)
     assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
+
+
+ELASTIC = ROOT / "examples" / "horovod" / "pytorch_mnist_elastic.py"
+#: every ``hvd.<name>`` in Horovod's elastic script, in source order
+ELASTIC_NAMES = [
+    "init", "local_rank", "size", "rank", "size", "rank", "size", "nccl_built", "local_size", "Compression",
+    "Compression", "allreduce", "elastic", "rank", "DistributedOptimizer", "Adasum", "Average", "size", "elastic",
+]
+#: sha256(ast.dump(definition))[:16] of Horovod's definitions, and of its other module-level
+#: statements (imports, the dataset statements and the download lock left out) with their count
+ELASTIC_BODIES = {
+    "Net": "51aa439d5c592de7", "metric_average": "31d75d240eb122df", "train": "58f56a05ee19787c",
+    "test": "861a8135d5fab00c", "on_state_reset": "a2c2e3b96129eb6b",
+}
+ELASTIC_REST = ("814080f29589540d", 34)
+
+
+def _data_statement(st: ast.stmt) -> bool:
+    """The statements the data source replaced, or added: imports, the docstring, the download
+    lock, the dataset assignments and the ``--train-size`` / ``--test-size`` flags."""
+    if isinstance(st, (ast.Import, ast.ImportFrom, ast.With)):
+        return True
+    if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
+        return True
+    if isinstance(st, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id in ("train_dataset", "test_dataset") for t in st.targets)
+    call = getattr(st, "value", None)
+    return (isinstance(st, ast.Expr) and isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument"
+            and call.args[0].value in ("--train-size", "--test-size"))
+
+
+def module_structure(source: str) -> dict[str, object]:
+    tree = ast.parse(source)
+    names = sorted((n for n in ast.walk(tree)
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "hvd"),
+                   key=lambda n: (n.lineno, n.col_offset))
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in ELASTIC_BODIES}
+    rest = [ast.dump(st) for st in tree.body if not _data_statement(st) and st not in defs.values()]
+    imports = [(a.name, a.asname) for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    imports += [(f"{n.module}.{a.name}", a.asname) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names]
+    return {"names": [n.attr for n in names], "imports": imports,
+            "bodies": {k: _digest(ast.dump(v)) for k, v in defs.items()}, "rest": (_digest("\n".join(rest)), len(rest))}
+
+
+def test_elastic_example_is_horovods_with_the_import_changed() -> None:
+    got = module_structure(ELASTIC.read_text())
+    assert got["names"] == ELASTIC_NAMES
+    assert ("fleetlike.horovod", "hvd") in got["imports"]
+    assert not [m for m, _ in got["imports"] if m.split(".")[0] in ("horovod", "torchvision", "filelock")]
+    assert got["bodies"] == ELASTIC_BODIES
+    assert got["rest"] == ELASTIC_REST
+    changed = ELASTIC.read_text().replace("state.commit()", "pass", 1)
+    assert module_structure(changed)["bodies"] != ELASTIC_BODIES
+
+
+#: runs a script as ``python script.py`` would (runpy, its folder first on sys.path), then checks
+#: that every rank holds the same parameters; a rank that rolls back to its own last commit says
+#: whether its parameters are those it saved then
+CHECKED_RUN = """
+import os, runpy, sys
+import torch
+import fleetlike.horovod as hvd
+out, script = sys.argv[1], sys.argv[2]
+open(os.path.join(out, "pid.%d" % os.getpid()), "w").close()
+flat = lambda model: torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+seen, real, state = [], hvd.DistributedOptimizer, hvd.elastic.TorchState
+hvd.DistributedOptimizer = lambda optimizer, *a, **k: seen.append(optimizer) or real(optimizer, *a, **k)
+save, sync = state.save, state.sync
+def saved(self):
+    save(self)
+    self.saved_params = flat(self.model)
+def synced(self, root=0):
+    own = self.commits, getattr(self, "saved_params", None)
+    sync(self, root)
+    if own[0] > 0 and self.commits == own[0]:  # this rank rolled back to its own last commit
+        print("ROLLBACK to the last commit:", torch.equal(flat(self.model), own[1]), flush=True)
+state.save, state.sync = saved, synced
+sys.argv, sys.path[0] = sys.argv[2:], os.path.dirname(script)
+runpy.run_path(script, run_name="__main__")
+mine = torch.cat([p.detach().reshape(-1).double() for g in seen[-1].param_groups for p in g["params"]])
+every = hvd.allgather(mine.view(1, -1))
+print("CHECK rank %d/%d pid %d identical %s" % (hvd.rank(), hvd.size(), os.getpid(), bool((every == every[0]).all())),
+      flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elastic_example_survives_a_killed_worker(tmp_path: Path) -> None:
+    """Under ``--nnodes 1:2 --max_restarts 1`` a worker SIGKILLed mid-epoch is started again, the
+    survivor rolls back to its last commit, and both ranks end with the same parameters and a
+    model that learned."""
+    wrapper = tmp_path / "checked_run.py"
+    wrapper.write_text(CHECKED_RUN)
+    log = tmp_path / "log"
+    cmd = [PY, "-m", "fleetlike.launch", "--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           "--node_ip=127.0.0.1", "--rdzv_last_call=1", "--nproc_per_node=2", "--max_restarts=1",
+           "--started_port=auto", f"--log_dir={log}", str(wrapper), str(tmp_path), str(ELASTIC), "--epochs", "2",
+           "--batch-size", "16", "--lr", "0.05", "--train-size", "1280", "--test-size", "500"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        # rank 0 logs every 10 batches; at the third line 60 of the 80 batches of epoch 1 are left
+        while len(re.findall("Train Epoch: 1 ", _read(log / "workerlog.0"))) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no training progress in 120 s"
+            time.sleep(0.05)
+        first = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*"))
+        assert len(first) == 2, first
+        os.kill(first[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    logs = "".join(_read(p) for p in sorted(log.rglob("workerlog.*")))
+    checks = re.findall(r"CHECK rank (\d)/2 pid (\d+) identical (\w+)", logs)
+    assert sorted(r for r, _, _ in checks) == ["0", "1"] and all(s == "True" for _, _, s in checks), logs[-3000:]
+    pids = {int(p) for _, p, _ in checks}
+    assert first[0] in pids and first[-1] not in pids  # the survivor kept running; the killed one restarted
+    assert "ROLLBACK to the last commit: True" in logs and "ROLLBACK to the last commit: False" not in logs
+    acc = accuracy(logs)
+    assert len(acc) == 1 and acc[0] > 50.0, logs[-3000:]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
