@@ -177,8 +177,12 @@ class GradReducer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.check_nan_inf and not bool(torch.isfinite(bucket.buffer).all()):
-            self._raise_non_finite(bucket)
+        if self.check_nan_inf:
+            params = bucket.params
+            bad = non_finite(bucket.buffer, bucket.views,
+                             lambda i: self._names.get(id(params[i]), f"parameter {tuple(params[i].shape)}"))
+            if bad:
+                self._raise_non_finite(bucket, bad)
         started = time.perf_counter()
         self._works[bucket.index] = self.collective.start(bucket)
         self.wait_seconds += time.perf_counter() - started
@@ -186,12 +190,9 @@ class GradReducer:
         self.bytes_issued += bucket.nbytes
         self._next += 1
 
-    def _raise_non_finite(self, bucket: Bucket) -> None:
+    def _raise_non_finite(self, bucket: Bucket, bad: list[str]) -> None:
         self.armed = False
         world = self.collective.world
-        params = bucket.params
-        bad = non_finite(bucket.buffer, bucket.views,
-                         lambda i: self._names.get(id(params[i]), f"parameter {tuple(params[i].shape)}"))
         raise FloatingPointError(
             f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
             f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "
