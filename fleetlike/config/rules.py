@@ -165,4 +165,5 @@ def refuse_unhonoured(strategy: Options, face: str) -> None:
     if extra:
         raise ValueError(
             f"{', '.join(f'strategy.{n}=True' for n in extra)}: {row.face} applies only "
-            f"{', '.join(sorted(row.honours))}; {row.why}. Fix: {row.fix}")
+            f"{', '.join(sorted(row.honours))}; {row.why}, and the strategy also turns on "
+            f"{', '.join(extra)}. Fix: {row.fix}")

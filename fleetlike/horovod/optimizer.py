@@ -56,9 +56,9 @@ import torch
 
 from fleetlike.collectives import Bucket, BucketCollective, CompressedAllReduce, FlatAllReduce, GradReducer, plan_buckets
 from fleetlike.collectives.divergence import DivergenceGuard
-from fleetlike.roles.settings import every_from_env
 from fleetlike.comm import Communicator, Work
 from fleetlike.comm.handles import ChainedWork
+from fleetlike.config import rules
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
 from fleetlike.horovod.grouping import plan_groups
@@ -66,6 +66,7 @@ from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.roles.settings import every_from_env
 from fleetlike.strategies.data_parallel import gradient_collective
 
 __all__ = ["HorovodOptimizer", "OutsideSetOptimizer", "named_parameter_map"]
@@ -146,24 +147,6 @@ def _wire(compression: Any) -> str | None:
 
 
 #: the strategy switches this face applies (to its gradient buckets); any other one raises
-_HONOURED = frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce"})
-
-
-def _refuse_unhonoured(strategy: Any) -> None:
-    """Horovod's optimizer averages gradients in buckets and nothing else: a strategy switch that
-    needs fleetlike's engine (local SGD, sharding, AMP, gradient merge, recompute, ...) would be
-    dropped without a word here, so it raises and names the face that honours it."""
-    extra = [name for name in strategy.enabled_features() if name not in _HONOURED]
-    if extra:
-        raise ValueError(
-            f"hvd.DistributedOptimizer applies only {', '.join(sorted(_HONOURED))} (plus fuse_grad_size_in_MB, "
-            f"nccl_comm_num and the hierarchical settings) of the strategy, which also turns on "
-            f"{', '.join(extra)}. Fix: turn those off for the Horovod face, or use "
-            "fleet.distributed_model / fleet.distributed_optimizer, which apply every option "
-            "(backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm its sync BN)"
-        )
-
-
 class HorovodWrapper(FleetDistributedOptimizer):
     """What Horovod's two optimizer wrappers (bucketed averaging, Adasum deltas) share: the eager
     style only, a plain backward and the wrapped optimizer's own state."""
@@ -204,7 +187,8 @@ class HorovodOptimizer(HorovodWrapper):
         if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         chosen = fleet.effective_strategy(strategy or rt.strategy, "hvd.DistributedOptimizer").copy()
-        _refuse_unhonoured(chosen)
+        # a switch this face cannot apply (local SGD, sharding, AMP, ...) raises, never dropped
+        rules.refuse_unhonoured(chosen, "horovod")
         wire = _wire(compression)
         if wire is not None:
             chosen.fp16_allreduce = True
