@@ -17,7 +17,8 @@ when the launcher's end of the socket closes, however the launcher ended.
 ``FLEETLIKE_PRELOAD_SOCKET=PATH`` points launchers at a server that is already running
 (``python -c 'from fleetlike.launch.preload import serve_forever; serve_forever("PATH")'``, or
 `fleetlike.testing.preload_server`), so many short jobs share one import: a test suite, a sweep.
-It serves processes of the same user only.
+It serves processes of the same user only. This module is the launcher's side (the client); the
+server, its messages and what a forked child does are `fleetlike.launch.preload_server`.
 
 What a preloaded worker cannot differ in is checked before it starts; anything else starts the
 worker as a plain process, with one line saying why:
@@ -43,16 +44,13 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
+from __future__ import annotations
+
 import io
-import json
 import os
 import resource
-import runpy
-import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -60,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetlike.config import envvars
+from fleetlike.launch.preload_server import PRELOADED_MODULES, namespaces, receive, send, serve_forever, startup_env
 
 __all__ = [
     "PRELOAD_CHOICES", "PRELOAD_ENV", "PRELOADED_MODULES", "SOCKET_ENV", "PreloadedProcess",
@@ -71,15 +70,9 @@ PRELOAD_ENV = envvars.PRELOAD
 #: A running server to use instead of starting one (`serve_forever`).
 SOCKET_ENV = envvars.PRELOAD_SOCKET
 PRELOAD_CHOICES = ("off", "torch")
-#: What the server imports before forking.
-PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
 
 _PREFIX = "fleetlike.launch:"
-_NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
-_STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
-                     "OPENBLAS_", "TORCH_", "PYTORCH_", "LC_")
 _FLAGS = ("-u", "-B", "-E", "-s", "-S", "-O", "-OO", "-b", "-bb", "-q", "-I", "-P")
-_MESSAGE_BYTES = 1 << 20
 #: the launcher's resource limits each child takes over, as a Popen'd worker inherits them
 _LIMITS = ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_STACK",
            "RLIMIT_NPROC", "RLIMIT_MEMLOCK", "RLIMIT_CPU")
@@ -93,6 +86,7 @@ def _umask() -> int:
     return 0o022
 
 
+
 def preload_mode(value: str | None = None) -> str:
     """``--preload``'s value (default: `PRELOAD_ENV`, else ``off``), checked."""
     text = (os.environ.get(PRELOAD_ENV, "") if value is None else value).strip() or "off"
@@ -101,26 +95,6 @@ def preload_mode(value: str | None = None) -> str:
         raise ValueError(f"{source}: choose one of {', '.join(PRELOAD_CHOICES)} ('torch' starts "
                          "workers from an interpreter that has imported torch already)")
     return text
-
-
-def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, str]:
-    """The variables an interpreter or a library reads once at start (see the module doc);
-    with ``-u`` in ``flags``, PYTHONUNBUFFERED says nothing more and is left out."""
-    return {k: v for k, v in env.items() if (k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE"))
-            and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
-
-
-def _namespaces() -> dict[str, str]:
-    """This process's Linux namespaces (``net:[4026531840]``...): a forked worker lives in its
-    server's, so a launcher in another network namespace (``ip netns exec``) or container must
-    not use it."""
-    found = {}
-    for kind in _NAMESPACES:
-        try:
-            found[kind] = os.readlink(f"/proc/self/ns/{kind}")
-        except OSError:
-            found[kind] = "-"
-    return found
 
 
 def _parse_command(command: Sequence[str]) -> tuple[list[str], str, str, list[str]] | str:
@@ -188,19 +162,6 @@ class PreloadedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
-
-
-def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 4)
-    return (json.loads(data) if data else None), fds
-
-
 class _Client:
     """The launcher's connection to one server: requests in order, exit reports by pid."""
 
@@ -219,7 +180,7 @@ class _Client:
     def _read(self) -> None:
         while True:
             try:
-                message, fds = _receive(self._sock)
+                message, fds = receive(self._sock)
             except (OSError, ValueError):
                 message, fds = None, []
             for fd in fds:
@@ -263,7 +224,7 @@ class _Client:
             with self._cond:
                 self._pending[number] = (args, stdout)
             try:
-                _send(self._sock, request, [fd])
+                send(self._sock, request, [fd])
             except OSError as exc:
                 return f"the preload server is gone ({exc})"
             with self._cond:
@@ -307,7 +268,7 @@ def _say_once(reason: str, rank: int) -> None:
 def _server_code() -> str:
     # sys.path before anything is imported: the children's base path (the server's own first
     # entry, the "-c" directory, is replaced by each child's script directory)
-    return ("(lambda p: __import__('fleetlike.launch.preload', fromlist=['_serve_private'])"
+    return ("(lambda p: __import__('fleetlike.launch.preload_server', fromlist=['_serve_private'])"
             "._serve_private(p))(__import__('sys').path[:])")
 
 
@@ -378,9 +339,9 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
     reason = ""
     if hello.get("flags") != flags:
         reason = f"the server runs with interpreter flags {hello.get('flags')}, the worker with {flags}"
-    elif hello.get("namespaces") != _namespaces():
+    elif hello.get("namespaces") != namespaces():
         theirs = hello.get("namespaces") or {}
-        differ = sorted(k for k, v in _namespaces().items() if theirs.get(k) != v)
+        differ = sorted(k for k, v in namespaces().items() if theirs.get(k) != v)
         reason = (f"the server runs in other Linux namespaces ({', '.join(differ) or 'unknown'}: "
                   "`ip netns exec`, a container) and its workers would run there")
     elif hello.get("threads", 1) != 1:
@@ -415,310 +376,3 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
         _say_once(got, rank)
         return None
     return got
-
-
-# --- the server (runs in its own interpreter) -------------------------------------------------
-
-
-def _prctl_pdeathsig() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class _Child:
-    """What a forked child runs (returned out of the server loop, in the child only)."""
-
-    def __init__(self, request: dict[str, Any], base_path: list[str]) -> None:
-        self.request = request
-        self.base_path = base_path
-
-
-def _child_path(request: Mapping[str, Any], base_path: list[str]) -> list[str]:
-    if sys.flags.safe_path:
-        return list(base_path)
-    if request["kind"] == "path":
-        target = os.path.join(request["cwd"], request["target"])
-        return [os.path.dirname(os.path.realpath(target)), *base_path]
-    return [request["cwd"], *base_path]
-
-
-def _where_from(name: str, path: list[str]) -> str | None:
-    """The file ``import name`` would load with ``sys.path = path`` (the module is already
-    imported here, so the finders are asked directly)."""
-    saved = sys.path
-    sys.path = path
-    try:
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, None) if find is not None else None
-            if spec is not None:
-                return spec.origin
-        return None
-    finally:
-        sys.path = saved
-
-
-def _refusal(request: Mapping[str, Any], base_path: list[str]) -> str | None:
-    """Why this server cannot start ``request`` as a fresh interpreter would, or None."""
-    if request["kind"] == "path":
-        target = os.path.join(request["cwd"], request["target"])
-        if not os.path.isfile(target) or not target.endswith(".py"):
-            return f"{request['target']!r} is not a .py file (the interpreter reports that itself)"
-    for name, (_, hard) in request["limits"].items():
-        mine = resource.getrlimit(getattr(resource, name))[1]
-        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine):
-            return f"the launcher's hard {name} ({hard}) is above the server's ({mine})"
-    path = _child_path(request, base_path)
-    for name in PRELOADED_MODULES:
-        loaded = getattr(sys.modules.get(name), "__file__", None)
-        found = _where_from(name, path)
-        if loaded and (found is None or os.path.realpath(found) != os.path.realpath(loaded)):
-            return (f"{name} would be imported from {found} by this worker, but the server "
-                    f"imported {loaded}")
-    return None
-
-
-def _serve(conns: list[socket.socket], listener: socket.socket | None, base_path: list[str],
-           startup: dict[str, str]) -> _Child | None:
-    """Serve until the last connection closes (a private server) or forever (a listener).
-    Returns in a forked child only, with what it must run."""
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    owner: dict[int, socket.socket] = {}
-    hello = {"op": "hello", "pid": os.getpid(), "flags": _interpreter_flags(),
-             "startup": startup, "threads": threading.active_count(), "namespaces": _namespaces()}
-    for conn in conns:
-        _send(conn, hello)
-    while conns or listener is not None:
-        readable = select.select([wake_r, *conns, *([listener] if listener else [])], [], [])[0]
-        if listener is not None and listener in readable:
-            conn, _ = listener.accept()
-            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if uid != os.getuid():
-                conn.close()
-            else:
-                conns.append(conn)
-                _send(conn, hello)
-        if wake_r in readable:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-        _reap(owner)
-        for conn in [c for c in conns if c in readable]:
-            try:
-                request, fds = _receive(conn)
-            except OSError:
-                request, fds = None, []
-            if request is None:  # the launcher is gone: its workers die as with PR_SET_PDEATHSIG
-                for pid, held in list(owner.items()):
-                    if held is conn:
-                        _kill(pid)
-                conns.remove(conn)
-                conn.close()
-                continue
-            refused = _refusal(request, base_path)
-            if refused is not None:
-                for fd in fds:
-                    os.close(fd)
-                _send(conn, {"op": "refused", "request": request["request"], "reason": refused})
-                continue
-            ready_r, ready_w = os.pipe()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                os.close(ready_r)
-                _settle_child(fds[0], ready_w)
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
-                for c in conns:
-                    c.close()
-                if listener is not None:
-                    listener.close()
-                return _Child(request, base_path)
-            os.close(ready_w)
-            for fd in fds:
-                os.close(fd)
-            os.read(ready_r, 1)  # the child is in its own session: signals to its group reach it
-            os.close(ready_r)
-            owner[pid] = conn
-            _send(conn, {"op": "started", "request": request["request"], "pid": pid})
-    for pid in owner:
-        _kill(pid)
-    _reap(owner, block=True)
-    return None
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _reap(owner: dict[int, socket.socket], block: bool = False) -> None:
-    while owner:
-        try:
-            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = owner.pop(pid, None)
-        if conn is not None and conn.fileno() >= 0:
-            try:
-                _send(conn, {"op": "exit", "pid": pid, "status": status})
-            except OSError:
-                pass
-
-
-def _interpreter_flags() -> list[str]:
-    """The flags this interpreter was started with, as `_parse_command` spells them."""
-    argv = list(getattr(sys, "orig_argv", []))[1:]
-    flags: list[str] = []
-    i = 0
-    while i < len(argv) and argv[i] != "-c":
-        flags.append(argv[i])
-        i += 1
-    return flags
-
-
-def _settle_child(out_fd: int, ready_w: int) -> None:
-    """In the child, first: its own session, death with the server, its stdio."""
-    os.setsid()
-    _prctl_pdeathsig()
-    os.close(ready_w)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _become(child: _Child) -> None:
-    """Turn this forked child into the worker and run it (the interpreter's own exit handling
-    then applies: SystemExit's code, 1 after an uncaught exception, atexit, thread joins)."""
-    request = child.request
-    os.umask(request["umask"])
-    os.sched_setaffinity(0, request["affinity"])
-    for name, limits in request["limits"].items():
-        resource.setrlimit(getattr(resource, name), tuple(limits))
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.path[:] = _child_path(request, child.base_path)
-    sys.orig_argv = list(request["argv"])
-    # a fresh interpreter seeds both from the OS; children of one server would share its draws
-    if "torch" in sys.modules:
-        sys.modules["torch"].seed()
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()
-    try:
-        if request["kind"] == "module":
-            sys.argv = ["-m", *request["args"]]
-            runpy._run_module_as_main(request["target"], alter_argv=True)  # type: ignore[attr-defined]
-            return
-        path = os.path.abspath(request["target"])
-        sys.argv = [request["target"], *request["args"]]
-        main = sys.modules["__main__"]
-        for name in [n for n in vars(main) if n not in ("__builtins__",)]:
-            delattr(main, name)
-        from importlib.machinery import SourceFileLoader
-
-        main.__dict__.update(__name__="__main__", __file__=path, __cached__=None, __doc__=None,
-                             __package__=None, __spec__=None,
-                             __loader__=SourceFileLoader("__main__", path))
-        with open(path, "rb") as f:
-            code = compile(f.read(), path, "exec", dont_inherit=True)
-        exec(code, main.__dict__)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb)
-        raise SystemExit(1) from None
-
-
-def _preload() -> None:
-    """Import what the children share."""
-    for name in PRELOADED_MODULES:
-        __import__(name)
-
-
-def _serve_private(base_path: list[str]) -> None:
-    """Entry of a launcher's own server: ``python [flags] -c CODE FD``."""
-    fd = int(sys.argv[1])
-    del base_path[0:0 if sys.flags.safe_path else 1]
-    startup = startup_env(os.environ)
-    _preload()
-    child = _serve([socket.socket(fileno=fd)], None, base_path, startup)
-    if child is not None:
-        _become(child)
-
-
-def serve_forever(path: str, listener: socket.socket | None = None) -> None:
-    """Run a shared server on the unix socket ``path`` (mode 0600) until SIGTERM/SIGINT; point
-    launchers at it with ``FLEETLIKE_PRELOAD_SOCKET=path``. Start it as
-    ``python [the workers' flags, e.g. -u] -c 'from fleetlike.launch.preload import
-    serve_forever; serve_forever("/run/user/1000/preload.sock")'`` in the workers' environment.
-    ``listener``: the socket already bound to ``path`` and listening (launchers that connect
-    before the imports are done wait for them)."""
-    base_path = list(sys.path)
-    if not sys.flags.safe_path and base_path and base_path[0] in ("", os.getcwd()):
-        del base_path[0]
-    startup = startup_env(os.environ)
-    if listener is None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)
-        try:
-            listener.bind(path)
-        finally:
-            os.umask(old)
-        listener.listen(64)
-    _preload()
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        child = _serve([], listener, base_path, startup)
-    except SystemExit:
-        listener.close()
-        os.unlink(path)
-        _kill_children()
-        raise
-    if child is not None:
-        _become(child)
-
-
-def _kill_children() -> None:
-    """SIGKILL every child of this process (the shared server ending), then reap them."""
-    me = str(os.getpid())
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().decode(errors="replace").rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(fields) > 1 and fields[1] == me:
-            _kill(int(pid))
-    try:
-        while os.waitpid(-1, 0):
-            pass
-    except ChildProcessError:
-        pass
