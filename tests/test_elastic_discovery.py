@@ -46,8 +46,10 @@ def test_discovered_node_joins_at_a_commit(launchers: Launchers, tmp_path: Path)
     a = launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--node_ip=127.0.0.1",
                         "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
                         f"--host_discovery_script={script}", "--discovery_interval=0.5",
-                        f"--remote_shell={LOCAL_SHELL}", "--log_dir=log-a", SCRIPT, str(out), "2", "0.1", "eager")
-    # 2 epochs, 0.1 s a step: the new node's three interpreters start well before A would end
+                        f"--remote_shell={LOCAL_SHELL}", "--log_dir=log-a", SCRIPT, str(out), "2", "0.1", "eager",
+                        "joined")
+    # 2 epochs, 0.1 s a step until the world is full: the new node's three interpreters start
+    # well before A would end
     wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
     assert progress(out)[1] == 2
     hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
@@ -71,6 +73,13 @@ def test_discovered_node_joins_at_a_commit(launchers: Launchers, tmp_path: Path)
     assert_all_gone(out)
 
 
+def until(check, timeout: float = 10.0) -> None:
+    """Poll ``check`` (every 50 ms) until it holds, at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _config(tmp_path: Path, script: Path, **changes) -> LaunchConfig:
     fields = dict(training_script="t.py", min_nodes=1, max_nodes=2, rdzv_endpoint="127.0.0.1:1",
                   nproc_per_node=2, host_discovery_script=str(script), discovery_interval=0.1,
@@ -87,17 +96,16 @@ def test_discovery_loop_retries_caps_and_stops(tmp_path: Path, capfd: pytest.Cap
     discovery.start()
     try:
         hosts.write_text("127.0.0.2:3\n")
-        time.sleep(1.0)  # ~10 polls, one line said
+        time.sleep(0.6)  # ~6 polls, one line said
         hosts.write_text("127.0.0.1:2\n10.9.9.2:2\n10.9.9.3:2\n")  # MAX=2: one more node only
         started = tmp_path / "started"
-        deadline = time.monotonic() + 10
-        while not started.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)
+        until(lambda: started.exists())
+        time.sleep(0.6)  # ~6 more polls: still that one node
         assert started.read_text().split() == ["10.9.9.2"]
         (proc,) = discovery._procs.values()
         proc.kill()  # its launcher ends: not started again, 10.9.9.3 now may be
-        time.sleep(1.0)
+        until(lambda: len(started.read_text().split()) > 1)
+        time.sleep(0.3)  # (and no third start after a few more polls)
         assert started.read_text().split() == ["10.9.9.2", "10.9.9.3"]
         running = [p for p in discovery._procs.values() if p.poll() is None]
         assert len(running) == 1

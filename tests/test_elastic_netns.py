@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV
 from test_elastic_nodes import SCRIPT, check_epochs, progress, reports, summary, wait_until
 from test_launch_run import PY, ROOT, Launchers, alive, clean_env, finish, launchers, recorded_pids  # noqa: F401
 
@@ -53,8 +54,11 @@ def test_link_cut_node_is_lost_and_the_job_goes_on(two, launchers: Launchers, tm
         argv = ["ip", "netns", "exec", two.ns[node], PY, "-m", "fleetlike.launch", "--nnodes=1:2",
                 f"--rdzv_endpoint={A}:{PORT}", f"--node_ip={ip}", "--nproc_per_node=2",
                 "--started_port=auto", "--rdzv_last_call=1", "--kill_grace=1", f"--log_dir=log-{ip}",
-                SCRIPT, str(out), "1", "0.02", "program"]
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), text=True,
+                SCRIPT, str(out), "1", "0.05", "program", "lost"]
+        # the session's preload server lives outside the namespaces: each launcher starts its own
+        env = {k: v for k, v in clean_env(PYTHONPATH=str(ROOT)).items() if k != SOCKET_ENV}
+        env[PRELOAD_ENV] = "torch"
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         launchers.procs.append(proc)  # stopped by the fixture whatever happens
         return proc

@@ -38,10 +38,13 @@ def free_port() -> int:
 
 
 def start(launchers: Launchers, port: int, ip: str, out: Path, epochs: int, pause: float,
-          style: str, *flags: str) -> subprocess.Popen[str]:
+          style: str, *flags: str, until: str | None = None) -> subprocess.Popen[str]:
+    """One node's launcher of the digits job (``until``: the event after which the steps stop
+    pausing, `launch_workers/elastic_digits.py`)."""
     return launchers.start("--nnodes=1:2", *flags, f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_ip={ip}",
                            "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
-                           f"--log_dir=log-{ip}-{out.name}", SCRIPT, str(out), str(epochs), str(pause), style)
+                           f"--log_dir=log-{ip}-{out.name}", SCRIPT, str(out), str(epochs), str(pause), style,
+                           *([until] if until else []))
 
 
 def progress(out: Path) -> tuple[int, int]:
@@ -75,10 +78,11 @@ def lose_a_node(launchers: Launchers, tmp_path: Path, style: str, epochs: int, p
     out = tmp_path / f"out-{style}"
     out.mkdir()
     port = free_port()
-    a = start(launchers, port, "127.0.0.1", out, epochs, pause, style)
+    # the steps pause until B is lost (for B to join and train on 4 ranks), then run at full speed
+    a = start(launchers, port, "127.0.0.1", out, epochs, pause, style, until="lost")
     if join_late:
         wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
-    b = start(launchers, port, "127.0.0.2", out, epochs, pause, style)
+    b = start(launchers, port, "127.0.0.2", out, epochs, pause, style, until="lost")
     wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
     step = progress(out)[0]
     wait_until("steps on 4 ranks", lambda: progress(out)[0] >= step + 3, a)
@@ -129,7 +133,8 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
 
 @pytest.mark.slow
 def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
-    done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.02, join_late=False)
+    # (the pause lasts until B is lost: long enough for B's launcher to start on a busy machine)
+    done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.05, join_late=False)
     commit = done[0]["resets"][-1]["commit"]  # the commit the world rolled back to
     assert summary(stderr) == (
         "fleetlike.launch: summary: job succeeded; worker failures: -; nodes lost: node 127.0.0.2 "
@@ -176,7 +181,7 @@ def test_worker_killed_in_an_elastic_job_is_restarted_alone(launchers: Launchers
 def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
     """hvd.init() in an elastic launch, hvd.elastic.TorchState / @hvd.elastic.run, hvd.size()
     and hvd.allgather_object on the re-formed world."""
-    done, _ = lose_a_node(launchers, tmp_path, "horovod", 1, 0.01, join_late=False)
+    done, _ = lose_a_node(launchers, tmp_path, "horovod", 1, 0.05, join_late=False)
     for report in done:
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         check_epochs(report, 1400)

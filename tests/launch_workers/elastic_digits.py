@@ -1,6 +1,11 @@
 """An elastic job on the digits task (`fleetlike.elastic`), for the node-loss and join tests.
 
-Usage: elastic_digits.py OUT EPOCHS PAUSE STYLE    (STYLE: eager | program | horovod)
+Usage: elastic_digits.py OUT EPOCHS PAUSE STYLE [UNTIL]    (STYLE: eager | program | horovod)
+PAUSE: seconds each step sleeps, so that the test's events (a node joining, a node lost) happen
+mid-epoch; with UNTIL only until that event: ``lost``, until this process's world has re-formed
+after a node was lost (its size fell); ``joined``, while its world is smaller than the launcher's
+maximum (``--nnodes MIN:MAX``; a worker that joined a running world finds it full). After that,
+the job runs at full speed.
 horovod: hvd.init(), hvd.elastic.TorchState / @hvd.elastic.run, hvd.size() and hvd.allgather_object
 for the bookkeeping; the gradients through fleet.distributed_optimizer (hvd.DistributedOptimizer in
 an elastic job: test_horovod_elastic.py).
@@ -26,9 +31,12 @@ from amp_common import accuracy, digits_loss, digits_model, digits_split  # noqa
 import fleetlike  # noqa: E402
 import fleetlike.horovod as hvd  # noqa: E402
 from fleetlike import elastic, fleet  # noqa: E402
+from fleetlike.elastic.membership import ENV  # noqa: E402
 from fleetlike.io import DistributedSampler  # noqa: E402
 
 out, epochs, pause, style = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+until = sys.argv[5] if len(sys.argv) > 5 else None
+assert until in (None, "lost", "joined"), until
 (out / f"pid.{os.getpid()}").write_text(str(os.getpid()))
 (out / f"node.{os.getpid()}").write_text(os.environ.get("FLEETLIKE_NODE_IP", ""))
 core = elastic  # fleetlike's module: its reset log and shutdown
@@ -84,7 +92,17 @@ def step(batch: list[int]) -> None:
         os.replace(out / "progress.tmp", out / "progress")
     if state.step % 5 == 0:
         state.commit()
-    time.sleep(pause)
+    if not happened():
+        time.sleep(pause)
+
+
+def happened() -> bool:
+    """Whether the event the pause waits for (`until`) has happened."""
+    if until == "lost":
+        return any(record["new_size"] < record["old_size"] for record in core.RESET_LOG)
+    if until == "joined":
+        return fleet.worker_num() >= int(os.environ[ENV["max"]])
+    return False
 
 
 @elastic.run
