@@ -4,14 +4,21 @@ sys.path in the workers too), so they stay plain module-level functions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = ["PRELOAD_VARIABLES", "cross_entropy", "labelled_batch", "max_diff", "mse", "params", "preload_env",
-           "regression_batch"]
+           "regression_batch", "side_by_side"]
+
+T = TypeVar("T")
 
 #: the session's preload server (tests/conftest.py), kept by the helpers that otherwise clear
 #: every FLEETLIKE_ variable from a launcher's environment
@@ -59,3 +66,38 @@ def cross_entropy(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torc
 
 def mse(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.mse_loss(model(feed["x"]), feed["y"])
+
+
+# ---------------------------------------------------------------- jobs side by side
+# (a test file's multi-process jobs that mostly wait, for a peer, a heartbeat or a timeout, run
+# at once; each test then checks its own job's result)
+
+@contextlib.contextmanager
+def side_by_side(*waves: Mapping[str, Callable[[], T]]) -> Iterator[dict[str, Future[T]]]:
+    """Run each wave's jobs at once, each in a thread of its own (a job is a function that starts
+    processes and waits for them, bounded by its own timeouts), the waves one after the other
+    (so that no more run at once than the machine keeps up with); yield every job's future by
+    name. On exit, waits for every job: none outlives the block."""
+    futures: dict[str, Future[T]] = {name: Future() for wave in waves for name in wave}
+
+    def run(name: str, job: Callable[[], T]) -> None:
+        futures[name].set_running_or_notify_cancel()
+        try:
+            futures[name].set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - the test that reads the result raises it
+            futures[name].set_exception(exc)
+
+    def drive() -> None:
+        for wave in waves:
+            threads = [threading.Thread(target=run, args=item, daemon=True) for item in wave.items()]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+    driver = threading.Thread(target=drive, name="side-by-side", daemon=True)
+    driver.start()
+    try:
+        yield futures
+    finally:
+        driver.join()

@@ -3,11 +3,14 @@
 Each test records every process it caused (workers write pid files, their children too) and ends
 by asserting that none is left running. No test chooses a port: every job runs with
 ``--started_port=auto``, the two-node ones meeting through a ``--rendezvous_file`` under tmp_path.
+The jobs that succeed run two at a time (the module's `jobs`): pairs of launches whose ports are
+chosen at the same moment, each test checking its own job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -16,12 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from fleetlike.launch import main
-from helpers import preload_env
+from helpers import preload_env, side_by_side
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -216,19 +220,65 @@ def check_worker(out: Path, rank: int, env: dict[str, str], world: int) -> None:
 # --------------------------------------------------------------------------- jobs that succeed
 
 
-@pytest.mark.slow
-def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+def four_workers_job(launchers: Launchers, root: Path) -> tuple[int, str, str]:
+    """One node, four workers, the job id given, a proxy in the environment (not passed on)."""
+    (root / "out-four").mkdir()
     proc = launchers.start(
-        "--nproc_per_node=4", "--started_port=auto", "--job_id=job-1n", "--log_dir=logs",
-        str(WORKERS / "env_allreduce.py"), str(out), "--flag", "x y",
+        "--nproc_per_node=4", "--started_port=auto", "--job_id=job-1n", "--log_dir=logs-four",
+        str(WORKERS / "env_allreduce.py"), str(root / "out-four"), "--flag", "x y",
         env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES),
     )
-    code, stdout, stderr = finish(proc)
+    return finish(proc)
+
+
+def pair_job(launchers: Launchers, root: Path) -> tuple[int, str, str]:
+    """One node, two workers: started at the same moment as `four_workers_job`."""
+    (root / "out-pair").mkdir()
+    proc = launchers.start("--nproc_per_node=2", "--started_port=auto", "--log_dir=logs-pair",
+                           str(WORKERS / "env_allreduce.py"), str(root / "out-pair"), "--flag", "x y")
+    return finish(proc)
+
+
+def two_node_job(launchers: Launchers, root: Path, j: int) -> list[tuple[int, str, str]]:
+    """Two loopback nodes meeting through their own rendezvous file; job 0 with a marker and a
+    proxy in its environment."""
+    out = root / f"out-nodes{j}"
+    out.mkdir()
+    env = clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES) if j == 0 else None
+    procs = start_two_nodes(launchers, out, root / f"rdzv{j}", log=f"job{j}-log", env=env)
+    return [finish(p, timeout=150) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Future]]]:
+    """The successful jobs of this module, in two waves (`helpers.side_by_side`): two one-node
+    jobs started at once, then two two-node jobs started at once (their launchers choose ports
+    at the same moment, which two of the tests are about); each of the four tests checks its own
+    job. (root directory, futures by name)"""
+    root = tmp_path_factory.mktemp("launch-run")
+    runner = Launchers(root)
+    try:
+        with side_by_side({"four": functools.partial(four_workers_job, runner, root),
+                           "pair": functools.partial(pair_job, runner, root)},
+                          {"nodes0": functools.partial(two_node_job, runner, root, 0),
+                           "nodes1": functools.partial(two_node_job, runner, root, 1)}) as futures:
+            yield root, futures
+    finally:
+        runner.close()
+    for out in root.glob("out-*"):
+        assert_all_gone(out)
+
+
+@pytest.mark.slow
+def test_one_node_four_workers(jobs: tuple[Path, dict[str, Future]]) -> None:
+    root, futures = jobs
+    out = root / "out-four"
+    code, stdout, stderr = futures["four"].result(timeout=80)
     assert code == 0, stderr
     ports = chosen_ports(out, 4)
     for local in range(4):
         check_worker(out, local, expected_env(["127.0.0.1"], 0, 4, local, ports, "job-1n", auto=True), 4)
-        log = (tmp_path / "logs" / f"workerlog.{local}").read_text()
+        log = (root / "logs-four" / f"workerlog.{local}").read_text()
         assert f"worker {local} sum 10.0" in log
     # local rank 0 is echoed with its prefix; the others only go to their logs
     assert "[rank 0] worker 0 ready" in stdout and "[rank 0] worker 0 sum 10.0" in stdout
@@ -237,42 +287,39 @@ def test_one_node_four_workers(launchers: Launchers, out: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_two_nodes_two_workers_each(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+def test_two_nodes_two_workers_each(jobs: tuple[Path, dict[str, Future]]) -> None:
     """Each node's launcher chooses and holds its own ports; node 0's hosts the store and writes
     its address to the rendezvous file, and both publish their endpoints there before any worker
     starts, so every worker of both nodes gets the same endpoint list."""
+    root, futures = jobs
+    out = root / "out-nodes0"
     ips = ["127.0.0.1", "127.0.0.2"]
-    procs = start_two_nodes(launchers, out, tmp_path / "rdzv",
-                            env=clean_env(FLEETLIKE_TEST_MARKER="kept", **PROXIES))
-    results = [finish(p) for p in procs]
+    results = futures["nodes0"].result(timeout=170)
     assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
-    jobs = {json.loads((out / f"env.{r}.json").read_text())["env"]["FLEETLIKE_JOB_ID"] for r in range(4)}
-    assert len(jobs) == 1  # both launchers derived the same id
-    job = jobs.pop()
+    ids = {json.loads((out / f"env.{r}.json").read_text())["env"]["FLEETLIKE_JOB_ID"] for r in range(4)}
+    assert len(ids) == 1  # both launchers derived the same id
+    job = ids.pop()
     endpoints = met_endpoints(out, ips, 2)
     for node in range(2):
         for local in range(2):
             rank = node * 2 + local
             want = expected_env(ips, node, 2, local, [], job, auto=True, endpoints=endpoints)
             check_worker(out, rank, want, 4)
-            assert (tmp_path / f"log{node}" / f"workerlog.{local}").exists()
+            assert (root / f"job0-log{node}" / f"workerlog.{local}").exists()
     assert "[rank 0] worker 0 ready" in results[0][1] and "[rank 2] worker 2 ready" in results[1][1]
     assert [r[2] for r in results] == ["", ""]
-    assert not (tmp_path / "rdzv").exists()  # node 0 removed it once both nodes had joined
+    assert not (root / "rdzv0").exists()  # node 0 removed it once both nodes had joined
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
+def test_two_two_node_jobs_started_at_once_both_succeed(jobs: tuple[Path, dict[str, Future]]) -> None:
     """Concurrent jobs on several nodes: two 2-node jobs (4 launchers) on the same two loopback nodes,
     started at the same moment with the same flags but their own rendezvous files, each choosing
     its ports as it binds them: neither can take the other's, and neither joins the other."""
-    outs = [tmp_path / f"out{j}" for j in range(2)]
-    procs = []
-    for j, o in enumerate(outs):
-        o.mkdir()
-        procs += start_two_nodes(launchers, o, tmp_path / f"rdzv{j}", log=f"job{j}-log")
-    results = [finish(p, timeout=150) for p in procs]
+    root, futures = jobs
+    outs = [root / f"out-nodes{j}" for j in range(2)]
+    results = [r for j in range(2) for r in futures[f"nodes{j}"].result(timeout=170)]
     assert [r[0] for r in results] == [0] * 4, [r[2] for r in results]
     met = []
     for o in outs:
@@ -283,21 +330,19 @@ def test_two_two_node_jobs_started_at_once_both_succeed(launchers: Launchers, tm
             assert float((o / f"sum.{rank}").read_text()) == 10.0
         assert_all_gone(o)
     assert not set(met[0]) & set(met[1])
-    assert not any(tmp_path.glob("rdzv*"))
+    assert not any(root.glob("rdzv*"))
 
 
 @pytest.mark.slow
-def test_a_rendezvous_file_that_never_appears(launchers: Launchers, out: Path, tmp_path: Path) -> None:
+def test_a_rendezvous_file_that_never_appears(in_process, out: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Node 1 alone: no node 0 ever writes the file. One line names the file and the timeout,
     exit code 1 within the timeout (plus start-up), and no worker was ever started."""
     rdzv = tmp_path / "rdzv"
-    started = time.monotonic()
-    proc = launchers.start("--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.2",
-                           "--started_port=auto", f"--rendezvous_file={rdzv}",
-                           "--rendezvous_timeout=2", "--nproc_per_node=2",
-                           str(WORKERS / "behave.py"), str(out), "--ok")
-    code, stdout, stderr = finish(proc, timeout=30)
-    assert code == 1 and time.monotonic() - started < 15
+    code, stdout, stderr, elapsed = in_process(
+        "--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.2", "--started_port=auto",
+        f"--rendezvous_file={rdzv}", "--rendezvous_timeout=2", "--nproc_per_node=2",
+        str(WORKERS / "behave.py"), str(out), "--ok")
+    assert code == 1 and elapsed < 15
     assert stderr == (
         f"fleetlike.launch: node 1 (127.0.0.2): --rendezvous_file={rdzv} does not exist after "
         "waiting 2s (--rendezvous_timeout). Node 0's launcher (127.0.0.1) writes it once it hosts "
@@ -373,25 +418,18 @@ def test_in_process_main_and_leftover_children(
 
 
 @pytest.mark.slow
-def test_two_auto_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_path: Path) -> None:
+def test_two_auto_jobs_started_at_once_both_succeed(jobs: tuple[Path, dict[str, Future]]) -> None:
     """A CI failure made impossible: two jobs choose their ports at the same
     moment, and each holds them from the choice to the end, so neither can take the other's."""
-    outs = [tmp_path / f"out{j}" for j in range(2)]
-    for o in outs:
-        o.mkdir()
-    procs = [
-        launchers.start("--nproc_per_node=2", "--started_port=auto", f"--log_dir=log{j}",
-                        str(WORKERS / "env_allreduce.py"), str(o), "--flag", "x y")
-        for j, o in enumerate(outs)
-    ]
-    results = [finish(p) for p in procs]
-    assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
+    root, futures = jobs
     endpoints = []
-    for o in outs:
-        ports = chosen_ports(o, 2)
-        endpoints.append(ports)
-        for rank in range(2):
-            assert float((o / f"sum.{rank}").read_text()) == 3.0
+    for name, world in (("four", 4), ("pair", 2)):
+        code, _, stderr = futures[name].result(timeout=80)
+        assert code == 0, stderr
+        o = root / f"out-{name}"
+        endpoints.append(chosen_ports(o, world))
+        for rank in range(world):
+            assert float((o / f"sum.{rank}").read_text()) == world * (world + 1) / 2
         assert_all_gone(o)
     assert not set(endpoints[0]) & set(endpoints[1])
 
@@ -399,19 +437,39 @@ def test_two_auto_jobs_started_at_once_both_succeed(launchers: Launchers, tmp_pa
 # --------------------------------------------------------------------------- jobs that fail
 
 
-def run_failing(launchers: Launchers, out: Path, nproc: int, *flags: str,
+@pytest.fixture()
+def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """The launcher's `main` run in this process (no interpreter to start: the launcher's own
+    behaviour is the same), in the test's directory and clean environment: a function of the
+    command line returning (exit code, stdout, stderr, seconds)."""
+    monkeypatch.chdir(tmp_path)
+    env = clean_env()
+    for name in list(os.environ):
+        if name not in env:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def run(*args: str) -> tuple[int, str, str, float]:
+        capsys.readouterr()
+        started = time.monotonic()
+        code = main(list(args))
+        stdout, stderr = capsys.readouterr()
+        return code, stdout, stderr, time.monotonic() - started
+
+    return run
+
+
+def run_failing(in_process, out: Path, nproc: int, *flags: str,  # type: ignore[no-untyped-def]
                 launcher_flags: tuple[str, ...] = ()) -> tuple[int, str, float]:
-    started = time.monotonic()
-    proc = launchers.start(f"--nproc_per_node={nproc}", "--started_port=auto",
-                           *launcher_flags, str(WORKERS / "behave.py"), str(out), *flags)
-    code, _, stderr = finish(proc, timeout=30)
-    elapsed = time.monotonic() - started
+    code, _, stderr, elapsed = in_process(f"--nproc_per_node={nproc}", "--started_port=auto", *launcher_flags,
+                                          str(WORKERS / "behave.py"), str(out), *flags)
     assert_all_gone(out, within=0.5)
     return code, stderr, elapsed
 
 
-def test_worker_error_ends_the_job(launchers: Launchers, out: Path) -> None:
-    code, stderr, elapsed = run_failing(launchers, out, 3, "--fail", "1", "3")
+def test_worker_error_ends_the_job(in_process, out: Path) -> None:  # type: ignore[no-untyped-def]
+    code, stderr, elapsed = run_failing(in_process, out, 3, "--fail", "1", "3")
     assert code == 3 and elapsed < 10
     assert stderr == (
         "fleetlike.launch: rank 1 (local 1) exited with code 3; log: log/workerlog.1; "
@@ -421,8 +479,8 @@ def test_worker_error_ends_the_job(launchers: Launchers, out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_worker_killed_by_sigkill(launchers: Launchers, out: Path) -> None:
-    code, stderr, elapsed = run_failing(launchers, out, 3, "--sigkill", "2")
+def test_worker_killed_by_sigkill(in_process, out: Path) -> None:  # type: ignore[no-untyped-def]
+    code, stderr, elapsed = run_failing(in_process, out, 3, "--sigkill", "2")
     assert code == 128 + signal.SIGKILL and elapsed < 10
     assert stderr.startswith(
         "fleetlike.launch: rank 2 (local 2) was killed by signal SIGKILL; log: log/workerlog.2"
@@ -431,10 +489,10 @@ def test_worker_killed_by_sigkill(launchers: Launchers, out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grandchildren_that_ignore_sigterm_are_killed(launchers: Launchers, out: Path) -> None:
+def test_grandchildren_that_ignore_sigterm_are_killed(in_process, out: Path) -> None:  # type: ignore[no-untyped-def]
     """Rank 0 fails while the others (and every worker's child) sleep and ignore SIGTERM."""
     code, stderr, elapsed = run_failing(
-        launchers, out, 2, "--fail", "0", "5", "--child", "--ignore-term",
+        in_process, out, 2, "--fail", "0", "5", "--child", "--ignore-term",
         launcher_flags=("--kill_grace=1",),
     )
     assert code == 5 and elapsed < 10
