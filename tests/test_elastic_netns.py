@@ -54,7 +54,7 @@ def test_link_cut_node_is_lost_and_the_job_goes_on(two, launchers: Launchers, tm
         argv = ["ip", "netns", "exec", two.ns[node], PY, "-m", "fleetlike.launch", "--nnodes=1:2",
                 f"--rdzv_endpoint={A}:{PORT}", f"--node_ip={ip}", "--nproc_per_node=2",
                 "--started_port=auto", "--rdzv_last_call=1", "--kill_grace=1", f"--log_dir=log-{ip}",
-                SCRIPT, str(out), "1", "0.05", "program", "lost"]
+                SCRIPT, str(out), "1", "0.1", "program", "lost"]
         # the session's preload server lives outside the namespaces: each launcher starts its own
         env = {k: v for k, v in clean_env(PYTHONPATH=str(ROOT)).items() if k != SOCKET_ENV}
         env[PRELOAD_ENV] = "torch"

@@ -133,8 +133,9 @@ def test_node_joins_at_a_commit_then_is_lost_eager(launchers: Launchers, tmp_pat
 
 @pytest.mark.slow
 def test_node_lost_program_style(launchers: Launchers, tmp_path: Path) -> None:
-    # (the pause lasts until B is lost: long enough for B's launcher to start on a busy machine)
-    done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.05, join_late=False)
+    # (the pause lasts until B is lost: B's launcher starts, and the test kills it mid-epoch, in
+    # time on a busy machine)
+    done, stderr = lose_a_node(launchers, tmp_path, "program", 1, 0.1, join_late=False)
     commit = done[0]["resets"][-1]["commit"]  # the commit the world rolled back to
     assert summary(stderr) == (
         "fleetlike.launch: summary: job succeeded; worker failures: -; nodes lost: node 127.0.0.2 "
@@ -181,7 +182,7 @@ def test_worker_killed_in_an_elastic_job_is_restarted_alone(launchers: Launchers
 def test_node_lost_horovod_face(launchers: Launchers, tmp_path: Path) -> None:
     """hvd.init() in an elastic launch, hvd.elastic.TorchState / @hvd.elastic.run, hvd.size()
     and hvd.allgather_object on the re-formed world."""
-    done, _ = lose_a_node(launchers, tmp_path, "horovod", 1, 0.05, join_late=False)
+    done, _ = lose_a_node(launchers, tmp_path, "horovod", 1, 0.1, join_late=False)
     for report in done:
         assert report["resets"][-1]["nodes_lost"] == ["127.0.0.2"]
         check_epochs(report, 1400)
