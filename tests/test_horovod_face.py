@@ -2,7 +2,8 @@
 ranks: 2 and 3 gloo ranks, 2 and 3 MPI ranks (``mpiexec``), one job each running every check of
 `horovod_face_common.face_rank`, each compared with a reference computed here from the inputs
 (numpy / single-process torch) and Horovod's documented rules. Also ``-np 2 -H localhost:2
---mpi`` under the launcher (hydra's PMI descriptor reaches the ranks through mpiguard).
+--mpi`` under the launcher (hydra's PMI descriptor reaches the ranks through mpiguard). The
+3-rank jobs are in the slow tier; the fast tier runs the 2-rank ones.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def check(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_horovod_semantics_on_gloo(world: int) -> None:
     check(run_ranks(_gloo, world, {"recover": world == 2}, timeout=240))
 
@@ -149,7 +150,7 @@ def test_horovod_semantics_on_gloo(world: int) -> None:
 @pytest.mark.mpi
 @pytest.mark.skipif(_MPI is not None, reason=_MPI or "")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_horovod_semantics_on_mpi(world: int) -> None:
     check(run_mpi(world, "call", {"target": "test_horovod_face:mpi_face", "data": {}}, timeout=240))
 
