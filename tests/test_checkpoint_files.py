@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -32,6 +31,7 @@ from ckpt_common import FIXTURES, KINDS, Job, bitwise_equal, build, one_process
 from fleetlike import Executor, elastic, fleet
 from fleetlike.fleet.checkpoint import CheckpointError, read_file, resolve
 from fleetlike.fleet.checkpoint_files import COMPLETE, make_tag, remove_leftovers, seal, verify
+from fleetlike.testing import preloaded_context
 
 
 @pytest.fixture(scope="module")
@@ -403,7 +403,7 @@ def test_kill_9_during_saves_then_one_save_leaves_nothing_behind(tmp_path):
     landed = 0
     for _ in range(5):
         counter.unlink(missing_ok=True)
-        proc = mp.get_context("spawn").Process(target=_save_forever, args=(str(ckpt), str(counter)))
+        proc = preloaded_context().Process(target=_save_forever, args=(str(ckpt), str(counter)))
         proc.start()
         try:
             deadline = time.monotonic() + 30

@@ -13,7 +13,7 @@ import torch
 from dp_common import batch, loss_fn, make_model
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.comm import CommError
-from fleetlike.testing import hosted_job, run_ranks
+from fleetlike.testing import hosted_job, preloaded_context, run_ranks
 
 
 def _catch(fn):
@@ -223,14 +223,13 @@ def _loader(role, ckpt):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    import multiprocessing as mp
     from pathlib import Path
 
     from fleetlike.roles import Role
 
     ckpt, ready = str(tmp_path / "ckpt"), tmp_path / "ready"
     role = Role.from_endpoints(0, ["127.0.0.1:6170"])  # a world of one binds no port
-    proc = mp.get_context("spawn").Process(target=_saver, args=(role, ckpt, str(ready)))
+    proc = preloaded_context().Process(target=_saver, args=(role, ckpt, str(ready)))
     proc.start()
     try:
         deadline = time.monotonic() + 40
