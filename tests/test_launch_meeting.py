@@ -23,6 +23,7 @@ from fleetlike.launch import LaunchConfig, MeetingError, format_config, meet, wo
 from fleetlike.launch.checks import host_ports
 from fleetlike.launch.meeting import StoreAddress, read_address, remove_address, write_address
 from fleetlike.launch.ports import HostedEndpoints
+from helpers import preload_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,7 +209,7 @@ def _launcher(rdzv: Path, node: int, timeout: float, out: Path, secret: str) -> 
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PADDLE_", "FLEETLIKE_", "TORCHELASTIC", "OMPI_", "PMI_", "SLURM_"))
            and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
-    env.update(OMP_NUM_THREADS="1", FLEETLIKE_JOB_SECRET=secret)
+    env.update(OMP_NUM_THREADS="1", FLEETLIKE_JOB_SECRET=secret, **preload_env())
     return subprocess.Popen(
         [sys.executable, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(IPS)}",
          f"--node_ip={IPS[node]}", "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=1",
@@ -241,14 +242,14 @@ def test_real_launchers_refuse_a_forged_file_and_publish_nothing_there(tmp_path:
         assert real is not None and real.store.startswith("127.0.0.1:") and real.secret == secret
         keys = stranger.num_keys()
         write_address(str(rdzv), forged)
-        procs.append(_launcher(rdzv, 1, 3, out, secret))
+        procs.append(_launcher(rdzv, 1, 1, out, secret))
         _, stderr = procs[1].communicate(timeout=60)
         assert procs[1].returncode == 1
         assert stderr.startswith(
             f"fleetlike.launch: node 1 (127.0.0.2): --rendezvous_file={rdzv} names a store at "
             f"{forged.store}, but node 0 is --cluster_node_ips[0]=127.0.0.1: the store's host must be "
             "node 0; refusing a file that would send this node elsewhere (forged, or written by another "
-            "job) after waiting 3s (--rendezvous_timeout)"), stderr
+            "job) after waiting 1s (--rendezvous_timeout)"), stderr
         assert stranger.num_keys() == keys  # node 1 published nothing there
         assert not (out / "pid.1").exists() and procs[0].poll() is None  # no worker; node 0 waits on
         write_address(str(rdzv), real)  # node 0's own file, put back

@@ -25,6 +25,7 @@ import torch
 from fleetlike.comm import host_store
 from fleetlike.comm.secret import JobSecret, PayloadRefused, new_secret
 from fleetlike.testing import run_ranks
+from helpers import preload_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
@@ -86,7 +87,7 @@ def test_a_stranger_cannot_enter_a_launched_job(tmp_path: Path) -> None:
     launcher = subprocess.Popen(
         [PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={port}",
          f"--log_dir={tmp_path / 'log'}", str(WORKERS / "secure_job.py"), str(out), str(go)],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=_env(**preload_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
         _wait_for_store(port, launcher)
