@@ -7,6 +7,7 @@ test process checks each rank's result against numpy on the same (re-generated) 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,31 @@ def assert_close(got: Any, want: Any, case: Case, rank: int) -> None:
 
 def run_cases(comm: Any, cases: list[Case], device: torch.device | str | None = None) -> list[dict[str, Any]]:
     return [run_case(comm, c, device) for c in cases]
+
+
+def run_by_world(draws: list[tuple[int, list[Case]]], world_of: Callable[[int], Any], keep: Any = None) -> list[Any]:
+    """For each ``(n, cases)`` in turn, the cases on ``world_of(n)`` (a communicator of the job's
+    first ``n`` ranks; None on the ranks outside it, whose result is None). Each communicator is
+    closed after its cases, except ``keep`` (the job's world, used for its own size)."""
+    results = []
+    for n, cases in draws:
+        comm = world_of(n)
+        if comm is None:
+            results.append(None)
+            continue
+        try:
+            results.append(run_cases(comm, cases))
+        finally:
+            if comm is not keep:
+                comm.close()
+    return results
+
+
+def check_by_world(draws: list[tuple[int, list[Case]]], per_rank: list[list[Any]]) -> None:
+    """`check_all` for each draw of `run_by_world`, and None from the ranks outside its world."""
+    for i, (world, cases) in enumerate(draws):
+        check_all(cases, [per_rank[r][i] for r in range(world)])
+        assert all(per_rank[r][i] is None for r in range(world, len(per_rank))), i
 
 
 def check_all(cases: list[Case], results: list[list[dict[str, Any]]]) -> None:

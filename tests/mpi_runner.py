@@ -9,8 +9,10 @@ name the rank.
 
 Tasks:
     cases          run a list of `comm_cases.Case` on ``MPICommunicator()`` (COMM_WORLD)
+    cases_by_world several (world size, cases) draws, each on a world of the job's first ranks
     split          for each colouring: ``world.split(colors[rank], key=-rank)``, then an allreduce
                    of the ranks
+    split_by_world several such draws, each on a world of the job's first ranks
     create_world   build the world with ``fleetlike.comm.create_world`` from an MPI role, and
                    its `CommGroups` (intra, inter, rings)
     stall          rank 0 issues an allreduce rank 1 never joins (the watchdog's case)
@@ -140,13 +142,49 @@ def _task_cases(cases: list[Any]) -> Any:
         world.close()
 
 
-def _task_split(colorings: list[list[int | None]]) -> Any:
-    """One split per colouring, in order, on the same world (one job covers several draws)."""
-    import torch
+def _sub_world(n: int) -> Any:
+    """A communicator of the job's first ``n`` ranks (COMM_WORLD itself when ``n`` is the job's
+    size; None on the ranks outside it), so that one job covers worlds of every size up to its
+    own: MPI's collectives on a split communicator of ``n`` ranks are those of an ``n``-rank job."""
+    from mpi4py import MPI
 
     from fleetlike.comm.mpi import MPICommunicator
 
-    world = MPICommunicator()
+    comm = MPI.COMM_WORLD
+    if n == comm.Get_size():
+        return MPICommunicator()
+    sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, key=comm.Get_rank())
+    return None if sub == MPI.COMM_NULL else MPICommunicator(sub)
+
+
+def _task_cases_by_world(draws: list[tuple[int, list[Any]]]) -> Any:
+    """`comm_cases.run_by_world` on worlds of the job's first ranks (`_sub_world`)."""
+    from comm_cases import run_by_world
+
+    return run_by_world(draws, _sub_world)
+
+
+def _task_split_by_world(draws: list[list[list[int | None]]]) -> Any:
+    """For each list of colourings (one colour per rank of a world of that many ranks): the
+    splits of `_task_split` on a world of the first ``len(colours)`` ranks; None outside it."""
+    results = []
+    for colorings in draws:
+        world = _sub_world(len(colorings[0]))
+        results.append(None if world is None else _splits(world, colorings))
+    return results
+
+
+def _task_split(colorings: list[list[int | None]]) -> Any:
+    """One split per colouring, in order, on the same world (one job covers several draws)."""
+    from fleetlike.comm.mpi import MPICommunicator
+
+    return _splits(MPICommunicator(), colorings)
+
+
+def _splits(world: Any, colorings: list[list[int | None]]) -> Any:
+    """``world.split`` by each colouring in turn, an allreduce on each part; closes ``world``."""
+    import torch
+
     results = []
     try:
         for colors in colorings:
@@ -268,7 +306,8 @@ def _task_call(spec: dict[str, Any]) -> Any:
 
 
 TASKS = {"call": _task_call, "mismatch": _task_mismatch, "mismatches": _task_mismatches,
-         "cases": _task_cases, "split": _task_split, "create_world": _task_create_world,
+         "cases": _task_cases, "split": _task_split, "cases_by_world": _task_cases_by_world,
+         "split_by_world": _task_split_by_world, "create_world": _task_create_world,
          "stall": _task_stall}
 
 

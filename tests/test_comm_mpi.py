@@ -1,15 +1,16 @@
 """Every collective on real MPI ranks (``mpiexec -n N``) equals its numpy reference.
 
 The mirror of ``test_comm_gloo.py`` for the ``mpi`` backend. Starting an MPI job costs a
-second or two per rank (each imports torch), so one ``mpiexec`` run executes every case of a
-hypothesis example: the test process draws (world, cases), `mpi_runner.run_mpi` ships them to
-the ranks in a pickle, and the results come back one pickle per rank.
+second or two per rank (each imports torch), so one ``mpiexec -n 4`` run executes every case of
+several draws: the test process draws (world, cases) five times, `mpi_runner.run_mpi` ships them
+to the ranks in a pickle, each draw runs on a world of the job's first ``world`` ranks, and the
+results come back one pickle per rank.
 """
 
 from __future__ import annotations
 
 import pytest
-from comm_cases import case_strategy, check_all
+from comm_cases import case_strategy, check_by_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi_runner import mpi_unavailable_reason, run_mpi
@@ -29,38 +30,45 @@ def world_and_cases(draw):
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=5)
-@given(world_and_cases())
+@settings(max_examples=1)
+@given(st.lists(world_and_cases(), min_size=5, max_size=5))
 @pytest.mark.slow
-def test_collectives_match_numpy(wc):
-    world, cases = wc
-    check_all(cases, run_mpi(world, "cases", cases, timeout=90))
+def test_collectives_match_numpy(draws):
+    """Five draws of (world size, cases) in one ``mpiexec -n 4`` job, each on a world of the
+    job's first ranks (`mpi_runner._sub_world`)."""
+    check_by_world(draws, run_mpi(4, "cases_by_world", draws, timeout=120))
 
 
 @pytest.mark.timeout(150)
-@settings(max_examples=3)
+@settings(max_examples=1)
 @given(
-    st.integers(1, 4).flatmap(
-        lambda n: st.lists(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n),
-                           min_size=1, max_size=4)
+    st.lists(
+        st.integers(1, 4).flatmap(
+            lambda n: st.lists(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n),
+                               min_size=1, max_size=4)
+        ),
+        min_size=3, max_size=3,
     )
 )
 @pytest.mark.slow
-def test_split_by_color(colorings):
-    """Several colourings of one world per MPI job (a job's start costs seconds; a split does not)."""
-    per_rank = run_mpi(len(colorings[0]), "split", colorings, timeout=60)
-    for i, colors in enumerate(colorings):
-        for rank, color in enumerate(colors):
-            res = per_rank[rank][i]
-            if color is None:
-                assert res is None
-                continue
-            members = [r for r, c in enumerate(colors) if c == color]
-            ranks, sub_rank, sub_size, total = res
-            assert list(ranks) == sorted(members, reverse=True)  # key = -rank reverses the order
-            assert sub_size == len(members)
-            assert ranks[sub_rank] == rank
-            assert total == sum(members)
+def test_split_by_color(draws):
+    """Several colourings of one world per draw, three draws (worlds of 1 to 4 ranks) in one MPI
+    job (a job's start costs seconds; a split does not)."""
+    per_rank = run_mpi(4, "split_by_world", draws, timeout=60)
+    for d, colorings in enumerate(draws):
+        assert all(per_rank[r][d] is None for r in range(len(colorings[0]), 4))
+        for i, colors in enumerate(colorings):
+            for rank, color in enumerate(colors):
+                res = per_rank[rank][d][i]
+                if color is None:
+                    assert res is None
+                    continue
+                members = [r for r, c in enumerate(colors) if c == color]
+                ranks, sub_rank, sub_size, total = res
+                assert list(ranks) == sorted(members, reverse=True)  # key = -rank reverses the order
+                assert sub_size == len(members)
+                assert ranks[sub_rank] == rank
+                assert total == sum(members)
 
 
 @pytest.mark.timeout(90)
