@@ -379,9 +379,10 @@ def test_uneven_nodes_fall_back_to_flat():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pipelined_segments_equal_flat():
-    """Large buffers in default (1 MiB) and odd-sized ~3 MiB segments (odd sizes: padded tails)."""
-    cases = [(2_621_447, "float32", 1), (1_310_723, "int64", 2), (2_097_152, "float64", 3)]
-    results = run_ranks(_compare, 4, cases, (3 << 20) + 7, nodes=2, timeout=100)
+    """Buffers of several segments, in default (1 MiB) and odd-sized ~0.75 MiB segments (odd
+    sizes: padded tails); 2.5 to 5.3 segments each."""
+    cases = [(655_367, "float32", 1), (327_683, "int64", 2), (524_288, "float64", 3)]
+    results = run_ranks(_compare, 4, cases, (3 << 18) + 7, nodes=2, timeout=100)
     for rank_out in results:
         for op, dtype, flat, h, _rb, _ring, seg, seg_rs in rank_out:
             _check_equal(op, dtype, flat, h)
