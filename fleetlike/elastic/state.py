@@ -3,9 +3,10 @@
 A `State` holds everything a rank needs to carry on after the world changed: the model, the
 optimizer (whose ``state_dict`` already holds the strategy's own state: the AMP loss scale,
 local SGD's counters and snapshots, the gradient-merge window; `fleetlike.fleet.optimizer`),
-samplers (`fleetlike.io.DistributedSampler`: one world-independent offset into the epoch) and
-the user's values (``epoch``, ``batch``...). ``commit()`` copies it in memory (a clone, cheap
-next to a step: docs/BENCHMARKS.md, "Elastic"), ``restore()`` puts the copy back, ``sync()``
+samplers (`fleetlike.io.DistributedSampler`: one world-independent offset into the epoch), the
+user's values (``epoch``, ``batch``...) and every rank's process-wide random generators
+(`fleetlike.elastic.rng`; Horovod's states do not keep them). ``commit()`` copies it in memory (a
+clone, cheap next to a step: docs/BENCHMARKS.md, "Elastic"), ``restore()`` puts the copy back, ``sync()``
 broadcasts one rank's copy to every rank (how survivors hand the state to a re-formed world:
 no disk read needed while one rank survives). With ``directory=``, every ``save_every``-th
 commit is also written to disk atomically (rank 0; a cut save leaves the previous one), which
