@@ -259,8 +259,9 @@ def test_elastic_example_survives_a_killed_worker(tmp_path: Path) -> None:
     got = {mode: {int(p.name.split(".")[1]): torch.load(p) for p in (tmp_path / mode).glob("params.*.pt")}
            for mode in procs}
     started = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "kill").glob("pid.*"))
-    # the killed worker was started again; rank 0's first process kept running
-    assert len(started) == 3 and len(got["kill"]) == 2 and started[0] in got["kill"], (started, list(got["kill"]))
+    # the killed worker was started again; the survivor rolled back, its new partner joined afresh
+    assert len(started) == 3 and len(got["kill"]) == 2, (started, list(got["kill"]))
+    assert sorted(len(r["rolled_back_to"]) for r in got["kill"].values()) == [0, 1], got["kill"]
     for mode, ranks in got.items():
         assert sorted(r["rank"] for r in ranks.values()) == [0, 1] and all(r["size"] == 2 for r in ranks.values())
         assert all(r["identical"] for r in ranks.values()), mode
