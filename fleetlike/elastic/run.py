@@ -182,7 +182,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
         if not members.members:  # the first call: leave the world of one for the job's
             role, world = members.form(fleet.context().timeout)
             _replace(role, world)
-        state._host_check = _check_hosts
+        state._host_check, state._in_run = _check_hosts, True
         record: dict[str, Any] | None = None
         try:
             while True:
@@ -199,8 +199,12 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     started = time.monotonic()
                     cause = "workers waiting to join (admitted at a commit)"
                 record = _reform(cause, started)
+                # Horovod's order: roll back, run the callbacks, then hand the state out; their
+                # changes (the learning rate for the new size) reach every rank with the sync
+                state.restore()
                 state.on_reset()
+                state._keep_reset()
         finally:
-            state._host_check = None
+            state._host_check, state._in_run = None, False
 
     return wrapper

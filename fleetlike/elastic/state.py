@@ -3,9 +3,10 @@
 A `State` holds everything a rank needs to carry on after the world changed: the model, the
 optimizer (whose ``state_dict`` already holds the strategy's own state: the AMP loss scale,
 local SGD's counters and snapshots, the gradient-merge window; `fleetlike.fleet.optimizer`),
-samplers (`fleetlike.io.DistributedSampler`: one world-independent offset into the epoch) and
-the user's values (``epoch``, ``batch``...). ``commit()`` copies it in memory (a clone, cheap
-next to a step: docs/BENCHMARKS.md, "Elastic"), ``restore()`` puts the copy back, ``sync()``
+samplers (`fleetlike.io.DistributedSampler`: one world-independent offset into the epoch), the
+user's values (``epoch``, ``batch``...) and every rank's process-wide random generators
+(`fleetlike.elastic.rng`; Horovod's states do not keep them). ``commit()`` copies it in memory (a
+clone, cheap next to a step: docs/BENCHMARKS.md, "Elastic"), ``restore()`` puts the copy back, ``sync()``
 broadcasts one rank's copy to every rank (how survivors hand the state to a re-formed world:
 no disk read needed while one rank survives). With ``directory=``, every ``save_every``-th
 commit is also written to disk atomically (rank 0; a cut save leaves the previous one), which
@@ -38,6 +39,7 @@ import torch
 
 from fleetlike.comm import dumps_signed, loads_signed
 from fleetlike.config import envvars
+from fleetlike.elastic import rng
 from fleetlike.fleet import fleet
 from fleetlike.fleet.checkpoint_files import (
     LEGACY_FORMAT,
@@ -126,6 +128,10 @@ def _read_state(path: Path, fmt: int) -> tuple[int, Any]:
     return saved["commits"], saved["state"]
 
 
+def _rank() -> int:
+    return fleet.worker_index() if fleet.initialized else 0
+
+
 class State(abc.ABC):
     """The base: commits, restores, reset callbacks, on-disk copies (see the module docstring).
 
@@ -139,6 +145,10 @@ class State(abc.ABC):
         self.save_every = save_every
         self.commits = 0
         self._committed: dict[str, Any] | None = None
+        #: the random generators of each rank at the last commit, by rank (`fleetlike.elastic.rng`)
+        self._rng: dict[int, dict[str, Any]] = {}
+        #: set by `fleetlike.elastic.run`: commits are collective, and gather every rank's generators
+        self._in_run = False
         self._reset_callbacks: list[Callable[[], None]] = []
         #: set by `fleetlike.elastic.run`: raises when the membership should change at a commit
         self._host_check: Callable[[], None] | None = None
@@ -169,14 +179,24 @@ class State(abc.ABC):
             cb()
 
     def save(self) -> None:
-        """Keep an in-memory copy of the state now (what `restore` returns to)."""
+        """Keep an in-memory copy of the state now, and of this rank's random generators (what
+        `restore` returns to)."""
         self._committed = self._snapshot()
+        self._rng = {_rank(): rng.capture()}
 
     def commit(self) -> None:
         """`save`, write every ``save_every``-th commit to ``directory``, mark progress, and let
         a waiting joiner in (raises ``HostsUpdatedInterrupt`` under `fleetlike.elastic.run`,
-        which re-forms the world and carries on from this commit)."""
-        self.save()
+        which re-forms the world and carries on from this commit).
+
+        Under `fleetlike.elastic.run` every rank's random generators are gathered first (one
+        collective), so that a worker started again after a failure resumes with the generators
+        its rank had at this commit; when that gather fails nothing of this commit is kept."""
+        world = fleet.context().world if self._in_run and fleet.initialized else None
+        mine = rng.capture()
+        every = rng.gather(world, mine) if world is not None and world.size > 1 else None
+        self._committed = self._snapshot()
+        self._rng = dict(enumerate(every)) if every is not None else {_rank(): mine}
         self.commits += 1
         mark_progress()
         if self.directory is not None and self.commits % self.save_every == 0:
@@ -185,16 +205,30 @@ class State(abc.ABC):
             self._host_check()
 
     def restore(self) -> None:
-        """Put the last committed copy back (nothing to do before the first commit)."""
+        """Put the last committed copy back (nothing to do before the first commit), and the
+        random generators this rank's number had then (a rank the commit has none for, in a
+        world that grew, keeps its own)."""
         if self._committed is not None:
             self._apply(_clone(self._committed))
+            saved = self._rng.get(_rank())
+            if saved is not None:
+                rng.restore(saved)
+
+    def _keep_reset(self) -> None:
+        """After a rollback and the reset callbacks: make what the callbacks changed (a learning
+        rate scaled to the new world, say) part of the committed copy, which `sync` hands to
+        every rank (as Horovod's sync hands out rank 0's state after its callbacks). The
+        commit count and the generators of the commit stay."""
+        if self._committed is not None:
+            self._committed = self._snapshot()
 
     def sync(self, root: int = 0) -> None:
-        """Every rank takes ``root``'s committed state (its current one if it never committed)."""
+        """Every rank takes ``root``'s committed state (its current one if it never committed),
+        and the generators ``root`` holds for its rank number."""
         if self._committed is None:
             self.save()
-        snapshot = broadcast_object((self.commits, self._committed), root)
-        self.commits, self._committed = snapshot
+        snapshot = broadcast_object((self.commits, self._committed, self._rng), root)
+        self.commits, self._committed, self._rng = snapshot
         self.restore()
 
     # -------------------------------------------------------------- on disk
@@ -221,12 +255,12 @@ class State(abc.ABC):
             return False
         commits, committed = _read_state(path / _FILE, verify(path))
         self._check_fits(path / _FILE, committed)
-        held = (self.commits, self._committed, self._snapshot())
-        self.commits, self._committed = commits, committed
+        held = (self.commits, self._committed, self._snapshot(), self._rng)
+        self.commits, self._committed, self._rng = commits, committed, {}
         try:
             self.restore()
         except Exception as exc:
-            self.commits, self._committed = held[0], held[1]
+            self.commits, self._committed, self._rng = held[0], held[1], held[3]
             self._apply(held[2])
             raise CheckpointError(f"{path / _FILE} could not be applied ({type(exc).__name__}: {exc}); the "
                                   "state was put back as it was: restart with the objects it was saved from") from exc

@@ -5,8 +5,10 @@ runs unchanged.
 and ``HostsUpdatedInterrupt``. Under ``python -m fleetlike.launch --nnodes MIN:MAX`` (where
 ``hvd.init()`` joins the elastic job), ``@hvd.elastic.run`` is `fleetlike.elastic.run`: a failed
 peer rolls every survivor back to the last commit, workers waiting to join come in at the next
-commit, the reset callbacks run, and ``hvd.DistributedOptimizer`` rebinds its communicators to
-the new world (`fleetlike.horovod.runtime`). Launched any other way (the launcher without
+commit, the reset callbacks run on the survivors and every rank takes the resulting state, and
+``hvd.DistributedOptimizer`` rebinds its communicators to the new world
+(`fleetlike.horovod.runtime`). Beyond Horovod, a commit also keeps every rank's random generators
+(`fleetlike.elastic.rng`): a restarted worker draws what its rank would have drawn. Launched any other way (the launcher without
 ``--nnodes``, ``mpiexec``, ``torchrun``), ``run`` does what Horovod's does outside an elastic
 job: every rank takes rank 0's state, then the function runs once; a failure is raised.
 
