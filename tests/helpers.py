@@ -140,11 +140,15 @@ def start_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str],
 def _start(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], preload: bool) -> tuple[Any, Any]:
     command = [str(c) for c in cmd]
     if preload and env.get(PRELOAD_VARIABLES[1]) and command and command[0] == sys.executable:
+        from fleetlike.launch.env import tuned_glibc_tunables
         from fleetlike.launch.preload import start_preloaded
 
         forked = command if command[1:2] == list(PRELOAD_FLAGS) else [command[0], *PRELOAD_FLAGS, *command[1:]]
+        # the server started with the launcher's allocator setting (tests/conftest.py), so a child
+        # forked from it runs with that setting, and its environment says so
+        tuned = {**env, "GLIBC_TUNABLES": tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))}
         with contextlib.chdir(cwd):  # the server starts the child in the caller's directory
-            proc = start_preloaded(forked, env, stdout=None, rank=0)
+            proc = start_preloaded(forked, tuned, stdout=None, rank=0)
         if proc is not None:
             return proc, proc.stdout
     proc = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
