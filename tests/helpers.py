@@ -5,18 +5,26 @@ sys.path in the workers too), so they stay plain module-level functions."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = ["PRELOAD_VARIABLES", "cross_entropy", "labelled_batch", "max_diff", "mse", "params", "preload_env",
-           "regression_batch", "side_by_side"]
+           "regression_batch", "run_job", "run_jobs", "start_job", "torchrun_module", "in_turn_cases", "case_logs",
+           "IN_TURN", "side_by_side"]
 
 T = TypeVar("T")
 
@@ -101,3 +109,99 @@ def side_by_side(*waves: Mapping[str, Callable[[], T]]) -> Iterator[dict[str, Fu
         yield futures
     finally:
         driver.join()
+
+# ---------------------------------------------------------------- jobs forked from the preload server
+
+#: the interpreter flags of the session's preload server (tests/conftest.py): a command forked from
+#: it runs with them
+PRELOAD_FLAGS = ("-u",)
+#: runs several scripts in turn in each worker of one job (its docstring says how)
+IN_TURN = Path(__file__).resolve().parent / "launch_workers" / "in_turn.py"
+
+
+def torchrun_module(*args: str, nproc: int = 2) -> list[str]:
+    """torchrun on one node as ``python -m torch.distributed.run`` (the code of the ``torchrun``
+    console script; as a module, `run_job` forks its agent from the preload server; the workers
+    it starts are plain interpreters either way)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def run_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float,
+            preload: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``python ... script|-m module args`` to its end, in its own session, killing the whole
+    session after ``timeout`` seconds. Forked from the session's preload server where ``env``
+    names one (``FLEETLIKE_PRELOAD_SOCKET``) and the command qualifies, else started plainly: the
+    launcher or script then skips its own torch import. The child writes stdout and stderr to one
+    pipe: ``stdout`` holds both, in order, and ``stderr`` is empty."""
+    return run_jobs([cmd], cwd=cwd, envs=[env], timeout=timeout, preload=preload)[0]
+
+
+def run_jobs(cmds: Sequence[Sequence[str]], *, cwd: Path | str, envs: Sequence[Mapping[str, str]],
+             timeout: float, preload: bool = True) -> list[subprocess.CompletedProcess[str]]:
+    """`run_job` for processes that run at once (one per node or rank), each with its env; all
+    are killed when one outlives ``timeout``."""
+    started = [_start(c, cwd=cwd, env=e, preload=preload) for c, e in zip(cmds, envs)]
+    chunks: list[list[bytes]] = [[] for _ in started]
+    drains = [threading.Thread(target=lambda r=r, out=out: out.extend(iter(lambda: r.read(65536), b"")),
+                               daemon=True) for (_, r), out in zip(started, chunks)]
+    for t in drains:
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p, _ in started]
+    except subprocess.TimeoutExpired:
+        for p, _ in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p, _ in started:
+            p.wait(timeout=30)
+        for t in drains:
+            t.join(timeout=5)
+        text = "\n".join(b"".join(c).decode(errors="replace")[-4000:] for c in chunks)
+        raise AssertionError(f"{' '.join(map(str, cmds[0]))} did not finish in {timeout:g}s; killed.\n{text}") from None
+    for t in drains:
+        t.join(timeout=30)
+    for _, r in started:
+        r.close()
+    return [subprocess.CompletedProcess([str(x) for x in c], code, b"".join(out).decode(errors="replace"), "")
+            for c, code, out in zip(cmds, codes, chunks)]
+
+
+def start_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str],
+              preload: bool = True) -> tuple[Any, Any]:
+    """`run_job`'s start alone: ``(process, reader of its stdout and stderr)``; the process has
+    ``pid``, ``poll``, ``wait`` and ``returncode`` as a `subprocess.Popen` (the caller reads the
+    reader to its end and ends the session ``pid``)."""
+    return _start(cmd, cwd=cwd, env=env, preload=preload)
+
+
+def _start(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], preload: bool) -> tuple[Any, Any]:
+    command = [str(c) for c in cmd]
+    if preload and env.get(PRELOAD_VARIABLES[1]) and command and command[0] == sys.executable:
+        from fleetlike.launch.env import tuned_glibc_tunables
+        from fleetlike.launch.preload import start_preloaded
+
+        forked = command if command[1:2] == list(PRELOAD_FLAGS) else [command[0], *PRELOAD_FLAGS, *command[1:]]
+        # the server started with the launcher's allocator setting (tests/conftest.py), so a child
+        # forked from it runs with that setting, and its environment says so
+        tuned = {**env, "GLIBC_TUNABLES": tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))}
+        with contextlib.chdir(cwd):  # the server starts the child in the caller's directory
+            proc = start_preloaded(forked, tuned, stdout=None, rank=0)
+        if proc is not None:
+            return proc, proc.stdout
+    proc = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, proc.stdout
+
+
+def in_turn_cases(path: Path, cases: Sequence[tuple[str, str | Path, Mapping[str, str]]]) -> Path:
+    """Write ``(name, script, env)`` cases for tests/launch_workers/in_turn.py to ``path``."""
+    path.write_text(json.dumps([{"name": n, "script": str(s), "env": dict(e)} for n, s, e in cases]))
+    return path
+
+
+def case_logs(log: str) -> dict[str, str]:
+    """A log of tests/launch_workers/in_turn.py split by case: name -> the lines that case printed
+    (a case that did not end is absent)."""
+    found = re.findall(r"^=== begin (\S+)\n(.*?)^=== end \1$", log, flags=re.S | re.M)
+    return {name: text for name, text in found}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import preload_env
+from helpers import preload_env, run_job, run_jobs, torchrun_module
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "examples" / "ddp" / "main.py"
@@ -48,31 +48,25 @@ def _env(**knobs: str) -> dict[str, str]:
 
 
 def _torchrun(tmp: Path, name: str, script: Path, **knobs: str) -> dict[str, torch.Tensor]:
+    """2 ranks under torchrun: the console script for plain DDP, ``python -m torch.distributed.run``
+    (the same code, forked from the session's preload server) for the accelerated runs."""
     ckpt = tmp / f"{name}.pt"
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), *ARGS, "--checkpoint", str(ckpt)],
-                          env=_env(**knobs), capture_output=True, text=True, timeout=120, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = [str(script), *ARGS, "--checkpoint", str(ckpt)]
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", *run] if script == MAIN else torchrun_module(*run)
+    proc = run_job(cmd, cwd=tmp, env=_env(**knobs), timeout=120)
+    assert proc.returncode == 0, proc.stdout
     return torch.load(ckpt)["state_dict"]
 
 
 def _two_nodes(tmp: Path, name: str, *flags: str, **knobs: str) -> tuple[dict[str, torch.Tensor], str]:
     ckpt, rdzv = tmp / f"{name}.pt", tmp / f"{name}.rdzv"
-    procs = [subprocess.Popen(
+    procs = run_jobs([
         [sys.executable, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}",
          "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=2", f"--log_dir={tmp / name}{node}",
-         *flags, str(MAIN), *ARGS, "--checkpoint", str(ckpt)],
-        env=_env(**knobs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
-        for node, ip in enumerate(("127.0.0.1", "127.0.0.2"))]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-            assert p.returncode == 0, outs[-1] + _logs(tmp / f"{name}0") + _logs(tmp / f"{name}1")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+         *flags, str(MAIN), *ARGS, "--checkpoint", str(ckpt)]
+        for node, ip in enumerate(("127.0.0.1", "127.0.0.2"))], cwd=tmp, envs=[_env(**knobs)] * 2, timeout=150)
+    for p in procs:
+        assert p.returncode == 0, p.stdout + _logs(tmp / f"{name}0") + _logs(tmp / f"{name}1")
     return torch.load(ckpt)["state_dict"], _logs(tmp / f"{name}0")
 
 
@@ -132,14 +126,23 @@ def test_unmodified_ddp_script(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bad_knobs_stop_at_start() -> None:
-    for knobs, expect in (({"FLEETLIKE_ALLREDUCE_DTYPE": "fp8"}, "FLEETLIKE_ALLREDUCE_DTYPE='fp8' is not accepted; use fp32, fp16, bf16, mixed"),
-                          ({"FLEETLIKE_ALLREDUCE_STREMS": "2"}, "FLEETLIKE_ALLREDUCE_STREMS='2' is not a fleetlike setting"),
-                          ({"FLEETLIKE_PERF_CHECK_N_STEPS": "-1"}, "use an integer >= 0"),
-                          ({"FLEETLIKE_STRATEGY": '{"amp": true}'}, "strategy.amp=True: a DDP communication hook")):
-        proc = subprocess.run([sys.executable, str(AUTO), "--epochs", "1"], env=_env(**knobs),
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 1 and expect in proc.stderr, (knobs, proc.stderr)
-        assert "Epoch" not in proc.stdout
+    cases = (({"FLEETLIKE_ALLREDUCE_DTYPE": "fp8"}, "FLEETLIKE_ALLREDUCE_DTYPE='fp8' is not accepted; use fp32, fp16, bf16, mixed"),
+              ({"FLEETLIKE_ALLREDUCE_STREMS": "2"}, "FLEETLIKE_ALLREDUCE_STREMS='2' is not a fleetlike setting"),
+              ({"FLEETLIKE_PERF_CHECK_N_STEPS": "-1"}, "use an integer >= 0"),
+              ({"FLEETLIKE_STRATEGY": '{"amp": true}'}, "strategy.amp=True: a DDP communication hook"))
+    # plain starts (stdout and stderr apart), all at once: each is an interpreter start and no more
+    procs = [subprocess.Popen([sys.executable, str(AUTO), "--epochs", "1"], env=_env(**knobs), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for knobs, _ in cases]
+    try:
+        for proc, (knobs, expect) in zip(procs, cases):
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 1 and expect in err, (knobs, err)
+            assert "Epoch" not in out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_launcher_flag_puts_the_site_first() -> None:

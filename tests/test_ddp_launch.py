@@ -18,13 +18,13 @@ died with "Address already in use" (torch's store and fleetlike's rendezvous on 
 from __future__ import annotations
 
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from helpers import run_job, run_jobs, torchrun_module
 from fleetlike.testing import free_ports
 
 SCRIPT = Path(__file__).resolve().parent / "launch_workers" / "ddp_script.py"
@@ -50,18 +50,8 @@ def _free_run(n: int) -> int:
 
 def _pair(cmds: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> str:
     """Start one process per command (a rank each), wait for all; their output."""
-    procs = [subprocess.Popen(c, env=e, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c, e in zip(cmds, envs)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "".join(outs)
+    procs = run_jobs(cmds, cwd=cwd, envs=envs, timeout=120)
+    text = "".join(p.stdout for p in procs)
     assert all(p.returncode == 0 for p in procs), text
     return text
 
@@ -70,10 +60,12 @@ def _job(way: str, out: Path, name: str, auto: bool) -> str:
     flag = ["--auto"] if auto else []
     args = [str(SCRIPT), str(out), name]
     env = clean_env()
-    if way == "torchrun":
-        proc = run(torchrun(*args, "--init", "env", *flag), cwd=out, env=env, timeout=120)
+    if way == "torchrun":  # the console script, plainly started (the reference); the same code as a module, forked
+        cmd = (torchrun_module if auto else torchrun)(*args, "--init", "env", *flag)
+        proc = run_job(cmd, cwd=out, env=env, timeout=120)
     elif way == "spawn":
-        proc = run([PY, *args, "--init", "spawn", "--port", str(free_ports(1)[0]), *flag], cwd=out, env=env, timeout=120)
+        proc = run_job([PY, *args, "--init", "spawn", "--port", str(free_ports(1)[0]), *flag], cwd=out, env=env,
+                       timeout=120)
     elif way in ("tcp", "file"):
         port = str(free_ports(1)[0])
         return _pair([[PY, *args, "--init", way, "--port", port, "--rank", str(r), "--world", "2", *flag]
@@ -88,14 +80,15 @@ def _job(way: str, out: Path, name: str, auto: bool) -> str:
                      "SLURM_JOB_NODELIST": socket.gethostname(), "SLURM_JOB_ID": "77"} for r in range(2)]
             return _pair([[PY, *args, "--init", "slurm", "--port", port, *flag]] * 2, envs, out)
     elif way == "launch_auto":
-        proc = run(launcher(*args, "--init", "env", *flag, log_dir=out / f"{name}.log"), cwd=out, env=env, timeout=120)
+        proc = run_job(launcher(*args, "--init", "env", *flag, log_dir=out / f"{name}.log"), cwd=out, env=env,
+                       timeout=120)
     elif way == "launch_fixed":
         port = _free_run(3)
-        proc = run([PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={port}",
+        proc = run_job([PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={port}",
                     f"--log_dir={out / name}.log", *args, "--init", "env", *flag], cwd=out, env=env, timeout=120)
     elif way == "launch_ips":
         port = _free_run(3)
-        proc = run([PY, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1", "--node_ip=127.0.0.1",
+        proc = run_job([PY, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1", "--node_ip=127.0.0.1",
                     f"--started_port={port}", "--nproc_per_node=2", f"--log_dir={out / name}.log",
                     *args, "--init", "env", *flag], cwd=out, env=env, timeout=120)
     else:

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run
+from helpers import run_job, torchrun_module
 
 MNIST = ROOT / "examples" / "pytorch_mnist"
 #: 2 epochs of 2560 images (20 steps of 64 per worker each): seconds on a CPU
@@ -25,6 +26,7 @@ def accuracies(text: str) -> list[float]:
 
 def check_learned(text: str, workers: int) -> None:
     acc = accuracies(text)
+    print("final test accuracies", acc[-workers:], "(bound 0.5)")
     assert len(acc) == 2 * workers, text[-3000:]  # every worker tests after each epoch
     assert min(acc[-workers:]) > 0.5, f"final test accuracy {acc[-workers:]} (chance: 0.1)\n{text[-3000:]}"
 
@@ -32,8 +34,8 @@ def check_learned(text: str, workers: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_single_process_original_learns(tmp_path: Path) -> None:
-    proc = run([PY, str(MNIST / "main.py"), *SMALL, "--save-model"], cwd=tmp_path, env=clean_env(), timeout=50)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_job([PY, str(MNIST / "main.py"), *SMALL, "--save-model"], cwd=tmp_path, env=clean_env(), timeout=50)
+    assert proc.returncode == 0, proc.stdout[-3000:]
     check_learned(proc.stdout, workers=1)
     assert (tmp_path / "mnist_cnn.pt").exists()
 
@@ -41,9 +43,9 @@ def test_single_process_original_learns(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fleet_version_under_the_launcher(tmp_path: Path) -> None:
-    proc = run(launcher(str(MNIST / "main_fleet.py"), *SMALL, "--save-model", log_dir=tmp_path / "log"),
-               cwd=tmp_path, env=clean_env(), timeout=80)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_job(launcher(str(MNIST / "main_fleet.py"), *SMALL, "--save-model", log_dir=tmp_path / "log"),
+                   cwd=tmp_path, env=clean_env(), timeout=80)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     logs = "".join((tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2))
     check_learned(logs, workers=2)
     # each worker trained on its own half: 20 batches per epoch, logged every 5
@@ -54,8 +56,8 @@ def test_fleet_version_under_the_launcher(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_fleet_version_under_torchrun(tmp_path: Path) -> None:
-    proc = run(torchrun(str(MNIST / "main_fleet.py"), *SMALL), cwd=tmp_path, env=clean_env(), timeout=80)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_job(torchrun_module(str(MNIST / "main_fleet.py"), *SMALL), cwd=tmp_path, env=clean_env(), timeout=80)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     check_learned(proc.stdout, workers=2)
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 from examples_common import PY, ROOT, clean_env, launcher, run
 from fleetlike.fleet.checkpoint import read_file
+from helpers import run_job, run_jobs
 
 EX = ROOT / "examples" / "resnet"
 TINY = ("--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", "--batch_size=8", "--lr=0.05",
@@ -62,8 +63,8 @@ def train_cmd(digits: Path, out: Path, log: Path, epochs: int, nproc: int = 2) -
 def trained(digits: Path, tmp_path_factory) -> tuple[Path, str]:
     """The uninterrupted 2-worker, 2-epoch run: (model_save_dir, stdout)."""
     base = tmp_path_factory.mktemp("uninterrupted")
-    done = run(train_cmd(digits, base / "out", base / "log", 2), cwd=base, env=clean_env(), timeout=150)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    done = run_job(train_cmd(digits, base / "out", base / "log", 2), cwd=base, env=clean_env(), timeout=150)
+    assert done.returncode == 0, done.stdout[-4000:]
     return base / "out", done.stdout
 
 
@@ -111,8 +112,8 @@ def test_two_workers_learn_log_and_resume_after_kill_9(digits: Path, trained, tm
             job.communicate()
     assert job.returncode == 128 + signal.SIGKILL and "rank 1 (local 1)" in killed_err, killed_err[-1500:]
     assert "epoch 2/2:" not in killed_out  # it died mid-epoch
-    again = run(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    again = run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
+    assert again.returncode == 0, again.stdout[-4000:]
     assert f"resumed from {tmp_path / 'out' / 'checkpoint'}: 1 epoch(s) done" in again.stdout
     ours, ref = saved_tensors(tmp_path / "out" / "checkpoint"), saved_tensors(out / "checkpoint")
     assert [k for k, _ in ours] == [k for k, _ in ref] and len(ours) > 120
@@ -127,12 +128,14 @@ def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: P
     """train.py (plain PyTorch: DataLoader, torch.save) and train_with_fleet.py on one worker
     under the launcher see the same batches (randperm seeded with seed + epoch, augmentation
     seeded per sample) and end with the same parameters."""
-    plain = run([PY, str(EX / "train.py"), *TINY, f"--data_dir={digits}", "--num_epochs=1",
-                 f"--model_save_dir={tmp_path / 'plain'}"], cwd=tmp_path, env=clean_env(), timeout=120)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    fleet_run = run(train_cmd(digits, tmp_path / "fleet", tmp_path / "log", 1, nproc=1), cwd=tmp_path,
-                    env=clean_env(), timeout=120)
-    assert fleet_run.returncode == 0, fleet_run.stderr[-2000:]
+    # two one-process jobs at once (each computes on one thread)
+    plain, fleet_run = run_jobs(
+        [[PY, str(EX / "train.py"), *TINY, f"--data_dir={digits}", "--num_epochs=1",
+          f"--model_save_dir={tmp_path / 'plain'}"],
+         train_cmd(digits, tmp_path / "fleet", tmp_path / "log", 1, nproc=1)],
+        cwd=tmp_path, envs=[clean_env(), clean_env()], timeout=120)
+    assert plain.returncode == 0, plain.stdout[-2000:]
+    assert fleet_run.returncode == 0, fleet_run.stdout[-2000:]
     single = torch.load(tmp_path / "plain" / "checkpoint" / "checkpoint.pt", weights_only=False)["model"]
     wrapped = read_file(tmp_path / "fleet" / "checkpoint", "models.pt")[0]
     assert list(single) == list(wrapped)
@@ -146,21 +149,20 @@ def test_evaluate_matches_the_served_model_and_catches_a_changed_one(digits: Pat
     out, _ = trained
     flags = ["--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", f"--data_dir={digits}"]
     # the served side imports neither fleetlike nor the example's code: both are made unimportable
-    blocked = ("import runpy, sys; sys.modules.update(fleetlike=None, models=None, utils=None); "
-               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    blocked = [PY, str(Path(__file__).parent / "launch_workers" / "without_modules.py"), "fleetlike,models,utils"]
 
     def serve(model: Path, npy: Path) -> None:
-        done = run([PY, "-c", blocked, str(EX / "serve.py"), f"--served_model={model}", f"--data_dir={digits}",
-                    "--image_shape=3,16,16", f"--out={npy}"], cwd=tmp_path, env=clean_env(), timeout=60)
-        assert done.returncode == 0, done.stderr[-2000:]
+        done = run_job([*blocked, str(EX / "serve.py"), f"--served_model={model}", f"--data_dir={digits}",
+                        "--image_shape=3,16,16", f"--out={npy}"], cwd=tmp_path, env=clean_env(), timeout=60)
+        assert done.returncode == 0, done.stdout[-2000:]
 
     def evaluate(*extra: str) -> subprocess.CompletedProcess[str]:
-        return run([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", *flags,
-                    f"--out={tmp_path / 'vectors.npy'}", *extra], cwd=tmp_path, env=clean_env(), timeout=60)
+        return run_job([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", *flags,
+                        f"--out={tmp_path / 'vectors.npy'}", *extra], cwd=tmp_path, env=clean_env(), timeout=60)
 
     serve(out / "inference" / "served.pt", tmp_path / "served.npy")
     good = evaluate("--compare", str(tmp_path / "served.npy"))
-    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.returncode == 0, good.stdout
     assert "batch: 0\n" in good.stdout and "equal: 296 vectors within 1e-05" in good.stdout
     ours = np.load(tmp_path / "vectors.npy")
     assert ours.shape == (296, 10)
@@ -169,7 +171,7 @@ def test_evaluate_matches_the_served_model_and_catches_a_changed_one(digits: Pat
     served = torch.jit.load(str(out / "inference" / "served.pt"))
     assert np.allclose(np.load(tmp_path / "served.npy"), ours, atol=1e-5, rtol=0)
     # the checkpoint (save_persistables) gives the same vectors as the inference model
-    from_ckpt = run([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'checkpoint'}", *flags,
+    from_ckpt = run_job([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'checkpoint'}", *flags,
                      f"--out={tmp_path / 'ckpt.npy'}"], cwd=tmp_path, env=clean_env(), timeout=60)
     assert from_ckpt.returncode == 0 and np.array_equal(np.load(tmp_path / "ckpt.npy"), ours)
 
@@ -181,11 +183,12 @@ def test_evaluate_matches_the_served_model_and_catches_a_changed_one(digits: Pat
     bad = evaluate("--compare", str(tmp_path / "changed.npy"))
     expected = int((np.abs(np.load(tmp_path / "changed.npy") - ours).max(axis=1) > 1e-5).sum())
     assert expected == 296  # every image's class-3 value moved by 1e-3
-    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert bad.returncode == 1, bad.stdout
     assert f"MISMATCH: {expected} of 296 vectors differ by more than 1e-05 (largest difference 0.001)" in bad.stdout
     summary = json.loads(bad.stdout.strip().splitlines()[-1].split("evaluate.py: ", 1)[1])
     assert summary["mismatches"] == expected and abs(summary["largest_difference"] - 1e-3) < 1e-6
-    # a wrong model for the weights is an input error naming the flags
+    # a wrong model for the weights is an input error naming the flags (on stderr: a plain start
+    # keeps the two streams apart)
     wrong = run([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", "--model=ResNet34",
                  "--class_dim=10", "--image_shape=3,16,16", f"--data_dir={digits}"], cwd=tmp_path,
                 env=clean_env(), timeout=60)

@@ -1,23 +1,22 @@
 """examples/quick_start/train_eager.py (a plain PyTorch loop) under the launcher with every
 strategy, each given as FLEETLIKE_STRATEGY JSON without editing the script.
 
-For each: the job succeeds on 2 workers, rank 0's loss falls over 8 steps, and rank 0's
+For each (one launcher job runs the unmodified script once per strategy, in turn): the job
+succeeds on 2 workers, rank 0's loss falls over 8 steps, and rank 0's
 ``fleet.applied_strategy()`` lines (printed after the first step) show the strategy acting.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import statistics
 from pathlib import Path
 
 import pytest
-from examples_common import PY, ROOT, clean_env, costs, launcher, run
+from examples_common import PY, ROOT, clean_env, costs, launcher
+from helpers import IN_TURN, case_logs, in_turn_cases, run_job, run_jobs
 
-#: each case is a launcher job of its own; tests/test_eager.py runs every strategy on real ranks
-#: in the fast tier
+#: tests/test_eager.py runs every strategy on real ranks in the fast tier
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(ROOT / "examples" / "quick_start" / "train_eager.py")
@@ -63,18 +62,25 @@ def check_log(log: str, expected: list[str], strategy: dict) -> None:
     assert statistics.mean(loss[-3:]) < statistics.mean(loss[:3]) - 0.02, f"loss did not fall: {loss}"
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("name", list(CASES))
-def test_train_eager_with_each_strategy(name: str, tmp_path: Path) -> None:
-    strategy, expected = CASES[name]
-    env = clean_env(STEPS=str(STEPS), MODEL_PATH=str(tmp_path), FLEETLIKE_STRATEGY=json.dumps(strategy))
-    proc = run(launcher(SCRIPT, log_dir=tmp_path / "log"), cwd=tmp_path, env=env, timeout=80)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    log = (tmp_path / "log" / "workerlog.0").read_text()
-    check_log(log, expected, strategy)
-    assert len(costs((tmp_path / "log" / "workerlog.1").read_text(), rank=1)) == STEPS
-    assert applied_lines((tmp_path / "log" / "workerlog.1").read_text()) == []  # rank 0 only
-    assert (tmp_path / "model.pt").exists()  # saved on rank 0, loads into the plain module
+@pytest.mark.timeout(150)
+def test_train_eager_with_each_strategy(tmp_path: Path) -> None:
+    """One launcher job: each worker runs the script once per strategy, in turn (each run its own
+    ``fleet.init`` with the strategy from FLEETLIKE_STRATEGY, as separate jobs would)."""
+    cases = []
+    for name, (strategy, _) in CASES.items():
+        (tmp_path / name).mkdir()
+        cases.append((name, SCRIPT, {"STEPS": str(STEPS), "MODEL_PATH": str(tmp_path / name),
+                                     "FLEETLIKE_STRATEGY": json.dumps(strategy)}))
+    plan = in_turn_cases(tmp_path / "cases.json", cases)
+    proc = run_job(launcher(str(IN_TURN), str(plan), log_dir=tmp_path / "log"), cwd=tmp_path, env=clean_env(),
+                   timeout=140)
+    logs = [case_logs((tmp_path / "log" / f"workerlog.{r}").read_text()) for r in range(2)]
+    assert proc.returncode == 0 and all(list(log) == list(CASES) for log in logs), proc.stdout[-3000:]
+    for name, (strategy, expected) in CASES.items():
+        check_log(logs[0][name], expected, strategy)
+        assert len(costs(logs[1][name], rank=1)) == STEPS, name
+        assert applied_lines(logs[1][name]) == [], name  # rank 0 only
+        assert (tmp_path / name / "model.pt").exists(), name  # saved on rank 0, loads into the plain module
 
 
 @pytest.mark.timeout(120)
@@ -87,25 +93,11 @@ def test_hierarchical_on_two_loopback_nodes(tmp_path: Path) -> None:
     strategy = {"use_hierarchical_allreduce": True}
     env = clean_env(STEPS=str(STEPS), MODEL_PATH=str(tmp_path), FLEETLIKE_STRATEGY=json.dumps(strategy))
 
-    procs = [
-        subprocess.Popen(
-            [PY, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(ips)}", f"--node_ip={ip}",
-             "--started_port=auto", f"--rendezvous_file={tmp_path / 'rdzv'}", "--nproc_per_node=2",
-             f"--log_dir={tmp_path / f'log{node}'}", SCRIPT],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        for node, ip in enumerate(ips)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=100)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    procs = run_jobs([[PY, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(ips)}", f"--node_ip={ip}",
+                       "--started_port=auto", f"--rendezvous_file={tmp_path / 'rdzv'}", "--nproc_per_node=2",
+                       f"--log_dir={tmp_path / f'log{node}'}", SCRIPT] for node, ip in enumerate(ips)],
+                     cwd=tmp_path, envs=[env, env], timeout=100)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(p.stdout[-2000:] for p in procs)
     check_log((tmp_path / "log0" / "workerlog.0").read_text(),
               ["use_hierarchical_allreduce: applied (reduce_scatter: 2 ranks/node x 2 nodes"], strategy)
     assert len(costs((tmp_path / "log1" / "workerlog.1").read_text(), rank=3)) == STEPS

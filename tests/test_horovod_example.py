@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run
+from helpers import run_job, torchrun_module
 from test_elastic_nodes import free_port
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
@@ -101,8 +102,9 @@ def accuracy(text: str) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_learns_under_the_launcher(tmp_path: Path) -> None:
-    proc = run(launcher(str(EXAMPLE), *SMALL, log_dir=tmp_path / "log"), cwd=tmp_path, env=clean_env(), timeout=110)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_job(launcher(str(EXAMPLE), *SMALL, log_dir=tmp_path / "log"), cwd=tmp_path, env=clean_env(),
+                   timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     log = (tmp_path / "log" / "workerlog.0").read_text()
     acc = accuracy(log)
     assert len(acc) == 2 and acc[-1] > 50.0, log[-3000:]
@@ -125,8 +127,8 @@ def test_example_learns_under_mpiexec(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_learns_under_torchrun(tmp_path: Path) -> None:
-    proc = run(torchrun(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(), timeout=110)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_job(torchrun_module(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     acc = accuracy(proc.stdout)
     assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
 
