@@ -10,6 +10,13 @@ loop over ``fleet.distributed_model`` and ``fleet.distributed_optimizer``: ``zer
 it alternates timed segments of ``--steps`` steps, rotating which framework goes first each
 round, so noise from the machine hits all alike; steps/s is the median over ``--rounds``.
 
+The divergence guard (a parameter checksum across the ranks, `fleetlike.collectives.divergence`)
+runs in the eager style every ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` updates (default 200); the
+program style has none. Two more eager copies time it: ``eager_off`` with the guard's period 0 (only
+the check at the first step) and ``eager_n1`` checking every step. Their difference is the cost
+of one check; divided by the period and by a step it is the guard's share of a step at the
+default (``--no-guard`` leaves both out).
+
 Models (per-rank batch):
 
 =========  ===========================================  =====  ===========
@@ -30,6 +37,7 @@ Usage (from the repository root)::
     python -m bench.dp_vs_ddp                    # all models, 5 rounds, RSS, ~5 minutes
     python -m bench.dp_vs_ddp --models mlp --rounds 5 --steps 200 --no-rss
     python -m bench.dp_vs_ddp --profile mlp50m   # cProfile of rank 0's fleetlike steps
+    python -m bench.dp_vs_ddp --profile conv --profile-frameworks eager,ddp --steps 100
 
 Writes ``docs/benchmarks/dp_vs_ddp.json`` and ``.png`` and (re)writes the
 "## Data parallel vs PyTorch DDP" section of ``docs/BENCHMARKS.md``.
@@ -46,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Column, format_table, median, run_info, save_json
+from fleetlike.collectives.divergence import DEFAULT_EVERY
+from fleetlike.config.envvars import DIVERGENCE_CHECK_N_STEPS
 
 __all__ = ["MODELS", "TARGET_SPEED", "TARGET_RSS", "main"]
 
@@ -128,7 +138,9 @@ def _fleet_stepper(role: Any, name: str, data: list[dict[str, Any]]) -> Any:
     return step
 
 
-def _eager_stepper(name: str, data: list[dict[str, Any]]) -> Any:
+def _eager_stepper(name: str, data: list[dict[str, Any]], every: int | None = None) -> Any:
+    """The eager style's step; ``every`` (not None) is the divergence guard's period for this copy
+    (the guard reads ``FLEETLIKE_DIVERGENCE_CHECK_N_STEPS`` when the first step makes it)."""
     import torch
 
     from fleetlike import DistributedStrategy, fleet
@@ -146,6 +158,18 @@ def _eager_stepper(name: str, data: list[dict[str, Any]]) -> Any:
         opt.step()
         i[0] += 1
 
+    if every is not None:
+        saved = os.environ.get(DIVERGENCE_CHECK_N_STEPS)
+        os.environ[DIVERGENCE_CHECK_N_STEPS] = str(every)
+        try:
+            step()  # makes the guard with this period (an extra warm-up step)
+        finally:
+            if saved is None:
+                del os.environ[DIVERGENCE_CHECK_N_STEPS]
+            else:
+                os.environ[DIVERGENCE_CHECK_N_STEPS] = saved
+    # the guard's period and checks so far, to show each copy ran the guard it is labelled with
+    step.guards = lambda: [(g.every, g.checks) for g in opt._guards.values() if g is not None]  # type: ignore[attr-defined]
     return step
 
 
@@ -170,10 +194,12 @@ def _peak_rss_mib() -> float:
 
 
 FRAMEWORKS = ("fleetlike", "eager", "ddp")
+#: eager copies with the divergence guard's period set: off (0: only the first step's check), every step
+GUARD_VARIANTS = {"eager_off": 0, "eager_n1": 1}
 
 
 def _worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, warmup: int,
-            frameworks: tuple[str, ...] = FRAMEWORKS, profile: bool = False) -> dict[str, Any]:
+            frameworks: tuple[str, ...] = FRAMEWORKS, profile: tuple[str, ...] = ()) -> dict[str, Any]:
     """One rank: build the steppers, warm up, then alternate timed segments. Returns steps/s lists."""
     import torch.distributed as dist
 
@@ -185,12 +211,16 @@ def _worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, warmup
     rss_start = _peak_rss_mib()
     data = _batches(name, role.rank)
     steppers = {}
-    if "fleetlike" in frameworks or "eager" in frameworks:
+    fleet_faces = [fw for fw in frameworks if fw != "ddp"]
+    if fleet_faces:
         fleet.init(role, timeout=120)
     if "fleetlike" in frameworks:
         steppers["fleetlike"] = _fleet_stepper(role, name, data)
     if "eager" in frameworks:
         steppers["eager"] = _eager_stepper(name, data)
+    for fw, every in GUARD_VARIANTS.items():
+        if fw in frameworks:
+            steppers[fw] = _eager_stepper(name, data, every)
     # Barriers between segments: DDP's torch.distributed group when DDP runs, else fleetlike's
     # own world, so a fleetlike-only world (the RSS measurement) holds no second process group.
     if "ddp" in frameworks:
@@ -215,30 +245,34 @@ def _worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, warmup
                 for _ in range(steps):
                     steppers[n]()
                 rates[n].append(steps / (time.perf_counter() - t0))
-        prof_text = None
-        if profile and role.rank == 0:
-            import cProfile
-            import io
-            import pstats
+        prof_text = ""
+        for fw in profile:  # rank 0 profiled, the other rank steps alongside
+            barrier()
+            if role.rank == 0:
+                import cProfile
+                import io
+                import pstats
 
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(steps):
-                steppers["fleetlike"]()
-            pr.disable()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
-            prof_text = buf.getvalue()
-        elif profile:
-            for _ in range(steps):
-                steppers["fleetlike"]()
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(steps):
+                    steppers[fw]()
+                pr.disable()
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
+                pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+                prof_text += f"==================== {fw}: {steps} steps\n" + buf.getvalue()
+            else:
+                for _ in range(steps):
+                    steppers[fw]()
         barrier()
-        return {"rates": rates, "rss_start_mib": rss_start, "rss_peak_mib": _peak_rss_mib(), "profile": prof_text}
+        guards = {fw: fn.guards() for fw, fn in steppers.items() if hasattr(fn, "guards")}
+        return {"rates": rates, "rss_start_mib": rss_start, "rss_peak_mib": _peak_rss_mib(),
+                "profile": prof_text or None, "guards": guards}
     finally:
         if "ddp" in frameworks:
             dist.destroy_process_group()
-        if "fleetlike" in frameworks or "eager" in frameworks:
+        if fleet_faces:
             fleet.shutdown()
 
 
@@ -246,7 +280,7 @@ def _worker(role: Any, name: str, ddp_file: str, rounds: int, steps: int, warmup
 
 
 def _run(name: str, rounds: int, steps: int, warmup: int, frameworks: tuple[str, ...] = FRAMEWORKS,
-         profile: bool = False) -> list[dict[str, Any]]:
+         profile: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     import tempfile
 
     from fleetlike.testing import run_ranks
@@ -256,14 +290,16 @@ def _run(name: str, rounds: int, steps: int, warmup: int, frameworks: tuple[str,
                          timeout=900)
 
 
-def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
+def measure_speed(name: str, rounds: int, steps: int | None, guard: bool = True) -> dict[str, Any]:
     desc, batch, default_steps, warmup = MODELS[name]
     steps = steps or default_steps
-    results = _run(name, rounds, steps, warmup)
+    frameworks = FRAMEWORKS + (tuple(GUARD_VARIANTS) if guard else ())
+    results = _run(name, rounds, steps, warmup, frameworks)
     # Ranks are in lockstep (every step allreduces); a step's rate is the slower rank's.
     per_round = {fw: [min(res["rates"][fw][r] for res in results) for r in range(rounds)]
-                 for fw in FRAMEWORKS}
+                 for fw in frameworks}
     fl, ea, dd = median(per_round["fleetlike"]), median(per_round["eager"]), median(per_round["ddp"])
+    row = _guard_cost(per_round, results[0]["guards"]) if guard else {}
     return {
         "model": name, "description": desc, "batch_per_rank": batch, "steps_per_segment": steps,
         "rounds": rounds, "warmup_steps": warmup,
@@ -273,7 +309,25 @@ def measure_speed(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
         "paired_ratio_median": median([a / b for a, b in zip(per_round["fleetlike"], per_round["ddp"])]),
         "eager_paired_ratio_median": median([a / b for a, b in zip(per_round["eager"], per_round["ddp"])]),
         "fleetlike_rounds": per_round["fleetlike"], "eager_rounds": per_round["eager"],
-        "ddp_rounds": per_round["ddp"],
+        "ddp_rounds": per_round["ddp"], **row,
+    }
+
+
+def _guard_cost(per_round: dict[str, list[float]], guards: dict[str, Any]) -> dict[str, Any]:
+    """The guard's figures from the eager copies: its cost per check (every step minus off, in
+    seconds per step) and that as a share of a step at the default period."""
+    every = os.environ.get(DIVERGENCE_CHECK_N_STEPS, "").strip()
+    default = int(every) if every else DEFAULT_EVERY
+    off, n1, on = (median(per_round[k]) for k in ("eager_off", "eager_n1", "eager"))
+    check_s = 1.0 / n1 - 1.0 / off
+    return {
+        "guard_every": default, "eager_off_steps_per_s": off, "eager_n1_steps_per_s": n1,
+        "guard_check_ms": 1e3 * check_s,
+        # one check per `default` steps, each costing check_s, on a step of 1/off seconds
+        "guard_share_pct": 100.0 * check_s * off / default if default else 0.0,
+        "eager_on_vs_off": median([a / b for a, b in zip(per_round["eager"], per_round["eager_off"])]),
+        "eager_off_rounds": per_round["eager_off"], "eager_n1_rounds": per_round["eager_n1"],
+        "guards_rank0": guards, "eager_default_steps_per_s": on,
     }
 
 
@@ -393,6 +447,17 @@ _SPEED_COLS = [
     Column("eager_paired_ratio_median", "same-round eager / DDP", "{:.3f}"),
 ]
 
+_GUARD_COLS = [
+    Column("model", "model"),
+    Column("eager_steps_per_s", "eager steps/s, guard every N", "{:.1f}"),
+    Column("eager_off_steps_per_s", "guard off", "{:.1f}"),
+    Column("eager_n1_steps_per_s", "check every step", "{:.1f}"),
+    Column("eager_on_vs_off", "same-round on / off", "{:.3f}"),
+    Column("guard_check_ms", "cost per check (ms)", "{:.2f}"),
+    Column("guard_every", "N", "{}"),
+    Column("guard_share_pct", "share of a step at N (%)", "{:.3f}"),
+]
+
 
 def _rss_rows(rss: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"allocator": st["allocator"], "fl": st["fleetlike_peak_mib"], "ddp": st["ddp_peak_mib"],
@@ -455,6 +520,15 @@ def _write_section(path: Path, info: dict[str, Any], rows: list[dict[str, Any]],
         format_table(_SPEED_COLS, rows, markdown=True),
         "",
     ]
+    if rows and "guard_check_ms" in rows[0]:
+        body += [
+            "The divergence guard in the eager style (the program style has none): steps/s at the "
+            "default period N, with the period 0 (off) and 1 (a check every step); the cost of a "
+            "check is the difference of the last two, its share of a step at N is that / N / step.",
+            "",
+            format_table(_GUARD_COLS, rows, markdown=True),
+            "",
+        ]
     if rss:
         body += [
             f"Peak RSS per worker (`ru_maxrss`, max over ranks), measured in separate worlds (one "
@@ -496,7 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds (median)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per segment (default per model)")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS worlds")
-    p.add_argument("--profile", metavar="MODEL", help="only cProfile rank 0's fleetlike steps on MODEL")
+    p.add_argument("--profile", metavar="MODEL", help="only cProfile rank 0's steps on MODEL")
+    p.add_argument("--profile-frameworks", default="fleetlike",
+                   help=f"comma list of what --profile profiles, from {', '.join(FRAMEWORKS)}")
+    p.add_argument("--no-guard", action="store_true", help="leave out the divergence guard's eager copies")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for JSON and PNG")
     p.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="Markdown file to update ('' = none)")
     p.add_argument("--notes", default="", help="extra text for the doc section (e.g. a profile finding)")
@@ -513,10 +590,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.profile:
         steps = args.steps or MODELS[args.profile][2]
-        res = _run(args.profile, 1, steps, MODELS[args.profile][3], profile=True)
+        which = tuple(f.strip() for f in args.profile_frameworks.split(",") if f.strip())
+        bad = [f for f in which if f not in FRAMEWORKS]
+        if bad:
+            p.error(f"--profile-frameworks: {', '.join(bad)} not in {', '.join(FRAMEWORKS)}")
+        res = _run(args.profile, 1, steps, MODELS[args.profile][3], profile=which)
         print(res[0]["profile"])
         r = res[0]["rates"]
-        print(f"steps/s in the timed round: fleetlike {r['fleetlike'][0]:.1f}, DDP {r['ddp'][0]:.1f}")
+        print("steps/s in the timed round: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in r.items()))
         return 0
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -529,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in names:
         print(f"[{time.monotonic() - t0:6.1f}s] timing {n} ...", file=sys.stderr, flush=True)
-        rows.append(measure_speed(n, args.rounds, args.steps))
+        rows.append(measure_speed(n, args.rounds, args.steps, guard=not args.no_guard))
     rss = None
     if not args.no_rss:
         print(f"[{time.monotonic() - t0:6.1f}s] peak RSS (mlp50m, separate worlds) ...", file=sys.stderr, flush=True)
@@ -539,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fleetlike data parallel vs PyTorch DDP: gloo, {WORLD} ranks, bucket {BUCKET_MB} MB, "
           f"median of {args.rounds} alternating rounds\n")
     print(format_table(_SPEED_COLS, rows))
+    if not args.no_guard:
+        print()
+        print(format_table(_GUARD_COLS, rows))
     if rss:
         print()
         print(format_table(_RSS_COLS, _rss_rows(rss)))

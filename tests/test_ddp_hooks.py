@@ -12,13 +12,18 @@ per-rank batches:
   `fleetlike.auto` with an unchanged loop that steps after every batch;
 * gossip n=4: 1/4 of the bytes per step, the same parameters on every rank;
 * the NaN check names the parameter, the rank where it started, and every rank stops;
+* the slow-rank report is the core's (`strategies.health.SlowRankWindow`): a rank with slow
+  own work, then a rank waiting on its data, named with host and cause as in the other faces;
 * the state pickles without communicators and resumes to the same parameters.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
+import re
+import time
 
 import numpy as np
 import pytest
@@ -31,6 +36,7 @@ from dp_common import torch_group
 from fleetlike import DistributedStrategy
 from fleetlike.comm import CommGroups
 from fleetlike.ddp import FleetHookState, fleetlike_hook, register
+from fleetlike.strategies.health import DATA_WAIT, SlowRankWindow
 from fleetlike.testing import make_world, run_ranks
 
 STEPS = 4
@@ -150,6 +156,7 @@ def _cases(role, rendezvous: str) -> dict[str, object]:
             out["auto_acc3"] = [p.detach().numpy().copy() for p in ddp.parameters()]
         finally:
             auto.uninstall()
+        out["slow"] = _slow_ranks(groups, role.rank)
         # NaN check: rank 2's input holds a NaN; every rank raises, naming parameter and origin
         ddp = _ddp()
         register(ddp, DistributedStrategy(check_nan_inf=True), groups=groups)
@@ -162,6 +169,46 @@ def _cases(role, rendezvous: str) -> dict[str, object]:
         except Exception as exc:  # noqa: BLE001 - DDP wraps the hook's error
             out["nan"] = str(exc)
     return out
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _slow_ranks(groups: CommGroups, rank: int) -> dict[str, object]:
+    """Windows of 2 passes: the first is warm-up (DDP's second forward rebuilds its buckets
+    with a collective, so every rank waits there for the slowest), then rank 2's own work is
+    slow (a 0.1 s sleep before each forward), then rank 3 waits 0.1 s per step on its data
+    (recorded as fleetlike.io's loaders record it)."""
+    ddp = _ddp()
+    s = DistributedStrategy(slow_rank_check=True, slow_rank_check_configs={"every_n_steps": 2, "factor": 10.0})
+    st = register(ddp, s, groups=groups)
+    handler = _Lines()
+    reports = []
+    try:
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        for step in range(6):
+            if step == 2:
+                logging.getLogger("fleetlike").addHandler(handler)
+            if rank == 2 and step in (2, 3):
+                time.sleep(0.1)
+            if rank == 3 and step in (4, 5):
+                DATA_WAIT.record(0.1)
+            x, t = _batch(rank, step)
+            (ddp(x) * t).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (3, 5):
+                reports.append((list(st.slow), list(st.data_wait)))
+    finally:
+        logging.getLogger("fleetlike").removeHandler(handler)
+    core = isinstance(st.perf, SlowRankWindow) and st.perf.last is not None and st.perf.last.slow_ranks == st.slow
+    return {"reports": reports, "lines": [m for m in handler.lines if m.startswith("slow rank")], "core": core}
 
 
 @pytest.mark.timeout(120)
@@ -183,6 +230,19 @@ def test_hooks_match_plain_ddp(tmp_path):
         assert "contains NaN or Inf" in res["nan"] and f"rank {r}:" in res["nan"], res["nan"]
         assert ("began on this rank" in res["nan"]) == (r == 2), res["nan"]
         assert "0.weight" in res["nan"], res["nan"]
+        slow = res["slow"]
+        assert slow["core"]  # the report is the core's SlowRankWindow's, not the face's own
+        (first_slow, _), (second_slow, waits) = slow["reports"]
+        assert [(rk, host) for rk, host, _ in first_slow] == [(2, "127.0.0.2")], first_slow
+        assert [(rk, host) for rk, host, _ in second_slow] == [(3, "127.0.0.2")], second_slow
+        assert second_slow[0][2] >= 0.1 and waits[3] >= 0.1 and max(waits[:3]) < 0.01, (second_slow, waits)
+        if r == 0:  # the log line of every face (strategies.health), cause named for the data wait
+            own = r"slow rank (\d) on 127\.0\.0\.2: [0-9.]+s of own work per step, [0-9.]+x the median [0-9.]+s"
+            assert len(slow["lines"]) == 2 and re.fullmatch(own.replace("(\\d)", "2"), slow["lines"][0]), slow["lines"]
+            assert re.fullmatch(own.replace("(\\d)", "3") + r" \(its input pipeline: waited on data 0\.1\d*s\)",
+                                slow["lines"][1]), slow["lines"]
+        else:
+            assert slow["lines"] == []
         first, second, full = res["gossip_bytes"]
         assert abs(second - full / 4) <= 4 * 8, (second, full)  # ceil per bucket: a few elements
         assert first <= full / 4 + 32

@@ -70,6 +70,29 @@ def test_world_of_one(one: Any) -> None:
     assert isinstance(opt_a, torch.optim.Optimizer) and opt_a.param_groups is opt_a.inner_optimizer.param_groups
 
 
+def test_every_faces_reductions_are_the_cores_one_enum() -> None:
+    from fleetlike import DistributedStrategy
+    from fleetlike.comm import GRID, ReduceOp, SingleCommunicator
+    from fleetlike.config.options import REDUCE_METHOD, ReduceMethod
+    from fleetlike.horovod.ops import parse_op
+
+    assert hvd.ReduceOp is ReduceOp is ReduceMethod
+    assert [hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product] == [
+        ReduceOp.AVG, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD]
+    # each API keeps its own spellings of the same members, and names them when refusing
+    assert parse_op("Average") is hvd.Average and parse_op("product") is hvd.Product and parse_op(hvd.Max) is hvd.Max
+    with pytest.raises(ValueError, match="op='avg' is not a reduction; choose one of 'average', 'sum', 'adasum'"):
+        parse_op("avg")
+    assert ReduceOp.parse("AVG", GRID) is hvd.Average and ReduceOp.parse(hvd.Product, GRID) is ReduceOp.PROD
+    with pytest.raises(ValueError, match=r"op='adasum' is not a reduction; choose one of 'sum', 'avg', 'max', "
+                                         r"'min', 'prod' \(Adasum is the Horovod face's"):
+        SingleCommunicator().all_reduce(torch.ones(2), hvd.Adasum)
+    s = DistributedStrategy(sharding_configs={"gradients_reduce_method": hvd.Sum})
+    assert s.sharding_configs["gradients_reduce_method"] == "sum" and REDUCE_METHOD.op("mean") is hvd.Average
+    with pytest.raises(ValueError, match=r"gradients_reduce_method must be one of 'mean', 'sum', got 'max'"):
+        DistributedStrategy(sharding_configs={"gradients_reduce_method": hvd.Max})
+
+
 def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
     with pytest.raises(ValueError, match="op='mean' is not a reduction"):
         hvd.allreduce(torch.ones(1), op="mean")

@@ -9,13 +9,14 @@ Layers, bottom up (`LAYERS`); a layer may import the layers listed for it, by de
 layer below it:
 
 ====================  =========================================================================
-config                `DistributedStrategy`, the registry, the rules, the environment table:
-                      nothing of fleetlike
+config                `DistributedStrategy`, the registry, the rules, the environment table,
+                      the reductions every layer names (`ReduceOp`): nothing of fleetlike
 roles                 who am I: role makers and the frozen `Role`
 comm                  communicators over roles
 collectives           buckets, reducer, flat / hierarchical / compressed averaging (comm only)
 program               `Program`, `Executor`
-strategies            one unit per feature (config, collectives, program, comm, roles)
+strategies            one unit per feature (config, collectives, program, comm, roles); the
+                      slow-rank report every face uses (`health.SlowRankWindow`)
 ddp                   PyTorch DDP's face: communication hooks from a strategy, ``ddp.auto`` (the
                       zero-code-change patch) and its env knobs (config, collectives, comm, roles,
                       strategies: the data-parallel collective and the slow-rank helpers)

@@ -16,7 +16,7 @@ from fleetlike.comm.errors import (
     CommError,
 )
 from fleetlike.comm.handles import CompletedWork, Work
-from fleetlike.comm.ops import ReduceOp
+from fleetlike.comm.ops import GRID, ReduceOp
 from fleetlike.comm.ragged import all_gather_ragged
 from fleetlike.comm.rendezvous import (
     JOB_KEY,
@@ -60,6 +60,7 @@ __all__ = [
     "secret_from_env",
     "set_current",
     "DEFAULT_TIMEOUT",
+    "GRID",
     "SUPPORTED_DTYPES",
     "JOB_KEY",
     "Backend",

@@ -51,7 +51,7 @@ from fleetlike.comm.errors import CommError
 from fleetlike.comm.handles import DONE as _DONE
 from fleetlike.comm.handles import CompletedWork, Work
 from fleetlike.comm.handles import finish as _finish
-from fleetlike.comm.ops import ReduceOp
+from fleetlike.comm.ops import GRID, ReduceOp
 from fleetlike.comm.stats import CommStats, ring_send_bytes
 
 # ReduceOp, Work, CompletedWork, CommStats, SUPPORTED_DTYPES and CommError live in their own
@@ -294,7 +294,7 @@ class Communicator(abc.ABC):
     def _all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool, agreed: bool
     ) -> Any:
-        red = ReduceOp.parse(op)
+        red = ReduceOp.parse(op, GRID)
         self._check("all_reduce", tensor)
         target = tensor if out is None else out
         if out is not None:
@@ -393,7 +393,7 @@ class Communicator(abc.ABC):
         blocking: bool,
         agreed: bool,
     ) -> Any:
-        red = ReduceOp.parse(op)
+        red = ReduceOp.parse(op, GRID)
         self._check("reduce", tensor)
         self._check_root("reduce", root)
         if out is not None:
@@ -535,7 +535,7 @@ class Communicator(abc.ABC):
     def _reduce_scatter(
         self, tensor: torch.Tensor, op: ReduceOp | str, out: torch.Tensor | None, blocking: bool, agreed: bool
     ) -> Any:
-        red = ReduceOp.parse(op)
+        red = ReduceOp.parse(op, GRID)
         self._check("reduce_scatter", tensor)
         if tensor.numel() % self.size:
             raise ValueError(
@@ -609,7 +609,7 @@ class Communicator(abc.ABC):
         Every rank passes the same element count, dtype and op (``tensor`` contiguous, any
         supported dtype: the reduction runs in torch, in the tensor's own dtype). Needs a backend
         with point-to-point messages (`has_p2p`); one such allreduce at a time per communicator."""
-        red = ReduceOp.parse(op)
+        red = ReduceOp.parse(op, GRID)
         self._check("all_reduce_coded", tensor)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_coded: the tensor must be contiguous (it is reduced in place, no copy); "

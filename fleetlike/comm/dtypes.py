@@ -8,8 +8,8 @@ It imports nothing of fleetlike, so every module can use it.
 Example:
     >>> dtype_name(torch.bfloat16)
     'bfloat16'
-    >>> parse_choice(ReduceOp, "SUM", what="op", noun="reduction")
-    <ReduceOp.SUM: 'sum'>
+    >>> parse_choice(Backend, "GLOO", what="backend", noun="backend")
+    <Backend.GLOO: 'gloo'>
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse_choice(cls: type[E], value: E | str, *, what: str, noun: str) -> E:
     in another case. Anything else raises ValueError naming the value and every valid choice.
 
     ``what`` is the argument's name and ``noun`` what it should be, for the message:
-    ``op='mean' is not a reduction; choose one of 'sum', 'avg', ...``.
+    ``backend='ucx' is not a backend; choose one of 'auto', 'gloo', ...``.
     """
     if isinstance(value, cls):
         return value

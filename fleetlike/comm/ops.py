@@ -1,31 +1,16 @@
-"""`ReduceOp`: the reductions of the collective grid, as a str enum.
+"""`ReduceOp`: the reductions of the collective grid, the core's one enum (`fleetlike.config.reductions`).
 
-Its own module so the guard and the backends import it without the communicator.
+Its own module so the guard and the backends import it without the communicator. A
+communicator reduces with the members of `GRID` (sum, avg, max, min, prod) and accepts them by
+value in any case; Adasum is the Horovod face's own algorithm.
 
 Example:
-    >>> ReduceOp.parse("avg")
+    >>> ReduceOp.parse("avg", GRID)
     <ReduceOp.AVG: 'avg'>
 """
 
 from __future__ import annotations
 
-import enum
+from fleetlike.config.reductions import GRID, ReduceOp
 
-from fleetlike.comm.dtypes import parse_choice
-
-__all__ = ["ReduceOp"]
-
-
-class ReduceOp(str, enum.Enum):
-    """Reduction of a collective. Accepts the enum or its name in any case."""
-
-    SUM = "sum"
-    AVG = "avg"
-    MAX = "max"
-    MIN = "min"
-    PROD = "prod"
-
-    @classmethod
-    def parse(cls, value: ReduceOp | str) -> ReduceOp:
-        """The member for ``value``; a ValueError listing the reductions otherwise."""
-        return parse_choice(cls, value, what="op", noun="reduction")
+__all__ = ["GRID", "ReduceOp"]

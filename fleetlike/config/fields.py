@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import Any
 
+from fleetlike.config.reductions import ReduceOp
+
 __all__ = [
     "Alias",
     "Bool",
@@ -36,6 +38,7 @@ __all__ = [
     "Field",
     "Float",
     "Int",
+    "Reduction",
     "Section",
     "Spec",
     "StrList",
@@ -295,6 +298,40 @@ class Choice(Spec):
 
     def to_plain(self, value: Any) -> str:
         return str(value.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction(Spec):
+    """One of the core's reductions (`fleetlike.config.reductions.ReduceOp`) under this option's
+    own spellings: ``names`` pairs each accepted string with its member (EPL's ``"mean"`` is
+    ``ReduceOp.AVG``). The spelling is stored, so the option reads and saves as it is written;
+    the member is accepted too; `op` gives the member a spelling names."""
+
+    names: tuple[tuple[str, ReduceOp], ...]
+
+    def values(self) -> list[str]:
+        return [k for k, _ in self.names]
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(v) for v in self.values())
+
+    def check(self, field: str, value: Any) -> str:
+        if isinstance(value, ReduceOp):
+            for spelling, member in self.names:
+                if member is value:
+                    return spelling
+            raise value_error(field, value.value, self.describe(), f"use one of {self.values()}")
+        if not isinstance(value, str):
+            raise type_error(field, value, f"a str, {self.describe()}", f"pass one of the strings {self.values()}")
+        if value in self.values():
+            return value
+        near = suggest(value, self.values())
+        fix = f"did you mean {near!r}? " if near else ""
+        raise value_error(field, value, self.describe(), f"{fix}use one of {self.values()}")
+
+    def op(self, value: str) -> ReduceOp:
+        """The member a stored spelling names."""
+        return dict(self.names)[value]
 
 
 def _check_names(field: str, value: Any, what: str) -> tuple[str, ...]:

@@ -23,10 +23,12 @@ from fleetlike.config.fields import (
     Field,
     Float,
     Int,
+    Reduction,
     Section,
     StrList,
     StrategyValueError,
 )
+from fleetlike.config.reductions import ReduceOp
 
 __all__ = [
     "ALIASES",
@@ -38,6 +40,7 @@ __all__ = [
     "Mode",
     "AmpPolicy",
     "OuterOptimizer",
+    "REDUCE_METHOD",
     "ReduceMethod",
     "SyncDtype",
     "SyncBatchNormScope",
@@ -109,11 +112,11 @@ class SyncBatchNormScope(_StrEnum):
     LOCAL = "local"
 
 
-class ReduceMethod(_StrEnum):
-    """How gradients combine over the ranks (EPL's ``communication.gradients_reduce_method``)."""
-
-    MEAN = "mean"
-    SUM = "sum"
+#: How gradients combine over the ranks: the core's `ReduceOp` (``ReduceMethod.MEAN`` is
+#: ``ReduceOp.AVG``, ``ReduceMethod.SUM`` is ``ReduceOp.SUM``), an alias kept for the name
+ReduceMethod = ReduceOp
+#: ``gradients_reduce_method``'s spellings (EPL's ``communication.gradients_reduce_method``)
+REDUCE_METHOD = Reduction((("mean", ReduceOp.AVG), ("sum", ReduceOp.SUM)))
 
 
 class ZeroLevel(_StrEnum):
@@ -382,7 +385,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("segment_broadcast_MB", Float(gt=0, keep_int=True), 32.0, note=(
             "MB of parameter all-gathers in flight after the update (the parameters travel in "
             "the gradient buckets, fuse_grad_size_in_MB): larger overlaps more buckets")),
-        Field("gradients_reduce_method", Choice(ReduceMethod), ReduceMethod.MEAN, note=(
+        Field("gradients_reduce_method", REDUCE_METHOD, "mean", note=(
             "'mean' averages the gradients over the ranks (data parallel's meaning), 'sum' adds "
             "them (scale the learning rate down by the world size)")),
         Field("clip_norm", Float(ge=0), 0.0, note=(

@@ -16,6 +16,7 @@ Every setting is a strategy field with the meaning it has everywhere in fleetlik
 ``check_nan_inf``                               NaN/Inf in an averaged gradient stops the job,
                                                 naming the parameter and the rank it came from
 ``slow_rank_check`` (+ configs)                 slow-rank report every ``every_n_steps`` passes
+                                                (the core's `SlowRankWindow`, as in every face)
 ``gossip`` / ``gossip_configs``                 down-sampling with error feedback (1/n per step)
 ``fuse_grad_size_in_MB``                        DDP's ``bucket_cap_mb`` (`fleetlike.auto` passes it;
                                                 a hook cannot change buckets DDP already built)
@@ -28,8 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
-import statistics
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -43,14 +42,12 @@ from fleetlike.comm import CommGroups, Communicator, Work, create_world
 from fleetlike.comm.cuda import stream_device
 from fleetlike.config import DistributedStrategy, rules
 from fleetlike.ddp.world import check_world, groups_for, model_group
-from fleetlike.roles import Role, detect_role, parse_endpoint
+from fleetlike.roles import Role, detect_role
 from fleetlike.roles.settings import env_settings
 from fleetlike.strategies.data_parallel import gradient_collective
-from fleetlike.strategies.health import DATA_WAIT, slow_ranks
+from fleetlike.strategies.health import SlowRankWindow
 
 __all__ = ["FleetHookState"]
-
-log = logging.getLogger("fleetlike")
 
 
 class FleetHookState:
@@ -91,17 +88,17 @@ class FleetHookState:
         self.passes = 0
         #: whether the pass in progress communicates (set by its first bucket)
         self.communicating = False
-        #: the last slow-rank report: ``[(rank, host, seconds per step), ...]``
+        #: the last slow-rank report: ``[(rank, host, seconds per step), ...]``, each rank's own
+        #: work and data wait per step (`fleetlike.strategies.health.SlowRankReport`'s fields)
         self.slow: list[tuple[int, str, float]] = []
         self.step_times: list[float] = []
+        self.data_wait: list[float] = []
         self.sampler = Downsampler(self.gossip_n) if self.gossip_n > 1 else None
         self._pool: dict[str, torch.Tensor] = {}  # gossip residuals of a re-laid-out bucket, by name
         self.names: dict[int, str] = {}
         self.process_group: Any = None  # the bound DDP model's group (`bind`)
         self._param_sizes: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._busy = 0.0
-        self._window = 0
         self._done_at: float | None = None
         self._launched_at = 0.0
         self._comm_state()
@@ -117,6 +114,7 @@ class FleetHookState:
         self.collective: Any = None
         self.notes: list[tuple[str, bool, str]] = []
         self.health: Communicator | None = None
+        self.perf: SlowRankWindow | None = None  # the slow-rank window (`connect` makes it)
         self._finishers: RingWorkers | None = None
         self._owns_groups = False
 
@@ -150,6 +148,7 @@ class FleetHookState:
         self.groups, self.role = groups, role
         if self.perf_every:
             self.health = groups.extra("ddp slow-rank check", 0, groups.world.rank)
+            self.perf = SlowRankWindow(self.perf_every, self.perf_factor, role)
         # finishers only wait (no NCCL calls): threads of their own, on the hook's stream position
         self._finishers = RingWorkers(max(1, int(self.strategy.nccl_comm_num)), "fleetlike-ddp",
                                       device=stream_device(groups.world), issues=False)
@@ -266,28 +265,17 @@ class FleetHookState:
 
     def perf_tick(self) -> None:
         """After the last bucket of a communicating pass was launched (autograd's thread, in the
-        same order on every rank): add this pass's own work; every ``perf_every`` passes gather
-        the means and report ranks slower than ``perf_factor`` x the median."""
-        if not self.perf_every:
+        same order on every rank): add this pass's own work (from the previous pass's last bucket
+        done to this one's last launch) to the core's `SlowRankWindow`, which gathers, judges
+        and logs every ``perf_every`` passes as in every other face."""
+        if self.perf is None:
             return
         with self._lock:
-            if self._done_at is not None:
-                self._busy += self._launched_at - self._done_at
-            self._window += 1
-            if self._window < self.perf_every:
-                return
-            mean = self._busy / self._window + DATA_WAIT.take() / self._window
-            self._busy, self._window = 0.0, 0
-        assert self.health is not None and self.role is not None
-        times = [float(t) for t in self.health.all_gather_flat(torch.tensor([mean], dtype=torch.float64)).tolist()]
-        hosts = [parse_endpoint(e)[0] for e in self.role.endpoints]
-        self.step_times = times
-        self.slow = [(r, hosts[r], times[r]) for r in slow_ranks(times, self.perf_factor)]
-        if self.slow and self.role.rank == 0:
-            median = statistics.median(times)
-            for r, host, t in self.slow:
-                log.warning("slow rank %d on %s: %.4fs of own work per step, %.2fx the median %.4fs",
-                            r, host, t, t / median, median)
+            busy = self._launched_at - self._done_at if self._done_at is not None else 0.0
+        if self.perf.add(busy):
+            assert self.health is not None
+            report = self.perf.gather(self.health)
+            self.step_times, self.data_wait, self.slow = report.step_times, report.data_wait, report.slow_ranks
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -71,6 +71,7 @@ from fleetlike.horovod.ops import (
     Product,
     ReduceOp,
     Sum,
+    parse_op,
 )
 from fleetlike.horovod.optimizer import HorovodOptimizer, OutsideSetOptimizer
 from fleetlike.horovod.order import Handle, poll, synchronize
@@ -226,7 +227,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """
     if num_groups and groups is None:
         groups = num_groups
-    red = ReduceOp.parse(op)
+    red = parse_op(op)
     if process_set is not None and process_set is not global_process_set:
         if red is ReduceOp.ADASUM:
             raise NotImplementedError("Adasum does not support non-global process sets yet.")

@@ -38,7 +38,7 @@ import torch
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
 from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
-from fleetlike.horovod.ops import COMM_OP, OP_NAMES, OPS, Compression, Compressor, ReduceOp, resolve_op
+from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp, resolve_op
 from fleetlike.horovod.order import Handle, poll, resolve, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
@@ -121,7 +121,7 @@ def _reduce_start(rt: Runtime, buf: torch.Tensor, op: ReduceOp, pre: float, post
         work = rt.comm.all_reduce_async(buf, "sum", agreed=True)
         post = post / rt.comm.size
     else:
-        work = rt.comm.all_reduce_async(buf, COMM_OP[op], agreed=True)
+        work = rt.comm.all_reduce_async(buf, op, agreed=True)
 
     def finish() -> torch.Tensor:
         return scale_(buf, post)

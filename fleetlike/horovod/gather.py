@@ -25,7 +25,7 @@ import torch
 from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.collectives import _agree, _tensor, allreduce, comm_device, grouped_allreduce
 from fleetlike.horovod.negotiate import Kind
-from fleetlike.horovod.ops import ReduceOp
+from fleetlike.horovod.ops import ReduceOp, op_name, parse_op
 from fleetlike.horovod.order import Handle, finish_in_turn, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
@@ -169,9 +169,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp | str,
     way); returns a function that waits and returns the sparse result (uncoalesced; divided by
     the number of ranks for Average)."""
     what = "hvd.sparse_allreduce_async"
-    red = ReduceOp.parse(op)
+    red = parse_op(op)
     if red not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"{what}: op={red.value!r}; a sparse allreduce sums or averages (hvd.Sum, hvd.Average)")
+        raise ValueError(f"{what}: op={op_name(red)!r}; a sparse allreduce sums or averages (hvd.Sum, hvd.Average)")
     t = _tensor(tensor, what)
     if not t.is_sparse:
         raise TypeError(f"{what}: expected a sparse COO tensor (tensor.to_sparse()), got a dense one")

@@ -1,8 +1,9 @@
 """Horovod's reduction names and gradient compressors (``hvd.Average``, ``hvd.Compression.fp16``).
 
-`ReduceOp` is a str enum (its error lists the valid choices); the module-level names
-``Average``, ``Sum``, ``Adasum``, ``Min``, ``Max``, ``Product`` are its members, so
-``op=hvd.Sum`` and ``op="sum"`` both work. A `Compressor` has Horovod's interface
+`ReduceOp` is the core's one enum of reductions (`fleetlike.config.reductions`, the same object
+as ``fleetlike.comm.ReduceOp``); the module-level names ``Average``, ``Sum``, ``Adasum``,
+``Min``, ``Max``, ``Product`` are its members, and `NAMES` is Horovod's spelling of them, so
+``op=hvd.Sum`` and ``op="sum"`` both work and ``op="average"`` is `Average`. A `Compressor` has Horovod's interface
 (``compress(tensor) -> (tensor, ctx)``, ``decompress(tensor, ctx) -> tensor``), so a user's own
 compressor plugs into `allreduce` as it does in Horovod.
 
@@ -13,15 +14,14 @@ Example:
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 
-from fleetlike.comm import parse_choice
+from fleetlike.comm import ReduceOp
 
 __all__ = [
-    "COMM_OP",
+    "NAMES",
     "OPS",
     "OP_NAMES",
     "Adasum",
@@ -38,24 +38,10 @@ __all__ = [
     "Sum",
     "identity",
     "identity_value",
+    "op_name",
+    "parse_op",
     "resolve_op",
 ]
-
-
-class ReduceOp(str, enum.Enum):
-    """Horovod's reductions. ``ADASUM`` is the adaptive summation of Maleki et al. (`adasum`)."""
-
-    AVERAGE = "average"
-    SUM = "sum"
-    ADASUM = "adasum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-
-    @classmethod
-    def parse(cls, value: ReduceOp | str) -> ReduceOp:
-        """The member for ``value``; a ValueError listing the reductions otherwise."""
-        return parse_choice(cls, value, what="op", noun="reduction")
 
 
 Average = ReduceOp.AVERAGE
@@ -65,12 +51,22 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
-#: the reductions in descriptor order (a descriptor carries the position, `negotiate`)
-OPS: tuple[ReduceOp, ...] = tuple(ReduceOp)
-OP_NAMES = tuple(o.value for o in OPS)
-#: the communicator's op for each reduction but Adasum (which has its own algorithm, `adasum`)
-COMM_OP = {ReduceOp.AVERAGE: "avg", ReduceOp.SUM: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
-           ReduceOp.PRODUCT: "prod"}
+#: Horovod's names of its reductions, in descriptor order (a descriptor carries the position,
+#: `negotiate`; Horovod's own constants count 0..5 in this order)
+NAMES: dict[str, ReduceOp] = {"average": Average, "sum": Sum, "adasum": Adasum, "min": Min, "max": Max,
+                              "product": Product}
+OPS: tuple[ReduceOp, ...] = tuple(NAMES.values())
+OP_NAMES = tuple(NAMES)
+
+
+def parse_op(op: ReduceOp | str) -> ReduceOp:
+    """``op`` as a reduction of this face: a member of `OPS` or a Horovod name in any case."""
+    return ReduceOp.parse(op, NAMES)
+
+
+def op_name(op: ReduceOp) -> str:
+    """Horovod's name of ``op`` (``"average"`` for `Average`), for messages."""
+    return OP_NAMES[OPS.index(op)]
 
 
 def identity(op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
@@ -95,7 +91,7 @@ def resolve_op(op: ReduceOp | str | None, average: bool | None, default: ReduceO
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
         return Average if average else Sum
-    return default if op is None else ReduceOp.parse(op)
+    return default if op is None else parse_op(op)
 
 
 class Compressor:

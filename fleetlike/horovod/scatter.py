@@ -25,7 +25,7 @@ from fleetlike.comm import CompletedWork, Work
 from fleetlike.horovod.collectives import _agree, _tensor, comm_device
 from fleetlike.horovod.gather import allgather, grouped_allgather
 from fleetlike.horovod.negotiate import HorovodInternalError, Kind
-from fleetlike.horovod.ops import COMM_OP, OPS, Compression, Compressor, ReduceOp
+from fleetlike.horovod.ops import OPS, Compression, Compressor, ReduceOp, op_name, parse_op
 from fleetlike.horovod.order import Handle, finish_in_turn, submit, synchronize
 from fleetlike.horovod.process_sets import process_set_runtime
 from fleetlike.horovod.runtime import Runtime
@@ -156,10 +156,10 @@ class ReducescatterOpError(HorovodInternalError, ValueError):
 
 
 def _reducescatter_op(op: ReduceOp | str, what: str) -> ReduceOp:
-    red = ReduceOp.parse(op)
+    red = parse_op(op)
     if red not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ReducescatterOpError(f"{what}: Reducescatter currently only supports AVERAGE and SUM "
-                                   f"(got op={red.value!r})")
+                                   f"(got op={op_name(red)!r})")
     return red
 
 
@@ -179,7 +179,7 @@ def _scatter_one(rt: Runtime, t: torch.Tensor, red: ReduceOp, pre: float,
         padded[r, : rows[r] * per_row] = flat[start : start + rows[r] * per_row]
         start += rows[r] * per_row
     scale_(padded, pre)
-    comm_op = COMM_OP[red]
+    comm_op = red
     if red is ReduceOp.AVERAGE and not wire.is_floating_point:  # Horovod's: sum, 1/size truncated
         comm_op, post = "sum", post / n
     mine = torch.empty(max(widest, 1), dtype=wire, device=t.device)

@@ -65,7 +65,7 @@ from fleetlike.horovod.negotiate import (
     signature,
     start_exchange,
 )
-from fleetlike.horovod.ops import COMM_OP, OPS, ReduceOp, identity_value
+from fleetlike.horovod.ops import OPS, ReduceOp, identity_value
 
 __all__ = ["JOINED_CODE", "OTHER", "REAL", "RING", "SLOTS", "Pending", "Plan", "Round", "SlotBuffer", "Speculator",
            "carrier", "hit", "read_slots", "slotted"]
@@ -247,7 +247,7 @@ class Speculator:
         slots after the data filled (the identity, ``code`` in this rank's own: one copy of a row
         made once)."""
         if ring:
-            return self.comm.all_reduce_coded_async(sb.buf, COMM_OP[op], code, accept)
+            return self.comm.all_reduce_coded_async(sb.buf, op, code, accept)
         key = (op, sb.buf.dtype, code)
         row = self._slot_rows.get(key)
         if row is None:
@@ -256,7 +256,7 @@ class Speculator:
             row[self.comm.rank] = code
             self._slot_rows[key] = row
         sb.slots.copy_(row)
-        return self.comm.all_reduce_async(sb.buf, COMM_OP[op], agreed=True)
+        return self.comm.all_reduce_async(sb.buf, op, agreed=True)
 
     def prediction(self) -> list[int] | None:
         """The row every rank predicts for the next agreement, when it is a slotted allreduce."""

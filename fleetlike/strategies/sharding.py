@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as _optim_base
 
+from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.collectives import BucketCollective, ParamGather, ShardReduceScatter, make_reducer, plan_shards
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.step import Hook, StepContext, Unit
@@ -101,7 +102,7 @@ class ShardingUnit(Unit):
         self.rank = world.rank
         self.clip_norm = float(cfg["clip_norm"])
         self.clip_after = bool(cfg["clip_after_allreduce"])
-        op = "avg" if str(cfg["gradients_reduce_method"]) == "mean" else "sum"
+        op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.collective = ShardReduceScatter.from_allreduce(allreduce, op)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         buckets = plan_shards(params, s.bucket_cap_bytes(), world.size, self.collective.positions())
