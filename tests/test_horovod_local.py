@@ -4,6 +4,7 @@ on a subset of three gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -144,6 +145,52 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
         hvd.broadcast_parameters(3, root_rank=0)
     with pytest.raises(ValueError, match="LBFGS"):
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+
+
+def _grad_hooks(p: torch.Tensor) -> int:
+    """Gradient hooks on ``p``: post-accumulate ones and tensor hooks (``register_hook``)."""
+    return len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+
+
+@pytest.mark.parametrize("op", ["average", "adasum"])
+def test_one_gradient_hook_per_parameter_and_one_reduction_per_window(one: Any, op: str) -> None:
+    """The optimizer rides the reducer's own hook (Adasum: the core's pass counter), so each
+    parameter has one gradient hook; with backward_passes_per_step=3 every bucket is reduced once
+    per 3 backward passes; the parameters equal one plain step on the sum of the 3 batches'
+    losses (one world: average == sum); a sparse gradient comes back sparse, a 4th pass raises."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 3, sparse=True),  # noqa: E731
+                                        "lin": torch.nn.Linear(3, 2)})
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=3,
+                                   op=hvd.Adasum if op == "adasum" else hvd.Average)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert [_grad_hooks(p) for p in model.parameters()] == [1, 1, 1]
+    batches = [torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    loss = lambda m, x: m["lin"](m["emb"](x)).pow(2).sum()  # noqa: E731
+    for window in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for x in batches[3 * window: 3 * window + 3]:
+            loss(model, x).backward()
+            loss(ref, x).backward()
+        opt.synchronize() if op == "average" else None
+        if op == "average":
+            assert model["emb"].weight.grad.is_sparse  # as SparseAdam needs
+        with opt.skip_synchronize() if op == "average" else contextlib.nullcontext():
+            opt.step()
+        ref_opt.step()
+        if op == "average":
+            assert opt.reducer.collectives_issued == len(opt.reducer.buckets) * (window + 1)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert [_grad_hooks(p) for p in model.parameters()] == [1, 1, 1]
+    opt.zero_grad()
+    for x in batches[:3]:
+        loss(model, x).backward()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step times"):
+        loss(model, batches[0]).backward()
 
 
 def test_groups_become_the_fused_buckets(one: Any) -> None:

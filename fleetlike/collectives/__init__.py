@@ -1,5 +1,6 @@
 """Gradient collectives: buckets, the reducer that overlaps them with backward, and the ways a
-bucket is averaged (flat, hierarchical, 16-bit compressed), plus coalesced broadcast.
+bucket is averaged (flat, hierarchical, 16-bit compressed, scaled), gradient accumulation's
+counter, plus coalesced broadcast.
 
 This layer sits on `fleetlike.comm` only: it knows communicators and tensors, never a
 `DistributedStrategy` (choosing a collective from the strategy is the data-parallel pass's job,
@@ -12,11 +13,12 @@ Example:
     >>> reducer.prepare(loss); loss.backward(); reducer.finalize()   # grads averaged
 """
 
+from fleetlike.collectives.accumulate import Accumulation, count_passes
 from fleetlike.collectives.broadcast import broadcast_coalesced
 from fleetlike.collectives.buckets import Bucket, plan_buckets
 from fleetlike.collectives.codec import HalfCodec
 from fleetlike.collectives.compression import CompressedAllReduce
-from fleetlike.collectives.flat import BucketCollective, FlatAllReduce
+from fleetlike.collectives.flat import BucketCollective, FlatAllReduce, ScaledAllReduce
 from fleetlike.collectives.gossip import DownsampledAllReduce, Downsampler, sent_elements
 from fleetlike.collectives.hierarchical import (
     HierarchicalAllReduce,
@@ -24,7 +26,7 @@ from fleetlike.collectives.hierarchical import (
     cross_node_bytes_flat,
     hierarchical_pairs,
 )
-from fleetlike.collectives.reducer import GradReducer, make_reducer, unused_parameters
+from fleetlike.collectives.reducer import GradReducer, PassGate, make_reducer, unused_parameters
 from fleetlike.collectives.sharded import (
     ParamGather,
     ShardedBucket,
@@ -37,6 +39,7 @@ from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_a
 
 __all__ = [
     "SEGMENT_BYTES",
+    "Accumulation",
     "Bucket",
     "BucketCollective",
     "CompressedAllReduce",
@@ -47,12 +50,15 @@ __all__ = [
     "HalfCodec",
     "HierarchicalAllReduce",
     "ParamGather",
+    "PassGate",
     "RingWorkers",
+    "ScaledAllReduce",
     "ShardReduceScatter",
     "ShardedBucket",
     "agree_max",
     "assign_owners",
     "broadcast_coalesced",
+    "count_passes",
     "cross_node_bytes_flat",
     "hierarchical_pairs",
     "make_reducer",

@@ -86,6 +86,9 @@ class Bucket:
             g = p.grad
             if g is None:
                 p.grad = view
+            elif g.is_sparse:  # a sparse gradient handed back sparse: dense in the bucket again
+                view.copy_(g.to_dense())
+                p.grad = view
             elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
                 view.copy_(g)
                 p.grad = view

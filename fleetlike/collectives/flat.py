@@ -18,8 +18,9 @@ import torch
 
 from fleetlike.collectives.buckets import Bucket
 from fleetlike.comm import Communicator, Work, dtype_name
+from fleetlike.comm.handles import ChainedWork
 
-__all__ = ["BucketCollective", "FlatAllReduce"]
+__all__ = ["BucketCollective", "FlatAllReduce", "ScaledAllReduce"]
 
 
 class BucketCollective(Protocol):
@@ -65,3 +66,26 @@ class FlatAllReduce:
 
     def describe(self, bucket: Bucket) -> dict[str, Any]:
         return {"comm": self.comm_for(bucket).name, "wire": dtype_name(bucket.dtype)}
+
+
+class ScaledAllReduce:
+    """Another `BucketCollective` with a scale before and after (Horovod's ``prescale_factor`` /
+    ``postscale_factor``: 1/f and f for a predivided average, ``size`` after for a Sum, since
+    the inner collective averages)."""
+
+    def __init__(self, inner: BucketCollective, pre: float, post: float) -> None:
+        self.inner, self.pre, self.post = inner, float(pre), float(post)
+
+    @property
+    def world(self) -> Communicator:
+        return self.inner.world
+
+    def start(self, bucket: Bucket) -> Work:
+        if self.pre != 1.0:
+            bucket.buffer.mul_(self.pre)
+        work = self.inner.start(bucket)
+        post = self.post
+        return ChainedWork(work, lambda: bucket.buffer.mul_(post))
+
+    def describe(self, bucket: Bucket) -> dict[str, Any]:
+        return {**self.inner.describe(bucket), "prescale": self.pre, "postscale": self.post}

@@ -15,7 +15,15 @@ parameters delay the overlap but never hang the job; with ``find_unused_paramete
 found from the autograd graph before backward, so overlap is kept.
 
 The collective itself is a `BucketCollective`: the default averages over one or more rings;
-hierarchical and compressed variants plug in here without touching the hooks.
+hierarchical, compressed and scaled variants plug in here without touching the hooks.
+
+A reducer with a ``gate`` (a `PassGate`: Horovod's optimizer) arms itself: at the first gradient
+of each backward its hook asks the gate whether that backward communicates (the k-th of an
+`Accumulation` window), and at the end of the backward it lets the gate act while the buckets
+are in flight, sends zeros for parameters without gradient, waits, and tells the gate. Its hook
+is then the only gradient hook on each parameter. With ``sparse=True`` the gradients are not
+made bucket views before a parameter's first gradient, so a sparse one shows: it is reduced
+densely in its bucket and `restore_sparse` hands it back sparse.
 
 Example:
     >>> reducer = make_reducer(model, FlatAllReduce([world]), cap_bytes=32 << 20)
@@ -28,7 +36,7 @@ import threading
 import time
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +44,7 @@ from fleetlike.collectives.buckets import Bucket, non_finite, plan_buckets
 from fleetlike.collectives.flat import BucketCollective
 from fleetlike.comm import Communicator, Work
 
-__all__ = ["GradReducer", "make_reducer", "unused_parameters"]
+__all__ = ["GradReducer", "PassGate", "make_reducer", "unused_parameters"]
 
 
 def unused_parameters(
@@ -60,6 +68,23 @@ def unused_parameters(
     return [p for p in params if id(p) not in reached]
 
 
+class PassGate(Protocol):
+    """The owner of a reducer that arms itself (``GradReducer(gate=...)``)."""
+
+    def begin_pass(self) -> bool:
+        """The first gradient of a backward arrived: True when this backward communicates (it
+        may raise, which stops the backward)."""
+        ...
+
+    def before_wait(self) -> None:
+        """End of a communicating backward, every bucket started: what overlaps the transfers."""
+        ...
+
+    def after_wait(self) -> None:
+        """Every bucket of that backward is reduced."""
+        ...
+
+
 class GradReducer:
     """Averages gradients over the ranks, overlapping communication with backward.
 
@@ -68,6 +93,11 @@ class GradReducer:
         collective: how a bucket is combined (`FlatAllReduce` or a hierarchical/compressed one).
         cap_bytes: bucket size cap (``fuse_grad_size_in_MB``); None = one bucket per gradient.
         find_unused: look for parameters without gradient before each backward.
+        gate: arm at the first gradient of a backward when ``gate.begin_pass()`` says so, and
+            finalize at its end (see the module docstring); None: the owner calls `prepare`.
+        sparse: learn which parameters get sparse gradients (their first one) and hand them
+            back sparse (`restore_sparse`).
+        lock: the owner's lock, when its gate and the reducer's per-step state change together.
     """
 
     def __init__(
@@ -81,6 +111,9 @@ class GradReducer:
         names: dict[int, str] | None = None,
         buckets: Sequence[Bucket] | None = None,
         hold: Callable[[], None] | None = None,
+        gate: PassGate | None = None,
+        sparse: bool = False,
+        lock: threading.RLock | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.check_nan_inf = check_nan_inf
@@ -94,7 +127,14 @@ class GradReducer:
         #: hooks may run on autograd's device threads while the training thread prepares or
         #: finalizes: the per-step state (pending counts, next bucket, handles, counters) is
         #: changed under this lock only (re-entrant: finalize launches what is left)
-        self._lock = threading.RLock()
+        self._lock = lock or threading.RLock()
+        self.gate = gate
+        #: a backward is running whose first gradient the gate has seen
+        self._in_pass = False
+        #: parameters whose first gradient is still to come (``sparse``): not bucket views yet
+        self._learning: set[int] = {id(p) for p in self.params} if sparse else set()
+        #: parameters whose gradients are sparse: reduced densely, handed back sparse
+        self.sparse: set[int] = set()
         #: ``hold``: launch nothing during backward; at its end call ``hold()`` (it may change
         #: the complete local gradients: clipping by the local norm), then launch every bucket
         self.hold = hold
@@ -114,8 +154,27 @@ class GradReducer:
         #: the owner of the buckets zeroed them all since the last gradient (`mark_zeroed`)
         self._zeroed = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._attach()
+
+    def _attach(self, keep: bool = True) -> None:
+        """Every parameter's ``.grad`` its bucket view (but those whose first gradient may still
+        be sparse), folding a replaced gradient in (``keep``) or dropping it (zeroing)."""
+        if not keep:
+            for b in self.buckets:
+                for p, view in zip(b.params, b.views):
+                    if id(p) in self._learning:
+                        p.grad = None
+                    elif p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+            return
+        if not self._learning:
+            for b in self.buckets:
+                b.attach()
+            return
         for b in self.buckets:
-            b.attach()
+            for p, view in zip(b.params, b.views):
+                if id(p) not in self._learning:
+                    self._fold(p, view)
 
     # ------------------------------------------------------------------ lifecycle of a step
 
@@ -127,8 +186,7 @@ class GradReducer:
 
     def _prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         self._zeroed = False
-        for b in self.buckets:
-            b.attach()
+        self._attach()
         self._begin()
         if self.find_unused and roots is not None:
             for p in unused_parameters(roots, self.params):
@@ -145,7 +203,63 @@ class GradReducer:
     def _on_grad(self, p: torch.Tensor) -> None:
         with self._lock:
             self._zeroed = False
+            if self._learning and id(p) in self._learning:
+                self._learning.discard(id(p))
+                if p.grad is not None and p.grad.is_sparse:
+                    self.sparse.add(id(p))
+            if self.gate is not None and not self._in_pass:
+                self._begin_pass()
             self._grad_ready(p)
+
+    def _begin_pass(self) -> None:
+        assert self.gate is not None
+        communicates = self.gate.begin_pass()  # may raise: then this backward stops here
+        self._in_pass = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        if communicates:
+            self._prepare(None)
+            self._callback_queued = True  # `_end_pass` finalizes
+
+    def _end_pass(self) -> None:
+        assert self.gate is not None
+        with self._lock:
+            self._in_pass = False
+            if not self.armed:
+                return
+            self.gate.before_wait()  # while the buckets are in flight
+            self.fold()  # parameters this backward did not reach: zeros
+            self._finalize()
+            self.gate.after_wait()
+
+    @staticmethod
+    def _fold(p: torch.Tensor, view: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.is_sparse:
+            view.copy_(g.to_dense())
+        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+            view.copy_(g)
+        else:
+            return
+        p.grad = view
+
+    def fold(self) -> None:
+        """Make every parameter's gradient its bucket view (zeros where it has none), so the
+        buckets hold exactly the current gradients."""
+        with self._lock:
+            self._learning.clear()
+            for b in self.buckets:
+                for p, view in zip(b.params, b.views):
+                    self._fold(p, view)
+
+    def restore_sparse(self) -> None:
+        """Hand the gradients of the parameters that got sparse ones back sparse (a sparse
+        optimizer such as ``SparseAdam`` needs them so); `zero_grad` makes them views again."""
+        with self._lock:
+            for p in self.params:
+                if id(p) in self.sparse and p.grad is not None and not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse()
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self.armed:
@@ -156,10 +270,8 @@ class GradReducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         bucket, j = self._where[id(p)]
-        view = bucket.views[j]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # the user replaced .grad (set_to_none zero_grad): fold it back
-            p.grad = view
+        if p.grad is not None:  # the user replaced .grad (set_to_none zero_grad), or it is sparse
+            self._fold(p, bucket.views[j])
         self._mark(p)
 
     def _mark(self, p: torch.Tensor) -> None:
@@ -226,7 +338,7 @@ class GradReducer:
         for b in self.buckets:
             if not zeroed:
                 b.zero_()
-            b.attach()
+        self._attach(keep=False)
 
     def mark_zeroed(self) -> None:
         """The caller has just zeroed every bucket (sharding's gather does, after the update):
@@ -249,7 +361,7 @@ class GradReducer:
 
 
 def make_reducer(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Parameter],
     collective: BucketCollective,
     *,
     cap_bytes: int | None,
@@ -257,20 +369,34 @@ def make_reducer(
     check_nan_inf: bool = False,
     buckets: Sequence[Bucket] | None = None,
     hold: Callable[[], None] | None = None,
+    names: dict[int, str] | None = None,
+    gate: PassGate | None = None,
+    sparse: bool = False,
+    lock: threading.RLock | None = None,
 ) -> GradReducer:
-    """The `GradReducer` for ``model``'s parameters, named for error messages.
+    """The `GradReducer` for ``model``'s parameters (a module, or the parameters of an
+    optimizer with their ``names``), named for error messages.
 
-    The one way it is built (by `fleetlike.strategies.data_parallel`, for both styles), so
-    buckets and names are alike everywhere.
+    The one way it is built (by `fleetlike.strategies.data_parallel` for both styles, sharding,
+    and Horovod's optimizer), so buckets and names are alike everywhere.
     ``cap_bytes`` is ``DistributedStrategy.bucket_cap_bytes()``; ``buckets`` replaces the
-    default plan (sharding lays its buckets out per rank, `fleetlike.collectives.sharded`)."""
+    default plan (sharding lays its buckets out per rank, `fleetlike.collectives.sharded`;
+    Horovod's ``groups=``)."""
+    if isinstance(model, torch.nn.Module):
+        params: list[torch.nn.Parameter] = list(model.parameters())
+        names = {id(p): n for n, p in model.named_parameters()} if names is None else names
+    else:
+        params = list(model)
     return GradReducer(
-        model.parameters(),
+        params,
         collective,
         cap_bytes=cap_bytes,
         find_unused=find_unused,
         check_nan_inf=check_nan_inf,
         buckets=buckets,
         hold=hold,
-        names={id(p): n for n, p in model.named_parameters()},
+        names=names,
+        gate=gate,
+        sparse=sparse,
+        lock=lock,
     )

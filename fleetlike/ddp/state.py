@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives import Downsampler, RingWorkers
+from fleetlike.collectives import Accumulation, Downsampler, RingWorkers
 from fleetlike.collectives.buckets import non_finite
 from fleetlike.comm import CommGroups, Communicator, Work, create_world
 from fleetlike.comm.cuda import stream_device
@@ -78,14 +78,14 @@ class FleetHookState:
         s.validate_combination()
         rules.refuse_unhonoured(s, "ddp")
         self.strategy = s
-        self.accumulate = int(s.gradient_merge_configs["k_steps"]) if s.gradient_merge else 1
+        #: local accumulation: the core's counter of backward passes, a window of k_steps
+        self.accumulation = Accumulation(int(s.gradient_merge_configs["k_steps"]) if s.gradient_merge else 1,
+                                         field="gradient_merge_configs.k_steps")
         self.nan_check = bool(s.check_nan_inf)
         cfg = s.slow_rank_check_configs
         self.perf_every = int(cfg["every_n_steps"]) if s.slow_rank_check else 0
         self.perf_factor = float(cfg["factor"])
         self.gossip_n = int(s.gossip_configs["downsample_n_elements"]) if s.gossip else 1
-        #: backward passes that reached the hook (the accumulation and gossip clocks)
-        self.passes = 0
         #: whether the pass in progress communicates (set by its first bucket)
         self.communicating = False
         #: the last slow-rank report: ``[(rank, host, seconds per step), ...]``, each rank's own
@@ -168,12 +168,21 @@ class FleetHookState:
 
     # ------------------------------------------------------------------ what the hook asks
 
+    @property
+    def accumulate(self) -> int:
+        """Backward passes per communication (``gradient_merge_configs.k_steps``)."""
+        return self.accumulation.k
+
+    @property
+    def passes(self) -> int:
+        """Backward passes that reached the hook (the accumulation and gossip clocks)."""
+        return self.accumulation.total
+
     def start_pass(self) -> bool:
         """A backward pass begins (its first bucket arrived): count it; True when it
         communicates (every ``accumulate``-th pass)."""
         with self._lock:
-            self.passes += 1
-            return self.passes % self.accumulate == 0
+            return self.accumulation.begin()
 
     def name(self, p: torch.Tensor) -> str:
         return self.names.get(id(p), f"parameter {tuple(p.shape)}")
@@ -185,7 +194,7 @@ class FleetHookState:
             return self.collective.start_tensor(flat, index), None
         key = self._gossip_key(flat, params)
         sizes = [p.numel() for p in params]  # strided per parameter: DDP's bucket layout may change
-        sent, where = self.sampler.encode(key, flat, step=self.passes // self.accumulate - 1, sizes=sizes)
+        sent, where = self.sampler.encode(key, flat, step=self.accumulation.windows - 1, sizes=sizes)
         work = self.collective.start_tensor(sent, index)
         return work, lambda: self.sampler.decode(flat, sent, where)  # type: ignore[union-attr]
 
@@ -291,7 +300,7 @@ class FleetHookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(DistributedStrategy.from_dict(state["strategy"]))  # type: ignore[misc]
-        self.passes = int(state["passes"])
+        self.accumulation.resume(int(state["passes"]))
         self._param_sizes = dict(state["param_sizes"])
         if state["gossip"] is not None and self.sampler is not None:
             self.sampler.load_state_dict(state["gossip"])

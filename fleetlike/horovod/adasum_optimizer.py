@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.collectives import Accumulation, count_passes
 from fleetlike.fleet import fleet
 from fleetlike.horovod.adasum import check_adasum
 from fleetlike.horovod.collectives import grouped_allreduce_
@@ -46,32 +47,21 @@ class AdasumOptimizer(HorovodWrapper):
         self._names = named_parameter_map(optimizer, named_parameters)
         self.compression = compression
         self.op = ReduceOp.ADASUM
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
-        self.backward_passes_per_step = backward_passes_per_step
+        #: the core's count of backward passes (the gradients add up locally; step() closes it)
+        self._accumulation = Accumulation(backward_passes_per_step, field="backward_passes_per_step",
+                                          too_many=_TOO_MANY)
         self._params = params
-        self._passes = 0
-        self._in_backward = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = count_passes(params, self._accumulation)
 
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r}, op=Adasum)"
 
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._accumulation.k
+
     def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = passes
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if self._in_backward:
-            return
-        if self._passes >= self.backward_passes_per_step:
-            raise AssertionError(_TOO_MANY)
-        self._in_backward = True
-        self._passes += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self) -> None:
-        self._in_backward = False
+        self._accumulation.set_k(passes, "backward_passes_per_step")
 
     def _detach(self) -> None:
         for h in self._hooks:
@@ -108,10 +98,10 @@ class AdasumOptimizer(HorovodWrapper):
                     delta = self.compression.decompress(t, ctx)
                     p = self._params[i]
                     p.copy_(starts[i] + delta.view_as(p))
-        self._passes = 0
+        self._accumulation.close()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._passes:
+        if self._accumulation.count:
             raise AssertionError(_ZERO_GRAD_ERROR)
         self.inner_optimizer.zero_grad(set_to_none)

@@ -1,7 +1,9 @@
 """``hvd.DistributedOptimizer``: Horovod's optimizer wrapper on fleetlike's gradient reducer.
 
 Gradients are averaged in fused buckets that start while ``loss.backward()`` is still running
-(`fleetlike.collectives.GradReducer`, the machinery of fleetlike's data parallel strategy), so
+(`fleetlike.collectives.GradReducer`, the machinery of fleetlike's data parallel strategy, built
+by `make_reducer`; its hook is the only one on each parameter: the optimizer is the reducer's
+`PassGate`, counting backward passes in the core's `Accumulation`), so
 the `DistributedStrategy` given to ``hvd.init(strategy=...)`` or ``fleet.init`` (or
 ``FLEETLIKE_STRATEGY``) tunes it as it tunes Fleet: ``fuse_grad_size_in_MB``,
 ``nccl_comm_num``, ``use_hierarchical_allreduce``, ``fp16_allreduce``. ``compression=
@@ -54,10 +56,18 @@ from typing import Any
 
 import torch
 
-from fleetlike.collectives import Bucket, BucketCollective, CompressedAllReduce, FlatAllReduce, GradReducer, plan_buckets
+from fleetlike.collectives import (
+    Accumulation,
+    Bucket,
+    CompressedAllReduce,
+    FlatAllReduce,
+    GradReducer,
+    ScaledAllReduce,
+    make_reducer,
+    plan_buckets,
+)
 from fleetlike.collectives.divergence import DivergenceGuard
-from fleetlike.comm import Communicator, Work
-from fleetlike.comm.handles import ChainedWork
+from fleetlike.comm import Work
 from fleetlike.config import rules
 from fleetlike.fleet import DistributedOptimizer as FleetDistributedOptimizer
 from fleetlike.fleet import fleet
@@ -102,32 +112,10 @@ def named_parameter_map(optimizer: torch.optim.Optimizer, named_parameters: Any)
     return {id(v): k for k, v in named}
 
 
-class _Scaled:
-    """A `BucketCollective` scaling around another: Horovod's prescale (1/f) and postscale
-    (f for a predivided average, ``size`` for Sum, since the inner collective averages)."""
-
-    def __init__(self, inner: BucketCollective, pre: float, post: float) -> None:
-        self.inner, self.pre, self.post = inner, pre, post
-
-    @property
-    def world(self) -> Communicator:
-        return self.inner.world
-
-    def start(self, bucket: Bucket) -> Work:
-        if self.pre != 1.0:
-            bucket.buffer.mul_(self.pre)
-        work = self.inner.start(bucket)
-        post = self.post
-        return ChainedWork(work, lambda: bucket.buffer.mul_(post))
-
-    def describe(self, bucket: Bucket) -> dict[str, Any]:
-        return {**self.inner.describe(bucket), "prescale": self.pre, "postscale": self.post}
-
-
 def _single_stage(collective: Any) -> bool:
     """Whether a bucket's handle completes only once every rank has posted it (one allreduce
     per bucket, maybe scaled or compressed around it): what a joined rank's posted answer needs."""
-    while isinstance(collective, (_Scaled, CompressedAllReduce)):
+    while isinstance(collective, (ScaledAllReduce, CompressedAllReduce)):
         collective = collective.inner
     return isinstance(collective, FlatAllReduce)
 
@@ -201,15 +189,16 @@ class HorovodOptimizer(HorovodWrapper):
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
         self.gradient_predivide_factor = gradient_predivide_factor
-        self.set_backward_passes_per_step(backward_passes_per_step)
+        #: Horovod's backward_passes_per_step: the k-th backward reduces, step() closes the window
+        self._accumulation = Accumulation(backward_passes_per_step, field="backward_passes_per_step",
+                                          too_many=_TOO_MANY)
         self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._groups_arg = groups
         #: Horovod's explicit grouping: each group one bucket (see `fleetlike.horovod.grouping`)
         self._planned_groups = None if groups is None else plan_groups(groups, self._params, self._names)
         self._hvd_lock = threading.RLock()
-        #: parameters whose last gradient was sparse: handed back sparse after the reduction
+        #: parameters whose gradients are sparse (learnt by the reducer): handed back sparse
         self._sparse: set[int] = set()
-        self._hooks: list[Any] = []
         self.reducer: GradReducer | None = None  # type: ignore[assignment]
         self._bind(rt)
 
@@ -239,23 +228,21 @@ class HorovodOptimizer(HorovodWrapper):
         pre = 1.0 / self.gradient_predivide_factor
         post = self.gradient_predivide_factor * (n if self.op is ReduceOp.SUM else 1)
         if pre != 1.0 or post != 1.0:
-            collective = _Scaled(collective, pre, post)
-        self._passes = 0
-        self._in_backward = False
+            collective = ScaledAllReduce(collective, pre, post)
+        self._accumulation.close()
         self._communicated = False
         self._synchronized = False
         self._should_synchronize = True
-        # our hooks first: they count the backward passes and arm the reducer before its own run
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        # the gradients accumulate into the (dense) bucket views: which parameters produce sparse
-        # gradients shows only before that, in the first backward (removed at its end)
-        self._sparse_watch = [p.register_hook(self._sparse_watcher(p)) for p in params]
         planned = plan_buckets(params, cap) if self._groups_arg is None else self._planned_groups
         buckets = [Bucket(i, ps) for i, ps in enumerate(planned)]
         self._slots = buckets[0].numel if buckets and self._flagged else -1
         if self._slots >= 0:  # one active slot per rank after the first bucket's gradients
             buckets[0] = Bucket(0, buckets[0].params, (buckets[0].offsets, self._slots + n))
-        self.reducer = GradReducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets)
+        # the reducer's hook is the only one: it asks this optimizer (its gate) at the first
+        # gradient of each backward whether it reduces, and learns which gradients are sparse
+        self.reducer = make_reducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets,
+                                    gate=self, sparse=True, lock=self._hvd_lock)
+        self.reducer.sparse = self._sparse  # kept across a rebind
         self._flag_view: torch.Tensor | None = None
         self._one_hot: torch.Tensor | None = None
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
@@ -283,32 +270,37 @@ class HorovodOptimizer(HorovodWrapper):
     def __repr__(self) -> str:
         return f"hvd.DistributedOptimizer({self.inner_optimizer!r})"
 
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._accumulation.k
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self._accumulation.set_k(passes, "backward_passes_per_step")
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: communicate every ``passes`` backward passes."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step={passes!r} must be an int >= 1")
         self.backward_passes_per_step = passes
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ the reducer's gate
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        with self._hvd_lock:
-            if p.grad is not None and p.grad.is_sparse:
-                # reduced densely in its bucket, handed back sparse after (see `synchronize`)
-                self._sparse.add(id(p))
-                p.grad = p.grad.to_dense()
-            if self._in_backward:
-                return
-            if self._passes >= self.backward_passes_per_step:
-                raise AssertionError(_TOO_MANY)
-            self._in_backward = True
-            self._passes += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            if self._passes == self.backward_passes_per_step:
-                self._mark_active()
-                self.reducer.prepare()  # buckets start as they fill; an agreement runs at the end
-                self._need_agreement = self._agrees()
-                self._communicated = True
+    def begin_pass(self) -> bool:
+        """The first gradient of a backward (under the reducer's lock, ours): count the pass;
+        the k-th reduces, its buckets starting as they fill (an agreement runs at its end)."""
+        if not self._accumulation.begin():
+            return False
+        self._mark_active()
+        self._need_agreement = self._agrees()
+        self._communicated = True
+        return True
+
+    def before_wait(self) -> None:
+        if self._need_agreement:  # while the buckets are in flight on their communicators
+            self._need_agreement = False
+            self._agree()
+
+    def after_wait(self) -> None:
+        self._read_flags()  # who took part, before anything else reads the mode
 
     def _agrees(self) -> bool:
         """Whether the next reduction exchanges first (see the module docstring)."""
@@ -355,44 +347,9 @@ class HorovodOptimizer(HorovodWrapper):
         """Every rank has joined: reductions go back to running without agreement."""
         self._joiners = False
 
-    def _fold(self) -> None:
-        """Make every parameter's gradient its bucket view (zeros where it has none), so the
-        reducer's buckets hold exactly the current gradients."""
-        for p in self._params:
-            _, view = self._views[id(p)]
-            g = p.grad
-            if g is None:
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr():
-                view.copy_(g.to_dense() if g.is_sparse else g)
-            else:
-                continue
-            p.grad = view
-
-    def _sparse_watcher(self, p: torch.Tensor) -> Any:
-        def watch(grad: torch.Tensor) -> None:
-            if grad.is_sparse:
-                self._sparse.add(id(p))
-        return watch
-
-    def _end_backward(self) -> None:
-        with self._hvd_lock:
-            self._in_backward = False
-            for h in self._sparse_watch:
-                h.remove()
-            self._sparse_watch = []
-            if self._need_agreement:  # while the buckets are in flight on their communicators
-                self._need_agreement = False
-                self._agree()
-            if self.reducer.armed:
-                self._fold()  # parameters this backward did not reach: zeros, as Horovod sends
-                if self._slots >= 0:
-                    self.reducer.finalize()  # what the reducer's own callback does next, then
-                    self._read_flags()  # who took part, before anything else reads the mode
-
     def _reduce_now(self) -> None:
         """Reduce the current gradients outside a backward (Horovod's "missing" parameters)."""
-        self._fold()
+        self.reducer.fold()
         if self._agrees():
             self._agree()
         self._mark_active()
@@ -459,9 +416,6 @@ class HorovodOptimizer(HorovodWrapper):
         self._read_flags()
 
     def _detach(self) -> None:
-        for h in self._hooks + getattr(self, "_sparse_watch", []):
-            h.remove()
-        self._hooks, self._sparse_watch = [], []
         if self.reducer is not None:
             self.reducer.remove()
         if self._rt.optimizers.get(self._join_id) is self:
@@ -476,12 +430,10 @@ class HorovodOptimizer(HorovodWrapper):
                 self.reducer.finalize()  # already waited at the end of the backward: a no-op
             else:
                 self._reduce_now()
-            self._passes = 0
+            self._accumulation.close()
             self._communicated = False
             self._synchronized = True
-            for p in self._params:
-                if id(p) in self._sparse and p.grad is not None:
-                    p.grad = p.grad.to_sparse()  # a sparse-gradient optimizer (SparseAdam) needs it so
+            self.reducer.restore_sparse()  # a sparse-gradient optimizer (SparseAdam) needs them so
         return True
 
     @contextlib.contextmanager
@@ -508,7 +460,7 @@ class HorovodOptimizer(HorovodWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (in place: they are bucket views); refused while a backward's
         reductions are not consumed by ``step()`` / ``synchronize()``, as Horovod."""
-        if self._passes:
+        if self._accumulation.count:
             raise AssertionError(_ZERO_GRAD_ERROR)
         self.reducer.zero_grad()
         for g in self.param_groups:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.collectives import Accumulation
 from fleetlike.program import StepState
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
@@ -26,16 +27,22 @@ __all__ = ["GradientMergeUnit"]
 
 
 class GradientMergeUnit(Unit):
-    """Counts micro-steps; the k-th communicates and updates (see the module docstring)."""
+    """Counts micro-steps in the core's `Accumulation`; the k-th communicates and updates (see
+    the module docstring)."""
 
     name = "gradient_merge"
     needs_optimizer = True
 
     def __init__(self, ctx: StepContext, k_steps: int, avg: bool) -> None:
         self.ctx = ctx
+        self.accumulation = Accumulation(k_steps, field="gradient_merge_configs.k_steps", avg=avg)
         self.k_steps = k_steps
         self.avg = avg
-        self.micro_step = 0  # micro-steps since the last update
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps since the last update."""
+        return self.accumulation.count
 
     @classmethod
     def create(cls, ctx: StepContext) -> GradientMergeUnit | None:
@@ -56,17 +63,13 @@ class GradientMergeUnit(Unit):
         ]
 
     def _count(self, st: StepState) -> None:
-        self.micro_step += 1
-        st.accumulate = self.micro_step < self.k_steps
+        st.accumulate = not self.accumulation.begin()
         st.info["merge_micro_step"] = self.micro_step
 
     def _average(self, st: StepState) -> None:
         if st.accumulate:
             return
-        if self.avg:
-            for g in self.ctx.grads():
-                g.div_(self.k_steps)
-        self.micro_step = 0
+        self.accumulation.finish(self.ctx.grads())
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.ctx.model.parameters() if p.requires_grad]
@@ -91,7 +94,7 @@ class GradientMergeUnit(Unit):
                 "Save on every rank into its own directory (dirname/<worker_index>), or save when "
                 "the window is complete"
             )
-        self.micro_step = int(state["micro_step"])
+        self.accumulation.count = int(state["micro_step"])
         if state.get("partial_params"):
             for p, saved in zip(self._params(), state["partial_params"]):
                 if saved is None:
