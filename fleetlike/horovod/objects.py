@@ -180,7 +180,8 @@ def _sparse_params(model: Any) -> set[int]:
 def _create_state(opt: torch.optim.Optimizer, sparse: set[int]) -> None:
     """Horovod's trick for an optimizer that has not stepped: one step with zero gradients
     (sparse ones for the parameters in ``sparse``) creates its state; the parameters are put
-    back so the step changes nothing else."""
+    back so the step changes nothing else. A parameter that had no gradient keeps the zero one,
+    as in Horovod (scripts broadcast ``p.grad`` right after)."""
     saved = []
     for g in opt.param_groups:
         for p in g["params"]:
@@ -192,4 +193,5 @@ def _create_state(opt: torch.optim.Optimizer, sparse: set[int]) -> None:
     with torch.no_grad():
         for p, value, grad in saved:
             p.copy_(value)
-            p.grad = grad
+            if grad is not None:
+                p.grad = grad
