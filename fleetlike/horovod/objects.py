@@ -142,6 +142,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     root_empty = broadcast_object(not inner.state, root_rank, name="optimizer.empty", process_set=process_set)
     if root_empty:
         inner.state.clear()
+        _zero_missing_grads(inner, _sparse_params(model))
     elif not inner.state:
         _create_state(inner, _sparse_params(model))
     # hyper-parameters (lr, betas, momentum, ...) and non-tensor state entries travel pickled
@@ -175,6 +176,17 @@ def _sparse_params(model: Any) -> set[int]:
         return set()
     return {id(m.weight) for m in model.modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+
+
+def _zero_missing_grads(opt: torch.optim.Optimizer, sparse: set[int]) -> None:
+    """What Horovod's zero-gradient step leaves behind without the step itself: every trainable
+    parameter that had no gradient has a zero one (sparse for the parameters in ``sparse``), so
+    a script may broadcast ``p.grad`` right after."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p)
+                p.grad = zero.to_sparse() if id(p) in sparse else zero
 
 
 def _create_state(opt: torch.optim.Optimizer, sparse: set[int]) -> None:
