@@ -4,6 +4,8 @@ Used by the tests and the benchmarks: each rank is a separate process forked fro
 that has torch imported already, so starting a world costs a fraction of a second. A rank's
 exception becomes an error in the caller naming the rank and carrying its traceback; a world that
 does not finish in ``timeout`` seconds is killed and reported, so nothing can hang or linger.
+Either error also carries the Python stack of every rank still running at that moment (what a
+rank waits on when its peer failed or the world hung).
 
 No port is picked and handed over: the caller hosts the world's rendezvous store on a port the OS
 chooses and holds the other ranks' ports (`fleetlike.launch.host_endpoints`, as
@@ -20,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -150,10 +153,14 @@ def make_world(role: Role, backend: str = "auto", timeout: float = 60.0) -> Any:
     return create_world(role, backend=backend, timeout=timeout)
 
 
-def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any) -> None:
+def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any, stacks: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    # the parent asks for this rank's stack (SIGUSR1) when another rank failed or time ran out;
+    # the file outlives the rank's own stderr, which the forkserver's children share
+    stack_file = open(os.path.join(stacks, f"rank{role.rank}"), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         # Plain pickle (bytes), not the queue's pickler: torch would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
@@ -212,12 +219,14 @@ def _run_roles(
     eps = roles[0].endpoints
     ctx = _context()
     q = ctx.Queue()
+    stacks = tempfile.mkdtemp(prefix="fleetlike-stacks-")
     procs = []
     for role in roles:
-        p = ctx.Process(target=_child, args=(fn, role, args, kwargs, q), daemon=True)
+        p = ctx.Process(target=_child, args=(fn, role, args, kwargs, q, stacks), daemon=True)
         p.start()
         procs.append(p)
     results: dict[int, Any] = {}
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
         def finished() -> bool:
@@ -241,15 +250,45 @@ def _run_roles(
                         f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting"
                     ) from None
                 continue
+            reported.add(rank)
             if not ok:
                 raise RankError(f"rank {rank} raised:\n{value}")
             results[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=max(deadline - time.monotonic(), 5.0))
+    except RankError as exc:
+        raise RankError(f"{exc}{_stacks_of_running(procs, stacks, reported)}") from None
     finally:
         _reap(procs)
         q.close()
+        shutil.rmtree(stacks, ignore_errors=True)
     return [results.get(r) for r in range(len(eps))]
+
+
+def _stacks_of_running(procs: list[Any], stacks: str, reported: set[int]) -> str:
+    """The Python stacks of the ranks still running that have not reported, each asked to write
+    its own (faulthandler), as text to append to the error."""
+    running = [r for r, p in enumerate(procs) if p.is_alive() and r not in reported]
+    for r in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    text = ""
+    for r in running:
+        path = os.path.join(stacks, f"rank{r}")
+        deadline = time.monotonic() + 2.0  # a rank inside a C++ call writes when it gets the GIL
+        while time.monotonic() < deadline and not _read(path):
+            time.sleep(0.05)
+        time.sleep(0.1)  # the rank may still be writing its other threads
+        text += f"\n\nrank {r} was still running, at:\n{_read(path) or '(no stack: the rank did not answer)'}"
+    return text
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _reap(procs: list[Any]) -> None:

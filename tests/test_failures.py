@@ -13,7 +13,7 @@ import torch
 from dp_common import batch, loss_fn, make_model
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.comm import CommError
-from fleetlike.testing import hosted_job, preloaded_context, run_ranks
+from fleetlike.testing import RankError, hosted_job, preloaded_context, run_ranks
 
 
 def _catch(fn):
@@ -39,6 +39,27 @@ def test_a_sleeping_rank_times_out_everyone_else_naming_it():
         kind, msg = results[rank]
         assert kind == "CollectiveTimeoutError", msg
         assert "all_reduce #2" in msg and "ranks [1] did not arrive" in msg and "2s timeout" in msg
+
+
+def _one_gives_up(role):
+    if role.rank == 0:
+        raise ValueError("rank 0 gives up")
+    _waiting_for_a_peer()
+
+
+def _waiting_for_a_peer():
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_world_reports_where_the_other_ranks_were():
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_one_gives_up, 2, timeout=45)
+    msg = str(info.value)
+    assert "rank 0 raised" in msg and "rank 0 gives up" in msg
+    assert "rank 1 was still running, at:" in msg and "_waiting_for_a_peer" in msg, msg
+    assert time.monotonic() - started < 30  # the error does not wait for the sleeper
 
 
 def _killed(role, victim):
