@@ -296,7 +296,11 @@ def rank_suite(hvd: Any, spec: dict[str, Any]) -> dict[str, Any]:
     out["err.root"] = _catch(lambda: hvd.broadcast(torch.ones(2), r), hvd.CollectiveMismatchError)
     h = hvd.allreduce_async(torch.ones(2), name="dup")
     out["err.dup"] = _catch(lambda: hvd.allreduce_async(torch.ones(3), name="dup"), ValueError)
+    hvd.barrier()
+    time.sleep(0.05)  # completed by now on most runs, each rank at its own moment: still taken
+    out["err.dup.done"] = _catch(lambda: hvd.allreduce_async(torch.ones(3), name="dup"), ValueError)
     hvd.synchronize(h)
+    out["dup.reused"] = hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="dup")).numpy()
     out["err.model"] = _catch(lambda: hvd.DistributedOptimizer(
         torch.optim.SGD(torch.nn.Linear(3, 2 + r).parameters(), lr=0.1)), hvd.CollectiveMismatchError)
     out["err.rs_op"] = _catch(lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max), ValueError)

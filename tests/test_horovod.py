@@ -144,6 +144,8 @@ def check_suite(results: list[dict[str, Any]], world: int, nodes: int = 1) -> No
         assert "disagree on the dtype" in res["err.dtype"] and "float64" in res["err.dtype"]
         assert "disagree on the root" in res["err.root"]
         assert "same name as another tensor that is currently being processed" in res["err.dup"]
+        assert "same name as another tensor that is currently being processed" in res["err.dup.done"]
+        np.testing.assert_array_equal(res["dup.reused"], np.ones(2))  # Average of ones
         assert "only supports AVERAGE and SUM" in res["err.rs_op"]
         assert res["err.model"].startswith("CollectiveMismatchError") and "optimizer_setup" in res["err.model"]
         assert "disagree on the numel" in res["err.model"] and "the same model" in res["err.model"]

@@ -16,9 +16,14 @@ submission order, as Horovod's generated names do) and decide alike from that ex
 - none, and every rank must wait for its own call: no order can match them, and every rank
   raises `CollectiveMismatchError` with the table of what each rank asked for.
 
-A name pending or in flight (submitted, not yet synchronized) cannot be submitted again: the
-second call raises ``ValueError`` at once, on that rank only, as Horovod. In the common case
-(every rank calls in the same order) the first agreement matches and nothing else is exchanged.
+A name cannot be submitted again while it is taken: the second call raises ``ValueError`` at
+once, on that rank only, as Horovod. Horovod frees a name when its background thread completes
+the collective, a moment each rank sees at a different time: a rank that reuses the name right
+after its own copy finished would start a collective that a slower rank refuses. Here the name
+is freed by what the caller saw, which is the same on every rank running the same code: by
+``synchronize``, by ``poll`` returning True, or by dropping the handle once the collective
+completed. In the common case (every rank calls in the same order) the first agreement matches
+and nothing else is exchanged.
 
 Example (two ranks, opposite orders; both complete)::
 
@@ -29,6 +34,7 @@ Example (two ranks, opposite orders; both complete)::
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +67,7 @@ class Handle:
     """What an ``_async`` call returns: pass it to `poll` or `synchronize` (Horovod's handle)."""
 
     __slots__ = ("_rt", "_name", "key", "_label", "_start", "_work", "_finish", "_result", "_done", "_error",
-                 "_times")
+                 "_times", "_seen", "__weakref__")
 
     def __init__(self, rt: Runtime, name: str | None, key: int, label: str,
                  start: Callable[[], tuple[Work, Callable[[], Any]]]) -> None:
@@ -71,6 +77,8 @@ class Handle:
         self._finish: Callable[[], Any] | None = None
         self._result: Any = None
         self._done = False
+        #: the caller saw it complete (``poll`` returned True): its name is free again
+        self._seen = False
         self._error: BaseException | None = None
 
     @property
@@ -82,12 +90,14 @@ class Handle:
         self._times[1] = timeline.now()
 
     def _release(self) -> None:
-        if self._name is not None and self._rt.in_flight.get(self._name) is self:
+        if self._name is None:
+            return
+        ref = self._rt.in_flight.get(self._name)
+        if ref is not None and ref() is self:
             self._rt.in_flight.pop(self._name)
 
-    def completed_unclaimed(self) -> bool:
-        """Started and finished (or failed) though nobody synchronized it yet: Horovod frees the
-        name of such a collective when it completes, so the name may be submitted again."""
+    def completed(self) -> bool:
+        """Started and finished (or failed), whether or not anybody synchronized it yet."""
         return self._error is not None or (self._work is not None and self._work.is_completed())
 
     def poll(self) -> bool:
@@ -97,7 +107,8 @@ class Handle:
             drive(self._rt, self, may_leave=True)
             if not self.started:
                 return False
-        return self._error is not None or self._work is not None and self._work.is_completed()
+        self._seen = self.completed()
+        return self._seen
 
     def wait(self) -> Any:
         if not self._done:
@@ -133,21 +144,25 @@ def synchronize(handle: Handle) -> Any:
 
 
 def claim(rt: Runtime, name: str | None, what: str) -> None:
-    """Reserve ``name`` until its collective completes (Horovod's duplicate-name error, raised
-    on this rank alone before anything is exchanged). A collective that completed but was never
-    synchronized frees its name, as in Horovod, whose background thread retires it."""
+    """Refuse ``name`` while it is taken (Horovod's duplicate-name error, raised on this rank
+    alone before anything is exchanged; see the module docstring for when a name is free)."""
     if name is None:
         return
     if not isinstance(name, str):
         raise TypeError(f"{what}: name must be a str, got {type(name).__name__}")
-    held = rt.in_flight.get(name)
-    if held is not None and not (isinstance(held, Handle) and held.completed_unclaimed()):
+    ref = rt.in_flight.get(name)
+    if ref is None:
+        return
+    # the runtime keeps a handle alive while its collective runs; after that only its caller
+    # (or the pending queue) does, so a live handle the caller has not seen complete is taken
+    rt.unfinished = [h for h in rt.unfinished if not h.completed()]
+    held = ref()
+    if held is not None and not held._seen:
         raise ValueError(
             "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
             f"tensor that is currently being processed ({name!r}). If you want to request another "
             "tensor, use a different tensor name (or synchronize the first one's handle)."
         )
-    rt.in_flight[name] = True
 
 
 def op_key(rt: Runtime, label: str, name: str | None) -> int:
@@ -163,7 +178,8 @@ def submit(rt: Runtime, name: str | None, label: str, what: str,
         claim(rt, name, what)
         h = Handle(rt, name, op_key(rt, label, name), label, start)
         if name is not None:
-            rt.in_flight[name] = h
+            rt.in_flight[name] = weakref.ref(h)
+            rt.unfinished.append(h)
         rt.pending.append(h)
         try:
             drive(rt, h, may_leave=True)

@@ -86,8 +86,11 @@ class Runtime:
         #: one hvd collective at a time agrees and starts (the exchange and the data keep the
         #: same order on every rank even when hooks run on another thread)
         self.lock = threading.RLock()
-        #: names of submitted collectives not yet retired (a Handle each; see `order.claim`)
+        #: names of submitted collectives, each to a weak reference to its Handle (the name is
+        #: taken while the handle lives; see `order.claim`)
         self.in_flight: dict[str, Any] = {}
+        #: named Handles whose collective may still run, kept alive until it completed
+        self.unfinished: list[Any] = []
         #: the agreed history, from which every rank predicts the next allreduce alike, which
         #: then needs no exchange (`speculate`)
         self.speculator = Speculator(comm, device)
