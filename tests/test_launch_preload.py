@@ -4,6 +4,7 @@ and the launcher's SIGTERM; the records the workers write and the launcher's lin
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -117,3 +118,34 @@ def test_preload_flag_and_its_variable() -> None:
         parse_config(["x.py"], environ={PRELOAD_ENV: "numpy"})
     with pytest.raises(LaunchInputError, match="--preload"):
         parse_config(["--preload=yes", "x.py"], environ={})
+
+
+def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
+    """Exit status, output, a non-daemon thread, atexit and files left open: a child forked
+    from the preload server (which ends without the interpreter's teardown) against the same
+    script started plainly."""
+    from helpers import preload_env, run_jobs
+
+    probe = ROOT / "tests" / "launch_workers" / "exit_probe.py"
+    modes = ("normal", "exit3", "exit_text", "raise", "ctrl_c")
+    env = {**os.environ, **preload_env(), "OMP_NUM_THREADS": "1"}  # the server's start-up setting
+    assert env.get(SOCKET_ENV), "the suite's preload server is running (tests/conftest.py)"
+    ends = {}
+    for way in ("plain", "preloaded"):
+        out = tmp_path / way
+        out.mkdir()
+        done = run_jobs([[sys.executable, "-u", str(probe), m, str(out)] for m in modes], cwd=tmp_path,
+                        envs=[env] * len(modes), timeout=60, preload=way == "preloaded")
+        for d in done:
+            assert d.stdout.startswith(f"preloaded: {way == 'preloaded'}\n"), d.stdout
+        ends[way] = {m: (d.returncode, d.stdout.split("\n", 1)[1].replace(str(out), "OUT"),
+                         (out / f"{m}.order").read_text(), gzip.open(out / f"{m}.gz", "rt").read())
+                     for m, d in zip(modes, done)}
+    assert ends["preloaded"] == ends["plain"]
+    codes = {m: e[0] for m, e in ends["plain"].items()}
+    assert codes == {"normal": 0, "exit3": 3, "exit_text": 1, "raise": 1, "ctrl_c": -signal.SIGINT}
+    for mode, (_, output, order, packed) in ends["plain"].items():
+        assert output.startswith(f"{mode}: main done"), output
+        assert order == "thread ended\natexit ran\n" and packed == f"{mode} " * 1000
+    assert "leaving with a message" in ends["plain"]["exit_text"][1]
+    assert "ValueError: the script failed" in ends["plain"]["raise"][1]

@@ -11,11 +11,24 @@ the worker's stdout descriptor attached, answered by ``started`` (the child's pi
 the worker (`_become`): its session, its death with the server, its stdio, the launcher's
 umask, affinity and limits, the worker's environment, argv, working directory and path, the
 default generators seeded afresh, and the script run as ``__main__``.
+
+A child ends as the interpreter does (its non-daemon threads joined, ``atexit`` run, the files
+it opened flushed and closed, the exit code or signal of ``SystemExit``, an uncaught exception
+or Ctrl-C) but without the interpreter's teardown, as ``multiprocessing``'s forked children do:
+freeing every object of the preloaded modules writes to each of their pages, which the fork
+shares until then, and costs a second of CPU per child. Objects still alive at exit are
+therefore not finalized (their ``__del__`` does not run) apart from open files; the server
+freezes its preloaded objects (`gc.freeze`) so that the child's garbage collections, and that
+last look for open files, do not walk them either.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import gc
+import io
 import json
 import os
 import resource
@@ -264,8 +277,64 @@ def _settle_child(out_fd: int, ready_w: int) -> None:
 
 
 def _become(child: _Child) -> None:
-    """Turn this forked child into the worker and run it (the interpreter's own exit handling
-    then applies: SystemExit's code, 1 after an uncaught exception, atexit, thread joins)."""
+    """Turn this forked child into the worker, run it and end the process (`_end`)."""
+    try:
+        _run(child)
+    except SystemExit as exc:
+        _end(_exit_code(exc.code))
+    except KeyboardInterrupt as exc:
+        _report(exc)
+        _end(None)
+    _end(0)
+
+
+def _exit_code(code: Any) -> int:
+    """The process's exit code for ``SystemExit(code)``, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _end(code: int | None) -> None:
+    """The interpreter's exit steps, in its order, then ``os._exit`` instead of its teardown
+    (see the module docstring). ``None``: end by SIGINT, as after an uncaught Ctrl-C."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls first
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    _close_open_files()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    if code is None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    os._exit(code)
+
+
+def _close_open_files() -> None:
+    """Flush, then close, the file objects the child still holds, as their finalizers would:
+    text layers first, so that their buffers reach the binary files under them. Only the
+    child's own objects are looked at (the preloaded ones are frozen: `gc.get_objects` skips
+    them)."""
+    std = {id(sys.stdout), id(sys.stderr), id(sys.stdin), id(sys.__stdout__), id(sys.__stderr__),
+           id(sys.__stdin__)}
+    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase) and id(o) not in std]
+    files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
+    for step in ("flush", "close"):
+        for f in files:
+            with contextlib.suppress(BaseException):
+                if not f.closed:
+                    getattr(f, step)()
+
+
+def _run(child: _Child) -> None:
+    """Run the worker's script or module as ``__main__`` in this forked child."""
     request = child.request
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["affinity"])
@@ -302,17 +371,26 @@ def _become(child: _Child) -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb)
+        _report(exc)
         raise SystemExit(1) from None
 
 
+def _report(exc: BaseException) -> None:
+    """Print an uncaught exception as the interpreter would for the script: its traceback
+    starts at the script (this module's and runpy's frames left out)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        tb = tb.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+
+
 def _preload() -> None:
-    """Import what the children share."""
+    """Import what the children share, then freeze it (`gc.freeze`): a child's collections
+    leave these objects, and so their shared pages, untouched."""
     for name in PRELOADED_MODULES:
         __import__(name)
+    gc.collect()
+    gc.freeze()
 
 
 def _serve_private(base_path: list[str]) -> None:
