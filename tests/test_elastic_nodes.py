@@ -33,6 +33,7 @@ import pytest
 from fleetlike.elastic.membership import ENV, EVENTS_KEY
 from fleetlike.launch.elastic_agent import ELASTIC_ENV
 from fleetlike.launch.nodewatch import EVENTS_KEY as LAUNCH_EVENTS_KEY
+from amp_common import DIGITS_FILE_ENV, save_digits
 from helpers import side_by_side
 from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV
 from test_launch_run import PY, ROOT, WORKERS, Launchers, alive, assert_all_gone, clean_env, finish, recorded_pids
@@ -180,10 +181,10 @@ def discovered_job(launchers: Launchers, root: Path) -> tuple[str, list[dict], d
     a = launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--node_ip=127.0.0.1",
                         "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
                         f"--host_discovery_script={script}", "--discovery_interval=0.5",
-                        f"--remote_shell={LOCAL_SHELL}", f"--log_dir={logs}", SCRIPT, str(out), "2", "0.1", "eager",
+                        f"--remote_shell={LOCAL_SHELL}", f"--log_dir={logs}", SCRIPT, str(out), "2", "0.25", "eager",
                         "joined")
-    # 2 epochs, 0.1 s a step until the world is full: the new node's three interpreters start
-    # well before A would end
+    # 2 epochs, 0.25 s a step until the world is full (44 s at least): the new node's launcher and
+    # workers start well before A would end, also beside this module's other jobs
     wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
     assert progress(out)[1] == 2
     hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
@@ -254,6 +255,13 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]
     beside it (its accuracy does not depend on timing: `launch_workers/elastic_digits.py`)."""
     root = tmp_path_factory.mktemp("elastic-nodes")
     runner = Launchers(root)
+    with pytest.MonkeyPatch.context() as env:  # the workers read the digits without scikit-learn
+        env.setenv(DIGITS_FILE_ENV, str(save_digits(root / "digits.npz")))
+        yield from _jobs(runner, root)
+
+
+def _jobs(runner: Launchers, root: Path) -> Iterator[dict[str, Future]]:
+    """`jobs` in two waves; every launcher stopped and no worker left after them."""
     try:
         with side_by_side({"reference": functools.partial(reference_job, runner, root),
                            "eager": functools.partial(joined_then_lost_job, runner, root),

@@ -12,6 +12,7 @@ worker; here on two real members of one rendezvous in this process.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import threading
 
@@ -21,10 +22,12 @@ import torch
 import fleetlike.comm.secret as secret
 from fleetlike.comm import JobSecret, host_store
 from fleetlike import elastic
-from fleetlike.elastic import run as elastic_run
 from fleetlike.elastic.membership import ENV, ElasticSettings, Membership
 
 pytestmark = pytest.mark.timeout(60)
+
+#: the module (the package's ``run`` is the decorator of the same name)
+elastic_run = importlib.import_module("fleetlike.elastic.run")
 
 
 def _beating() -> list[str]:
