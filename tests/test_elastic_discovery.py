@@ -1,10 +1,8 @@
 """``--host_discovery_script``: a node found by the script mid-job is started and admitted.
 
-End to end on loopback: node A (127.0.0.1) runs an elastic job whose discovery script cats a
-file; the test adds ``127.0.0.2:2`` to the file once A trains, and A's launcher starts that
-node's launcher through a ``--remote_shell`` template that runs the command here. The world
-grows 2 -> 4 at a commit, every sample of the epoch is seen exactly once, and all four ranks
-end with the same model. Then the discovery loop alone (a fake remote shell that sleeps): bad
+End to end (a discovered node joins a running job at a commit):
+test_elastic_nodes.py::test_discovered_node_joins_at_a_commit, beside that module's other jobs.
+Here the discovery loop alone (a fake remote shell that sleeps): bad
 output is logged once and retried, at most MAX nodes are started, a host whose launcher ended is
 not started again, and the whole-job stop ends the launchers it started. Then bad input at start
 (exit 2, nothing started).
@@ -21,56 +19,9 @@ import pytest
 from fleetlike.launch.config import LaunchConfig, LaunchInputError, parse_config
 from fleetlike.launch.discovery import HostDiscovery
 from fleetlike.launch.main import main
-from test_elastic_nodes import SCRIPT, free_port, progress, reports, wait_until
-from test_launch_run import Launchers, assert_all_gone, finish, launchers  # noqa: F401
+from test_elastic_nodes import discovery_script, free_port
 
 pytestmark = pytest.mark.timeout(90)
-
-LOCAL_SHELL = "env FLEETLIKE_TEST_HOST={host} sh -c"  # "runs on {host}": here, as --node_ip says
-
-
-def discovery_script(tmp_path: Path, hosts: Path, body: str | None = None) -> Path:
-    script = tmp_path / "discover.sh"
-    script.write_text("#!/bin/sh\n" + (body if body is not None else f"cat {hosts}\n"))
-    script.chmod(0o755)
-    return script
-
-
-@pytest.mark.slow
-def test_discovered_node_joins_at_a_commit(launchers: Launchers, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:2\n")  # this node: already running
-    script = discovery_script(tmp_path, hosts)
-    a = launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--node_ip=127.0.0.1",
-                        "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
-                        f"--host_discovery_script={script}", "--discovery_interval=0.5",
-                        f"--remote_shell={LOCAL_SHELL}", "--log_dir=log-a", SCRIPT, str(out), "2", "0.1", "eager",
-                        "joined")
-    # 2 epochs, 0.1 s a step until the world is full: the new node's three interpreters start
-    # well before A would end
-    wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
-    assert progress(out)[1] == 2
-    hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
-    wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
-    code, _, stderr = finish(a, timeout=60, logs=tmp_path / "log-a")
-    assert code == 0, stderr
-    assert "host discovery: started the launcher of 127.0.0.2" in stderr
-    done = reports(out)
-    nodes = {int(p.name.split(".")[1]): p.read_text() for p in out.glob("node.*")}
-    assert sorted(nodes[r["pid"]] for r in done) == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2
-    assert sorted(r["rank"] for r in done) == [0, 1, 2, 3] and all(r["world"] == 4 for r in done)
-    for report in done:
-        for seen in report["seen"]:
-            assert sorted(seen) == list(range(1400)), "samples missing or seen twice"
-        if nodes[report["pid"]] == "127.0.0.1":
-            (joined,) = report["resets"]
-            assert joined["cause"] == "workers waiting to join (admitted at a commit)"
-            assert (joined["old_size"], joined["new_size"], joined["nodes_joined"]) == (2, 4, ["127.0.0.2"])
-    assert len({(r["accuracy"], r["steps"]) for r in done}) == 1  # one model, one step count
-    assert (tmp_path / "log-a" / "node-127.0.0.2" / "workerlog.0").is_file()
-    assert_all_gone(out)
 
 
 def until(check, timeout: float = 10.0) -> None:

@@ -198,9 +198,32 @@ class Membership:
 
     def close(self) -> None:
         """Leave the rendezvous for good (the job is done here): stop the heartbeats."""
-        if self._watch is not None:
-            self._watch.stop()
+        self.quiet()
         self.handler.shutdown()
+
+    def quiet(self, wait: float = HEARTBEAT_SECONDS * HEARTBEATS_MISSED) -> None:
+        """Stop this process's heartbeat threads (the world's `Watch` and the rendezvous's
+        keep-alive) and wait for them, at most ``wait`` seconds in all (a store call in progress
+        finishes first; one to an unreachable store is left behind, said on stderr), staying in
+        the rendezvous (a worker that ends after a failure may be started again and rejoin).
+        Called at interpreter exit too (`fleetlike.elastic.init` registers it): a daemon thread
+        still inside a store call when the interpreter finalizes is ended by CPython while it
+        reacquires the GIL, which unwinds through torch's C++ frames and aborts the process
+        (``terminate called without an active exception``, SIGABRT) after the script itself
+        succeeded."""
+        deadline = time.monotonic() + wait
+        if self._watch is not None:
+            self._watch.stop(wait=wait)
+        # torch's handler has no public way to stop its keep-alive without closing the
+        # rendezvous for every participant (`shutdown`); its own stop joins without a bound
+        stopper = threading.Thread(target=self.handler._stop_heartbeats,  # type: ignore[attr-defined]
+                                   name="fleetlike-elastic-quiet", daemon=True)
+        stopper.start()
+        stopper.join(max(0.0, deadline - time.monotonic()))
+        if stopper.is_alive() or (self._watch is not None and self._watch.is_alive()):
+            print(f"fleetlike.elastic: a heartbeat thread is still in a call to the rendezvous store "
+                  f"{self.settings.store} after {wait:g}s (unreachable?); going on without it",
+                  file=sys.stderr, flush=True)
 
 
 class Watch(threading.Thread):
@@ -219,8 +242,12 @@ class Watch(threading.Thread):
         self._store, self._seat, self._size, self._interrupt = store, seat, size, interrupt
         self._stop_event = threading.Event()
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop beating; with ``wait``, wait up to that many seconds for the thread to end (a
+        store call in progress finishes first)."""
         self._stop_event.set()
+        if wait > 0 and self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=wait)
 
     def run(self) -> None:
         keys = [f"alive/{r}" for r in range(self._size)]

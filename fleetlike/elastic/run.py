@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import functools
 import sys
 import threading
@@ -109,9 +110,20 @@ def init(strategy: DistributedStrategy | None = None, timeout: float | None = No
         if _MEMBERSHIP is not None:
             raise RuntimeError("fleetlike.elastic.init() was already called in this process")
         _MEMBERSHIP = members = Membership.from_env()
+    atexit.unregister(_quiet_at_exit)  # once, however often init follows shutdown
+    atexit.register(_quiet_at_exit)
     limit = 1800.0 if timeout is None else timeout
     alone = Role.from_endpoints(0, [members.settings.endpoint], job_id=members.settings.run_id, source="elastic")
     fleet.replace_world(alone, SingleCommunicator("world", 0), strategy=strategy, timeout=limit)
+
+
+def _quiet_at_exit() -> None:
+    """At interpreter exit (a script that never called `shutdown`, as Horovod's elastic scripts
+    do not): stop the heartbeat threads before the interpreter finalizes (`Membership.quiet`)."""
+    with _LOCK:
+        members = _MEMBERSHIP
+    if members is not None:
+        members.quiet()
 
 
 def shutdown() -> None:
