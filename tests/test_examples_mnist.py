@@ -21,9 +21,11 @@ from helpers import IN_TURN, case_logs, in_turn_cases, run_job, torchrun_module
 
 MNIST = ROOT / "examples" / "pytorch_mnist"
 HOROVOD = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
-#: 2 epochs of 2560 images (20 steps of 64 per worker each): seconds on a CPU
-SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--log-interval", "5"]
-HOROVOD_SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--lr", "0.05"]
+#: 2 epochs of 1280 images (10 steps of 64 per worker each): seconds on a CPU. The lowest final
+#: accuracy over seeds 1-5 at this size was 0.76 for 2 workers' batches, 0.998 for one (bound 0.5)
+SMALL = ["--epochs", "2", "--train-size", "1280", "--test-size", "500", "--log-interval", "5"]
+#: the same for Horovod's script (logged every 2 steps)
+HOROVOD_SMALL = ["--epochs", "2", "--train-size", "1280", "--test-size", "500", "--lr", "0.05", "--log-interval", "2"]
 CASES = ("fleet", "horovod")
 
 
@@ -80,12 +82,12 @@ def test_fleet_and_horovod_versions_under_the_launcher(tmp_path: Path) -> None:
     assert proc.returncode == 0 and all(list(log) == list(CASES) for log in logs), proc.stdout[-4000:]
     fleet_logs = "".join(log["fleet"] for log in logs)
     check_learned(fleet_logs, workers=2)
-    # each worker trained on its own half: 20 batches per epoch, logged every 5
-    assert fleet_logs.count("Train Epoch: 1 [") == 2 * 4, fleet_logs[-3000:]
+    # each worker trained on its own half: 10 batches per epoch, logged every 5
+    assert fleet_logs.count("Train Epoch: 1 [") == 2 * 2, fleet_logs[-3000:]
     assert (tmp_path / "mnist_cnn.pt").exists()  # saved by rank 0
     check_horovod_learned(logs[0]["horovod"])
-    # each worker trains on its half (DistributedSampler over hvd.size()): 1280 images, logged every 10
-    assert "Train Epoch: 1 [640/1280 (50%)]" in logs[0]["horovod"], logs[0]["horovod"][-3000:]
+    # each worker trains on its half (DistributedSampler over hvd.size()): 640 images, logged every 2 steps
+    assert "Train Epoch: 1 [128/640 (20%)]" in logs[0]["horovod"], logs[0]["horovod"][-3000:]
 
 
 @pytest.mark.slow
