@@ -194,12 +194,9 @@ def _start(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], prelo
     return proc, proc.stdout
 
 
-def in_turn_cases(path: Path, cases: Sequence[tuple[str, str | Path, Mapping[str, str]]
-                                              | tuple[str, str | Path, Mapping[str, str], Sequence[str]]]) -> Path:
-    """Write ``(name, script, env)`` or ``(name, script, env, args)`` cases for
-    tests/launch_workers/in_turn.py to ``path``."""
-    path.write_text(json.dumps([{"name": c[0], "script": str(c[1]), "env": dict(c[2]),
-                                 "args": [str(a) for a in (c[3] if len(c) > 3 else ())]} for c in cases]))
+def in_turn_cases(path: Path, cases: Sequence[tuple[str, str | Path, Mapping[str, str]]]) -> Path:
+    """Write ``(name, script, env)`` cases for tests/launch_workers/in_turn.py to ``path``."""
+    path.write_text(json.dumps([{"name": n, "script": str(s), "env": dict(e)} for n, s, e in cases]))
     return path
 
 

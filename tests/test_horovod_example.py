@@ -6,9 +6,8 @@ The structure test reads the script with `ast` and compares it with Horovod's
 and command-line flags (plus ``--train-size`` / ``--test-size`` for the synthetic data), and
 function bodies identical to Horovod's. The fingerprints below are sha256 prefixes of
 ``ast.dump`` of Horovod's own definitions (horovod/horovod master, 2026), so any edit to those
-bodies fails here. tests/test_examples_mnist.py starts it as a Horovod user would, with the fleetlike
-launcher, ``mpiexec -n 2`` and torchrun, and checks that it learns (test accuracy far above the 10%
-of chance).
+bodies fails here. The run tests start it as a Horovod user would, with the fleetlike launcher,
+``mpiexec -n 2`` and torchrun, and check that it learns (test accuracy far above the 10% of chance).
 The elastic example gets the same structure check against Horovod's
 ``examples/elastic/pytorch/pytorch_mnist_elastic.py``, and one elastic run with a worker SIGKILLed
 compared with a run of the same rollback in which nobody dies.
@@ -26,10 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from examples_common import PY, ROOT, clean_env
+from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run
+from helpers import run_job, torchrun_module
 from test_elastic_nodes import free_port
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
+SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--lr", "0.05"]
 
 #: every ``hvd.<name>`` in Horovod's script, in source order
 HOROVOD_NAMES = [
@@ -96,6 +97,40 @@ def test_structure_check_sees_a_change() -> None:
 
 def accuracy(text: str) -> list[float]:
     return [float(p) for p in re.findall(r"Test set: Average loss: [0-9.]+, Accuracy: ([0-9.]+)%", text)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_example_learns_under_the_launcher(tmp_path: Path) -> None:
+    proc = run_job(launcher(str(EXAMPLE), *SMALL, log_dir=tmp_path / "log"), cwd=tmp_path, env=clean_env(),
+                   timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    log = (tmp_path / "log" / "workerlog.0").read_text()
+    acc = accuracy(log)
+    assert len(acc) == 2 and acc[-1] > 50.0, log[-3000:]
+    # each worker trains on its half (DistributedSampler over hvd.size()): 1280 images, logged every 10
+    assert "Train Epoch: 1 [640/1280 (50%)]" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_example_learns_under_mpiexec(tmp_path: Path) -> None:
+    missing = mpi_missing()
+    if missing:
+        pytest.skip(missing)
+    proc = run(mpiexec(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(HYDRA_IFACE="lo"), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    acc = accuracy(proc.stdout)
+    assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_example_learns_under_torchrun(tmp_path: Path) -> None:
+    proc = run_job(torchrun_module(str(EXAMPLE), *SMALL), cwd=tmp_path, env=clean_env(), timeout=110)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    acc = accuracy(proc.stdout)
+    assert len(acc) == 2 and acc[-1] > 50.0, proc.stdout[-3000:]
 
 
 ELASTIC = ROOT / "examples" / "horovod" / "pytorch_mnist_elastic.py"

@@ -6,8 +6,7 @@ variables are removed, the next case's set, and ``fleet.shutdown()`` ends what t
 process end would have ended; each case's ``fleet.init`` then meets the other ranks afresh.
 
 Usage: in_turn.py CASES.json
-CASES.json: a list of ``{"name": ..., "script": PATH, "env": {VAR: VALUE}, "args": [ARG, ...]}``
-(``args``, the script's command line, may be left out). Each case's output
+CASES.json: a list of ``{"name": ..., "script": PATH, "env": {VAR: VALUE}}``. Each case's output
 is framed by ``=== begin NAME`` and ``=== end NAME`` lines (see `tests/helpers.py` ``case_logs``).
 """
 
@@ -30,7 +29,7 @@ def main() -> None:
         os.environ.update(case["env"])
         previous = case["env"]
         script = os.path.abspath(case["script"])
-        sys.argv = [script, *case.get("args", [])]
+        sys.argv = [script]
         sys.path[:] = [os.path.dirname(script), *base_path]
         print(f"=== begin {case['name']}", flush=True)
         runpy.run_path(script, run_name="__main__")
