@@ -164,6 +164,11 @@ def test_bf16_runs_without_scaling(scripted, style):
     assert max_diff(results[0][2], results[1][2]) == 0.0  # synchronous: one model on every rank
 
 
+#: training steps on digits: over seeds 0-2 at this length fp32 reached 0.95-0.97 and every mode
+#: stayed within 0.005 of it
+DIGITS_STEPS = 120
+
+
 def _digits(role, mode):
     (xtr, ytr), (xte, yte) = digits_split()
     with fleet.session(role, timeout=60):
@@ -178,7 +183,7 @@ def _digits(role, mode):
         fleet.distributed_optimizer(opt, s).minimize(digits_loss, model)
         exe = Executor()
         exe.run(fleet.startup_program)
-        for step in range(250):
+        for step in range(DIGITS_STEPS):
             exe.run(fleet.main_program, feed=shard_batch(xtr, ytr, step, role.rank, role.world_size))
         return accuracy(model, xte, yte)
 
