@@ -113,16 +113,35 @@ def _scripted(role, bad_steps, bad_rank, dtype, style):
         return scales, found, params(model), text
 
 
+#: rank 1 overflows (float16) at these steps
+BAD = {2, 5, 6}
+#: name -> `_scripted` arguments after the role: the overflow and the bf16 runs, in both styles
+SCRIPTED = {f"{name}_{style}": (bad, 1 if name == "overflow" else 0, dtype, style)
+            for name, bad, dtype in (("overflow", BAD, "float16"), ("bf16", set(), "bfloat16"))
+            for style in ("program", "eager")}
+
+
+def _scripted_runs(role):
+    """Every `SCRIPTED` run, then `_eager_amp`, in turn in the same ranks (each in its own session)."""
+    return {**{name: _scripted(role, *args) for name, args in SCRIPTED.items()}, "eager_clip": _eager_amp(role)}
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """name -> each rank's result of `_scripted_runs`, from one 2-rank job."""
+    ranks = run_ranks(_scripted_runs, 2, timeout=100)
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
-def test_overflow_on_one_rank_skips_everywhere(style):
-    bad = {2, 5, 6}
-    results = run_ranks(_scripted, 2, bad, 1, "float16", style, timeout=60)
-    expect = paddle_rule([s in bad for s in range(8)], 1024.0, 2, 1, 2.0, 0.8)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_overflow_on_one_rank_skips_everywhere(scripted, style):
+    results = scripted[f"overflow_{style}"]
+    expect = paddle_rule([s in BAD for s in range(8)], 1024.0, 2, 1, 2.0, 0.8)
     for scales, found, _, text in results:
         assert scales == expect
-        assert found == [s in bad for s in range(8)]
+        assert found == [s in BAD for s in range(8)]
         if style == "program":
             assert "check_finite_and_unscale" in text and "update_loss_scaling" in text
         else:
@@ -131,10 +150,10 @@ def test_overflow_on_one_rank_skips_everywhere(style):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("style", [pytest.param("program", marks=pytest.mark.slow), "eager"])
-def test_bf16_runs_without_scaling(style):
-    results = run_ranks(_scripted, 2, set(), 0, "bfloat16", style, timeout=45)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("style", ["program", "eager"])
+def test_bf16_runs_without_scaling(scripted, style):
+    results = scripted[f"bf16_{style}"]
     for scales, found, p, text in results:
         assert scales == [1.0] * 8 and found == [None] * 8  # no finite check, no extra collective
         if style == "program":
@@ -143,6 +162,11 @@ def test_bf16_runs_without_scaling(style):
         else:
             assert "amp: applied" in text, text
     assert max_diff(results[0][2], results[1][2]) == 0.0  # synchronous: one model on every rank
+
+
+#: training steps on digits: over seeds 0-2 at this length fp32 reached 0.95-0.97 and every mode
+#: stayed within 0.005 of it
+DIGITS_STEPS = 120
 
 
 def _digits(role, mode):
@@ -159,7 +183,7 @@ def _digits(role, mode):
         fleet.distributed_optimizer(opt, s).minimize(digits_loss, model)
         exe = Executor()
         exe.run(fleet.startup_program)
-        for step in range(250):
+        for step in range(DIGITS_STEPS):
             exe.run(fleet.main_program, feed=shard_batch(xtr, ytr, step, role.rank, role.world_size))
         return accuracy(model, xte, yte)
 
@@ -199,8 +223,8 @@ def _eager_amp(role):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
-def test_eager_amp_with_clipping_between_sync_and_step():
-    (s0, p0), (s1, p1) = run_ranks(_eager_amp, 2, timeout=45)
+@pytest.mark.timeout(120)
+def test_eager_amp_with_clipping_between_sync_and_step(scripted):
+    (s0, p0), (s1, p1) = scripted["eager_clip"]
     assert s0 == s1 == 256.0 * 0.8
     assert max_diff(p0, p1) == 0.0

@@ -15,8 +15,9 @@ from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec,
 from helpers import run_job, torchrun_module
 
 MNIST = ROOT / "examples" / "pytorch_mnist"
-#: 2 epochs of 2560 images (20 steps of 64 per worker each): seconds on a CPU
-SMALL = ["--epochs", "2", "--train-size", "2560", "--test-size", "500", "--log-interval", "5"]
+#: 2 epochs of 1280 images (10 steps of 64 per worker each): seconds on a CPU. The lowest final
+#: accuracy over seeds 1-5 at this size was 0.76 for 2 workers' batches, 0.998 for one (bound 0.5)
+SMALL = ["--epochs", "2", "--train-size", "1280", "--test-size", "500", "--log-interval", "5"]
 
 
 def accuracies(text: str) -> list[float]:
@@ -46,10 +47,11 @@ def test_fleet_version_under_the_launcher(tmp_path: Path) -> None:
     proc = run_job(launcher(str(MNIST / "main_fleet.py"), *SMALL, "--save-model", log_dir=tmp_path / "log"),
                    cwd=tmp_path, env=clean_env(), timeout=80)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    logs = "".join((tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2))
-    check_learned(logs, workers=2)
-    # each worker trained on its own half: 20 batches per epoch, logged every 5
-    assert logs.count("Train Epoch: 1 [") == 2 * 4, logs[-3000:]
+    logs = [(tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2)]
+    for log in logs:  # each worker's own log: its two tests, the last one's accuracy
+        check_learned(log, workers=1)
+    # each worker trained on its own half: 10 batches per epoch, logged every 5
+    assert "".join(logs).count("Train Epoch: 1 [") == 2 * 2, logs[-1][-3000:]
     assert (tmp_path / "mnist_cnn.pt").exists()  # saved by rank 0
 
 

@@ -5,7 +5,8 @@ parameters == the uninterrupted run's), `train.py` == `train_with_fleet.py` on o
 single-process reference), and `evaluate.py` against the served model (equal; a changed served
 model is caught with its mismatch count and exit status 1).
 
-The runs are short (16x16 images, 240 training images) so the file stays within its time budget;
+The runs are short (16x16 images, 240 training images; the one-worker comparison and the
+evaluation read a smaller folder of the same kind) so the file stays within its time budget;
 scripts/train.sh's full recipe (32x32, 5 epochs, >= 95% top-1) is measured in docs/BENCHMARKS.md.
 """
 
@@ -16,8 +17,8 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,10 +27,12 @@ import pytest
 import torch
 from examples_common import PY, ROOT, clean_env, launcher, run
 from fleetlike.fleet.checkpoint import read_file
-from helpers import run_job, run_jobs
+from helpers import run_job, run_jobs, side_by_side, start_job
 
 EX = ROOT / "examples" / "resnet"
-TINY = ("--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", "--batch_size=8", "--lr=0.05",
+#: the images' side (at 8x8, the digits' own, 2 epochs end below the 35% top-1 asserted below)
+SIDE = 16
+TINY = ("--model=ResNet18", "--class_dim=10", f"--image_shape=3,{SIDE},{SIDE}", "--batch_size=8", "--lr=0.05",
         "--lr_strategy=cosine_decay", "--l2_decay=5e-4", "--lower_scale=0.6", "--random_flip=False",
         "--log_period=1", "--num_workers=1")
 ACC = re.compile(r"validation accuracy: top-1 ([0-9.]+)% top-5 ([0-9.]+)% after (\d+) epoch")
@@ -50,8 +53,17 @@ def example_modules():
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory, example_modules) -> Path:
-    return example_modules["make_dataset"].make_digits(tmp_path_factory.mktemp("data") / "digits", size=16,
+    return example_modules["make_dataset"].make_digits(tmp_path_factory.mktemp("data") / "digits", size=SIDE,
                                                         train_per_class=24)
+
+
+@pytest.fixture(scope="module")
+def few_digits(tmp_path_factory, example_modules) -> Path:
+    """A smaller folder of the same kind (80 training images, 96 validation images) for the checks
+    whose outcome does not depend on how much there is to learn: one worker against the
+    single-process original, evaluate.py against the served model."""
+    return example_modules["make_dataset"].make_digits(tmp_path_factory.mktemp("data") / "few", size=SIDE,
+                                                        val_every=18, train_per_class=8)
 
 
 def train_cmd(digits: Path, out: Path, log: Path, epochs: int, nproc: int = 2) -> list[str]:
@@ -94,8 +106,11 @@ def test_two_workers_learn_log_and_resume_after_kill_9(digits: Path, trained, tm
 
     # the same command, one worker killed with SIGKILL in the middle of epoch 2, then again
     cmd = train_cmd(digits, tmp_path / "out", tmp_path / "log", 2)
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    # (the launcher forked from the preload server, as run_job starts it: stdout and stderr in one pipe)
+    job, reader = start_job(cmd, cwd=tmp_path, env=clean_env())
+    chunks: list[bytes] = []
+    drain = threading.Thread(target=lambda: chunks.extend(iter(lambda: reader.read(65536), b"")), daemon=True)
+    drain.start()
     try:
         log1 = tmp_path / "log" / "workerlog.1"
         deadline = time.monotonic() + 120
@@ -105,13 +120,16 @@ def test_two_workers_learn_log_and_resume_after_kill_9(digits: Path, trained, tm
             text = log1.read_text() if log1.exists() else ""
         pid = int(re.search(r"worker 1 of 2: pid (\d+)", text).group(1))
         os.kill(pid, signal.SIGKILL)
-        killed_out, killed_err = job.communicate(timeout=60)
+        job.wait(timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    assert job.returncode == 128 + signal.SIGKILL and "rank 1 (local 1)" in killed_err, killed_err[-1500:]
-    assert "epoch 2/2:" not in killed_out  # it died mid-epoch
+            job.wait(timeout=30)
+        drain.join(timeout=30)
+        reader.close()
+    killed = b"".join(chunks).decode(errors="replace")
+    assert job.returncode == 128 + signal.SIGKILL and "rank 1 (local 1)" in killed, killed[-1500:]
+    assert "epoch 2/2:" not in killed  # it died mid-epoch
     again = run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
     assert again.returncode == 0, again.stdout[-4000:]
     assert f"resumed from {tmp_path / 'out' / 'checkpoint'}: 1 epoch(s) done" in again.stdout
@@ -124,15 +142,15 @@ def test_two_workers_learn_log_and_resume_after_kill_9(digits: Path, trained, tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: Path) -> None:
+def test_one_worker_equals_the_single_process_original(few_digits: Path, tmp_path: Path) -> None:
     """train.py (plain PyTorch: DataLoader, torch.save) and train_with_fleet.py on one worker
     under the launcher see the same batches (randperm seeded with seed + epoch, augmentation
     seeded per sample) and end with the same parameters."""
     # two one-process jobs at once (each computes on one thread)
     plain, fleet_run = run_jobs(
-        [[PY, str(EX / "train.py"), *TINY, f"--data_dir={digits}", "--num_epochs=1",
+        [[PY, str(EX / "train.py"), *TINY, f"--data_dir={few_digits}", "--num_epochs=1",
           f"--model_save_dir={tmp_path / 'plain'}"],
-         train_cmd(digits, tmp_path / "fleet", tmp_path / "log", 1, nproc=1)],
+         train_cmd(few_digits, tmp_path / "fleet", tmp_path / "log", 1, nproc=1)],
         cwd=tmp_path, envs=[clean_env(), clean_env()], timeout=120)
     assert plain.returncode == 0, plain.stdout[-2000:]
     assert fleet_run.returncode == 0, fleet_run.stdout[-2000:]
@@ -145,53 +163,61 @@ def test_one_worker_equals_the_single_process_original(digits: Path, tmp_path: P
 
 
 @pytest.mark.slow
-def test_evaluate_matches_the_served_model_and_catches_a_changed_one(digits: Path, trained, tmp_path: Path) -> None:
+def test_evaluate_matches_the_served_model_and_catches_a_changed_one(few_digits: Path, trained, tmp_path: Path) -> None:
     out, _ = trained
-    flags = ["--model=ResNet18", "--class_dim=10", "--image_shape=3,16,16", f"--data_dir={digits}"]
+    count = len((few_digits / "val.txt").read_text().splitlines())
+    flags = ["--model=ResNet18", "--class_dim=10", f"--image_shape=3,{SIDE},{SIDE}", f"--data_dir={few_digits}"]
     # the served side imports neither fleetlike nor the example's code: both are made unimportable
     blocked = [PY, str(Path(__file__).parent / "launch_workers" / "without_modules.py"), "fleetlike,models,utils"]
 
-    def serve(model: Path, npy: Path) -> None:
-        done = run_job([*blocked, str(EX / "serve.py"), f"--served_model={model}", f"--data_dir={digits}",
-                        "--image_shape=3,16,16", f"--out={npy}"], cwd=tmp_path, env=clean_env(), timeout=60)
-        assert done.returncode == 0, done.stdout[-2000:]
+    def serve(model: Path, npy: Path) -> list[str]:
+        return [*blocked, str(EX / "serve.py"), f"--served_model={model}", f"--data_dir={few_digits}",
+                f"--image_shape=3,{SIDE},{SIDE}", f"--out={npy}"]
 
-    def evaluate(*extra: str) -> subprocess.CompletedProcess[str]:
-        return run_job([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", *flags,
-                        f"--out={tmp_path / 'vectors.npy'}", *extra], cwd=tmp_path, env=clean_env(), timeout=60)
+    def evaluate(model: Path, npy: Path, *extra: str) -> list[str]:
+        return [PY, str(EX / "evaluate.py"), f"--pretrained_model={model}", *flags, f"--out={npy}", *extra]
 
-    serve(out / "inference" / "served.pt", tmp_path / "served.npy")
-    good = evaluate("--compare", str(tmp_path / "served.npy"))
-    assert good.returncode == 0, good.stdout
-    assert "batch: 0\n" in good.stdout and "equal: 296 vectors within 1e-05" in good.stdout
-    ours = np.load(tmp_path / "vectors.npy")
-    assert ours.shape == (296, 10)
-    names = (tmp_path / "vectors.names.txt").read_text().split()
-    assert names == [line.split()[0] for line in (digits / "val.txt").read_text().splitlines()]
+    # a deployed model that differs (one class's bias moved)
     served = torch.jit.load(str(out / "inference" / "served.pt"))
-    assert np.allclose(np.load(tmp_path / "served.npy"), ours, atol=1e-5, rtol=0)
-    # the checkpoint (save_persistables) gives the same vectors as the inference model
-    from_ckpt = run_job([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'checkpoint'}", *flags,
-                     f"--out={tmp_path / 'ckpt.npy'}"], cwd=tmp_path, env=clean_env(), timeout=60)
-    assert from_ckpt.returncode == 0 and np.array_equal(np.load(tmp_path / "ckpt.npy"), ours)
-
-    # a deployed model that differs (one class's bias moved) is caught, with the count
     with torch.no_grad():
         served.fc.bias[3] += 1e-3
     torch.jit.save(served, str(tmp_path / "changed.pt"))
-    serve(tmp_path / "changed.pt", tmp_path / "changed.npy")
-    bad = evaluate("--compare", str(tmp_path / "changed.npy"))
+    # a wrong model for the weights (an input error naming the flags, on stderr: a plain start
+    # keeps the two streams apart)
+    wrong_model = [PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", "--model=ResNet34",
+                   "--class_dim=10", f"--image_shape=3,{SIDE},{SIDE}", f"--data_dir={few_digits}"]
+    # jobs that need no other's output run at once (each computes on one thread): the two served
+    # models' vectors, the checkpoint's, the wrong model; then the two comparisons
+    first = {"wrong": lambda: run(wrong_model, cwd=tmp_path, env=clean_env(), timeout=60),
+             "vectors": lambda: run_jobs([serve(out / "inference" / "served.pt", tmp_path / "served.npy"),
+                                          serve(tmp_path / "changed.pt", tmp_path / "changed.npy"),
+                                          evaluate(out / "checkpoint", tmp_path / "ckpt.npy")],
+                                         cwd=tmp_path, envs=[clean_env()] * 3, timeout=60)}
+    with side_by_side(first) as jobs:
+        done = jobs["vectors"].result()
+        assert [d.returncode for d in done] == [0, 0, 0], "\n".join(d.stdout[-2000:] for d in done)
+        good, bad = run_jobs(
+            [evaluate(out / "inference", tmp_path / "vectors.npy", "--compare", str(tmp_path / "served.npy")),
+             evaluate(out / "inference", tmp_path / "bad.npy", "--compare", str(tmp_path / "changed.npy"))],
+            cwd=tmp_path, envs=[clean_env()] * 2, timeout=60)
+    assert good.returncode == 0, good.stdout
+    assert "batch: 0\n" in good.stdout and f"equal: {count} vectors within 1e-05" in good.stdout
+    ours = np.load(tmp_path / "vectors.npy")
+    assert ours.shape == (count, 10)
+    names = (tmp_path / "vectors.names.txt").read_text().split()
+    assert names == [line.split()[0] for line in (few_digits / "val.txt").read_text().splitlines()]
+    assert np.allclose(np.load(tmp_path / "served.npy"), ours, atol=1e-5, rtol=0)
+    # the checkpoint (save_persistables) gives the same vectors as the inference model
+    assert np.array_equal(np.load(tmp_path / "ckpt.npy"), ours)
+
+    # the changed deployed model is caught, with the count
     expected = int((np.abs(np.load(tmp_path / "changed.npy") - ours).max(axis=1) > 1e-5).sum())
-    assert expected == 296  # every image's class-3 value moved by 1e-3
+    assert expected == count  # every image's class-3 value moved by 1e-3
     assert bad.returncode == 1, bad.stdout
-    assert f"MISMATCH: {expected} of 296 vectors differ by more than 1e-05 (largest difference 0.001)" in bad.stdout
+    assert f"MISMATCH: {expected} of {count} vectors differ by more than 1e-05 (largest difference 0.001)" in bad.stdout
     summary = json.loads(bad.stdout.strip().splitlines()[-1].split("evaluate.py: ", 1)[1])
     assert summary["mismatches"] == expected and abs(summary["largest_difference"] - 1e-3) < 1e-6
-    # a wrong model for the weights is an input error naming the flags (on stderr: a plain start
-    # keeps the two streams apart)
-    wrong = run([PY, str(EX / "evaluate.py"), f"--pretrained_model={out / 'inference'}", "--model=ResNet34",
-                 "--class_dim=10", "--image_shape=3,16,16", f"--data_dir={digits}"], cwd=tmp_path,
-                env=clean_env(), timeout=60)
+    wrong = jobs["wrong"].result()
     assert wrong.returncode == 2 and "does not fit --model=ResNet34 --class_dim=10" in wrong.stderr
 
 

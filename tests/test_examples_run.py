@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from examples_common import clean_env, costs
-from helpers import IN_TURN, case_logs, in_turn_cases, run_job
+from helpers import IN_TURN, case_logs, in_turn_cases, run_job, run_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -61,11 +61,14 @@ def test_examples_run_under_the_launcher(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_plain_script_runs_as_one_process(tmp_path):
-    for script, saved in (("examples/quick_start/train.py", "model.pt"), ("examples/quick_start/train_fleet.py", "COMPLETE")):
-        model_dir = tmp_path / Path(script).stem
+    scripts = (("examples/quick_start/train.py", "model.pt"), ("examples/quick_start/train_fleet.py", "COMPLETE"))
+    dirs = [tmp_path / Path(script).stem for script, _ in scripts]
+    for model_dir in dirs:
         model_dir.mkdir()
-        env = clean_env(STEPS="3", MODEL_PATH=str(model_dir))
-        proc = run_job([sys.executable, str(ROOT / script)], cwd=tmp_path, env=env, timeout=50)
+    # the two one-process jobs at once (each computes on one thread)
+    procs = run_jobs([[sys.executable, str(ROOT / script)] for script, _ in scripts], cwd=tmp_path,
+                     envs=[clean_env(STEPS="3", MODEL_PATH=str(d)) for d in dirs], timeout=50)
+    for proc, model_dir, (_, saved) in zip(procs, dirs, scripts):
         assert proc.returncode == 0, proc.stdout[-2000:]
         assert "worker_index: 0, step2 cost" in proc.stdout
         assert (model_dir / saved).exists()  # step 4: the model was saved
