@@ -1,8 +1,9 @@
 """One unmodified DDP script (tests/launch_workers/ddp_script.py: the DDP tutorial's and the ImageNet
 example's shape, BatchNorm, DistributedSampler, a checkpoint saved and loaded) under every way a
-DDP job starts, plain and with ``import fleetlike.auto`` first; every rank's final parameters
-and buffers are compared with plain DDP's (fp32, 2 ranks: gloo's sum of two is the same in any
-order, so the bound is 0).
+DDP job starts with ``import fleetlike.auto`` first; every rank's final parameters and buffers
+are compared with plain DDP's (fp32, 2 ranks: gloo's sum of two is the same in any order, so the
+bound is 0), itself run under two ways (fleetlike's launcher and ``tcp://``) that must agree.
+Plain DDP under the ``torchrun`` console script is in test_ddp_example.py.
 
 Ways: torchrun (one node), ``mp.spawn`` with MASTER_ADDR / MASTER_PORT set by the script,
 ``init_method="tcp://"`` and ``"file://"`` with rank and size from the command line, mpiexec
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
+from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run
 from helpers import run_job, run_jobs, side_by_side, torchrun_module
 from fleetlike.testing import free_ports
 
@@ -78,9 +79,8 @@ def _job(way: str, out: Path, name: str, auto: bool) -> str:
     args = [str(SCRIPT), str(out), name]
     env = clean_env()
     port = _port() if way in ("spawn", "tcp", "file", "mpi", "slurm") else 0
-    if way == "torchrun":  # the console script, plainly started (the reference); the same code as a module, forked
-        cmd = (torchrun_module if auto else torchrun)(*args, "--init", "env", *flag)
-        proc = run_job(cmd, cwd=out, env=env, timeout=120)
+    if way == "torchrun":  # as a module, the agent forked; its workers are plain interpreters
+        proc = run_job(torchrun_module(*args, "--init", "env", *flag), cwd=out, env=env, timeout=120)
     elif way == "spawn":
         proc = run_job([PY, *args, "--init", "spawn", "--port", str(port), *flag], cwd=out, env=env, timeout=120)
     elif way in ("tcp", "file"):
@@ -122,7 +122,7 @@ WAYS = ["torchrun", "spawn", "tcp", "file", "mpi", "slurm", "launch_auto", "laun
 #: rendezvous, the agent's polling), so several at once; the jobs that start plain interpreters
 #: (torchrun, mp.spawn, mpiexec) spread over the waves, and the two fixed-port launcher jobs,
 #: which choose their ports by one scan, in different waves
-WAVES = (("plain_torchrun", "plain_tcp", "auto_tcp", "auto_file", "auto_slurm"),
+WAVES = (("plain_launch_auto", "plain_tcp", "auto_tcp", "auto_file", "auto_slurm"),
          ("auto_torchrun", "auto_spawn", "auto_launch_auto", "auto_launch_fixed"),
          ("auto_mpi", "auto_launch_ips"))
 
@@ -136,10 +136,10 @@ def test_every_launch_way_equals_plain_ddp(tmp_path: Path) -> None:
                          for n in wave if n not in skip} for wave in WAVES)) as futures:
         pass
     plain = {}
-    for way in ("torchrun", "tcp"):
+    for way in ("launch_auto", "tcp"):
         futures[f"plain_{way}"].result()
         plain[way] = _params(tmp_path, f"plain_{way}")
-    ref = plain["torchrun"]  # per rank: BatchNorm's running stats are each rank's own last batch's
+    ref = plain["launch_auto"]  # per rank: BatchNorm's running stats are each rank's own last batch's
     for way, ranks in plain.items():  # plain DDP itself: the same under every way
         for r, got in enumerate(ranks):
             for k in ref[r]:
