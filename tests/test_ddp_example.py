@@ -18,7 +18,6 @@ parameters; the accelerated runs are compared with plain DDP runs of the same sc
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import preload_env, run_job, run_jobs, side_by_side, torchrun_module
+from helpers import preload_env, run_job, run_jobs, torchrun_module
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "examples" / "ddp" / "main.py"
@@ -101,37 +100,24 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float(diff.norm() / moved.norm())
 
 
-#: the accelerated runs' knobs: flat fp32 with every option that must not change the sum, and fp16
-FLAT = {"FLEETLIKE_ALLREDUCE_MODE": "flat", "FLEETLIKE_ALLREDUCE_STREAMS": "2", "FLEETLIKE_FUSION_MB": "1",
-        "FLEETLIKE_NAN_CHECK": "1", "FLEETLIKE_PERF_CHECK_N_STEPS": "4"}
-FP16 = {"FLEETLIKE_ALLREDUCE_DTYPE": "fp16", "FLEETLIKE_GRADIENT_SCALE": "2"}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_unmodified_ddp_script(tmp_path: Path) -> None:
-    # six short jobs that mostly start processes and meet, in two waves of three at once
-    # (`helpers.side_by_side`), each wave with torchrun's plainly started workers and the
-    # launcher's forked ones
-    two = functools.partial(_two_nodes, tmp_path)
-    with side_by_side({"plain": functools.partial(_torchrun, tmp_path, "plain", MAIN), "plain4": functools.partial(two, "plain4"),
-                       "hier": functools.partial(two, "hier", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_MODE="hierarchical")},
-                      {"flat": functools.partial(_torchrun, tmp_path, "flat", AUTO, **FLAT),
-                       "fp16": functools.partial(_torchrun, tmp_path, "fp16", AUTO, **FP16),
-                       "mixed": functools.partial(two, "mixed", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_DTYPE="mixed")}) as jobs:
-        pass
-    plain, flat, fp16 = (jobs[name].result() for name in ("plain", "flat", "fp16"))
+    plain = _torchrun(tmp_path, "plain", MAIN)
+    flat = _torchrun(tmp_path, "flat", AUTO, FLEETLIKE_ALLREDUCE_MODE="flat", FLEETLIKE_ALLREDUCE_STREAMS="2",
+                     FLEETLIKE_FUSION_MB="1", FLEETLIKE_NAN_CHECK="1", FLEETLIKE_PERF_CHECK_N_STEPS="4")
     for k in plain:
         assert torch.equal(plain[k], flat[k]), k
+    fp16 = _torchrun(tmp_path, "fp16", AUTO, FLEETLIKE_ALLREDUCE_DTYPE="fp16", FLEETLIKE_GRADIENT_SCALE="2")
     print("relative difference fp16", _rel(fp16, plain))
     assert 0 < _rel(fp16, plain) < 1e-1
 
-    plain4, _ = jobs["plain4"].result()
-    hier, log = jobs["hier"].result()
+    plain4, _ = _two_nodes(tmp_path, "plain4")
+    hier, log = _two_nodes(tmp_path, "hier", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_MODE="hierarchical")
     assert "use_hierarchical_allreduce: applied: reduce_scatter: 2 ranks/node x 2 nodes" in log, log
     print("relative difference hierarchical", _rel(hier, plain4))
     assert _rel(hier, plain4) < 1e-2  # float32 sums in another order, amplified by training
-    mixed, log = jobs["mixed"].result()
+    mixed, log = _two_nodes(tmp_path, "mixed", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_DTYPE="mixed")
     assert "fp16_allreduce: applied: mixed" in log, log
     print("relative difference mixed", _rel(mixed, plain4))
     assert 0 < _rel(mixed, plain4) < 1e-1
