@@ -185,8 +185,8 @@ def test_two_nodes_run_and_a_remote_failure_ends_both(mode: str, nodes: tuple[st
     ok, bad = tmp_path / "ok", tmp_path / "bad"
     ok.mkdir()
     bad.mkdir()
-    # the two jobs at once (`helpers.side_by_side`), on ports of their own: each mostly waits on
-    # its plainly started workers
+    # the two jobs at once (`helpers.side_by_side`), on ports of their own: one job's interpreter
+    # starts fill the other's waits (remote shell, rendezvous, ending the failed job)
     with side_by_side({"ok": functools.partial(_launch, ns, rsh, ok, mode, 6170),
                        "bad": functools.partial(_launch, ns, rsh, bad, mode, 6270, "--fail", "3", "7")}) as jobs:
         pass
