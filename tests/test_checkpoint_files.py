@@ -375,12 +375,14 @@ def test_a_full_disk_names_the_directory_and_the_intact_previous_checkpoint(tiny
 # ------------------------------------------------------------------ kill -9 during saves
 
 
-def _save_forever(dirname: str, counter: str) -> None:
+def _save_forever(dirname: str, counter: str, go: str) -> None:
     with one_process():
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])  # ~3 MB
         opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         opt.minimize(lambda m, f: m(f).sum(), model)
         Executor().run(fleet.startup_program)
+        while not os.path.exists(go):  # started while the previous saver still ran
+            time.sleep(0.002)
         version = 0
         while True:
             version += 1
@@ -397,29 +399,49 @@ def _versions(dirname: Path) -> set[float]:
 
 
 @pytest.mark.timeout(120)
-def test_kill_9_during_saves_then_one_save_leaves_nothing_behind(tmp_path):
-    ckpt, counter = tmp_path / "ckpt", tmp_path / "counter"
+def test_kill_9_during_saves_then_one_save_leaves_nothing_behind(tmp_path, tmp_path_factory):
+    ckpt, counter, gos = tmp_path / "ckpt", tmp_path / "counter", tmp_path_factory.mktemp("go")
     rng = random.Random(33)
     landed = 0
-    for attempt in range(5):
-        counter.unlink(missing_ok=True)
-        proc = preloaded_context().Process(target=_save_forever, args=(str(ckpt), str(counter)))
-        proc.start()
-        try:
-            deadline = time.monotonic() + 30
-            while not counter.exists() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if attempt % 2:
-                time.sleep(rng.uniform(0.0, 0.4))  # any moment of a later save
-            else:  # inside a save for certain, however slow the machine makes each step
-                while not list(tmp_path.glob(".ckpt.tmp-*")) and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            landed += bool(list(tmp_path.glob(".ckpt.tmp-*")))
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.join(10)
-        assert proc.exitcode == -signal.SIGKILL
-        assert len(_versions(resolve(ckpt))) == 1  # one complete version, not a mixture
+    ctx = preloaded_context()
+    started = []
+
+    def saver(attempt: int):  # type: ignore[no-untyped-def]
+        go = gos / str(attempt)
+        started.append(ctx.Process(target=_save_forever, args=(str(ckpt), str(counter), str(go))))
+        started[-1].start()
+        return started[-1], go
+
+    # each saver starts and builds its model while the previous one saves, and saves only once
+    # told to (`go`), after the previous one is dead
+    following = saver(0)
+    try:
+        for attempt in range(5):
+            proc, go = following
+            counter.unlink(missing_ok=True)
+            go.touch()
+            if attempt < 4:
+                following = saver(attempt + 1)
+            try:
+                deadline = time.monotonic() + 30
+                while not counter.exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                if attempt % 2:
+                    time.sleep(rng.uniform(0.0, 0.4))  # any moment of a later save
+                else:  # inside a save for certain, however slow the machine makes each step
+                    while not list(tmp_path.glob(".ckpt.tmp-*")) and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                landed += bool(list(tmp_path.glob(".ckpt.tmp-*")))
+                os.kill(proc.pid, signal.SIGKILL)
+            finally:
+                proc.join(10)
+            assert proc.exitcode == -signal.SIGKILL
+            assert len(_versions(resolve(ckpt))) == 1  # one complete version, not a mixture
+    finally:
+        for proc in started:  # a saver not yet told to go, when an assertion ended the loop
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(10)
     assert landed >= 1  # some kills did land inside a save
     last = _versions(resolve(ckpt))
     # one save (of another job) in the same place: every leftover of the killed ones goes

@@ -1,8 +1,9 @@
 """One unmodified DDP script (tests/launch_workers/ddp_script.py: the DDP tutorial's and the ImageNet
 example's shape, BatchNorm, DistributedSampler, a checkpoint saved and loaded) under every way a
-DDP job starts, plain and with ``import fleetlike.auto`` first; every rank's final parameters
-and buffers are compared with plain DDP's (fp32, 2 ranks: gloo's sum of two is the same in any
-order, so the bound is 0).
+DDP job starts with ``import fleetlike.auto`` first; every rank's final parameters and buffers
+are compared with plain DDP's (fp32, 2 ranks: gloo's sum of two is the same in any order, so the
+bound is 0), itself run under two ways (fleetlike's launcher and ``tcp://``) that must agree.
+Plain DDP under the ``torchrun`` console script is in test_ddp_example.py.
 
 Ways: torchrun (one node), ``mp.spawn`` with MASTER_ADDR / MASTER_PORT set by the script,
 ``init_method="tcp://"`` and ``"file://"`` with rank and size from the command line, mpiexec
@@ -17,14 +18,16 @@ died with "Address already in use" (torch's store and fleetlike's rendezvous on 
 
 from __future__ import annotations
 
+import functools
 import socket
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run, torchrun
-from helpers import run_job, run_jobs, torchrun_module
+from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run
+from helpers import run_job, run_jobs, side_by_side, torchrun_module
 from fleetlike.testing import free_ports
 
 SCRIPT = Path(__file__).resolve().parent / "launch_workers" / "ddp_script.py"
@@ -56,40 +59,52 @@ def _pair(cmds: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> str:
     return text
 
 
+_HANDED: set[int] = set()
+_HANDING = threading.Lock()
+
+
+def _port() -> int:
+    """A free port no other job of this test was given (they start at once)."""
+    with _HANDING:
+        while True:
+            (port,) = free_ports(1)
+            if port not in _HANDED:
+                _HANDED.add(port)
+                return port
+
+
 def _job(way: str, out: Path, name: str, auto: bool) -> str:
+    """Run the script as ``way`` starts it; what the job printed."""
     flag = ["--auto"] if auto else []
     args = [str(SCRIPT), str(out), name]
     env = clean_env()
-    if way == "torchrun":  # the console script, plainly started (the reference); the same code as a module, forked
-        cmd = (torchrun_module if auto else torchrun)(*args, "--init", "env", *flag)
-        proc = run_job(cmd, cwd=out, env=env, timeout=120)
+    port = _port() if way in ("spawn", "tcp", "file", "mpi", "slurm") else 0
+    if way == "torchrun":  # as a module, the agent forked; its workers are plain interpreters
+        proc = run_job(torchrun_module(*args, "--init", "env", *flag), cwd=out, env=env, timeout=120)
     elif way == "spawn":
-        proc = run_job([PY, *args, "--init", "spawn", "--port", str(free_ports(1)[0]), *flag], cwd=out, env=env,
-                       timeout=120)
+        proc = run_job([PY, *args, "--init", "spawn", "--port", str(port), *flag], cwd=out, env=env, timeout=120)
     elif way in ("tcp", "file"):
-        port = str(free_ports(1)[0])
-        return _pair([[PY, *args, "--init", way, "--port", port, "--rank", str(r), "--world", "2", *flag]
+        return _pair([[PY, *args, "--init", way, "--port", str(port), "--rank", str(r), "--world", "2", *flag]
                       for r in range(2)], [env, env], out)
     elif way in ("mpi", "slurm"):
-        port = str(free_ports(1)[0])
         if way == "mpi":
-            proc = run(mpiexec(*args, "--init", "mpi", "--port", port, *flag), cwd=out, env=env, timeout=120)
+            proc = run(mpiexec(*args, "--init", "mpi", "--port", str(port), *flag), cwd=out, env=env, timeout=120)
         else:
             envs = [{**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
                      "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
                      "SLURM_JOB_NODELIST": socket.gethostname(), "SLURM_JOB_ID": "77"} for r in range(2)]
-            return _pair([[PY, *args, "--init", "slurm", "--port", port, *flag]] * 2, envs, out)
+            return _pair([[PY, *args, "--init", "slurm", "--port", str(port), *flag]] * 2, envs, out)
     elif way == "launch_auto":
         proc = run_job(launcher(*args, "--init", "env", *flag, log_dir=out / f"{name}.log"), cwd=out, env=env,
                        timeout=120)
     elif way == "launch_fixed":
-        port = _free_run(3)
-        proc = run_job([PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={port}",
+        base = _free_run(3)
+        proc = run_job([PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={base}",
                     f"--log_dir={out / name}.log", *args, "--init", "env", *flag], cwd=out, env=env, timeout=120)
     elif way == "launch_ips":
-        port = _free_run(3)
+        base = _free_run(3)
         proc = run_job([PY, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1", "--node_ip=127.0.0.1",
-                    f"--started_port={port}", "--nproc_per_node=2", f"--log_dir={out / name}.log",
+                    f"--started_port={base}", "--nproc_per_node=2", f"--log_dir={out / name}.log",
                     *args, "--init", "env", *flag], cwd=out, env=env, timeout=120)
     else:
         raise ValueError(way)
@@ -103,16 +118,28 @@ def _params(out: Path, name: str) -> list[dict[str, torch.Tensor]]:
 
 
 WAYS = ["torchrun", "spawn", "tcp", "file", "mpi", "slurm", "launch_auto", "launch_fixed", "launch_ips"]
+#: the jobs in three waves (`helpers.side_by_side`): a job mostly waits (interpreter starts,
+#: rendezvous, the agent's polling), so several at once; the jobs that start plain interpreters
+#: (torchrun, mp.spawn, mpiexec) spread over the waves, and the two fixed-port launcher jobs,
+#: which choose their ports by one scan, in different waves
+WAVES = (("plain_launch_auto", "plain_tcp", "auto_tcp", "auto_file", "auto_slurm"),
+         ("auto_torchrun", "auto_spawn", "auto_launch_auto", "auto_launch_fixed"),
+         ("auto_mpi", "auto_launch_ips"))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_every_launch_way_equals_plain_ddp(tmp_path: Path) -> None:
+    assert sorted(n.split("_", 1)[1] for wave in WAVES for n in wave if n.startswith("auto_")) == sorted(WAYS)
+    skip = {"auto_mpi"} if mpi_missing() else set()
+    with side_by_side(*({n: functools.partial(_job, n.split("_", 1)[1], tmp_path, n, n.startswith("auto_"))
+                         for n in wave if n not in skip} for wave in WAVES)) as futures:
+        pass
     plain = {}
-    for way in ("torchrun", "tcp"):
-        _job(way, tmp_path, f"plain_{way}", False)
+    for way in ("launch_auto", "tcp"):
+        futures[f"plain_{way}"].result()
         plain[way] = _params(tmp_path, f"plain_{way}")
-    ref = plain["torchrun"]  # per rank: BatchNorm's running stats are each rank's own last batch's
+    ref = plain["launch_auto"]  # per rank: BatchNorm's running stats are each rank's own last batch's
     for way, ranks in plain.items():  # plain DDP itself: the same under every way
         for r, got in enumerate(ranks):
             for k in ref[r]:
@@ -121,7 +148,7 @@ def test_every_launch_way_equals_plain_ddp(tmp_path: Path) -> None:
     for way in WAYS:
         if way == "mpi" and mpi_missing():
             continue
-        said = _job(way, tmp_path, f"auto_{way}", True)
+        said = futures[f"auto_{way}"].result()
         assert "fleetlike.auto: DDP gradients through fleetlike (2 ranks" in said, (way, said)
         for r, got in enumerate(_params(tmp_path, f"auto_{way}")):
             for k in ref[r]:

@@ -144,30 +144,49 @@ def test_nan_on_one_rank_names_the_parameter_and_rank():
     assert results[0][0] in ("CollectiveFailedError", "CollectiveTimeoutError"), results[0]
 
 
-def _job(role, rounds):
+def _job(role, rounds, up=None, stop=None):
+    """``rounds`` all-reduces of rank + 1; with ``up`` and ``stop`` (paths), rank 0 writes ``up``
+    after the first, and the ranks go on until one of them sees ``stop`` (they agree through the
+    sum), for at most 30 s."""
+    from pathlib import Path
+
     try:
         fleet.init(role, timeout=20.0)
     except CommError as exc:
         return type(exc).__name__, str(exc)
     world = fleet._ctx.world
-    total = 0.0
-    for _ in range(rounds):
-        total = world.all_reduce(torch.tensor([float(role.rank + 1)])).item()
-        time.sleep(0.2)
+    total, done, deadline = 0.0, 0, time.monotonic() + 30
+    while done < rounds or stop is not None:
+        stopping = float(stop is not None and Path(stop).exists())
+        total, stopped = world.all_reduce(torch.tensor([float(role.rank + 1), stopping])).tolist()
+        done += 1
+        if up is not None and role.rank == 0 and done == 1:
+            Path(up).write_text("up")
+        if stop is not None and (stopped or time.monotonic() > deadline):
+            return ("ok" if stopped else "never stopped"), total
+        time.sleep(0.05)
     return "ok", total
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_two_jobs_on_the_same_ports_never_join():
+def test_two_jobs_on_the_same_ports_never_join(tmp_path):
     first: dict = {}
+    up, stop = tmp_path / "up", tmp_path / "stop"
     with hosted_job(1, 2, job_id="jobA") as job_a:  # job A's store and ports, held by this test
-        t = threading.Thread(target=lambda: first.update(r=run_ranks(_job, job=job_a, rounds=40, timeout=40)))
+        t = threading.Thread(target=lambda: first.update(
+            r=run_ranks(_job, job=job_a, rounds=1, up=str(up), stop=str(stop), timeout=40)))
         t.start()
-        time.sleep(2.5)  # job A is up (it runs ~8 s)
-        # job B is told job A's endpoints on purpose: its rank 0 tries to host the store there
-        second = run_ranks(_job, endpoints=job_a.endpoints, job_id="jobB", rounds=1, timeout=40)
-        t.join()
+        try:
+            deadline = time.monotonic() + 30
+            while not up.exists() and t.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)  # job A is up: its first all-reduce is done
+            assert up.exists(), "job A did not start"
+            # job B is told job A's endpoints on purpose: its rank 0 tries to host the store there
+            second = run_ranks(_job, endpoints=job_a.endpoints, job_id="jobB", rounds=1, timeout=40)
+        finally:
+            stop.write_text("stop")  # job A has all-reduced all along; now it ends
+            t.join()
     assert first["r"] == [("ok", 3.0), ("ok", 3.0)]  # job A is unaffected
     kind0, msg0 = second[0]
     assert kind0 == "RendezvousError" and "cannot host the rendezvous store" in msg0

@@ -9,6 +9,7 @@ rank, world size, node count, the namespace each rank really ran in, and an all-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from fleetlike.launch.config import LaunchInputError
 from fleetlike.launch.hostrun import cli, mpiexec_command
 from fleetlike.launch.hosts import Mode, is_hosts_form, parse_host_list, parse_hosts
+from helpers import side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "launch_workers" / "hosts_job.py"
@@ -144,9 +146,10 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _launch(ns: str, rsh: Path, cwd: Path, mode: str, *worker_args: str, timeout: float = 90) -> tuple[int, str, float]:
+def _launch(ns: str, rsh: Path, cwd: Path, mode: str, port: int, *worker_args: str,
+            timeout: float = 90) -> tuple[int, str, float]:
     argv = ["ip", "netns", "exec", ns, PY, "-m", "fleetlike.launch", "-np", "4", "-H", f"{A}:2,{B}:2",
-            mode, "--remote_shell", f"{rsh} {{host}}", "--kill_grace", "1", "--started_port", "6170",
+            mode, "--remote_shell", f"{rsh} {{host}}", "--kill_grace", "1", "--started_port", str(port),
             "--", "python", str(WORKER), str(cwd / "out"), *worker_args]
     (cwd / "out").mkdir()
     t0 = time.monotonic()
@@ -179,9 +182,15 @@ def _all_gone(out: Path) -> list[int]:
 @pytest.mark.parametrize("mode", ["--gloo", "--mpi"])
 def test_two_nodes_run_and_a_remote_failure_ends_both(mode: str, nodes: tuple[str, Path], tmp_path: Path) -> None:
     ns, rsh = nodes
-    ok = tmp_path / "ok"
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
     ok.mkdir()
-    code, text, _ = _launch(ns, rsh, ok, mode)
+    bad.mkdir()
+    # the two jobs at once (`helpers.side_by_side`), on ports of their own: one job's interpreter
+    # starts fill the other's waits (remote shell, rendezvous, ending the failed job)
+    with side_by_side({"ok": functools.partial(_launch, ns, rsh, ok, mode, 6170),
+                       "bad": functools.partial(_launch, ns, rsh, bad, mode, 6270, "--fail", "3", "7")}) as jobs:
+        pass
+    code, text, _ = jobs["ok"].result()
     assert code == 0, text
     roles = [json.loads((ok / "out" / f"role.{r}.json").read_text()) for r in range(4)]
     for r, role in enumerate(roles):
@@ -192,9 +201,7 @@ def test_two_nodes_run_and_a_remote_failure_ends_both(mode: str, nodes: tuple[st
         assert [e.rsplit(":", 1)[0] for e in role["endpoints"]] == [A, A, B, B]
     if mode == "--gloo":  # each node's agent logged its workers in its own directory
         assert (ok / "log" / "node1" / "workerlog.1").exists()
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    code, text, took = _launch(ns, rsh, bad, mode, "--fail", "3", "7")
+    code, text, took = jobs["bad"].result()
     assert code == 7, text  # the failed rank's own code, in both modes
     assert len(list((bad / "out").glob("pid.*"))) == 4
     deadline = time.monotonic() + 10

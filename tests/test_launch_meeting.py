@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ from fleetlike.launch import LaunchConfig, MeetingError, format_config, meet, wo
 from fleetlike.launch.checks import host_ports
 from fleetlike.launch.meeting import StoreAddress, read_address, remove_address, write_address
 from fleetlike.launch.ports import HostedEndpoints
-from helpers import preload_env
+from helpers import preload_env, start_job
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,18 +206,34 @@ def test_a_forged_file_naming_a_store_outside_the_cluster_is_refused(tmp_path: P
     assert met1.job_secret == first.job_secret and met1.job_id == "jm"  # node 0's, from its file
 
 
-def _launcher(rdzv: Path, node: int, timeout: float, out: Path, secret: str) -> subprocess.Popen[str]:
+def _launcher(rdzv: Path, node: int, timeout: float, out: Path, secret: str, *, plain: bool = False) -> Any:
+    """Node ``node``'s launcher: forked from the session's preload server (a `helpers.start_job`
+    pair: process, reader of its output), or with ``plain`` a `subprocess.Popen` with its own
+    stderr."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PADDLE_", "FLEETLIKE_", "TORCHELASTIC", "OMPI_", "PMI_", "SLURM_"))
            and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
     env.update(OMP_NUM_THREADS="1", FLEETLIKE_JOB_SECRET=secret, **preload_env())
-    return subprocess.Popen(
-        [sys.executable, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(IPS)}",
-         f"--node_ip={IPS[node]}", "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=1",
-         "--job_id=jr", f"--rendezvous_timeout={timeout:g}", f"--log_dir={out}/log{node}",
-         str(Path(__file__).parent / "launch_workers" / "behave.py"), str(out), "--ok"],
-        env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    cmd = [sys.executable, "-m", "fleetlike.launch", f"--cluster_node_ips={','.join(IPS)}",
+           f"--node_ip={IPS[node]}", "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=1",
+           "--job_id=jr", f"--rendezvous_timeout={timeout:g}", f"--log_dir={out}/log{node}",
+           str(Path(__file__).parent / "launch_workers" / "behave.py"), str(out), "--ok"]
+    if not plain:
+        return start_job(cmd, cwd=out, env=env)
+    return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _ended(started: Any, timeout: float) -> tuple[int, str]:
+    """A forked launcher's exit code and output, once it has ended (within ``timeout`` s)."""
+    proc, reader = started
+    text: list[bytes] = []
+    drain = threading.Thread(target=lambda: text.append(reader.read()), daemon=True)
+    drain.start()
+    drain.join(timeout)
+    assert not drain.is_alive(), f"the launcher (pid {proc.pid}) did not end in {timeout:g}s"
+    reader.close()
+    return proc.wait(timeout=10), text[0].decode(errors="replace")
 
 
 @pytest.mark.timeout(120)
@@ -233,34 +250,37 @@ def test_real_launchers_refuse_a_forged_file_and_publish_nothing_there(tmp_path:
     forged_secret = new_secret()
     stranger = host_store("127.0.0.3", "jr", 60.0, secret=JobSecret(forged_secret))
     forged = StoreAddress(f"127.0.0.3:{stranger.port}", "jr", "forged-token", forged_secret)
-    procs = [_launcher(rdzv, 0, 90, out, secret)]
+    first = _launcher(rdzv, 0, 90, out, secret)
+    late: Any = None
+    refused: subprocess.Popen[str] | None = None
     try:
         deadline = time.monotonic() + 60
-        while not rdzv.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+        while not rdzv.exists() and time.monotonic() < deadline and first[0].poll() is None:
             time.sleep(0.05)
         real = read_address(str(rdzv))
         assert real is not None and real.store.startswith("127.0.0.1:") and real.secret == secret
         keys = stranger.num_keys()
         write_address(str(rdzv), forged)
-        procs.append(_launcher(rdzv, 1, 1, out, secret))
-        _, stderr = procs[1].communicate(timeout=60)
-        assert procs[1].returncode == 1
+        # the refusing launcher starts plainly: its error is on its own stderr
+        refused = _launcher(rdzv, 1, 1, out, secret, plain=True)
+        _, stderr = refused.communicate(timeout=60)
+        assert refused.returncode == 1
         assert stderr.startswith(
             f"fleetlike.launch: node 1 (127.0.0.2): --rendezvous_file={rdzv} names a store at "
             f"{forged.store}, but node 0 is --cluster_node_ips[0]=127.0.0.1: the store's host must be "
             "node 0; refusing a file that would send this node elsewhere (forged, or written by another "
             "job) after waiting 1s (--rendezvous_timeout)"), stderr
         assert stranger.num_keys() == keys  # node 1 published nothing there
-        assert not (out / "pid.1").exists() and procs[0].poll() is None  # no worker; node 0 waits on
+        assert not (out / "pid.1").exists() and first[0].poll() is None  # no worker; node 0 waits on
         write_address(str(rdzv), real)  # node 0's own file, put back
-        procs.append(_launcher(rdzv, 1, 60, out, secret))
-        for proc in (procs[0], procs[2]):
-            _, stderr = proc.communicate(timeout=60)
-            assert proc.returncode == 0, stderr
+        late = _launcher(rdzv, 1, 60, out, secret)
+        for started in (first, late):
+            code, said = _ended(started, 60)
+            assert code == 0, said
         assert sorted(p.name for p in out.glob("pid.*")) == ["pid.0", "pid.1"] and not rdzv.exists()
         assert stranger.num_keys() == keys
     finally:
-        for proc in procs:
-            if proc.poll() is None:
+        for proc in (first[0], late and late[0], refused):
+            if proc and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+                proc.wait()

@@ -4,6 +4,7 @@ and the launcher's SIGTERM; the records the workers write and the launcher's lin
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 from fleetlike.launch import LaunchInputError, parse_config
 from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV, start_preloaded
 from fleetlike.testing import preload_server
+from helpers import preload_env, run_jobs, side_by_side
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,8 +61,11 @@ def _run(tmp: Path, mode: str) -> tuple[int, list[str], dict[str, dict], str]:
 
 @pytest.mark.slow  # the fast tier starts every launcher job's workers preloaded
 def test_preloaded_workers_start_end_and_restart_as_plain_ones(tmp_path: Path) -> None:
-    plain = _run(tmp_path, "off")
-    fast = _run(tmp_path, "torch")
+    # the two jobs at once (`helpers.side_by_side`): each mostly waits on its workers' starts
+    with side_by_side({"off": functools.partial(_run, tmp_path, "off"),
+                       "torch": functools.partial(_run, tmp_path, "torch")}) as jobs:
+        pass
+    plain, fast = jobs["off"].result(), jobs["torch"].result()
     code, lines, records, stdout = plain
     assert code == 128 + signal.SIGTERM
     assert any("exited with code 1" in ln and "ValueError: generation 0 fails" in ln for ln in lines), lines
@@ -124,7 +129,7 @@ def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
     """Exit status, output, a non-daemon thread, atexit and files left open: a child forked
     from the preload server (which ends without the interpreter's teardown) against the same
     script started plainly."""
-    from helpers import preload_env, run_jobs
+
 
     probe = ROOT / "tests" / "launch_workers" / "exit_probe.py"
     modes = ("normal", "exit3", "exit_text", "raise", "ctrl_c")

@@ -17,6 +17,7 @@ is what ranks hold, its inputs fail clearly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import mmap
@@ -41,6 +42,7 @@ from fleetlike.plan.spec import OptimizerKind
 from fleetlike.plan.trace import first_touch_seconds
 from fleetlike.program import StepState
 from fleetlike.testing import run_ranks
+from helpers import side_by_side
 
 CLUSTER = Cluster(2, 2)
 BATCH = 192
@@ -189,9 +191,14 @@ def test_collective_lists_and_memory_match_real_ranks():
 
     cands = candidates("basic", CLUSTER)
     assert len(cands) >= 12
-    traces = {c.name: trace(_spec(), c.strategy(), CLUSTER, repeats=1) for c in cands}
     plan = {c.name: (dict(c.options), *period_of(c.strategy())) for c in cands}
-    ranks = run_ranks(_issued, CLUSTER.world_size, plan, nodes=CLUSTER.nodes, timeout=280)
+    # the traces (this process) while the real ranks run (`helpers.side_by_side`): the ranks
+    # wait on each other's collectives, and the tracing fills those waits
+    with side_by_side({"ranks": functools.partial(run_ranks, _issued, CLUSTER.world_size, plan, nodes=CLUSTER.nodes,
+                                                  timeout=280),
+                       "traces": lambda: {c.name: trace(_spec(), c.strategy(), CLUSTER, repeats=1) for c in cands}}) as jobs:
+        pass
+    ranks, traces = jobs["ranks"].result(), jobs["traces"].result()
     for name, t in traces.items():
         expected = _per_comm(t.events())
         assert expected, name

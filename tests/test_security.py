@@ -25,7 +25,7 @@ import torch
 from fleetlike.comm import host_store
 from fleetlike.comm.secret import JobSecret, PayloadRefused, new_secret
 from fleetlike.testing import run_ranks
-from helpers import preload_env
+from helpers import preload_env, run_job, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
@@ -73,9 +73,10 @@ def _wait_for_store(port: int, proc: subprocess.Popen, timeout: float = 60.0) ->
 
 
 def _stranger(endpoint: str, marker: Path, report: Path, *args: str) -> dict[str, Any]:
-    done = subprocess.run([PY, str(WORKERS / "stranger.py"), endpoint, str(marker), str(report), *args],
-                          env=_env(), capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # forked from the session's preload server: how the stranger starts is not the question
+    done = run_job([PY, str(WORKERS / "stranger.py"), endpoint, str(marker), str(report), *args],
+                   cwd=report.parent, env=_env(**preload_env()), timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:]
     return json.loads(report.read_text())
 
 
@@ -138,19 +139,11 @@ def test_a_stranger_cannot_join_an_elastic_rendezvous(tmp_path: Path) -> None:
                FLEETLIKE_ELASTIC_RUN_ID="elastic-job", FLEETLIKE_NODE_IP="127.0.0.1")
     out = tmp_path / "out"
     out.mkdir()
-    members = [subprocess.Popen([PY, str(WORKERS / "elastic_member.py"), str(out)], text=True,
-                                env={**env, "LOCAL_RANK": str(i), "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{40000 + i}"},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for i in range(2)]
-    try:
-        for proc in members:
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        for proc in members:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    members = run_jobs([[PY, str(WORKERS / "elastic_member.py"), str(out)]] * 2, cwd=tmp_path, timeout=120,
+                       envs=[{**env, **preload_env(), "LOCAL_RANK": str(i),
+                              "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{40000 + i}"} for i in range(2)])
+    for proc in members:
+        assert proc.returncode == 0, proc.stdout[-3000:]
     got = sorted((json.loads(p.read_text()) for p in out.iterdir()), key=lambda r: r["rank"])
     assert [r["rank"] for r in got] == [0, 1] and all(r["size"] == 2 and r["sum"] == 3.0 for r in got)
     assert [r["endpoint"] for r in got] == ["127.0.0.1:40000", "127.0.0.1:40001"]  # members only
