@@ -144,3 +144,33 @@ def test_unused_parameters_never_hang(find_unused):
         opt.zero_grad()
     for g in got:
         assert max_diff(g, params(model)) <= 1e-6
+
+
+def test_reducer_keeps_views_and_folds_replaced_gradients():
+    """The per-step path relies on autograd accumulating into each bucket view in place (the
+    same tensor object stays ``.grad``); a gradient the user replaced is still folded into its
+    bucket, and the reduced values equal plain single-process gradients (world of one)."""
+    from fleetlike.collectives import FlatAllReduce, make_reducer
+    from fleetlike.comm.single import SingleCommunicator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref.load_state_dict(model.state_dict())
+    reducer = make_reducer(model, FlatAllReduce([SingleCommunicator()]), cap_bytes=40)  # several buckets
+    assert len(reducer.buckets) > 1
+    views = {id(p): b.views[j] for b in reducer.buckets for j, p in enumerate(b.params)}
+    x = torch.randn(5, 4)
+    for step in range(3):
+        reducer.zero_grad()
+        ref.zero_grad()
+        if step == 2:  # a user's own gradient tensor in place of the view: folded in, not lost
+            first = next(model.parameters())
+            first.grad = torch.full_like(first, 0.5)
+            next(ref.parameters()).grad = torch.full_like(first, 0.5)
+        reducer.prepare()
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.grad is views[id(p)]  # the bucket's own view object
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -84,6 +84,8 @@ class Bucket:
         ``zero_grad(set_to_none=True)`` or a load replaced it), keeping accumulated values."""
         for p, view in zip(self.params, self.views):
             g = p.grad
+            if g is view:  # accumulated in place (the per-step case)
+                continue
             if g is None:
                 p.grad = view
             elif g.is_sparse:  # a sparse gradient handed back sparse: dense in the bucket again

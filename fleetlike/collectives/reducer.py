@@ -160,11 +160,16 @@ class GradReducer:
         """Every parameter's ``.grad`` its bucket view (but those whose first gradient may still
         be sparse), folding a replaced gradient in (``keep``) or dropping it (zeroing)."""
         if not keep:
+            learning = self._learning
             for b in self.buckets:
                 for p, view in zip(b.params, b.views):
-                    if id(p) in self._learning:
+                    if learning and id(p) in learning:
                         p.grad = None
-                    elif p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+                        continue
+                    g = p.grad
+                    # autograd accumulates into the view in place, so it is the same object:
+                    # one identity test per parameter on the per-step path
+                    if g is not view and (g is None or g.is_sparse or g.data_ptr() != view.data_ptr()):
                         p.grad = view
             return
         if not self._learning:
@@ -234,6 +239,8 @@ class GradReducer:
     @staticmethod
     def _fold(p: torch.Tensor, view: torch.Tensor) -> None:
         g = p.grad
+        if g is view:  # accumulated in place (the per-step case)
+            return
         if g is None:
             view.zero_()
         elif g.is_sparse:
@@ -251,12 +258,15 @@ class GradReducer:
             self._learning.clear()
             for b in self.buckets:
                 for p, view in zip(b.params, b.views):
-                    self._fold(p, view)
+                    if p.grad is not view:
+                        self._fold(p, view)
 
     def restore_sparse(self) -> None:
         """Hand the gradients of the parameters that got sparse ones back sparse (a sparse
         optimizer such as ``SparseAdam`` needs them so); `zero_grad` makes them views again."""
         with self._lock:
+            if not self.sparse:
+                return
             for p in self.params:
                 if id(p) in self.sparse and p.grad is not None and not p.grad.is_sparse:
                     p.grad = p.grad.to_sparse()
@@ -270,12 +280,16 @@ class GradReducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         bucket, j = self._where[id(p)]
-        if p.grad is not None:  # the user replaced .grad (set_to_none zero_grad), or it is sparse
+        g = p.grad
+        if g is not None and g is not bucket.views[j]:  # the user replaced .grad (set_to_none), or it is sparse
             self._fold(p, bucket.views[j])
-        self._mark(p)
+        self._mark_at(bucket, j)
 
     def _mark(self, p: torch.Tensor) -> None:
         bucket, j = self._where[id(p)]
+        self._mark_at(bucket, j)
+
+    def _mark_at(self, bucket: Bucket, j: int) -> None:
         if self._seen[bucket.index][j]:
             return
         self._seen[bucket.index][j] = True
