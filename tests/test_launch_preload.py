@@ -129,8 +129,6 @@ def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
     """Exit status, output, a non-daemon thread, atexit and files left open: a child forked
     from the preload server (which ends without the interpreter's teardown) against the same
     script started plainly."""
-
-
     probe = ROOT / "tests" / "launch_workers" / "exit_probe.py"
     modes = ("normal", "exit3", "exit_text", "raise", "ctrl_c")
     env = {**os.environ, **preload_env(), "OMP_NUM_THREADS": "1"}  # the server's start-up setting
