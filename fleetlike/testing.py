@@ -159,8 +159,10 @@ def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any
     torch.set_num_threads(1)
     # the parent asks for this rank's stack (SIGUSR1) when another rank failed or time ran out;
     # the file outlives the rank's own stderr, which the forkserver's children share
-    stack_file = open(os.path.join(stacks, f"rank{role.rank}"), "w")  # noqa: SIM115 - lives as long as the rank
+    path = os.path.join(stacks, f"rank{role.rank}")
+    stack_file = open(path + ".tmp", "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.rename(path + ".tmp", path)  # the parent signals only a rank whose handler is in place
     try:
         # Plain pickle (bytes), not the queue's pickler: torch would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
@@ -269,11 +271,14 @@ def _stacks_of_running(procs: list[Any], stacks: str, reported: set[int]) -> str
     """The Python stacks of the ranks still running that have not reported, each asked to write
     its own (faulthandler), as text to append to the error."""
     running = [r for r, p in enumerate(procs) if p.is_alive() and r not in reported]
-    for r in running:
+    text = ""
+    ready = [r for r in running if os.path.exists(os.path.join(stacks, f"rank{r}"))]
+    for r in ready:
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[r].pid, signal.SIGUSR1)
-    text = ""
-    for r in running:
+    for r in sorted(set(running) - set(ready)):
+        text += f"\n\nrank {r} was still running, before its function started"
+    for r in ready:
         path = os.path.join(stacks, f"rank{r}")
         deadline = time.monotonic() + 2.0  # a rank inside a C++ call writes when it gets the GIL
         while time.monotonic() < deadline and not _read(path):

@@ -41,21 +41,24 @@ def test_a_sleeping_rank_times_out_everyone_else_naming_it():
         assert "all_reduce #2" in msg and "ranks [1] did not arrive" in msg and "2s timeout" in msg
 
 
-def _one_gives_up(role):
+def _one_gives_up(role, waiting):
     if role.rank == 0:
+        while not os.path.exists(waiting):  # rank 1 is inside _waiting_for_a_peer
+            time.sleep(0.01)
         raise ValueError("rank 0 gives up")
-    _waiting_for_a_peer()
+    _waiting_for_a_peer(waiting)
 
 
-def _waiting_for_a_peer():
+def _waiting_for_a_peer(waiting):
+    open(waiting, "w").close()
     time.sleep(60)
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_world_reports_where_the_other_ranks_were():
+def test_a_failed_world_reports_where_the_other_ranks_were(tmp_path):
     started = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_ranks(_one_gives_up, 2, timeout=45)
+        run_ranks(_one_gives_up, 2, str(tmp_path / "waiting"), timeout=45)
     msg = str(info.value)
     assert "rank 0 raised" in msg and "rank 0 gives up" in msg
     assert "rank 1 was still running, at:" in msg and "_waiting_for_a_peer" in msg, msg
