@@ -42,7 +42,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRELOADED_MODULES", "namespaces", "receive", "send", "serve_forever", "startup_env"]
+__all__ = ["PRELOADED_MODULES", "exit_without_teardown", "namespaces", "receive", "send", "serve_forever",
+           "startup_env"]
 
 #: What the server imports before forking.
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
@@ -277,15 +278,16 @@ def _settle_child(out_fd: int, ready_w: int) -> None:
 
 
 def _become(child: _Child) -> None:
-    """Turn this forked child into the worker, run it and end the process (`_end`)."""
+    """Turn this forked child into the worker, run it and end the process
+    (`exit_without_teardown`)."""
     try:
         _run(child)
     except SystemExit as exc:
-        _end(_exit_code(exc.code))
+        exit_without_teardown(_exit_code(exc.code))
     except KeyboardInterrupt as exc:
         _report(exc)
-        _end(None)
-    _end(0)
+        exit_without_teardown(None)
+    exit_without_teardown(0)
 
 
 def _exit_code(code: Any) -> int:
@@ -299,9 +301,12 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
-def _end(code: int | None) -> None:
-    """The interpreter's exit steps, in its order, then ``os._exit`` instead of its teardown
-    (see the module docstring). ``None``: end by SIGINT, as after an uncaught Ctrl-C."""
+def exit_without_teardown(code: int | None) -> None:
+    """End this process with the interpreter's exit steps, in its order (non-daemon threads
+    joined, ``atexit`` run, open files flushed and closed, stdout and stderr flushed), then
+    ``os._exit(code)`` instead of its teardown, which with torch imported costs most of a second
+    (and, in a forked child, copies every shared page). ``None``: end by SIGINT, as after an
+    uncaught Ctrl-C."""
     with contextlib.suppress(BaseException):
         threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls first
     with contextlib.suppress(BaseException):
@@ -324,7 +329,8 @@ def _close_open_files() -> None:
     them)."""
     std = {id(sys.stdout), id(sys.stderr), id(sys.stdin), id(sys.__stdout__), id(sys.__stderr__),
            id(sys.__stdin__)}
-    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase) and id(o) not in std]
+    # type(o), not isinstance: some of torch's objects warn when asked for their __class__
+    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase) and id(o) not in std]
     files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
     for step in ("flush", "close"):
         for f in files:
