@@ -269,3 +269,26 @@ def _subset_rank(role: Any) -> Any:
         return hvd.rank(), hvd.size(), hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item(), total
     finally:
         hvd.shutdown()
+
+
+def test_names_that_never_repeat_keep_no_handle_alive(one: Any) -> None:
+    """A job naming each async op afresh (``grad.<step>``) and synchronizing it: the runtime
+    lets every handle go, and a name is taken only while its handle is held unsynchronized."""
+    import gc
+    import weakref
+
+    from fleetlike.horovod.runtime import runtime
+
+    refs = []
+    for step in range(200):
+        h = hvd.allreduce_async(torch.ones(3), name=f"grad.{step}")
+        refs.append(weakref.ref(h))
+        hvd.synchronize(h)
+    del h
+    gc.collect()
+    assert len(runtime().unfinished) == 0 and all(r() is None for r in refs)
+    held = hvd.allreduce_async(torch.ones(3), name="held")
+    with pytest.raises(ValueError, match="currently being processed"):
+        hvd.allreduce_async(torch.ones(3), name="held")
+    hvd.synchronize(held)
+    assert hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="held")).tolist() == [1.0] * 3

@@ -27,7 +27,7 @@ import torch
 
 from fleetlike.comm import CollectiveMismatchError, CollectiveTimeoutError
 from fleetlike.horovod import elastic
-from fleetlike.horovod.adasum import AdasumUnsupportedError
+from fleetlike.horovod.adasum import AdasumUnsupportedError, refuse_adasum_on_a_set
 from fleetlike.horovod.adasum_optimizer import AdasumOptimizer
 from fleetlike.horovod.collectives import (
     allreduce,
@@ -230,7 +230,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     red = parse_op(op)
     if process_set is not None and process_set is not global_process_set:
         if red is ReduceOp.ADASUM:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+            refuse_adasum_on_a_set()
         if not process_set_included(process_set, "hvd.DistributedOptimizer"):
             return OutsideSetOptimizer(optimizer, named_parameters, process_set)
     rt = process_set_runtime(process_set, "hvd.DistributedOptimizer")

@@ -56,6 +56,12 @@ def check_adasum(size: int, dtype: torch.dtype) -> None:
         )
 
 
+def refuse_adasum_on_a_set() -> None:
+    """Horovod's refusal (its message and type) of Adasum on a process set other than the global
+    one: the vector-halving tree is built over the whole world."""
+    raise NotImplementedError("Adasum does not support non-global process sets yet.")
+
+
 def adasum_comms(comm: Communicator) -> list[tuple[Communicator, Communicator]]:
     """``(pair, group)`` communicators for each level: the partner pair, and the ``2 * level``
     ranks whose pieces make up the vectors combined at that level. Collective (splits)."""

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from fleetlike.comm import CompletedWork, Work
-from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum
+from fleetlike.horovod.adasum import adasum_allreduce_, adasum_comms, check_adasum, refuse_adasum_on_a_set
 from fleetlike.horovod.negotiate import Agreement, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp, resolve_op
 from fleetlike.horovod.order import Handle, poll, resolve, submit, synchronize
@@ -198,7 +198,7 @@ def _allreduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
     rt = process_set_runtime(process_set, what)
     _tensor(tensor, what)
     if op is ReduceOp.ADASUM and rt.is_set:
-        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        refuse_adasum_on_a_set()
     src = tensor.detach().reshape(-1)
     device = comm_device(rt, tensor)
     wire = reduce_dtype(tensor.dtype)
@@ -289,7 +289,7 @@ def _grouped_in_place(tensors: Sequence[torch.Tensor], name: str | None, op: Red
         raise TypeError(f"{what}: the tensors of one group must share a dtype; got {sorted(map(str, dtypes))}. "
                         "Group them by dtype (one call per dtype)")
     if op is ReduceOp.ADASUM and rt.is_set:
-        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        refuse_adasum_on_a_set()
     counts = [t.numel() for t in tensors]
     shapes_crc = zlib.crc32(repr([tuple(t.shape) for t in tensors]).encode()) & 0x7FFFFFFF
     device = comm_device(rt, tensors[0])

@@ -52,6 +52,8 @@ __all__ = ["Handle", "Reorder", "agree_in_order", "claim", "drive", "finish_in_t
 #: pending collectives a rank can list in one exchange
 MAX_PENDING = 62
 _WIDTH = MAX_PENDING + 2  # may_leave, count, keys
+#: named handles kept alive for their running collective, past which the completed are let go
+_PRUNE_AT = 64
 
 
 class Reorder(Exception):
@@ -126,6 +128,7 @@ class Handle:
                 self._done = True
                 with self._rt.lock:
                     self._release()
+                    self._rt.unfinished.discard(self)
         return self._result
 
 
@@ -155,7 +158,7 @@ def claim(rt: Runtime, name: str | None, what: str) -> None:
         return
     # the runtime keeps a handle alive while its collective runs; after that only its caller
     # (or the pending queue) does, so a live handle the caller has not seen complete is taken
-    rt.unfinished = [h for h in rt.unfinished if not h.completed()]
+    _prune(rt)
     held = ref()
     if held is not None and not held._seen:
         raise ValueError(
@@ -163,6 +166,11 @@ def claim(rt: Runtime, name: str | None, what: str) -> None:
             f"tensor that is currently being processed ({name!r}). If you want to request another "
             "tensor, use a different tensor name (or synchronize the first one's handle)."
         )
+
+
+def _prune(rt: Runtime) -> None:
+    """Let go of the handles whose collective completed (their callers may still hold them)."""
+    rt.unfinished = {h for h in rt.unfinished if not h.completed()}
 
 
 def op_key(rt: Runtime, label: str, name: str | None) -> int:
@@ -179,7 +187,9 @@ def submit(rt: Runtime, name: str | None, label: str, what: str,
         h = Handle(rt, name, op_key(rt, label, name), label, start)
         if name is not None:
             rt.in_flight[name] = weakref.ref(h)
-            rt.unfinished.append(h)
+            if len(rt.unfinished) >= _PRUNE_AT:  # a job whose names never repeat: stay bounded
+                _prune(rt)
+            rt.unfinished.add(h)
         rt.pending.append(h)
         try:
             drive(rt, h, may_leave=True)

@@ -90,7 +90,7 @@ class Runtime:
         #: taken while the handle lives; see `order.claim`)
         self.in_flight: dict[str, Any] = {}
         #: named Handles whose collective may still run, kept alive until it completed
-        self.unfinished: list[Any] = []
+        self.unfinished: set[Any] = set()
         #: the agreed history, from which every rank predicts the next allreduce alike, which
         #: then needs no exchange (`speculate`)
         self.speculator = Speculator(comm, device)
