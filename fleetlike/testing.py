@@ -56,14 +56,16 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy", "fleetlike.comm"])
+        # torch._dynamo: torch imports it on the first optimizer a process builds (torch.optim
+        # wraps its methods in dynamo's disable), 2 s of CPU that every rank would pay again
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "numpy", "fleetlike.comm"])
         _CTX = ctx
     return _CTX
 
 
 def preloaded_context() -> Any:
     """The multiprocessing context `run_ranks` starts its ranks from: a forkserver that has
-    imported torch, numpy and ``fleetlike.comm``, so that a process a test starts and ends by
+    imported torch (``torch._dynamo`` included), numpy and ``fleetlike.comm``, so that a process a test starts and ends by
     itself (``ctx.Process(target=module_level_fn, ...)``) starts in a fraction of a second
     instead of re-importing torch as a ``spawn`` start does."""
     return _context()
