@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -159,6 +160,9 @@ def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any
     import torch
 
     torch.set_num_threads(1)
+    # what the forkserver and the unpickling imported stays for the rank's life: frozen, it is
+    # left out of the rank's garbage collections (a full one would walk torch's million objects)
+    gc.freeze()
     # the parent asks for this rank's stack (SIGUSR1) when another rank failed or time ran out;
     # the file outlives the rank's own stderr, which the forkserver's children share
     path = os.path.join(stacks, f"rank{role.rank}")
