@@ -1,7 +1,8 @@
 """Data parallel equals single-process training on the concatenated batch, and PyTorch DDP.
 
 Real gloo ranks; SGD, Momentum and Adam; fusion on and off; 1 and 3 communicators; program and
-eager style; 20 steps; max abs difference <= 1e-6.
+eager style; 8 steps (the equality is exact at any length: 8 take every optimizer past its
+first step and the eager loop through both backward calls); max abs difference <= 1e-6.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dp_common import batch, loss_fn, make_model, make_opt, max_diff, params, si
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.testing import run_ranks
 
-STEPS = 20
+STEPS = 8
 OPTS = ("sgd", "momentum", "adam")
 CONFIGS = list(itertools.product(OPTS, (True, False), (1, 3), ("program", "eager")))
 
