@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["PRELOAD_VARIABLES", "cross_entropy", "labelled_batch", "max_diff", "mse", "params", "preload_env",
-           "regression_batch", "run_job", "run_jobs", "start_job", "torchrun_module", "in_turn_cases", "case_logs",
-           "IN_TURN", "side_by_side"]
+           "regression_batch", "run_job", "run_jobs", "start_job", "popen_job", "torchrun_module", "in_turn_cases",
+           "case_logs", "IN_TURN", "side_by_side"]
 
 T = TypeVar("T")
 
@@ -175,20 +175,92 @@ def start_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str],
     return _start(cmd, cwd=cwd, env=env, preload=preload)
 
 
+class _ForkedPopen:
+    """A process forked from the session's preload server, as `popen_job` returns it: the part
+    of `subprocess.Popen`'s interface (text mode, stdout and stderr piped apart) the tests use.
+    Both pipes are drained from the start, so a chatty process never blocks on a full pipe."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid, self.args = proc.pid, proc.args
+        self._chunks: tuple[list[bytes], list[bytes]] = ([], [])
+        self._drains = [threading.Thread(target=lambda r=r, out=out: out.extend(iter(lambda: r.read(65536), b"")),
+                                         daemon=True) for r, out in zip((proc.stdout, proc.stderr), self._chunks)]
+        for t in self._drains:
+            t.start()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self._proc.poll()  # type: ignore[no-any-return]
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)  # type: ignore[no-any-return]
+
+    def send_signal(self, sig: int) -> None:
+        self._proc.send_signal(sig)
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end and for both pipes' end; `subprocess.TimeoutExpired` (with what
+        came so far) after ``timeout`` seconds, as `subprocess.Popen.communicate` raises."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._proc.wait(timeout)
+            for t in self._drains:
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if t.is_alive():  # a child of the process holds the pipe open
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        except subprocess.TimeoutExpired:
+            out, err = (b"".join(c).decode(errors="replace") for c in self._chunks)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0, output=out, stderr=err) from None
+        for reader in (self._proc.stdout, self._proc.stderr):
+            reader.close()
+        out, err = (b"".join(c).decode(errors="replace") for c in self._chunks)
+        return out, err
+
+
+def popen_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], preload: bool = True) -> Any:
+    """``subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)``
+    for ``python ... script|-m module args``, forked from the session's preload server where
+    ``env`` names one and the command qualifies (its stdout and stderr still apart), else that
+    very `Popen`. The caller ends it as a `Popen`: ``communicate``, ``send_signal``, ``kill``,
+    ``os.killpg(pid)`` (it leads a session of its own either way)."""
+    command = [str(c) for c in cmd]
+    proc = _fork(command, cwd=cwd, env=env, split_stderr=True) if preload else None
+    if proc is not None:
+        return _ForkedPopen(proc)
+    return subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def _fork(command: list[str], *, cwd: Path | str, env: Mapping[str, str], split_stderr: bool = False) -> Any:
+    """``command`` forked from the session's preload server, or None where it must start plainly."""
+    if not (env.get(PRELOAD_VARIABLES[1]) and command and command[0] == sys.executable):
+        return None
+    from fleetlike.launch.env import tuned_glibc_tunables
+    from fleetlike.launch.preload import start_preloaded
+
+    forked = command if command[1:2] == list(PRELOAD_FLAGS) else [command[0], *PRELOAD_FLAGS, *command[1:]]
+    # the server started with the launcher's allocator setting (tests/conftest.py), so a child
+    # forked from it runs with that setting, and its environment says so
+    tuned = {**env, "GLIBC_TUNABLES": tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))}
+    with contextlib.chdir(cwd):  # the server starts the child in the caller's directory
+        return start_preloaded(forked, tuned, stdout=None, rank=0, split_stderr=split_stderr)
+
+
 def _start(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], preload: bool) -> tuple[Any, Any]:
     command = [str(c) for c in cmd]
-    if preload and env.get(PRELOAD_VARIABLES[1]) and command and command[0] == sys.executable:
-        from fleetlike.launch.env import tuned_glibc_tunables
-        from fleetlike.launch.preload import start_preloaded
-
-        forked = command if command[1:2] == list(PRELOAD_FLAGS) else [command[0], *PRELOAD_FLAGS, *command[1:]]
-        # the server started with the launcher's allocator setting (tests/conftest.py), so a child
-        # forked from it runs with that setting, and its environment says so
-        tuned = {**env, "GLIBC_TUNABLES": tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))}
-        with contextlib.chdir(cwd):  # the server starts the child in the caller's directory
-            proc = start_preloaded(forked, tuned, stdout=None, rank=0)
-        if proc is not None:
-            return proc, proc.stdout
+    proc = _fork(command, cwd=cwd, env=env) if preload else None
+    if proc is not None:
+        return proc, proc.stdout
     proc = subprocess.Popen(command, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     return proc, proc.stdout

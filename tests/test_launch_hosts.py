@@ -152,8 +152,13 @@ def _launch(ns: str, rsh: Path, cwd: Path, mode: str, port: int, *worker_args: s
             mode, "--remote_shell", f"{rsh} {{host}}", "--kill_grace", "1", "--started_port", str(port),
             "--", "python", str(WORKER), str(cwd / "out"), *worker_args]
     (cwd / "out").mkdir()
+    env = _clean_env()
+    if mode == "--gloo":
+        # each node's agent forks its workers from a preload server of its own, in its node's
+        # namespace (the session's server runs outside them): one torch import per node
+        env["FLEETLIKE_PRELOAD"] = "torch"
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=_clean_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=timeout)
@@ -201,6 +206,7 @@ def test_two_nodes_run_and_a_remote_failure_ends_both(mode: str, nodes: tuple[st
         assert [e.rsplit(":", 1)[0] for e in role["endpoints"]] == [A, A, B, B]
     if mode == "--gloo":  # each node's agent logged its workers in its own directory
         assert (ok / "log" / "node1" / "workerlog.1").exists()
+        assert "as a plain process" not in text, text  # every worker forked, on both nodes
     code, text, took = jobs["bad"].result()
     assert code == 7, text  # the failed rank's own code, in both modes
     assert len(list((bad / "out").glob("pid.*"))) == 4

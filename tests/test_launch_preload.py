@@ -4,6 +4,7 @@ and the launcher's SIGTERM; the records the workers write and the launcher's lin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import json
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from fleetlike.launch import LaunchInputError, parse_config
+from fleetlike.launch.env import tuned_glibc_tunables
 from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV, start_preloaded
 from fleetlike.testing import preload_server
-from helpers import preload_env, run_jobs, side_by_side
+from helpers import popen_job, preload_env, run_jobs, side_by_side, start_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,10 +98,14 @@ def test_preloaded_workers_start_end_and_restart_as_plain_ones(tmp_path: Path) -
 
 def test_what_a_preloaded_start_cannot_honour_starts_plainly_saying_why(tmp_path: Path, capfd) -> None:
     log = open(tmp_path / "log", "wb")
-    env = dict(os.environ)
+    # the server's start-up environment (tests/conftest.py), so that only what each case changes differs
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "GLIBC_TUNABLES": tuned_glibc_tunables(os.environ.get("GLIBC_TUNABLES"))}
+    env.pop(SOCKET_ENV, None)
     assert start_preloaded(["/bin/sh", "-c", "true"], env, stdout=log.fileno(), rank=0) is None
     assert start_preloaded([sys.executable, "-c", "pass"], env, stdout=log.fileno(), rank=1) is None
-    with preload_server(env) as path:
+    with contextlib.ExitStack() as stack:  # the session's server, else one of this test's own
+        path = preload_env().get(SOCKET_ENV) or stack.enter_context(preload_server(env))
         env[SOCKET_ENV] = path
         env["PYTHONHASHSEED"] = "7"  # read once at interpreter start: the server's differs
         assert start_preloaded([sys.executable, "-u", str(PROBE)], env, stdout=log.fileno(), rank=2) is None
@@ -152,3 +158,47 @@ def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
         assert order == "thread ended\natexit ran\n" and packed == f"{mode} " * 1000
     assert "leaving with a message" in ends["plain"]["exit_text"][1]
     assert "ValueError: the script failed" in ends["plain"]["raise"][1]
+    # stdout and stderr apart (`helpers.popen_job`, the server's second descriptor): the same two
+    # streams as from a plain `subprocess.Popen`
+    apart = {}
+    for way in ("plain", "preloaded"):
+        out = tmp_path / f"{way}-apart"
+        out.mkdir()
+        procs = [popen_job([sys.executable, "-u", str(probe), m, str(out)], cwd=tmp_path, env=env,
+                           preload=way == "preloaded") for m in ("exit_text", "raise")]
+        apart[way] = [(p.communicate(timeout=60), p.returncode) for p in procs]
+        assert [type(p).__name__ == "Popen" for p in procs] == [way == "plain"] * 2
+    for (outs, code), (theirs, their_code) in zip(apart["plain"], apart["preloaded"]):
+        assert code == their_code == 1
+        assert outs[0].split("\n", 1)[1] == theirs[0].split("\n", 1)[1]
+        assert outs[1].replace("plain-apart", "OUT") == theirs[1].replace("preloaded-apart", "OUT")
+    (text_out, text_err), _ = apart["preloaded"][0]
+    (raise_out, raise_err), _ = apart["preloaded"][1]
+    assert "leaving with a message" in text_err and "leaving with a message" not in text_out
+    assert "ValueError: the script failed" in raise_err and "Traceback" not in raise_out
+    assert text_out.startswith("preloaded: True\nexit_text: main done")
+
+
+def test_an_accelerated_worker_forks_with_the_site_first_on_its_path(tmp_path: Path) -> None:
+    """``--accelerate_ddp`` puts its site folder first on the workers' PYTHONPATH: a worker forked
+    from a server started without it gets the same ``sys.path`` and has ``fleetlike.auto``
+    imported before its script, as a plain start does through the folder's sitecustomize."""
+    from fleetlike.launch.env import ACCELERATE_SITE
+    from fleetlike.launch.preload import PreloadedProcess
+
+    probe = tmp_path / "site_probe.py"
+    probe.write_text("import json, sys\n"
+                     "print(json.dumps({'path': sys.path, 'auto': 'fleetlike.ddp.auto' in sys.modules}))\n")
+    base = os.environ.get("PYTHONPATH")
+    env = {**os.environ, **preload_env(), "OMP_NUM_THREADS": "1", "FLEETLIKE_ACCELERATE_DDP": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (ACCELERATE_SITE, base) if p)}
+    seen = {}
+    for way in ("plain", "preloaded"):
+        proc, reader = start_job([sys.executable, "-u", str(probe)], cwd=tmp_path, env=env, preload=way == "preloaded")
+        assert isinstance(proc, PreloadedProcess) == (way == "preloaded")
+        text = reader.read().decode()
+        reader.close()
+        assert proc.wait(timeout=60) == 0, text
+        seen[way] = json.loads(text.splitlines()[-1])
+    assert seen["preloaded"] == seen["plain"]
+    assert seen["plain"]["auto"] is True and seen["plain"]["path"][1] == ACCELERATE_SITE

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fleetlike.launch import main
-from helpers import preload_env, side_by_side
+from helpers import popen_job, preload_env, side_by_side
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,11 +89,10 @@ class Launchers:
         self.secret = secrets.token_hex(32)
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [PY, "-m", "fleetlike.launch", *args],
-            cwd=self.cwd, env=env or clean_env(FLEETLIKE_JOB_SECRET=self.secret), text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        )
+        # forked from the session's preload server (`helpers.popen_job`): the launcher's own
+        # torch import is not what these tests are about; its stdout and stderr stay apart
+        proc = popen_job([PY, "-m", "fleetlike.launch", *args], cwd=self.cwd,
+                         env=env or clean_env(FLEETLIKE_JOB_SECRET=self.secret))
         self.procs.append(proc)
         return proc
 

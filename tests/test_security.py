@@ -25,7 +25,7 @@ import torch
 from fleetlike.comm import host_store
 from fleetlike.comm.secret import JobSecret, PayloadRefused, new_secret
 from fleetlike.testing import run_ranks
-from helpers import preload_env, run_job, run_jobs
+from helpers import popen_job, preload_env, run_job, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
@@ -85,11 +85,11 @@ def test_a_stranger_cannot_enter_a_launched_job(tmp_path: Path) -> None:
     port = _free_pair()
     out, go, marker = tmp_path / "out", tmp_path / "go", tmp_path / "payload-ran"
     out.mkdir()
-    launcher = subprocess.Popen(
+    # forked from the session's preload server, as its workers are (`helpers.popen_job`)
+    launcher = popen_job(
         [PY, "-m", "fleetlike.launch", "--nproc_per_node=2", f"--started_port={port}",
          f"--log_dir={tmp_path / 'log'}", str(WORKERS / "secure_job.py"), str(out), str(go)],
-        cwd=tmp_path, env=_env(**preload_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        cwd=tmp_path, env=_env(**preload_env()))
     try:
         _wait_for_store(port, launcher)
         endpoints = f"127.0.0.1:{port},127.0.0.1:{port + 1}"

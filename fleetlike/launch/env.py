@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from fleetlike.config import envvars
 from fleetlike.launch.config import LaunchConfig
+from fleetlike.launch.preload import ACCELERATE_SITE
 from fleetlike.roles import parse_endpoint
 
 __all__ = [
@@ -23,10 +24,6 @@ __all__ = [
 #: launcher": set to ``True`` with ``--started_port=auto``, read by `PaddleCloudRoleMaker`
 #: (``Role.master_hosted``) and by torch's own ``env://`` / ``tcp://`` initialization.
 AGENT_STORE = envvars.AGENT_STORE
-
-#: ``--accelerate_ddp``: the folder whose ``sitecustomize.py`` makes every worker import
-#: ``fleetlike.auto`` before the script (a path, not an import: launch sits below fleetlike.ddp)
-ACCELERATE_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp", "_site")
 
 #: Removed from workers: a proxy would swallow the workers' connections to each other.
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")

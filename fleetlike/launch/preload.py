@@ -28,7 +28,11 @@ worker as a plain process, with one line saying why:
 - the start-up environment (``PYTHON*``, ``LD_*``, ``GLIBC_TUNABLES``, ``MALLOC_*``, ``OMP_*``,
   ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``LANG``,
   ``LC_*``) must equal the server's: these are read once, when an interpreter or a library
-  (glibc's allocator, the OpenMP and BLAS thread pools) starts;
+  (glibc's allocator, the OpenMP and BLAS thread pools) starts. One difference is honoured:
+  ``--accelerate_ddp``'s folder first on ``PYTHONPATH`` (`fleetlike.launch.env.ACCELERATE_SITE`),
+  the rest as the server's: the child puts it on ``sys.path`` where the interpreter would and
+  imports ``fleetlike.auto``, as that folder's ``sitecustomize`` does at a plain start (the
+  ``sitecustomize`` it shadows ran in the server, from the same path);
 - torch, numpy and fleetlike must resolve, on the worker's ``sys.path``, to the files the server
   imported.
 
@@ -70,6 +74,11 @@ PRELOAD_ENV = envvars.PRELOAD
 #: A running server to use instead of starting one (`serve_forever`).
 SOCKET_ENV = envvars.PRELOAD_SOCKET
 PRELOAD_CHOICES = ("off", "torch")
+
+#: ``--accelerate_ddp``: the folder whose ``sitecustomize.py`` makes every worker import
+#: ``fleetlike.auto`` before the script (a path, not an import: launch sits below fleetlike.ddp);
+#: `fleetlike.launch.env` puts it first on the workers' PYTHONPATH, a preloaded start honours it
+ACCELERATE_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp", "_site")
 
 _PREFIX = "fleetlike.launch:"
 _FLAGS = ("-u", "-B", "-E", "-s", "-S", "-O", "-OO", "-b", "-bb", "-q", "-I", "-P")
@@ -124,13 +133,16 @@ def _parse_command(command: Sequence[str]) -> tuple[list[str], str, str, list[st
 
 class PreloadedProcess:
     """A worker forked by the preload server, with the part of `subprocess.Popen`'s interface
-    the launcher uses: ``pid``, ``args``, ``stdout``, ``returncode``, ``poll``, ``wait``,
-    ``send_signal``, ``terminate``, ``kill``."""
+    the launcher uses: ``pid``, ``args``, ``stdout``, ``stderr`` (a reader of its own with
+    ``split_stderr``, else None), ``returncode``, ``poll``, ``wait``, ``send_signal``,
+    ``terminate``, ``kill``."""
 
-    def __init__(self, pid: int, args: Sequence[str], stdout: io.BufferedReader | None) -> None:
+    def __init__(self, pid: int, args: Sequence[str], stdout: io.BufferedReader | None,
+                 stderr: io.BufferedReader | None = None) -> None:
         self.pid = pid
         self.args = list(args)
         self.stdout = stdout
+        self.stderr = stderr
         self.returncode: int | None = None
         self._done = threading.Event()
 
@@ -172,7 +184,7 @@ class _Client:
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition()
         self._procs: dict[int, PreloadedProcess] = {}
-        self._pending: dict[int, tuple[Sequence[str], io.BufferedReader | None]] = {}
+        self._pending: dict[int, tuple[Sequence[str], io.BufferedReader | None, io.BufferedReader | None]] = {}
         self.hello: dict[str, Any] | None = None
         self.closed = False
         threading.Thread(target=self._read, name="fleetlike-preload", daemon=True).start()
@@ -203,8 +215,8 @@ class _Client:
                     self._pending.pop(message["request"], None)
                     self._replies.append(message)
                 elif message["op"] == "started":
-                    args, stdout = self._pending.pop(message["request"])
-                    self._procs[message["pid"]] = PreloadedProcess(message["pid"], args, stdout)
+                    args, stdout, stderr = self._pending.pop(message["request"])
+                    self._procs[message["pid"]] = PreloadedProcess(message["pid"], args, stdout, stderr)
                     message["process"] = self._procs[message["pid"]]
                     self._replies.append(message)
                 else:
@@ -216,15 +228,15 @@ class _Client:
             self._cond.wait_for(lambda: self.hello is not None or self.closed, timeout)
             return self.hello
 
-    def start(self, request: dict[str, Any], fd: int, args: Sequence[str],
-              stdout: io.BufferedReader | None) -> PreloadedProcess | str:
+    def start(self, request: dict[str, Any], fds: Sequence[int], args: Sequence[str],
+              stdout: io.BufferedReader | None, stderr: io.BufferedReader | None) -> PreloadedProcess | str:
         with self._lock:
             number = id(request)
             request["request"] = number
             with self._cond:
-                self._pending[number] = (args, stdout)
+                self._pending[number] = (args, stdout, stderr)
             try:
-                send(self._sock, request, [fd])
+                send(self._sock, request, fds)
             except OSError as exc:
                 return f"the preload server is gone ({exc})"
             with self._cond:
@@ -270,6 +282,20 @@ def _server_code() -> str:
     # entry, the "-c" directory, is replaced by each child's script directory)
     return ("(lambda p: __import__('fleetlike.launch.preload_server', fromlist=['_serve_private'])"
             "._serve_private(p))(__import__('sys').path[:])")
+
+
+def _accelerate_site(theirs: Mapping[str, str], ours: Mapping[str, str]) -> bool:
+    """True where the worker's start-up environment is the server's with `ACCELERATE_SITE`
+    put first on PYTHONPATH (``--accelerate_ddp``), and in nothing else."""
+    path = ours.get(envvars.PYTHONPATH, "")
+    if path != ACCELERATE_SITE and not path.startswith(ACCELERATE_SITE + os.pathsep):
+        return False
+    rest = path[len(ACCELERATE_SITE) + 1:]
+    server = dict(theirs)
+    if server.get(envvars.PYTHONPATH, "") == rest:
+        server.pop(envvars.PYTHONPATH, None)
+        return server == {k: v for k, v in ours.items() if k != envvars.PYTHONPATH}
+    return False
 
 
 def _private_client(flags: list[str], env: Mapping[str, str]) -> _Client | str:
@@ -321,10 +347,14 @@ def _shared_client(path: str) -> _Client | str:
 
 
 def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: int | None,
-                    rank: int) -> PreloadedProcess | None:
+                    rank: int, split_stderr: bool = False) -> PreloadedProcess | None:
     """Fork the worker ``command`` from a preload server; None (after one line saying why) when
     it must start as a plain process. ``stdout`` is the log file's descriptor, or None for a
-    pipe (the echoed worker), read from the returned process's ``stdout``."""
+    pipe (the echoed worker), read from the returned process's ``stdout``; stderr goes with
+    stdout, or with ``split_stderr`` (and ``stdout=None``) to a pipe of its own, read from the
+    process's ``stderr``."""
+    if split_stderr and stdout is not None:
+        raise ValueError("split_stderr=True needs stdout=None (both streams to pipes)")
     parsed = _parse_command(command)
     if isinstance(parsed, str):
         _say_once(parsed, rank)
@@ -336,7 +366,7 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
         _say_once(client, rank)
         return None
     hello = client.hello or {}
-    reason = ""
+    reason, site = "", False
     if hello.get("flags") != flags:
         reason = f"the server runs with interpreter flags {hello.get('flags')}, the worker with {flags}"
     elif hello.get("namespaces") != namespaces():
@@ -349,30 +379,41 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
     else:
         theirs, ours = startup_env(hello.get("startup", {}), flags), startup_env(env, flags)
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-        if differ:
+        site = _accelerate_site(theirs, ours)
+        if differ and not site:
             reason = (f"the worker's start-up environment differs from the server's in {', '.join(differ)} "
                       "(read once at interpreter start)")
     if reason:
         _say_once(reason, rank)
         return None
     reader: io.BufferedReader | None = None
+    err_reader: io.BufferedReader | None = None
     if stdout is None:
         r, w = os.pipe()
-        reader, fd = os.fdopen(r, "rb"), w
+        reader, fds = os.fdopen(r, "rb"), [w]
+        if split_stderr:
+            r, w = os.pipe()
+            err_reader = os.fdopen(r, "rb")
+            fds.append(w)
     else:
-        fd = stdout
+        fds = [stdout]
     request = {"op": "start", "kind": kind, "target": target, "args": args, "argv": list(command),
                "env": dict(env), "cwd": os.getcwd(), "umask": _umask(),
+               # what the site folder's sitecustomize does at a plain start (`_accelerate_site`)
+               "site": ACCELERATE_SITE if site else None,
+               "imports": ["fleetlike.ddp.auto"] if site and env.get(envvars.ACCELERATE_DDP) == "1" else [],
                "affinity": sorted(os.sched_getaffinity(0)),
                "limits": {name: resource.getrlimit(getattr(resource, name)) for name in _LIMITS}}
     try:
-        got = client.start(request, fd, command, reader)
+        got = client.start(request, fds, command, reader, err_reader)
     finally:
         if stdout is None:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
     if isinstance(got, str):
-        if reader is not None:
-            reader.close()
+        for opened in (reader, err_reader):
+            if opened is not None:
+                opened.close()
         _say_once(got, rank)
         return None
     return got

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import importlib
 import io
 import json
 import os
@@ -205,7 +206,7 @@ def _serve(conns: list[socket.socket], listener: socket.socket | None, base_path
             pid = os.fork()
             if pid == 0:
                 os.close(ready_r)
-                _settle_child(fds[0], ready_w)
+                _settle_child(fds, ready_w)
                 for fd in (wake_r, wake_w):
                     os.close(fd)
                 for c in conns:
@@ -260,17 +261,19 @@ def _interpreter_flags() -> list[str]:
     return flags
 
 
-def _settle_child(out_fd: int, ready_w: int) -> None:
-    """In the child, first: its own session, death with the server, its stdio."""
+def _settle_child(out_fds: Sequence[int], ready_w: int) -> None:
+    """In the child, first: its own session, death with the server, its stdio (stdout and
+    stderr to the first descriptor, or stderr to the second where the client sent two)."""
     os.setsid()
     _prctl_pdeathsig()
     os.close(ready_w)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
+    os.dup2(out_fds[0], 1)
+    os.dup2(out_fds[-1], 2)
+    for fd in set(out_fds):
+        os.close(fd)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -350,12 +353,20 @@ def _run(child: _Child) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[:] = _child_path(request, child.base_path)
+    if request.get("site"):  # a PYTHONPATH entry before the server's: where the interpreter puts it
+        sys.path.insert(0 if sys.flags.safe_path else 1, request["site"])
     sys.orig_argv = list(request["argv"])
     # a fresh interpreter seeds both from the OS; children of one server would share its draws
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    for name in request.get("imports", ()):
+        try:  # as the interpreter runs a sitecustomize: an exception is reported, SystemExit ends
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001
+            print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
     try:
         if request["kind"] == "module":
             sys.argv = ["-m", *request["args"]]
