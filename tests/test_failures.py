@@ -23,18 +23,24 @@ def _catch(fn):
         return type(exc).__name__, str(exc)
 
 
-def _sleepy(role, sleeper, nap):
+def _sleepy(role, sleeper, gave_up):
+    """The sleeper stays away from all-reduce #2 until every other rank has given up on it
+    (each writes a file in ``gave_up``), however long their 2 s timeout takes to fire."""
     fleet.init(role, timeout=2.0)
     world = fleet._ctx.world
     world.all_reduce(torch.ones(3))  # #1: everyone is here
     if role.rank == sleeper:
-        time.sleep(nap)
-    return _catch(lambda: world.all_reduce(torch.ones(3)))
+        others = [os.path.join(gave_up, str(r)) for r in range(role.world_size) if r != sleeper]
+        while not all(os.path.exists(p) for p in others):
+            time.sleep(0.02)
+    result = _catch(lambda: world.all_reduce(torch.ones(3)))
+    open(os.path.join(gave_up, str(role.rank)), "w").close()
+    return result
 
 
 @pytest.mark.timeout(60)
-def test_a_sleeping_rank_times_out_everyone_else_naming_it():
-    results = run_ranks(_sleepy, 3, 1, 5.0, timeout=45)  # 2.5x the 2 s timeout
+def test_a_sleeping_rank_times_out_everyone_else_naming_it(tmp_path):
+    results = run_ranks(_sleepy, 3, 1, str(tmp_path), timeout=45)
     for rank in (0, 2):
         kind, msg = results[rank]
         assert kind == "CollectiveTimeoutError", msg
