@@ -24,13 +24,12 @@ parameters; the accelerated runs are compared with plain DDP runs of the same sc
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import preload_env, run_job, run_jobs, torchrun_module
+from helpers import popen_job, preload_env, run_job, run_jobs, torchrun_module
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "examples" / "ddp" / "main.py"
@@ -142,25 +141,21 @@ def test_bad_knobs_stop_at_start() -> None:
               ({"FLEETLIKE_ALLREDUCE_STREMS": "2"}, "FLEETLIKE_ALLREDUCE_STREMS='2' is not a fleetlike setting"),
               ({"FLEETLIKE_PERF_CHECK_N_STEPS": "-1"}, "use an integer >= 0"),
               ({"FLEETLIKE_STRATEGY": '{"amp": true}'}, "strategy.amp=True: a DDP communication hook"))
-    # all at once: the first starts plainly, stdout and stderr apart (the error is on stderr,
-    # nothing trained); the others fork from the session's preload server (`helpers.run_jobs`:
-    # one stream with both, in which the error is and no epoch is)
-    (knobs, expect), rest = cases[0], cases[1:]
-    proc = subprocess.Popen([sys.executable, str(AUTO), "--epochs", "1"], env=_env(**knobs), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # all at once, forked from the session's preload server (`helpers.popen_job`: a SystemExit
+    # ends a forked child as it ends an interpreter, tests/test_launch_preload.py), stdout and
+    # stderr apart: the error is on stderr, and nothing trained
+    procs = [popen_job([sys.executable, str(AUTO), "--epochs", "1"], cwd=ROOT, env=_env(**knobs))
+             for knobs, _ in cases]
     try:
-        forked = run_jobs([[sys.executable, str(AUTO), "--epochs", "1"]] * len(rest), cwd=ROOT, timeout=60,
-                          envs=[_env(**k) for k, _ in rest])
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1 and expect in err, (knobs, err)
-        assert "Epoch" not in out
+        ends = [p.communicate(timeout=60) for p in procs]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for done, (knobs, expect) in zip(forked, rest):
-        assert done.returncode == 1 and expect in done.stdout, (knobs, done.stdout)
-        assert "Epoch" not in done.stdout
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err), (knobs, expect) in zip(procs, ends, cases):
+        assert p.returncode == 1 and expect in err, (knobs, err)
+        assert "Epoch" not in out and expect not in out, (knobs, out)
 
 
 def test_launcher_flag_puts_the_site_first() -> None:
