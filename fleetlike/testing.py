@@ -57,8 +57,8 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        # torch._dynamo: torch imports it on the first optimizer a process builds (torch.optim
-        # wraps its methods in dynamo's disable), 2 s of CPU that every rank would pay again
+        # torch._dynamo: torch imports it on the first optimizer or DDP a process builds (both
+        # wrap methods in dynamo's disable), 2 s of CPU that every rank would pay again
         ctx.set_forkserver_preload(["torch", "torch._dynamo", "numpy", "fleetlike.comm"])
         _CTX = ctx
     return _CTX
@@ -66,9 +66,9 @@ def _context() -> Any:
 
 def preloaded_context() -> Any:
     """The multiprocessing context `run_ranks` starts its ranks from: a forkserver that has
-    imported torch (``torch._dynamo`` included), numpy and ``fleetlike.comm``, so that a process a test starts and ends by
-    itself (``ctx.Process(target=module_level_fn, ...)``) starts in a fraction of a second
-    instead of re-importing torch as a ``spawn`` start does."""
+    imported torch (``torch._dynamo`` included), numpy and ``fleetlike.comm``, so that a
+    process a test starts and ends by itself (``ctx.Process(target=module_level_fn, ...)``)
+    starts in a fraction of a second instead of re-importing torch as a ``spawn`` start does."""
     return _context()
 
 
@@ -321,6 +321,9 @@ _SERVER_CODE = (
     "s.bind({path!r})\n"
     "os.umask(old)\n"
     "s.listen(64)\n"
+    # DDP's constructor imports torch._dynamo (~2 s of CPU): imported here once, not in every
+    # DDP worker forked from this server
+    "import torch._dynamo\n"
     "from fleetlike.launch.preload import serve_forever\n"
     "serve_forever({path!r}, listener=s)\n"
 )

@@ -3,15 +3,20 @@
 Each run trains examples/ddp/main.py (PyTorch's imagenet loop, synthetic data) and saves its
 parameters; the accelerated runs are compared with plain DDP runs of the same script:
 
-* torchrun, 2 ranks: ``accelerated.py`` (= main.py + ``import fleetlike.auto``) with flat fp32,
+* 2 ranks, plain DDP under the ``torchrun`` console script (plain interpreters, as a user runs
+  it): ``accelerated.py`` (= main.py + ``import fleetlike.auto``) under torchrun with flat fp32,
   2 communicators, 1 MB fusion, the NaN check and a slow-rank check every 4 steps: equal to
-  plain DDP exactly; with fp16 and a gradient scale: within 10% of the parameters' change (the
-  codec itself equals torch's fp16_compress_hook exactly: tests/test_ddp_hooks.py);
+  plain DDP exactly; under ``python -m fleetlike.launch`` with fp16 and a gradient scale: within
+  10% of the parameters' change (the codec itself equals torch's fp16_compress_hook exactly:
+  tests/test_ddp_hooks.py);
 * ``python -m fleetlike.launch --accelerate_ddp``, 2 loopback nodes x 2 ranks, main.py itself:
   hierarchical fp32 within 1% of the parameters' change of plain DDP (the two-level sum adds in
   another order than gloo's ring; 8 steps of a BatchNorm ResNet amplify float32 rounding),
   mixed (fp16 across nodes) within 10% (measured 5.3%; the codec's own bound is checked in
-  tests/test_ddp_hooks.py, where the arithmetic is exact);
+  tests/test_ddp_hooks.py, where the arithmetic is exact); the workers are forked from the
+  session's preload server, which imports fleetlike.auto before the script as the site's
+  ``sitecustomize`` does in a plain interpreter (that the two starts agree is
+  tests/test_launch_preload.py's);
 * a misspelt knob and a bad value stop the script at start-up naming variable, value and the
   accepted values.
 """
@@ -19,13 +24,12 @@ parameters; the accelerated runs are compared with plain DDP runs of the same sc
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import preload_env, run_job, run_jobs, torchrun_module
+from helpers import popen_job, preload_env, run_job, run_jobs, torchrun_module
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "examples" / "ddp" / "main.py"
@@ -58,16 +62,19 @@ def _torchrun(tmp: Path, name: str, script: Path, **knobs: str) -> dict[str, tor
     return torch.load(ckpt)["state_dict"]
 
 
-def _two_nodes(tmp: Path, name: str, *flags: str, **knobs: str) -> tuple[dict[str, torch.Tensor], str]:
+def _two_nodes(tmp: Path, name: str, *flags: str, ips: tuple[str, ...] = ("127.0.0.1", "127.0.0.2"),
+               script: Path = MAIN, **knobs: str) -> tuple[dict[str, torch.Tensor], str]:
+    """fleetlike's launcher, one per node in ``ips``, forked from the session's preload server,
+    as its workers are."""
     ckpt, rdzv = tmp / f"{name}.pt", tmp / f"{name}.rdzv"
+    nodes = [f"--cluster_node_ips={','.join(ips)}", f"--rendezvous_file={rdzv}"] if len(ips) > 1 else []
     procs = run_jobs([
-        [sys.executable, "-m", "fleetlike.launch", "--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}",
-         "--started_port=auto", f"--rendezvous_file={rdzv}", "--nproc_per_node=2", f"--log_dir={tmp / name}{node}",
-         *flags, str(MAIN), *ARGS, "--checkpoint", str(ckpt)]
-        for node, ip in enumerate(("127.0.0.1", "127.0.0.2"))], cwd=tmp, envs=[_env(**knobs)] * 2, timeout=150)
+        [sys.executable, "-m", "fleetlike.launch", *nodes, f"--node_ip={ip}", "--started_port=auto",
+         "--nproc_per_node=2", f"--log_dir={tmp / name}{node}", *flags, str(script), *ARGS, "--checkpoint", str(ckpt)]
+        for node, ip in enumerate(ips)], cwd=tmp, envs=[_env(**knobs)] * len(ips), timeout=150)
     for p in procs:
         assert p.returncode == 0, p.stdout + _logs(tmp / f"{name}0") + _logs(tmp / f"{name}1")
-    return torch.load(ckpt)["state_dict"], _logs(tmp / f"{name}0")
+    return torch.load(ckpt)["state_dict"], _logs(tmp / f"{name}0") + procs[0].stdout
 
 
 def _logs(folder: Path) -> str:
@@ -108,17 +115,21 @@ def test_unmodified_ddp_script(tmp_path: Path) -> None:
                      FLEETLIKE_FUSION_MB="1", FLEETLIKE_NAN_CHECK="1", FLEETLIKE_PERF_CHECK_N_STEPS="4")
     for k in plain:
         assert torch.equal(plain[k], flat[k]), k
-    fp16 = _torchrun(tmp_path, "fp16", AUTO, FLEETLIKE_ALLREDUCE_DTYPE="fp16", FLEETLIKE_GRADIENT_SCALE="2")
+    fp16, log = _two_nodes(tmp_path, "fp16", ips=("127.0.0.1",), script=AUTO, FLEETLIKE_ALLREDUCE_DTYPE="fp16",
+                           FLEETLIKE_GRADIENT_SCALE="2")
+    assert "fleetlike.auto: DDP gradients through fleetlike (2 ranks" in log, log
     print("relative difference fp16", _rel(fp16, plain))
     assert 0 < _rel(fp16, plain) < 1e-1
 
     plain4, _ = _two_nodes(tmp_path, "plain4")
     hier, log = _two_nodes(tmp_path, "hier", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_MODE="hierarchical")
     assert "use_hierarchical_allreduce: applied: reduce_scatter: 2 ranks/node x 2 nodes" in log, log
+    assert "--preload=torch" not in log, log  # forked, none started plainly
     print("relative difference hierarchical", _rel(hier, plain4))
     assert _rel(hier, plain4) < 1e-2  # float32 sums in another order, amplified by training
     mixed, log = _two_nodes(tmp_path, "mixed", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_DTYPE="mixed")
     assert "fp16_allreduce: applied: mixed" in log, log
+    assert "--preload=torch" not in log, log  # forked, none started plainly
     print("relative difference mixed", _rel(mixed, plain4))
     assert 0 < _rel(mixed, plain4) < 1e-1
 
@@ -130,25 +141,21 @@ def test_bad_knobs_stop_at_start() -> None:
               ({"FLEETLIKE_ALLREDUCE_STREMS": "2"}, "FLEETLIKE_ALLREDUCE_STREMS='2' is not a fleetlike setting"),
               ({"FLEETLIKE_PERF_CHECK_N_STEPS": "-1"}, "use an integer >= 0"),
               ({"FLEETLIKE_STRATEGY": '{"amp": true}'}, "strategy.amp=True: a DDP communication hook"))
-    # all at once: the first starts plainly, stdout and stderr apart (the error is on stderr,
-    # nothing trained); the others fork from the session's preload server (`helpers.run_jobs`:
-    # one stream with both, in which the error is and no epoch is)
-    (knobs, expect), rest = cases[0], cases[1:]
-    proc = subprocess.Popen([sys.executable, str(AUTO), "--epochs", "1"], env=_env(**knobs), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # all at once, forked from the session's preload server (`helpers.popen_job`: a SystemExit
+    # ends a forked child as it ends an interpreter, tests/test_launch_preload.py), stdout and
+    # stderr apart: the error is on stderr, and nothing trained
+    procs = [popen_job([sys.executable, str(AUTO), "--epochs", "1"], cwd=ROOT, env=_env(**knobs))
+             for knobs, _ in cases]
     try:
-        forked = run_jobs([[sys.executable, str(AUTO), "--epochs", "1"]] * len(rest), cwd=ROOT, timeout=60,
-                          envs=[_env(**k) for k, _ in rest])
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1 and expect in err, (knobs, err)
-        assert "Epoch" not in out
+        ends = [p.communicate(timeout=60) for p in procs]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for done, (knobs, expect) in zip(forked, rest):
-        assert done.returncode == 1 and expect in done.stdout, (knobs, done.stdout)
-        assert "Epoch" not in done.stdout
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err), (knobs, expect) in zip(procs, ends, cases):
+        assert p.returncode == 1 and expect in err, (knobs, err)
+        assert "Epoch" not in out and expect not in out, (knobs, out)
 
 
 def test_launcher_flag_puts_the_site_first() -> None:
