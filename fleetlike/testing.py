@@ -56,16 +56,18 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy", "fleetlike.comm"])
+        # torch._dynamo: what an optimizer's constructor imports (through torch._disable_dynamo),
+        # seconds of CPU in every rank that builds one
+        ctx.set_forkserver_preload(["torch", "numpy", "fleetlike.comm", "torch._dynamo"])
         _CTX = ctx
     return _CTX
 
 
 def preloaded_context() -> Any:
     """The multiprocessing context `run_ranks` starts its ranks from: a forkserver that has
-    imported torch, numpy and ``fleetlike.comm``, so that a process a test starts and ends by
-    itself (``ctx.Process(target=module_level_fn, ...)``) starts in a fraction of a second
-    instead of re-importing torch as a ``spawn`` start does."""
+    imported torch, numpy, ``fleetlike.comm`` and ``torch._dynamo``, so that a process a test
+    starts and ends by itself (``ctx.Process(target=module_level_fn, ...)``) starts in a fraction
+    of a second instead of re-importing torch as a ``spawn`` start does."""
     return _context()
 
 
