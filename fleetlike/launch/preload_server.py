@@ -42,8 +42,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRELOADED_MODULES", "exit_without_teardown", "namespaces", "receive", "send", "serve_forever",
-           "startup_env"]
+__all__ = ["PRELOADED_MODULES", "PRELOADED_SUBMODULES", "exit_without_teardown", "namespaces", "receive",
+           "send", "serve_forever", "startup_env"]
 
 #: What the server imports before forking.
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
