@@ -24,7 +24,6 @@ Tasks:
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import shutil
@@ -325,10 +324,6 @@ def main(spec_path: str, outdir: str) -> None:
     torch.set_num_threads(1)
     from mpi4py import MPI
 
-    # mpi4py finalizes MPI in the interpreter's teardown, which this rank skips (`main`'s end);
-    # registered first, this runs after every later exit function (fleetlike closing the
-    # communicators still open among them), as that teardown would
-    atexit.register(MPI.Finalize)
     rank = MPI.COMM_WORLD.Get_rank()
     try:
         spec = pickle.loads(Path(spec_path).read_bytes())
@@ -340,11 +335,6 @@ def main(spec_path: str, outdir: str) -> None:
         (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
         sys.stdout.flush()
         MPI.COMM_WORLD.Abort(1)
-    # the exit steps (atexit, files and stdio flushed), then os._exit: the interpreter's teardown
-    # with torch imported costs most of a second of CPU per rank
-    from fleetlike.launch.preload_server import exit_without_teardown
-
-    exit_without_teardown(0)
 
 
 if __name__ == "__main__":
