@@ -321,9 +321,6 @@ _SERVER_CODE = (
     "s.bind({path!r})\n"
     "os.umask(old)\n"
     "s.listen(64)\n"
-    # DDP's constructor imports torch._dynamo (~2 s of CPU): imported here once, not in every
-    # DDP worker forked from this server
-    "import torch._dynamo\n"
     "from fleetlike.launch.preload import serve_forever\n"
     "serve_forever({path!r}, listener=s)\n"
 )

@@ -19,6 +19,7 @@ Tasks:
     mismatch       each rank calls one collective with its own size; returns the error text
     call           ``module:function`` of a test helper module, called with the data (the
                    Horovod-face suite: ``horovod_common:mpi_rank``)
+    several        a list of (task, data), run in turn on the same ranks
 """
 
 from __future__ import annotations
@@ -296,6 +297,12 @@ def _task_mismatches(specs: list[dict[str, Any]]) -> Any:
     return [_task_mismatch(spec) for spec in specs]
 
 
+def _task_several(tasks: list[tuple[str, Any]]) -> Any:
+    """Each ``(task, data)`` in turn on the same ranks: their results, in order (one job covers
+    several tasks; a job's start costs every rank a torch import, a task does not)."""
+    return [TASKS[name](data) for name, data in tasks]
+
+
 def _task_call(spec: dict[str, Any]) -> Any:
     """``spec["target"]`` ("module:function", importable from tests/) called with ``spec["data"]``."""
     import importlib
@@ -308,7 +315,7 @@ def _task_call(spec: dict[str, Any]) -> Any:
 TASKS = {"call": _task_call, "mismatch": _task_mismatch, "mismatches": _task_mismatches,
          "cases": _task_cases, "split": _task_split, "cases_by_world": _task_cases_by_world,
          "split_by_world": _task_split_by_world, "create_world": _task_create_world,
-         "stall": _task_stall}
+         "stall": _task_stall, "several": _task_several}
 
 
 def main(spec_path: str, outdir: str) -> None:

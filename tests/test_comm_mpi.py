@@ -1,10 +1,10 @@
 """Every collective on real MPI ranks (``mpiexec -n N``) equals its numpy reference.
 
-The mirror of ``test_comm_gloo.py`` for the ``mpi`` backend. Starting an MPI job costs a
-second or two per rank (each imports torch), so one ``mpiexec -n 4`` run executes every case of
-several draws: the test process draws (world, cases) five times, `mpi_runner.run_mpi` ships them
-to the ranks in a pickle, each draw runs on a world of the job's first ``world`` ranks, and the
-results come back one pickle per rank.
+The mirror of ``test_comm_gloo.py`` for the ``mpi`` backend. Starting an MPI job costs a few
+seconds of CPU per rank (each imports torch), so one ``mpiexec -n 4`` run executes every case of
+several draws and every split of several colourings: the test process draws them,
+`mpi_runner.run_mpi` ships them to the ranks in a pickle, each draw runs on a world of the job's
+first ``world`` ranks, and the results come back one pickle per rank.
 """
 
 from __future__ import annotations
@@ -29,32 +29,34 @@ def world_and_cases(draw):
     return world, cases
 
 
+#: several colourings of one world per draw (one colour per rank, None: not in any part), three
+#: draws of worlds of 1 to 4 ranks
+colorings = st.lists(
+    st.integers(1, 4).flatmap(
+        lambda n: st.lists(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n),
+                           min_size=1, max_size=4)
+    ),
+    min_size=3, max_size=3,
+)
+
+
 @pytest.mark.timeout(240)
 @settings(max_examples=1)
-@given(st.lists(world_and_cases(), min_size=5, max_size=5))
+@given(st.lists(world_and_cases(), min_size=5, max_size=5), colorings)
 @pytest.mark.slow
-def test_collectives_match_numpy(draws):
-    """Five draws of (world size, cases) in one ``mpiexec -n 4`` job, each on a world of the
-    job's first ranks (`mpi_runner._sub_world`)."""
-    check_by_world(draws, run_mpi(4, "cases_by_world", draws, timeout=120))
+def test_collectives_match_numpy_and_split_by_color(draws, splits):
+    """One ``mpiexec -n 4`` job (a job's start costs every rank a torch import; a collective or
+    a split does not) runs, in turn: five draws of (world size, cases), each on a world of the
+    job's first ranks (`mpi_runner._sub_world`), each case against its numpy reference; then
+    three draws of colourings, each split of such a world followed by an allreduce on each part."""
+    per_rank = run_mpi(4, "several", [("cases_by_world", draws), ("split_by_world", splits)], timeout=150)
+    check_by_world(draws, [r[0] for r in per_rank])
+    check_splits(splits, [r[1] for r in per_rank])
 
 
-@pytest.mark.timeout(150)
-@settings(max_examples=1)
-@given(
-    st.lists(
-        st.integers(1, 4).flatmap(
-            lambda n: st.lists(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=n, max_size=n),
-                               min_size=1, max_size=4)
-        ),
-        min_size=3, max_size=3,
-    )
-)
-@pytest.mark.slow
-def test_split_by_color(draws):
-    """Several colourings of one world per draw, three draws (worlds of 1 to 4 ranks) in one MPI
-    job (a job's start costs seconds; a split does not)."""
-    per_rank = run_mpi(4, "split_by_world", draws, timeout=60)
+def check_splits(draws, per_rank) -> None:
+    """Each rank's ``(ranks, sub_rank, sub_size, allreduce of the ranks)`` per colouring: the
+    members of its colour, ordered by ``key=-rank``; None outside a part or outside the world."""
     for d, colorings in enumerate(draws):
         assert all(per_rank[r][d] is None for r in range(len(colorings[0]), 4))
         for i, colors in enumerate(colorings):

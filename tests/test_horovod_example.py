@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from examples_common import PY, ROOT, clean_env, launcher, mpi_missing, mpiexec, run
-from helpers import run_job, torchrun_module
+from helpers import run_job, run_jobs, torchrun_module
 from test_elastic_nodes import free_port
 
 EXAMPLE = ROOT / "examples" / "horovod" / "pytorch_mnist.py"
@@ -223,16 +220,15 @@ torch.save({"rank": hvd.rank(), "size": hvd.size(), "params": mine, "identical":
 """
 
 
-def _elastic_example(out: Path, mode: str, at: int) -> subprocess.Popen[str]:
+def _elastic_example(out: Path, mode: str, at: int) -> list[str]:
+    """The launcher command of one run (``out`` made, with the checked wrapper in it)."""
     out.mkdir()
     wrapper = out / "checked_run.py"
     wrapper.write_text(CHECKED_RUN)
-    cmd = [PY, "-m", "fleetlike.launch", "--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           "--node_ip=127.0.0.1", "--rdzv_last_call=1", "--nproc_per_node=2", "--max_restarts=1",
-           "--started_port=auto", f"--log_dir={out / 'log'}", str(wrapper), str(out), mode, str(at), str(ELASTIC),
-           "--epochs", "2", "--batch-size", "16", "--lr", "0.1", "--train-size", "320", "--test-size", "100"]
-    return subprocess.Popen(cmd, cwd=out, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return [PY, "-m", "fleetlike.launch", "--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--node_ip=127.0.0.1", "--rdzv_last_call=1", "--nproc_per_node=2", "--max_restarts=1",
+            "--started_port=auto", f"--log_dir={out / 'log'}", str(wrapper), str(out), mode, str(at), str(ELASTIC),
+            "--epochs", "2", "--batch-size", "16", "--lr", "0.1", "--train-size", "320", "--test-size", "100"]
 
 
 @pytest.mark.slow
@@ -248,16 +244,13 @@ def test_elastic_example_survives_a_killed_worker(tmp_path: Path) -> None:
     rate (``lr * hvd.size()``) reaches every rank, the restarted one included, as Horovod's sync
     hands it out."""
     at = 7  # of the 20 commits of epoch 1
-    procs = {mode: _elastic_example(tmp_path / mode, mode, at) for mode in ("kill", "fail")}
-    try:
-        ends = {mode: proc.communicate(timeout=200) for mode, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+    modes = ("kill", "fail")
+    # the two launchers at once, forked from the session's preload server (as their workers are)
+    ends = run_jobs([_elastic_example(tmp_path / mode, mode, at) for mode in modes], cwd=tmp_path,
+                    envs=[clean_env()] * len(modes), timeout=200)
+    procs = dict(zip(modes, ends))
     for mode, proc in procs.items():
-        assert proc.returncode == 0, (mode, ends[mode][0][-2000:] + ends[mode][1][-3000:])
+        assert proc.returncode == 0, (mode, proc.stdout[-5000:])
     got = {mode: {int(p.name.split(".")[1]): torch.load(p) for p in (tmp_path / mode).glob("params.*.pt")}
            for mode in procs}
     started = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "kill").glob("pid.*"))

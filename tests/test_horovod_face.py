@@ -8,7 +8,6 @@ ranks: 2 and 3 gloo ranks, 2 and 3 MPI ranks (``mpiexec``), one job each running
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_job
 from horovod_face_common import DTYPES, data, emb_input, face_rank, reference, sparse_input
 from mpi_runner import mpi_unavailable_reason, run_mpi
 
@@ -169,8 +169,10 @@ def test_np_hosts_mpi_mode_keeps_hydras_descriptors(tmp_path: Path) -> None:
     """))
     from test_launch_run import clean_env
 
-    proc = subprocess.run([sys.executable, "-m", "fleetlike.launch", "-np", "2", "-H", "localhost:2", "--mpi",
-                           "--", sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the launcher forked from the session's preload server (stdout and stderr in one pipe); the
+    # ranks mpiexec starts are plain interpreters either way
+    proc = run_job([sys.executable, "-m", "fleetlike.launch", "-np", "2", "-H", "localhost:2", "--mpi",
+                    "--", sys.executable, str(script)], cwd=tmp_path, env=clean_env(), timeout=100)
+    assert proc.returncode == 0, proc.stdout
     for r in range(2):
-        assert f"rank {r} of 2 mpi=True sum=3.0" in proc.stdout + proc.stderr
+        assert f"rank {r} of 2 mpi=True sum=3.0" in proc.stdout

@@ -3,16 +3,17 @@
 Importing torch costs seconds of CPU in every new interpreter, and a launcher pays it again for
 each worker it starts or restarts. With ``--preload=torch`` (or ``FLEETLIKE_PRELOAD=torch``) the
 launcher starts one preload server per job: ``python -c`` with the workers' interpreter flags and
-start-up environment, which imports torch, numpy and fleetlike once and then forks one child per
-worker. The child becomes what ``python [flags] script.py args`` (or ``-m module``) would have
-been: a new session (its own process group), the worker's environment, argv, working directory
-and ``sys.path[0]``, stdin from ``/dev/null``, stdout and stderr to the worker's log (or the
-echo pipe), the script run as ``__main__``, torch's and numpy's default generators seeded
-afresh from the OS, the launcher's umask, CPU affinity and resource limits. The server reports each child's
-wait status, which the launcher turns into an exit code or signal exactly as for a `Popen`'d
-worker, so restarts, kill -9 detection, SIGTERM forwarding and elastic re-forming are unchanged.
-A child dies with the server (``PR_SET_PDEATHSIG``), and the server kills its children and exits
-when the launcher's end of the socket closes, however the launcher ended.
+start-up environment, which imports torch (with ``torch._dynamo``, which an optimizer's constructor
+imports), numpy and fleetlike once and then forks one child per worker. The child becomes what
+``python [flags] script.py args`` (or ``-m module``) would have been: a new session (its own
+process group), the worker's environment, argv, working directory and ``sys.path[0]``, stdin from
+``/dev/null``, stdout and stderr to the worker's log (or the echo pipe), the script run as
+``__main__``, torch's and numpy's default generators seeded afresh from the OS, the launcher's
+umask, CPU affinity and resource limits. The server reports each child's wait status, which the
+launcher turns into an exit code or signal exactly as for a `Popen`'d worker, so restarts, kill -9
+detection, SIGTERM forwarding and elastic re-forming are unchanged. A child dies with the server
+(``PR_SET_PDEATHSIG``), and the server kills its children and exits when the launcher's end of the
+socket closes, however the launcher ended.
 
 ``FLEETLIKE_PRELOAD_SOCKET=PATH`` points launchers at a server that is already running
 (``python -c 'from fleetlike.launch.preload import serve_forever; serve_forever("PATH")'``, or
@@ -26,13 +27,14 @@ worker as a plain process, with one line saying why:
 - the command must be this interpreter with plain flags (``-u``, ``-O``, ``-X opt``...) and a
   script file or ``-m module``;
 - the start-up environment (``PYTHON*``, ``LD_*``, ``GLIBC_TUNABLES``, ``MALLOC_*``, ``OMP_*``,
-  ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``LANG``,
-  ``LC_*``) must equal the server's: these are read once, when an interpreter or a library
-  (glibc's allocator, the OpenMP and BLAS thread pools) starts. One difference is honoured:
-  ``--accelerate_ddp``'s folder first on ``PYTHONPATH`` (`fleetlike.launch.env.ACCELERATE_SITE`),
-  the rest as the server's: the child puts it on ``sys.path`` where the interpreter would and
-  imports ``fleetlike.auto``, as that folder's ``sitecustomize`` does at a plain start (the
-  ``sitecustomize`` it shadows ran in the server, from the same path);
+  ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``TORCHDYNAMO_*``,
+  ``TORCHINDUCTOR_*``, ``LANG``, ``LC_*``) must equal the server's: these are read once, when an
+  interpreter or a library (glibc's allocator, the OpenMP and BLAS thread pools) starts. One
+  difference is honoured: ``--accelerate_ddp``'s folder first on ``PYTHONPATH``
+  (`fleetlike.launch.env.ACCELERATE_SITE`), the rest as the server's: the child puts it on
+  ``sys.path`` where the interpreter would and imports ``fleetlike.auto``, as that folder's
+  ``sitecustomize`` does at a plain start (the ``sitecustomize`` it shadows ran in the server,
+  from the same path);
 - torch, numpy and fleetlike must resolve, on the worker's ``sys.path``, to the files the server
   imported.
 

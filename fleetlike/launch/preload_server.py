@@ -43,15 +43,20 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRELOADED_MODULES", "exit_without_teardown", "namespaces", "receive", "send", "serve_forever",
-           "startup_env"]
+__all__ = ["PRELOADED_MODULES", "PRELOADED_SUBMODULES", "exit_without_teardown", "namespaces", "receive",
+           "send", "serve_forever", "startup_env"]
 
 #: What the server imports before forking.
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
+#: Imported too, though a worker cannot resolve them elsewhere (parts of the modules above):
+#: torch imports ``torch._dynamo`` on the first call of a function it keeps out of compilation,
+#: an optimizer's constructor among them, at seconds of CPU in every worker that builds one.
+PRELOADED_SUBMODULES = ("torch._dynamo",)
 
 _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
+#: (TORCHDYNAMO_ and TORCHINDUCTOR_: read when `PRELOADED_SUBMODULES` import their configs)
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
-                     "OPENBLAS_", "TORCH_", "PYTORCH_", "LC_")
+                     "OPENBLAS_", "TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "LC_")
 _MESSAGE_BYTES = 1 << 20
 
 
@@ -404,7 +409,7 @@ def _report(exc: BaseException) -> None:
 def _preload() -> None:
     """Import what the children share, then freeze it (`gc.freeze`): a child's collections
     leave these objects, and so their shared pages, untouched."""
-    for name in PRELOADED_MODULES:
+    for name in PRELOADED_MODULES + PRELOADED_SUBMODULES:
         __import__(name)
     gc.collect()
     gc.freeze()
