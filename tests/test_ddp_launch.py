@@ -28,7 +28,6 @@ import torch
 
 from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run
 from helpers import run_job, run_jobs, side_by_side, torchrun_module
-from fleetlike.testing import free_ports
 
 SCRIPT = Path(__file__).resolve().parent / "launch_workers" / "ddp_script.py"
 
@@ -64,13 +63,22 @@ _HANDING = threading.Lock()
 
 
 def _port() -> int:
-    """A free port no other job of this test was given (they start at once)."""
+    """A free port no other job of this test was given (they start at once), below the kernel's
+    ephemeral range (32768-60999 by default): a port the OS picked and the test released can be
+    taken meanwhile by any outgoing connection or ``bind(0)`` of the jobs beside it, and a rank
+    that cannot bind its store's port leaves its peer waiting for the whole timeout."""
     with _HANDING:
-        while True:
-            (port,) = free_ports(1)
-            if port not in _HANDED:
-                _HANDED.add(port)
-                return port
+        for port in range(30000, 32700):
+            if port in _HANDED:
+                continue
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED.add(port)
+            return port
+    raise RuntimeError("no free port in 30000-32699")
 
 
 def _job(way: str, out: Path, name: str, auto: bool) -> str:
