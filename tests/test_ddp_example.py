@@ -44,7 +44,8 @@ ARGS = ["--samples", "128", "--batch-size", "16", "--print-freq", "100", "--lr",
 def _env(**knobs: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FLEETLIKE_", "PADDLE_", "TORCHELASTIC")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(ROOT)
+    # PYTHONPATH stays the session's: it is a start-up variable, and a worker whose start-up
+    # environment differs from the session's preload server starts plainly
     env["OMP_NUM_THREADS"] = "1"
     env.update(preload_env())
     env.update(knobs)
