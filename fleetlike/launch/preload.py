@@ -28,8 +28,9 @@ worker as a plain process, with one line saying why:
   script file or ``-m module``;
 - the start-up environment (``PYTHON*``, ``LD_*``, ``GLIBC_TUNABLES``, ``MALLOC_*``, ``OMP_*``,
   ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``TORCHDYNAMO_*``,
-  ``TORCHINDUCTOR_*``, ``LANG``, ``LC_*``) must equal the server's: these are read once, when an
-  interpreter or a library (glibc's allocator, the OpenMP and BLAS thread pools) starts. One
+  ``TORCHINDUCTOR_*`` but ``TORCHINDUCTOR_CACHE_DIR``, read at each use, ``LANG``, ``LC_*``)
+  must equal the server's: these are read once, when an interpreter or a library (glibc's
+  allocator, the OpenMP and BLAS thread pools) starts. One
   difference is honoured: ``--accelerate_ddp``'s folder first on ``PYTHONPATH``
   (`fleetlike.launch.env.ACCELERATE_SITE`), the rest as the server's: the child puts it on
   ``sys.path`` where the interpreter would and imports ``fleetlike.auto``, as that folder's

@@ -57,6 +57,10 @@ _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 #: (TORCHDYNAMO_ and TORCHINDUCTOR_: read when `PRELOADED_SUBMODULES` import their configs)
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
                      "OPENBLAS_", "TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "LC_")
+#: read from ``os.environ`` each time they are used, so a forked worker sees its own: torch's
+#: inductor looks its cache folder up (and sets it in ``os.environ`` when unset) at each use, so
+#: any process that compiled once would otherwise differ from its server
+_READ_AT_USE = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 _MESSAGE_BYTES = 1 << 20
 
 
@@ -66,7 +70,7 @@ def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, 
     not see its own;
     with ``-u`` in ``flags``, PYTHONUNBUFFERED says nothing more and is left out."""
     return {k: v for k, v in env.items() if (k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE"))
-            and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
+            and k not in _READ_AT_USE and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
 
 
 def namespaces() -> dict[str, str]:
