@@ -20,7 +20,6 @@ import pytest
 from fleetlike.launch import LaunchInputError, parse_config
 from fleetlike.launch.env import tuned_glibc_tunables
 from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV, start_preloaded
-from fleetlike.launch.preload_server import startup_env
 from fleetlike.testing import preload_server
 from helpers import popen_job, preload_env, run_jobs, side_by_side, start_job
 
@@ -204,13 +203,3 @@ def test_an_accelerated_worker_forks_with_the_site_first_on_its_path(tmp_path: P
     assert seen["preloaded"] == seen["plain"]
     assert seen["plain"]["auto"] is True and seen["plain"]["path"][1] == ACCELERATE_SITE
 
-
-def test_start_up_variables_are_those_read_once() -> None:
-    """Dynamo's and inductor's settings are read when the server imports them, so a worker must
-    share them; inductor's cache folder is looked up (and set, where unset) at each use, so a
-    process that compiled once still forks its workers."""
-    env = {"TORCHDYNAMO_VERBOSE": "1", "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/c",
-           "PYTHONHASHSEED": "3", "HOME": "/root", "PYTHONUNBUFFERED": "1"}
-    assert startup_env(env) == {"TORCHDYNAMO_VERBOSE": "1", "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "PYTHONHASHSEED": "3",
-                                "PYTHONUNBUFFERED": "1"}
-    assert "PYTHONUNBUFFERED" not in startup_env(env, ["-u"])

@@ -3,8 +3,7 @@
 Importing torch costs seconds of CPU in every new interpreter, and a launcher pays it again for
 each worker it starts or restarts. With ``--preload=torch`` (or ``FLEETLIKE_PRELOAD=torch``) the
 launcher starts one preload server per job: ``python -c`` with the workers' interpreter flags and
-start-up environment, which imports torch (with ``torch._dynamo``, which an optimizer's constructor
-imports), numpy and fleetlike once and then forks one child per worker. The child becomes what
+start-up environment, which imports torch, numpy and fleetlike once and then forks one child per worker. The child becomes what
 ``python [flags] script.py args`` (or ``-m module``) would have been: a new session (its own
 process group), the worker's environment, argv, working directory and ``sys.path[0]``, stdin from
 ``/dev/null``, stdout and stderr to the worker's log (or the echo pipe), the script run as
@@ -27,8 +26,7 @@ worker as a plain process, with one line saying why:
 - the command must be this interpreter with plain flags (``-u``, ``-O``, ``-X opt``...) and a
   script file or ``-m module``;
 - the start-up environment (``PYTHON*``, ``LD_*``, ``GLIBC_TUNABLES``, ``MALLOC_*``, ``OMP_*``,
-  ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``TORCHDYNAMO_*``,
-  ``TORCHINDUCTOR_*`` but ``TORCHINDUCTOR_CACHE_DIR``, read at each use, ``LANG``, ``LC_*``)
+  ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``LANG``, ``LC_*``)
   must equal the server's: these are read once, when an interpreter or a library (glibc's
   allocator, the OpenMP and BLAS thread pools) starts. One
   difference is honoured: ``--accelerate_ddp``'s folder first on ``PYTHONPATH``

@@ -48,19 +48,15 @@ __all__ = ["PRELOADED_MODULES", "PRELOADED_SUBMODULES", "exit_without_teardown",
 
 #: What the server imports before forking.
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
-#: Imported too, though a worker cannot resolve them elsewhere (parts of the modules above):
-#: torch imports ``torch._dynamo`` on the first call of a function it keeps out of compilation,
-#: an optimizer's constructor among them, at seconds of CPU in every worker that builds one.
-PRELOADED_SUBMODULES = ("torch._dynamo",)
+#: Imported too, though parts of the modules above. Empty: ``torch._dynamo`` (which torch imports
+#: on a process's first optimizer or DDP model, about 2 s of CPU) is left to each worker, because
+#: workers forked from a server that had imported it now and then hung at their end, in
+#: ProcessGroupGloo's destructor joining its threads.
+PRELOADED_SUBMODULES: tuple[str, ...] = ()
 
 _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
-#: (TORCHDYNAMO_ and TORCHINDUCTOR_: read when `PRELOADED_SUBMODULES` import their configs)
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
-                     "OPENBLAS_", "TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "LC_")
-#: read from ``os.environ`` each time they are used, so a forked worker sees its own: torch's
-#: inductor looks its cache folder up (and sets it in ``os.environ`` when unset) at each use, so
-#: any process that compiled once would otherwise differ from its server
-_READ_AT_USE = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+                     "OPENBLAS_", "TORCH_", "PYTORCH_", "LC_")
 _MESSAGE_BYTES = 1 << 20
 
 
@@ -70,7 +66,7 @@ def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, 
     not see its own;
     with ``-u`` in ``flags``, PYTHONUNBUFFERED says nothing more and is left out."""
     return {k: v for k, v in env.items() if (k.startswith(_STARTUP_PREFIXES) or k in ("LANG", "LANGUAGE"))
-            and k not in _READ_AT_USE and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
+            and not (k == "PYTHONUNBUFFERED" and "-u" in flags)}
 
 
 def namespaces() -> dict[str, str]:
