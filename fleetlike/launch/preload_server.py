@@ -43,16 +43,13 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRELOADED_MODULES", "PRELOADED_SUBMODULES", "exit_without_teardown", "namespaces", "receive",
+__all__ = ["PRELOADED_MODULES", "exit_without_teardown", "namespaces", "receive",
            "send", "serve_forever", "startup_env"]
 
-#: What the server imports before forking.
+#: What the server imports before forking. Not ``torch._dynamo`` (which torch imports on a
+#: process's first optimizer or DDP model, about 2 s of CPU): workers forked from a server that
+#: had imported it now and then hung at their end, in ProcessGroupGloo's destructor.
 PRELOADED_MODULES = ("torch", "numpy", "fleetlike")
-#: Imported too, though parts of the modules above. Empty: ``torch._dynamo`` (which torch imports
-#: on a process's first optimizer or DDP model, about 2 s of CPU) is left to each worker, because
-#: workers forked from a server that had imported it now and then hung at their end, in
-#: ProcessGroupGloo's destructor joining its threads.
-PRELOADED_SUBMODULES: tuple[str, ...] = ()
 
 _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
@@ -409,7 +406,7 @@ def _report(exc: BaseException) -> None:
 def _preload() -> None:
     """Import what the children share, then freeze it (`gc.freeze`): a child's collections
     leave these objects, and so their shared pages, untouched."""
-    for name in PRELOADED_MODULES + PRELOADED_SUBMODULES:
+    for name in PRELOADED_MODULES:
         __import__(name)
     gc.collect()
     gc.freeze()
