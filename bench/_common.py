@@ -321,14 +321,18 @@ def run_mpiexec(n: int, args: Sequence[str], *, timeout: float, cwd: str | Path 
 
 def replace_section(path: str | Path, title: str, section: str) -> None:
     """Put ``section`` (starting with the ``title`` line, e.g. "## Recompute") into the Markdown
-    file at ``path``: replacing the old section of that title, else appending; other sections stay."""
+    file at ``path``: in the old section's place, else appended; other sections stay as and where
+    they are (the manual's order is its reader's, not the order benchmarks last ran)."""
     p = Path(path)
     text = p.read_text() if p.exists() else "# Benchmarks\n"
+    body = section.strip() + "\n"
     start = text.find("\n" + title + "\n")
-    if start >= 0:
-        nxt = text.find("\n## ", start + len(title) + 1)
-        text = text[:start].rstrip() + "\n\n" + (text[nxt + 1:] if nxt >= 0 else "")
-    p.write_text(text.rstrip() + "\n\n" + section)
+    if start < 0:
+        p.write_text(text.rstrip() + "\n\n" + body)
+        return
+    nxt = text.find("\n## ", start + len(title) + 1)
+    rest = "\n" + text[nxt + 1:] if nxt >= 0 else ""
+    p.write_text(text[:start].rstrip() + "\n\n" + body + rest)
 
 
 def save_figure(fig: Any, path: Path | str) -> None:

@@ -202,20 +202,32 @@ def _tables(bw: list[dict[str, Any]], steps: list[dict[str, Any]]) -> tuple[str,
 
 
 def docs_section(payload: dict[str, Any]) -> str:
-    """The "## Horovod API" section of docs/BENCHMARKS.md for one run's JSON payload."""
+    """The "## Horovod API" section of docs/BENCHMARKS.md for one run's JSON payload: what it
+    measures, the command, the date and load, both tables, the plot and the rounds' spread."""
     bw_table, step_table = _tables(payload["allreduce"], payload["steps"])
     load, load_after = payload["load_average_before"], payload["load_average_after"]
+    machine = payload["machine"]
+    spread = []
+    for row in payload["steps"]:
+        rounds = row["rounds_steps_per_s"]
+        per = [a / b for a, b in zip(rounds["hvd"], rounds["ddp"])]
+        spread.append(f"{row['model']} {min(per):.2f}-{max(per):.2f} (hvd {min(rounds['hvd']):.1f}-"
+                      f"{max(rounds['hvd']):.1f} steps/s, DDP {min(rounds['ddp']):.1f}-{max(rounds['ddp']):.1f})")
     return (
-        f"{SECTION}\n\n`{payload['command']}` ({payload['date']}, {payload['world']} gloo ranks on "
-        f"{payload['machine']['cpus']} CPUs; load average {load[0]:.2f} before, {load_after[0]:.2f} after; "
-        "the machine is shared).\n\n"
-        "allreduce busbw, `hvd.allreduce_(t, op=hvd.Sum)` (agreement included: none when predicted, "
-        f"{payload['speculation']['hits']} hits and {payload['speculation']['misses']} misses on rank 0) and fleetlike's "
-        "`world.all_reduce` (size check included) against torch's `ProcessGroupGloo.allreduce` on the same "
-        f"group (target hvd/raw >= {TARGET_BUSBW}); `paired` is the median of per-rep ratios:\n\n"
-        f"{bw_table}\n\nTraining steps/s (models of `bench.dp_vs_ddp`, 25 MB buckets, SGD; "
-        f"target hvd/DDP >= {TARGET_STEP}):\n\n{step_table}\n\n"
-        "Data: `docs/benchmarks/horovod_api.json`, plot `docs/benchmarks/horovod_api.png`.\n"
+        f"{SECTION}\n\n"
+        "What: `hvd.allreduce_` busbw (its agreement included: none when the call is predicted) and\n"
+        "fleetlike's `world.all_reduce` against torch's gloo `allreduce` on the same group; and training\n"
+        "steps/s of `hvd.DistributedOptimizer` against DDP and fleetlike's eager style (the models of\n"
+        f"`bench.dp_vs_ddp`, {BUCKET_MB} MB buckets, SGD). {payload['world']} gloo ranks; timed segments\n"
+        "alternate, rotating which framework goes first; steps/s is the median over rounds of the\n"
+        "slower rank, `paired` the median of the per-round ratios.\n\n"
+        f"    {payload['command']}\n\n"
+        f"Date: {payload['date']}, {machine['cpus']} cores, torch {machine.get('torch', '?')}, load average "
+        f"{load[0]:.2f} before, {load_after[0]:.2f} after (`horovod_api.json`, `horovod_api.png`).\n\n"
+        f"{bw_table}\n\n{step_table}\n\n"
+        "![horovod api](benchmarks/horovod_api.png)\n\n"
+        f"Per-round hvd/DDP: {'; '.join(spread)}. hvd.allreduce agreements predicted on rank 0: "
+        f"{payload['speculation']['hits']} hits, {payload['speculation']['misses']} misses.\n"
     )
 
 
