@@ -49,8 +49,6 @@ Example::
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import io
 import os
 import resource
