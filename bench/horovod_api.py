@@ -179,11 +179,11 @@ def measure_steps(name: str, rounds: int, steps: int | None) -> dict[str, Any]:
         results = run_ranks(_step_worker, WORLD, name, f"{tmp}/ddp", rounds, steps, warmup, timeout=1800)
     per_round = {fw: [min(res[fw][r] for res in results) for r in range(rounds)] for fw in STEP_FRAMEWORKS}
     # ranks run in lockstep: a round lasts as long as its slower rank; the whole run's rate
-    med = {fw: rounds * steps / sum(steps / rate for rate in v) for fw, v in per_round.items()}
+    rate = {fw: rounds * steps / sum(steps / r for r in v) for fw, v in per_round.items()}
     return {"model": name, "description": desc, "batch_per_rank": batch, "steps_per_segment": steps,
-            "rounds": rounds, **{f"{fw}_steps_per_s": med[fw] for fw in STEP_FRAMEWORKS},
-            "ratio": med["hvd"] / med["ddp"], "hvd_vs_eager": med["hvd"] / med["eager"],
-            "noagree_ratio": med["hvd_noagree"] / med["ddp"],
+            "rounds": rounds, **{f"{fw}_steps_per_s": rate[fw] for fw in STEP_FRAMEWORKS},
+            "ratio": rate["hvd"] / rate["ddp"], "hvd_vs_eager": rate["hvd"] / rate["eager"],
+            "noagree_ratio": rate["hvd_noagree"] / rate["ddp"],
             "paired_ratio_median": median([a / b for a, b in zip(per_round["hvd"], per_round["ddp"])]),
             "rounds_steps_per_s": per_round}
 

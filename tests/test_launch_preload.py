@@ -181,25 +181,36 @@ def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
 
 def test_an_accelerated_worker_forks_with_the_site_first_on_its_path(tmp_path: Path) -> None:
     """``--accelerate_ddp`` puts its site folder first on the workers' PYTHONPATH: a worker forked
-    from a server started without it gets the same ``sys.path`` and has ``fleetlike.auto``
-    imported before its script, as a plain start does through the folder's sitecustomize."""
+    from a server started without it gets the same ``sys.path``, has ``fleetlike.auto`` imported
+    before its script, and the user's ``sitecustomize`` that the folder's shadows has run once in
+    its process, as at a plain start (the server ran it; the fork does not run it again)."""
     from fleetlike.launch.env import ACCELERATE_SITE
     from fleetlike.launch.preload import PreloadedProcess
 
+    user = tmp_path / "user_site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import sys\nsys.user_site_runs = getattr(sys, 'user_site_runs', 0) + 1\n")
     probe = tmp_path / "site_probe.py"
     probe.write_text("import json, sys\n"
-                     "print(json.dumps({'path': sys.path, 'auto': 'fleetlike.ddp.auto' in sys.modules}))\n")
-    base = os.environ.get("PYTHONPATH")
-    env = {**os.environ, **preload_env(), "OMP_NUM_THREADS": "1", "FLEETLIKE_ACCELERATE_DDP": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (ACCELERATE_SITE, base) if p)}
+                     "print(json.dumps({'path': sys.path, 'auto': 'fleetlike.ddp.auto' in sys.modules,\n"
+                     "                  'user_site_runs': getattr(sys, 'user_site_runs', 0)}))\n")
+    path = os.pathsep.join(p for p in (str(user), os.environ.get("PYTHONPATH")) if p)
+    # the server's start-up environment as tests/conftest.py makes it, with the user's folder
+    server_env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
+    server_env.update(OMP_NUM_THREADS="1", PYTHONPATH=path,
+                      GLIBC_TUNABLES=tuned_glibc_tunables(os.environ.get("GLIBC_TUNABLES")))
     seen = {}
-    for way in ("plain", "preloaded"):
-        proc, reader = start_job([sys.executable, "-u", str(probe)], cwd=tmp_path, env=env, preload=way == "preloaded")
-        assert isinstance(proc, PreloadedProcess) == (way == "preloaded")
-        text = reader.read().decode()
-        reader.close()
-        assert proc.wait(timeout=60) == 0, text
-        seen[way] = json.loads(text.splitlines()[-1])
+    with preload_server(server_env) as socket_path:
+        env = {**server_env, PRELOAD_ENV: "torch", SOCKET_ENV: socket_path, "FLEETLIKE_ACCELERATE_DDP": "1",
+               "PYTHONPATH": ACCELERATE_SITE + os.pathsep + path}
+        for way in ("plain", "preloaded"):
+            proc, reader = start_job([sys.executable, "-u", str(probe)], cwd=tmp_path, env=env,
+                                     preload=way == "preloaded")
+            assert isinstance(proc, PreloadedProcess) == (way == "preloaded")
+            text = reader.read().decode()
+            reader.close()
+            assert proc.wait(timeout=60) == 0, text
+            seen[way] = json.loads(text.splitlines()[-1])
     assert seen["preloaded"] == seen["plain"]
     assert seen["plain"]["auto"] is True and seen["plain"]["path"][1] == ACCELERATE_SITE
-
+    assert seen["plain"]["user_site_runs"] == 1

@@ -31,8 +31,8 @@ worker as a plain process, with one line saying why:
   allocator, the OpenMP and BLAS thread pools) starts. One
   difference is honoured: ``--accelerate_ddp``'s folder first on ``PYTHONPATH``
   (`fleetlike.launch.env.ACCELERATE_SITE`), the rest as the server's: the child puts it on
-  ``sys.path`` where the interpreter would and imports ``fleetlike.auto``, as that folder's
-  ``sitecustomize`` does at a plain start (the ``sitecustomize`` it shadows ran in the server,
+  ``sys.path`` where the interpreter would and runs that folder's ``sitecustomize``, as a plain
+  start does (which leaves alone the ``sitecustomize`` it shadows: that one ran in the server,
   from the same path);
 - torch, numpy and fleetlike must resolve, on the worker's ``sys.path``, to the files the server
   imported.
@@ -286,15 +286,12 @@ def _server_code() -> str:
 def _accelerate_site(theirs: Mapping[str, str], ours: Mapping[str, str]) -> bool:
     """True where the worker's start-up environment is the server's with `ACCELERATE_SITE`
     put first on PYTHONPATH (``--accelerate_ddp``), and in nothing else."""
-    path = ours.get(envvars.PYTHONPATH, "")
-    if path != ACCELERATE_SITE and not path.startswith(ACCELERATE_SITE + os.pathsep):
+    first, _, rest = ours.get(envvars.PYTHONPATH, "").partition(os.pathsep)
+    if first != ACCELERATE_SITE:
         return False
-    rest = path[len(ACCELERATE_SITE) + 1:]
-    server = dict(theirs)
-    if server.get(envvars.PYTHONPATH, "") == rest:
-        server.pop(envvars.PYTHONPATH, None)
-        return server == {k: v for k, v in ours.items() if k != envvars.PYTHONPATH}
-    return False
+    def others(env: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k != envvars.PYTHONPATH}
+    return theirs.get(envvars.PYTHONPATH, "") == rest and others(theirs) == others(ours)
 
 
 def _private_client(flags: list[str], env: Mapping[str, str]) -> _Client | str:
@@ -398,9 +395,8 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
         fds = [stdout]
     request = {"op": "start", "kind": kind, "target": target, "args": args, "argv": list(command),
                "env": dict(env), "cwd": os.getcwd(), "umask": _umask(),
-               # what the site folder's sitecustomize does at a plain start (`_accelerate_site`)
+               # the child runs the folder's sitecustomize, as a plain start would (`_accelerate_site`)
                "site": ACCELERATE_SITE if site else None,
-               "imports": ["fleetlike.ddp.auto"] if site and env.get(envvars.ACCELERATE_DDP) == "1" else [],
                "affinity": sorted(os.sched_getaffinity(0)),
                "limits": {name: resource.getrlimit(getattr(resource, name)) for name in _LIMITS}}
     try:

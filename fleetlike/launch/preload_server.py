@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
-import importlib
+import importlib.util
 import io
 import json
 import os
@@ -344,6 +344,23 @@ def _close_open_files() -> None:
                     getattr(f, step)()
 
 
+def _run_sitecustomize(path: str) -> None:
+    """Run the ``sitecustomize.py`` at ``path`` as the interpreter runs the first one on its path
+    at start-up: it becomes ``sys.modules["sitecustomize"]``, an exception is reported and the
+    start goes on, a SystemExit ends it."""
+    spec = importlib.util.spec_from_file_location("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return
+    sys.modules["sitecustomize"] = module
+
+
 def _run(child: _Child) -> None:
     """Run the worker's script or module as ``__main__`` in this forked child."""
     request = child.request
@@ -363,12 +380,8 @@ def _run(child: _Child) -> None:
         sys.modules["torch"].seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
-    for name in request.get("imports", ()):
-        try:  # as the interpreter runs a sitecustomize: an exception is reported, SystemExit ends
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001
-            print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
-                  file=sys.stderr, flush=True)
+    if request.get("site"):
+        _run_sitecustomize(os.path.join(request["site"], "sitecustomize.py"))
     try:
         if request["kind"] == "module":
             sys.argv = ["-m", *request["args"]]

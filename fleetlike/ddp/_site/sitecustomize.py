@@ -1,7 +1,9 @@
 """Imported by Python at start-up when ``python -m fleetlike.launch --accelerate_ddp`` puts this
 folder first on the workers' PYTHONPATH: imports `fleetlike.ddp.auto` (``fleetlike.auto``) before the training script
 (only with ``FLEETLIKE_ACCELERATE_DDP=1``, so other Python processes the script starts with the
-same path are left alone), then runs the ``sitecustomize`` this one shadows, if any."""
+same path are left alone), then runs the ``sitecustomize`` this one shadows, if any and if it has
+not run in this process already (a worker forked from a preload server that ran it at its start,
+`fleetlike.launch.preload`)."""
 
 import importlib.machinery
 import importlib.util
@@ -14,6 +16,7 @@ if os.environ.get("FLEETLIKE_ACCELERATE_DDP") == "1":
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 _spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _rest)
-if _spec is not None and _spec.loader is not None and _spec.origin != os.path.abspath(__file__):
+_ran = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+if _spec is not None and _spec.loader is not None and _spec.origin not in (os.path.abspath(__file__), _ran):
     _module = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
