@@ -3,7 +3,9 @@ state of the process-wide singletons (the collective watchdog, the `fleet` facad
 test, so the order in which pytest runs tests does not matter, and one preload server for the
 workers of every launcher the tests start (`fleetlike.launch.preload`): each launcher job then
 skips its workers' torch import. ``FLEETLIKE_PRELOAD=off`` in the environment runs the suite with
-plain worker starts; tests that must see a plain start remove the two variables themselves."""
+plain worker starts; tests that must see a plain start remove the two variables themselves. Under
+pytest-xdist the server is started once, by the controlling process: its workers inherit the
+socket's variable and share it."""
 
 from __future__ import annotations
 
