@@ -5,13 +5,17 @@ workers of every launcher the tests start (`fleetlike.launch.preload`): each lau
 skips its workers' torch import. ``FLEETLIKE_PRELOAD=off`` in the environment runs the suite with
 plain worker starts; tests that must see a plain start remove the two variables themselves. Under
 pytest-xdist the server is started once, by the controlling process: its workers inherit the
-socket's variable and share it."""
+socket's variable and share it; a test file marked ``alone`` runs while the other worker waits
+(`_MachineShare`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -40,11 +44,70 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 _SESSION = contextlib.ExitStack()
 
+#: the folder of the xdist workers' machine lock (`_MachineShare`), made by the controlling process
+SHARE_ENV = "FLEETLIKE_TEST_MACHINE_LOCK"
+
+
+class _MachineShare:
+    """Under pytest-xdist, each worker holds the machine lock for the test file it runs: shared,
+    or exclusive for a file marked ``alone`` (its jobs fill both cores by themselves, and elastic
+    jobs starved of CPU miss heartbeats and re-form worlds the test does not expect). A turnstile
+    before the lock keeps the other worker from starting new files while an ``alone`` file
+    waits. Taken around each test's whole run protocol, outside its timeout: waiting for the
+    other worker's file is not the test's time."""
+
+    def __init__(self, folder: str) -> None:
+        self.gate = open(os.path.join(folder, "turnstile"), "a")  # noqa: SIM115 - held for the session
+        self.lock = open(os.path.join(folder, "machine"), "a")  # noqa: SIM115
+        self.held: str | None = None
+
+    def take(self, path: str, alone: bool) -> None:
+        if self.held == path:
+            return
+        self.release()
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.held = path
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.held = None
+
+
+_SHARE: _MachineShare | None = None
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    if _SHARE is None:
+        yield
+        return
+    path = str(item.path)
+    _SHARE.take(path, alone=item.get_closest_marker("alone") is not None)
+    try:
+        yield
+    finally:  # the file's last test has run its module teardown too
+        if nextitem is None or str(nextitem.path) != path:
+            _SHARE.release()
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Start the preload server while the tests are collected. Its start-up environment is the
+    """Make the xdist workers' machine lock (the controlling process) or open it (a worker),
+    then start the preload server while the tests are collected. Its start-up environment is the
     one the launcher gives several workers by default (OMP_NUM_THREADS=1 where unset, glibc's
     malloc cache off); a job whose workers differ starts them plainly, saying so."""
+    global _SHARE
+    if hasattr(config, "workerinput"):
+        if os.environ.get(SHARE_ENV):
+            _SHARE = _MachineShare(os.environ[SHARE_ENV])
+    elif SHARE_ENV not in os.environ:
+        folder = tempfile.mkdtemp(prefix="fleetlike-tests-")
+        _SESSION.callback(shutil.rmtree, folder, ignore_errors=True)
+        os.environ[SHARE_ENV] = folder
     if os.environ.get(PRELOAD_ENV, "torch") == "off" or SOCKET_ENV in os.environ:
         return
     # scikit-learn (imported by the tests that read its digits) sets these two in os.environ on
