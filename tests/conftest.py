@@ -44,8 +44,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 _SESSION = contextlib.ExitStack()
 
-#: the folder of the xdist workers' machine lock (`_MachineShare`), made by the controlling process
-SHARE_ENV = "FLEETLIKE_TEST_MACHINE_LOCK"
+#: the folder of the xdist workers' machine lock (`_MachineShare`), made by the controlling
+#: process (not a FLEETLIKE_ name: `fleetlike.auto` refuses names of its own it does not know)
+SHARE_ENV = "TESTS_MACHINE_LOCK_DIR"
 
 
 class _MachineShare:
@@ -79,6 +80,12 @@ class _MachineShare:
 
 
 _SHARE: _MachineShare | None = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files marked ``alone`` last (the sort is stable): under xdist they then start when the
+    other worker has no file left to begin, so its wait for the lock costs nothing."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is not None)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

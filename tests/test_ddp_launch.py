@@ -29,9 +29,6 @@ import torch
 from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run
 from helpers import run_job, run_jobs, side_by_side, torchrun_module
 
-# its eleven jobs already fill both cores, in waves
-pytestmark = pytest.mark.alone
-
 SCRIPT = Path(__file__).resolve().parent / "launch_workers" / "ddp_script.py"
 
 
