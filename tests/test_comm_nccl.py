@@ -359,7 +359,9 @@ class _FakeEvent:
         self.name = f"e{next(_CUDA[0].events)}"
 
     def record(self, stream=None):
-        cuda = _CUDA[0]
+        # a record on a given stream goes to that stream's fake: a helper thread of an earlier
+        # test may record its last event after the next test has made a fake of its own
+        cuda = stream.cuda if stream is not None else _CUDA[0]
         cuda.note("record", (stream or cuda.current()).name, self.name)
         self.recorded = True
 
