@@ -356,17 +356,18 @@ _CUDA: list[_FakeCuda] = []  # the fake in use (streams and events find it here)
 
 class _FakeEvent:
     def __init__(self, *a, **kw):
-        self.name = f"e{next(_CUDA[0].events)}"
+        self.cuda = _CUDA[0]
+        self.name = f"e{next(self.cuda.events)}"
 
     def record(self, stream=None):
-        # a record on a given stream goes to that stream's fake: a helper thread of an earlier
-        # test may record its last event after the next test has made a fake of its own
-        cuda = stream.cuda if stream is not None else _CUDA[0]
+        # an event's calls go to the fake of its stream (or its own): a helper thread of an
+        # earlier test may record or poll late, after the next test has made a fake of its own
+        cuda = stream.cuda if stream is not None else self.cuda
         cuda.note("record", (stream or cuda.current()).name, self.name)
         self.recorded = True
 
     def query(self):
-        _CUDA[0].note("query", "-", self.name)
+        self.cuda.note("query", "-", self.name)
         return True
 
     def synchronize(self):
