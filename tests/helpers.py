@@ -252,8 +252,7 @@ def _fork(command: list[str], *, cwd: Path | str, env: Mapping[str, str], split_
     # the server started with the launcher's allocator setting (tests/conftest.py), so a child
     # forked from it runs with that setting, and its environment says so
     tuned = {**env, "GLIBC_TUNABLES": tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))}
-    with contextlib.chdir(cwd):  # the server starts the child in the caller's directory
-        return start_preloaded(forked, tuned, stdout=None, rank=0, split_stderr=split_stderr)
+    return start_preloaded(forked, tuned, stdout=None, rank=0, split_stderr=split_stderr, cwd=cwd)
 
 
 def _start(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], preload: bool) -> tuple[Any, Any]:

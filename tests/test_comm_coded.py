@@ -14,6 +14,7 @@ pieces per chunk, every reduction, six dtypes, codes that are accepted or refuse
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -143,25 +144,30 @@ def test_coded_allreduce_against_numpy(world: int) -> None:
         assert codes == [0] * world and value == [float(sum(range(world)))] * 5
 
 
-def _absent_rank(role: Any) -> tuple[str, str]:
+def _absent_rank(role: Any, gave_up: str) -> tuple[str, str]:
+    """Rank 1 stays away from the coded all-reduce until the others have given up on it (each
+    writes a file in ``gave_up``), however long their 2 s timeout takes to fire."""
     from fleetlike.comm import create_world
 
     world = create_world(role, timeout=2.0)
     world.all_reduce(torch.ones(2))  # everyone is here
     if world.rank == 1:
-        time.sleep(5.0)
-        return "slept", ""
+        while not all(os.path.exists(os.path.join(gave_up, str(r))) for r in (0, 2)):
+            time.sleep(0.02)
+        return "stayed away", ""
     try:
         world.all_reduce_coded_async(torch.ones(1000), "sum", 2).wait()
         return "ok", ""
     except CollectiveTimeoutError as exc:
         return type(exc).__name__, str(exc)
+    finally:
+        open(os.path.join(gave_up, str(world.rank)), "w").close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_rank_that_never_comes_is_named() -> None:
-    results = run_ranks(_absent_rank, 3, timeout=45)
+def test_a_rank_that_never_comes_is_named(tmp_path) -> None:
+    results = run_ranks(_absent_rank, 3, str(tmp_path), timeout=45)
     for rank in (0, 2):
         kind, msg = results[rank]
         assert kind == "CollectiveTimeoutError", (kind, msg)

@@ -601,7 +601,14 @@ def test_fake_every_thread_uses_the_ranks_device(fake):
 
     gate = threading.Event()
     queued = ISSUER.submit(lambda: gate.wait(5), world.stream_device)
-    threading.Timer(0.2, gate.set).start()
+
+    def release() -> None:  # once the caller's launch has queued behind the held job
+        deadline = time.monotonic() + 5
+        while ISSUER._queued < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        gate.set()
+
+    threading.Thread(target=release, daemon=True).start()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="caller") as pool:
         pool.submit(lambda: world.all_reduce(torch.ones(4))).result(10)
     queued.wait()
@@ -692,7 +699,9 @@ def test_fake_size_check_costs_no_host_wait_and_a_mismatch_ends_the_job(fake, mo
     assert torch.equal(x, torch.full((3,), 2.0))
     comm.all_reduce(x, agreed=True)
     assert fake.nccl.log[-2:] == ["allReduce", "allReduce"]
-    time.sleep(1.2)  # a poll period: the agreeing rows were compared
+    deadline = time.monotonic() + 10  # the watchdog compares the agreeing rows within a poll period
+    while comm._checks and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert exits == [] and not comm._checks
     fake.nccl.peer_numel = 1
     comm.all_reduce_async(torch.ones(5))

@@ -47,7 +47,8 @@ def test_discovery_loop_retries_caps_and_stops(tmp_path: Path, capfd: pytest.Cap
     discovery.start()
     try:
         hosts.write_text("127.0.0.2:3\n")
-        time.sleep(0.6)  # ~6 polls, one line said
+        until(lambda: "127.0.0.2 has 3 slots" in discovery._last_error)
+        time.sleep(0.6)  # ~6 more polls, still one line said
         hosts.write_text("127.0.0.1:2\n10.9.9.2:2\n10.9.9.3:2\n")  # MAX=2: one more node only
         started = tmp_path / "started"
         until(lambda: started.exists())

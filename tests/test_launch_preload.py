@@ -4,6 +4,7 @@ and the launcher's SIGTERM; the records the workers write and the launcher's lin
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import gzip
@@ -177,6 +178,31 @@ def test_a_preloaded_worker_ends_as_a_plain_interpreter(tmp_path: Path) -> None:
     assert "leaving with a message" in text_err and "leaving with a message" not in text_out
     assert "ValueError: the script failed" in raise_err and "Traceback" not in raise_out
     assert text_out.startswith("preloaded: True\nexit_text: main done")
+
+
+def test_workers_started_side_by_side_run_in_the_folder_each_names(tmp_path: Path) -> None:
+    """``start_preloaded(cwd=...)`` as ``Popen``'s ``cwd``: threads starting workers in different
+    folders at once get each its own (a relative script is found there), and the caller's
+    directory never moves (a process-wide ``chdir`` around each start would race)."""
+    env = {**os.environ, **preload_env(), "OMP_NUM_THREADS": "1"}  # the server's start-up setting
+    env["GLIBC_TUNABLES"] = tuned_glibc_tunables(env.get("GLIBC_TUNABLES"))
+    assert env.get(SOCKET_ENV), "the suite's preload server is running (tests/conftest.py)"
+    folders = [tmp_path / f"job{i}" for i in range(4)]
+    for folder in folders:
+        folder.mkdir()
+        (folder / "where.py").write_text("import os\nprint(os.getcwd())\n")
+    here = os.getcwd()
+
+    def start(folder: Path) -> tuple[int, str]:
+        proc = start_preloaded([sys.executable, "-u", "where.py"], env, stdout=None, rank=0, cwd=folder)
+        assert proc is not None and proc.stdout is not None
+        out = proc.stdout.read().decode()
+        return proc.wait(30), out.strip()
+
+    with concurrent.futures.ThreadPoolExecutor(len(folders)) as pool:
+        got = list(pool.map(start, folders))
+    assert got == [(0, str(folder)) for folder in folders]
+    assert os.getcwd() == here
 
 
 def test_an_accelerated_worker_forks_with_the_site_first_on_its_path(tmp_path: Path) -> None:

@@ -343,12 +343,15 @@ def _shared_client(path: str) -> _Client | str:
 
 
 def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: int | None,
-                    rank: int, split_stderr: bool = False) -> PreloadedProcess | None:
+                    rank: int, split_stderr: bool = False, cwd: str | os.PathLike[str] | None = None,
+                    ) -> PreloadedProcess | None:
     """Fork the worker ``command`` from a preload server; None (after one line saying why) when
     it must start as a plain process. ``stdout`` is the log file's descriptor, or None for a
     pipe (the echoed worker), read from the returned process's ``stdout``; stderr goes with
     stdout, or with ``split_stderr`` (and ``stdout=None``) to a pipe of its own, read from the
-    process's ``stderr``."""
+    process's ``stderr``. ``cwd``: the worker's directory (the caller's by default), as
+    `subprocess.Popen`'s: threads that start workers in different directories need no
+    process-wide ``chdir``."""
     if split_stderr and stdout is not None:
         raise ValueError("split_stderr=True needs stdout=None (both streams to pipes)")
     parsed = _parse_command(command)
@@ -394,7 +397,7 @@ def start_preloaded(command: Sequence[str], env: Mapping[str, str], *, stdout: i
     else:
         fds = [stdout]
     request = {"op": "start", "kind": kind, "target": target, "args": args, "argv": list(command),
-               "env": dict(env), "cwd": os.getcwd(), "umask": _umask(),
+               "env": dict(env), "cwd": os.path.abspath(cwd if cwd is not None else os.getcwd()), "umask": _umask(),
                # the child runs the folder's sitecustomize, as a plain start would (`_accelerate_site`)
                "site": ACCELERATE_SITE if site else None,
                "affinity": sorted(os.sched_getaffinity(0)),
