@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sys
 import threading
@@ -47,7 +48,7 @@ from fleetlike.comm import JOB_KEY, SecretMismatchError, challenge_of, job_store
 from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, secret_from_env, set_current
 from fleetlike.roles import Role, parse_endpoint
 
-__all__ = ["ENV", "EVENTS_KEY", "ElasticSettings", "Membership"]
+__all__ = ["DEFAULT_HEARTBEAT_TIMEOUT", "ENV", "EVENTS_KEY", "HEARTBEAT_ENV", "ElasticSettings", "Membership"]
 
 #: What the launcher gives each worker of an elastic job (``--nnodes MIN:MAX``).
 ENV = {
@@ -63,9 +64,12 @@ ENV = {
 #: the same name, a test checks the two agree).
 EVENTS_KEY = "fleetlike.elastic/events"
 
-#: Seconds between a worker's heartbeats, and how many may be missed before it counts as gone.
-HEARTBEAT_SECONDS = 1
+#: Seconds of silent heartbeats after which a worker counts as gone (``--heartbeat_timeout``,
+#: `HEARTBEAT_ENV`), and how many heartbeats a worker sends in that time.
+DEFAULT_HEARTBEAT_TIMEOUT = 3.0
 HEARTBEATS_MISSED = 3
+#: The launcher's ``--heartbeat_timeout``; optional (a worker without it uses the default).
+HEARTBEAT_ENV = envvars.ELASTIC_HEARTBEAT_TIMEOUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,12 @@ class ElasticSettings:
     node_ip: str
     endpoint: str
     local_rank: int
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """Seconds between two heartbeats (`HEARTBEATS_MISSED` of them make the timeout)."""
+        return self.heartbeat_timeout / HEARTBEATS_MISSED
 
     @staticmethod
     def launched(environ: Mapping[str, str] | None = None) -> bool:
@@ -99,7 +109,22 @@ class ElasticSettings:
         return cls(env[ENV["store"]], int(env[ENV["min"]]), int(env[ENV["max"]]),
                    float(env[ENV["last_call"]]), env[ENV["run_id"]],
                    env.get(envvars.NODE_IP, "127.0.0.1"),
-                   env.get(envvars.PADDLE_CURRENT_ENDPOINT, "127.0.0.1:1"), int(env.get(envvars.LOCAL_RANK, "0")))
+                   env.get(envvars.PADDLE_CURRENT_ENDPOINT, "127.0.0.1:1"), int(env.get(envvars.LOCAL_RANK, "0")),
+                   _heartbeat_timeout(env.get(HEARTBEAT_ENV)))
+
+
+def _heartbeat_timeout(text: str | None) -> float:
+    if text is None or not text.strip():
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise RuntimeError(f"fleetlike.elastic: {HEARTBEAT_ENV}={text!r} is not a number of seconds > 0; "
+                           "the launcher sets it from --heartbeat_timeout (unset it to use the default, "
+                           f"{DEFAULT_HEARTBEAT_TIMEOUT:g})")
+    return value
 
 
 def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port: int,
@@ -141,7 +166,7 @@ class Membership:
                                     last_call=datetime.timedelta(seconds=settings.last_call))
         self.handler: RendezvousHandler = DynamicRendezvousHandler.from_backend(
             settings.run_id, self._private, backend, settings.min_workers, settings.max_workers,
-            settings.node_ip, timeout, keep_alive_interval=HEARTBEAT_SECONDS,
+            settings.node_ip, timeout, keep_alive_interval=settings.heartbeat_seconds,  # type: ignore[arg-type]
             keep_alive_max_attempt=HEARTBEATS_MISSED)
         self.rounds = 0
         self._watch: Watch | None = None
@@ -175,7 +200,8 @@ class Membership:
         world.interrupt = threading.Event()
         if self._watch is not None:
             self._watch.stop()
-        self._watch = Watch(store, info.rank, info.world_size, world.interrupt)
+        self._watch = Watch(store, info.rank, info.world_size, world.interrupt,
+                            period=self.settings.heartbeat_seconds)
         self._watch.start()
         return role, world
 
@@ -201,7 +227,7 @@ class Membership:
         self.quiet()
         self.handler.shutdown()
 
-    def quiet(self, wait: float = HEARTBEAT_SECONDS * HEARTBEATS_MISSED) -> None:
+    def quiet(self, wait: float | None = None) -> None:
         """Stop this process's heartbeat threads (the world's `Watch` and the rendezvous's
         keep-alive) and wait for them, at most ``wait`` seconds in all (a store call in progress
         finishes first; one to an unreachable store is left behind, said on stderr), staying in
@@ -210,7 +236,8 @@ class Membership:
         still inside a store call when the interpreter finalizes is ended by CPython while it
         reacquires the GIL, which unwinds through torch's C++ frames and aborts the process
         (``terminate called without an active exception``, SIGABRT) after the script itself
-        succeeded."""
+        succeeded. ``wait`` defaults to the heartbeat timeout."""
+        wait = self.settings.heartbeat_timeout if wait is None else wait
         deadline = time.monotonic() + wait
         if self._watch is not None:
             self._watch.stop(wait=wait)
@@ -228,7 +255,7 @@ class Membership:
 
 class Watch(threading.Thread):
     """Heartbeats among the ranks of one world, on the round's store: each rank bumps its
-    counter every `HEARTBEAT_SECONDS`; a counter that has not moved for `HEARTBEATS_MISSED`
+    counter every ``period`` seconds; a counter that has not moved for `HEARTBEATS_MISSED`
     periods (by this rank's clock: the nodes' clocks need not agree) means that rank is gone.
 
     Why not rely on the collective failing: gloo reports a peer's closed connection only when
@@ -237,9 +264,11 @@ class Watch(threading.Thread):
     event instead (`fleetlike.comm.guard.wait_work`), failing the blocked collective within a
     few seconds."""
 
-    def __init__(self, store: dist.Store, seat: int, size: int, interrupt: threading.Event) -> None:
+    def __init__(self, store: dist.Store, seat: int, size: int, interrupt: threading.Event, *,
+                 period: float = DEFAULT_HEARTBEAT_TIMEOUT / HEARTBEATS_MISSED) -> None:
         super().__init__(name="fleetlike-elastic-watch", daemon=True)
         self._store, self._seat, self._size, self._interrupt = store, seat, size, interrupt
+        self.period = period
         self._stop_event = threading.Event()
 
     def stop(self, wait: float = 0.0) -> None:
@@ -253,7 +282,7 @@ class Watch(threading.Thread):
         keys = [f"alive/{r}" for r in range(self._size)]
         seen: dict[int, tuple[bytes, float]] = {}
         beat = 0
-        while not self._stop_event.wait(HEARTBEAT_SECONDS):
+        while not self._stop_event.wait(self.period):
             beat += 1
             try:
                 self._store.set(f"alive/{self._seat}", str(beat))
@@ -266,7 +295,7 @@ class Watch(threading.Thread):
                 last = seen.get(r)
                 if last is None or last[0] != value:
                     seen[r] = (value, now)
-                elif now - last[1] > HEARTBEAT_SECONDS * HEARTBEATS_MISSED:
+                elif now - last[1] > self.period * HEARTBEATS_MISSED:
                     lost.append(r)
             if lost and not self._stop_event.is_set():
                 print(f"fleetlike.elastic: seat(s) {lost} stopped heartbeating; interrupting this world's "

@@ -53,6 +53,9 @@ DEFAULT_REMOTE_SHELL = "ssh -o BatchMode=yes {host}"
 
 #: ``--discovery_interval``: seconds between two runs of ``--host_discovery_script``.
 DEFAULT_DISCOVERY_INTERVAL = 5.0
+#: ``--heartbeat_timeout``'s default (`fleetlike.elastic.membership.DEFAULT_HEARTBEAT_TIMEOUT`
+#: reads the same number where no launcher set it; a test checks the two agree)
+DEFAULT_HEARTBEAT_TIMEOUT = 3.0
 
 #: ``--rendezvous_timeout``: seconds the launchers of several nodes wait for each other.
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
@@ -233,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv_last_call", default="3", metavar="SECONDS",
                    help="with --nnodes: once MIN nodes' workers are there, how long a rendezvous "
                    "round waits for more before it closes (default: 3)")
+    p.add_argument("--heartbeat_timeout", default=None, metavar="SECONDS",
+                   help="with --nnodes: a worker whose heartbeats (one every third of this) stop "
+                   "for this long counts as gone and the world re-forms without it (default: "
+                   f"{DEFAULT_HEARTBEAT_TIMEOUT:g}); longer tolerates workers starved of CPU on a "
+                   "shared machine, shorter finds a lost node sooner")
     p.add_argument("--host_discovery_script", default=None, metavar="PATH",
                    help="with --nnodes, on the launcher hosting --rdzv_endpoint: an executable "
                    "printing 'host:slots' lines (Horovod's contract); each listed host not yet "
@@ -332,6 +340,8 @@ class LaunchConfig:
     max_nodes: int = 0
     rdzv_endpoint: str | None = None
     rdzv_last_call: float = 3.0
+    #: ``--heartbeat_timeout``: seconds of silence after which a worker counts as gone
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     #: ``--host_discovery_script`` (`fleetlike.launch.discovery`)
     host_discovery_script: str | None = None
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
@@ -564,6 +574,22 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
+def _heartbeat_timeout(text: str | None, *, elastic: bool) -> float:
+    """``--heartbeat_timeout``: only an elastic job's workers heartbeat, and a silence of 0 s
+    would lose every worker at once."""
+    if text is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    if not elastic:
+        raise LaunchInputError(
+            f"--heartbeat_timeout={text} applies to elastic jobs only (their workers heartbeat); "
+            "add --nnodes MIN:MAX --rdzv_endpoint HOST:PORT, or drop the flag")
+    value = _seconds("--heartbeat_timeout", text)
+    if value <= 0:
+        raise LaunchInputError(f"--heartbeat_timeout={text} must be more than 0 seconds (default: "
+                               f"{DEFAULT_HEARTBEAT_TIMEOUT:g})")
+    return value
+
+
 def _int_flag(name: str, text: str) -> int:
     try:
         return int(text)
@@ -664,6 +690,7 @@ def parse_config(
                 cloud, ips, node_ip, args.node_ip is not None, port, nproc)
     nodes = _nnodes(args.nnodes)
     last_call = _seconds("--rdzv_last_call", args.rdzv_last_call)
+    heartbeat = _heartbeat_timeout(args.heartbeat_timeout, elastic=bool(nodes[0]))
     if nodes[0]:
         node_ip = args.node_ip.strip() if args.node_ip else "127.0.0.1"
         if args.cluster_node_ips == "127.0.0.1":
@@ -699,6 +726,7 @@ def parse_config(
         max_nodes=nodes[1],
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_last_call=last_call,
+        heartbeat_timeout=heartbeat,
         host_discovery_script=args.host_discovery_script,
         discovery_interval=_seconds("--discovery_interval", args.discovery_interval),
         remote_shell=args.remote_shell,
@@ -748,7 +776,8 @@ def format_config(config: LaunchConfig) -> str:
         ("kill_grace", f"{config.kill_grace:g} s"),
         ("max_restarts", str(config.max_restarts)),
         ("nnodes", f"{config.min_nodes}:{config.max_nodes} (elastic, rendezvous at "
-                   f"{config.rdzv_endpoint}, last call {config.rdzv_last_call:g} s)"
+                   f"{config.rdzv_endpoint}, last call {config.rdzv_last_call:g} s, heartbeat timeout "
+                   f"{config.heartbeat_timeout:g} s)"
                    if config.min_nodes else "fixed"),
         ("host_discovery", f"{config.host_discovery_script} every {config.discovery_interval:g} s, "
                            f"through {config.remote_shell!r}" if config.host_discovery_script else "off"),

@@ -102,6 +102,7 @@ def node_launcher_args(config: LaunchConfig, host: str) -> list[str]:
         f"--nnodes={config.min_nodes}:{config.max_nodes}",
         f"--rdzv_endpoint={config.rdzv_endpoint}",
         f"--rdzv_last_call={config.rdzv_last_call:g}",
+        f"--heartbeat_timeout={config.heartbeat_timeout:g}",
         f"--node_ip={host}",
         f"--nproc_per_node={config.nproc_per_node}",
         f"--started_port={port}",

@@ -53,7 +53,7 @@ from fleetlike.launch.workers import Worker, describe_exit, last_line
 from fleetlike.roles import parse_endpoint
 
 __all__ = [
-    "ELASTIC_ENV", "PROGRESS_DIR_VAR", "RESTART_COUNT_VAR", "Attempt", "elastic_env", "generation_config",
+    "ELASTIC_ENV", "HEARTBEAT_ENV", "PROGRESS_DIR_VAR", "RESTART_COUNT_VAR", "Attempt", "elastic_env", "generation_config",
     "host_rendezvous", "restart_loop",
 ]
 
@@ -72,6 +72,9 @@ ELASTIC_ENV = {
     "last_call": envvars.ELASTIC_LAST_CALL,
     "run_id": envvars.ELASTIC_RUN_ID,
 }
+#: ``--heartbeat_timeout`` for the workers (optional for them: ``fleetlike.elastic.membership``
+#: reads it as ``HEARTBEAT_ENV``, with the same default)
+HEARTBEAT_ENV = envvars.ELASTIC_HEARTBEAT_TIMEOUT
 
 _PREFIX = "fleetlike.launch:"
 
@@ -114,6 +117,7 @@ def elastic_env(config: LaunchConfig) -> dict[str, str]:
         ELASTIC_ENV["max"]: str(config.max_nodes * config.nproc_per_node),
         ELASTIC_ENV["last_call"]: f"{config.rdzv_last_call:g}",
         ELASTIC_ENV["run_id"]: config.job_id,
+        HEARTBEAT_ENV: f"{config.heartbeat_timeout:g}",
     }
 
 

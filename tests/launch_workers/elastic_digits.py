@@ -31,7 +31,7 @@ from amp_common import accuracy, digits_loss, digits_model, digits_split  # noqa
 import fleetlike  # noqa: E402
 import fleetlike.horovod as hvd  # noqa: E402
 from fleetlike import elastic, fleet  # noqa: E402
-from fleetlike.elastic.membership import ENV  # noqa: E402
+from fleetlike.elastic.membership import ENV, ElasticSettings  # noqa: E402
 from fleetlike.io import DistributedSampler  # noqa: E402
 
 out, epochs, pause, style = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
@@ -125,6 +125,6 @@ def train(state: elastic.TorchState) -> None:
 train(state)
 report = {"pid": os.getpid(), "rank": fleet.worker_index(), "world": fleet.worker_num(),
           "resets": core.RESET_LOG, "seen": state.seen, "accuracy": accuracy(net, xte, yte),
-          "steps": state.step}
+          "steps": state.step, "heartbeat_timeout": ElasticSettings.from_env().heartbeat_timeout}
 (out / f"done.{os.getpid()}.json").write_text(json.dumps(report))
 core.shutdown()
