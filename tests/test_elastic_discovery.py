@@ -11,6 +11,7 @@ not started again, and the whole-job stop ends the launchers it started. Then ba
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,12 +84,16 @@ def test_bad_script_at_start_is_an_input_error(tmp_path: Path, capfd: pytest.Cap
     script = discovery_script(tmp_path, tmp_path / "hosts", body or "")
     if body is None:
         script.chmod(0o644)
+    before = set(threading.enumerate())
     code = main(["--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--nproc_per_node=2",
                  "--started_port=auto", f"--host_discovery_script={script}", "t.py"])
     err = capfd.readouterr().err
     assert code == 2, err
     assert f"error: --host_discovery_script={script}" in err and said in err, err
     assert not (tmp_path / "log").exists() or not any((tmp_path / "log").glob("workerlog.*"))
+    # nothing of the job goes on beating on its store (a thread inside a store call when the
+    # interpreter ends aborts the process)
+    assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("fleetlike-")] == []
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -167,11 +167,12 @@ def restart_loop(config: LaunchConfig, stop: Any, run_once: RunOnce, store: Any 
     rendezvous = host_rendezvous(config)
     watch = (NodeWatch(str(config.rdzv_endpoint), config.node_ip, store=rendezvous,
                        secret=JobSecret(config.job_secret)) if config.min_nodes else None)
-    if watch is not None:
-        watch.start()
     discovery = HostDiscovery(config) if config.host_discovery_script is not None else None
     if discovery is not None:  # after the store is up: the nodes it starts meet there
-        discovery.check()
+        discovery.check()  # a bad script raises here, before any thread of the job has started
+    if watch is not None:
+        watch.start()
+    if discovery is not None:
         discovery.start()
     code = 1
     attempts: list[Attempt] = []
