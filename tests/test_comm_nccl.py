@@ -776,6 +776,22 @@ def test_fake_split_barrier_and_device_check(fake):
     comm.close()
 
 
+def test_fake_close_gives_the_stream_back_without_destroying_it(fake, monkeypatch):
+    """A closed communicator's stream goes back to the pool, where tensors freed later can
+    still record on it and the next communicator reuses it."""
+    import fleetlike.comm.cuda as cuda_mod
+
+    owner = object()
+    given: list = []
+    monkeypatch.setattr(cuda_mod, "dedicated_stream", lambda device: (_FakeStream(fake.cuda), owner))
+    monkeypatch.setattr(cuda_mod, "release_stream", lambda device, held: given.append(held))
+    comm = fake()
+    stream = comm.stream
+    comm.close()
+    comm.close()
+    assert given == [(stream, owner)]
+
+
 def test_fake_a_kernel_past_its_deadline_aborts_the_communicator_and_exits(fake, monkeypatch, capsys):
     """The watchdog polls each launched collective's event; one still running after the
     timeout is reported, its NCCL communicator aborted and the process ended (exit code 1)."""

@@ -150,3 +150,64 @@ def test_gpu_extras_name_the_packages_cupy_finds_nccl_with():
     assert set(gpu) == {"cupy-cuda12x", "nvidia-nccl-cu12"} and set(cu13) == {"cupy-cuda13x", "nvidia-nccl-cu13"}
     assert not gpu["cupy-cuda12x"].contains("13.4.1") and gpu["cupy-cuda12x"].contains("13.5.1")
     assert cu13["cupy-cuda13x"].contains("13.6.0") and cu13["cupy-cuda13x"].contains("14.2.0")
+
+
+class _FakeCupyStream:
+    """CuPy's stream as far as `dedicated_stream` uses it; counts the ones destroyed."""
+
+    made = 0
+    destroyed = 0
+
+    def __init__(self, non_blocking: bool) -> None:
+        type(self).made += 1
+        self.ptr = 0x1000 + type(self).made
+
+    def __del__(self) -> None:
+        type(self).destroyed += 1
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    import contextlib
+    import sys
+
+    from fleetlike.comm import cuda
+
+    _FakeCupyStream.made = _FakeCupyStream.destroyed = 0
+    fake = SimpleNamespace(cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext(), Stream=_FakeCupyStream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device: SimpleNamespace(cuda_stream=ptr))
+    monkeypatch.setattr(cuda, "_KEPT", [])
+    monkeypatch.setattr(cuda, "_SPARE", {})
+    return cuda
+
+
+def test_comm_streams_outlive_their_users_and_are_reused(fake_cupy):
+    """A tensor ``record_stream``-ed on a communicator's stream may be freed after the
+    communicator is gone; the allocator then records an event on that stream, which aborts the
+    process when the stream was destroyed (the GPU run's "invalid device context" after the
+    hierarchical side-stream probe). No stream is ever destroyed; one given back is reused."""
+    import gc
+    import threading
+
+    cuda, dev = fake_cupy, torch.device("cuda", 0)
+    first, second = cuda.dedicated_stream(dev), cuda.dedicated_stream(dev)
+    assert _FakeCupyStream.made == 2 and first[0].cuda_stream != second[0].cuda_stream
+    cuda.release_stream(dev, first)
+    del first, second
+    gc.collect()
+    assert _FakeCupyStream.destroyed == 0
+    again = cuda.dedicated_stream(dev)
+    assert _FakeCupyStream.made == 2, "a released stream is handed out again"
+    assert cuda.dedicated_stream(torch.device("cuda", 1))[0].cuda_stream != again[0].cuda_stream
+    cuda.release_stream(dev, (object(), None))  # not one of ours (no owner): not pooled
+    assert cuda._SPARE.get(0, []) == []
+
+    seen: list = []
+    worker = threading.Thread(target=lambda: seen.append(cuda._helper_stream(dev)))
+    worker.start()
+    worker.join()
+    del worker
+    gc.collect()
+    assert _FakeCupyStream.destroyed == 0
+    assert cuda.dedicated_stream(dev)[0] is seen[0], "an ended helper thread's stream is reused"

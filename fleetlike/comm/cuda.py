@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "HandoffWork",
     "Issuer",
     "dedicated_stream",
+    "release_stream",
     "selected_gpu",
     "stream_device",
     "submit_to",
@@ -87,24 +89,52 @@ def stream_device(comm: Any) -> torch.device | None:
     return getattr(comm, "stream_device", None)
 
 
+# Every stream made here lives until the process ends. The caching allocator records an event on
+# each stream a freed tensor was ``record_stream``-ed on, at the moment the tensor is freed, which
+# may come after its communicator or helper thread is gone; on a destroyed stream that record
+# aborts the process ("invalid device context"). torch's own pool streams are never destroyed
+# for the same reason. A stream given back is handed to the next communicator or thread that
+# asks: stream order already puts the new user's work after the old one's.
+_STREAM_LOCK = threading.Lock()
+_KEPT: list[Any] = []
+_SPARE: dict[int, list[tuple[torch.cuda.Stream, Any]]] = {}
+
+
 def dedicated_stream(device: torch.device) -> tuple[torch.cuda.Stream, Any]:
     """A CUDA stream of its own on ``device`` (not from torch's pool) and the CuPy object that
-    owns it: keep the owner alive as long as the stream is used."""
+    owns it, reused from `release_stream` when one was given back. Never destroyed."""
+    with _STREAM_LOCK:
+        spare = _SPARE.get(device.index)
+        if spare:
+            return spare.pop()
     import cupy
 
     with cupy.cuda.Device(device.index):
         owner = cupy.cuda.Stream(non_blocking=True)
+    with _STREAM_LOCK:
+        _KEPT.append(owner)
     return torch.cuda.ExternalStream(owner.ptr, device=device), owner
 
 
+def release_stream(device: torch.device, held: tuple[torch.cuda.Stream, Any]) -> None:
+    """Give a `dedicated_stream` back for reuse once its user (a closed communicator, an ended
+    helper thread) issues nothing more on it. A stream without a CuPy owner is not one of ours."""
+    if held[1] is None:
+        return
+    with _STREAM_LOCK:
+        _SPARE.setdefault(device.index, []).append(held)
+
+
 def _helper_stream(device: torch.device) -> torch.cuda.Stream:
-    """This helper thread's own stream on ``device`` (made once per thread)."""
+    """This helper thread's own stream on ``device`` (made once per thread, given back when the
+    thread object goes away)."""
     streams = getattr(_THREAD, "streams", None)
     if streams is None:
         streams = _THREAD.streams = {}
     held = streams.get(device)
     if held is None:
         held = streams[device] = dedicated_stream(device)
+        weakref.finalize(threading.current_thread(), release_stream, device, held)
     return held[0]
 
 

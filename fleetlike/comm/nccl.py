@@ -867,5 +867,7 @@ class NcclCommunicator(Communicator):
                 if comm is not None and not self._aborted:
                     comm.destroy()
                 self._closing = None
+            if comm is not None and self._stream_owner is not None:
+                _cuda.release_stream(self._device, (self._stream, self._stream_owner))
         except Exception:  # noqa: BLE001 - best effort at teardown
             pass
