@@ -50,10 +50,10 @@ PADDLE_DEFAULTS: dict[str, Any] = {
         "custom_white_list": [], "custom_black_list": [], "dtype": "float16",
         "policy": "always", "policy_start_time": 10, "policy_end_time": 0, "policy_hold_time": 100,
         "policy_interval_time": 1000, "policy_interval_hold_time": 100, "policy_loss_fast": 0.5,
-        "policy_loss_slow": 0.0,
+        "policy_loss_slow": 0.0, "debug_log": False,
     },
     "recompute": False,
-    "recompute_configs": {"checkpoints": []},
+    "recompute_configs": {"checkpoints": [], "check_gradients": False},
     "gradient_merge": False,
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
     "use_hierarchical_allreduce": False,
@@ -62,6 +62,7 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "nccl_comm_num": 1,
     "fuse_all_reduce_ops": True,
     "fuse_grad_size_in_MB": 32,
+    "fuse_grad_max_buckets": 0,
     "fp16_allreduce": False,
     "fp16_allreduce_configs": {"dtype": "float16", "mode": "all", "grad_scale": 1.0},
     "gossip": False,
@@ -75,6 +76,7 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "check_nan_inf": False,
     "slow_rank_check": False,
     "slow_rank_check_configs": {"every_n_steps": 100, "factor": 1.5},
+    "visible_devices": [],
     "mode": "collective",
     "execution_strategy": {"num_threads": 1, "num_iteration_per_drop_scope": 10},
 }
@@ -121,8 +123,10 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "amp_configs.policy_interval_hold_time": ("int", 0, None),
     "amp_configs.policy_loss_fast": ("values", [0.5, 1.0, 2], [("x", TypeError), (float("nan"), ValueError)]),
     "amp_configs.policy_loss_slow": ("values", [0.0, -0.5], [(None, TypeError), (float("inf"), ValueError)]),
+    "amp_configs.debug_log": ("bool",),
     "recompute": ("bool",),
     "recompute_configs.checkpoints": ("checkpoints",),
+    "recompute_configs.check_gradients": ("bool",),
     "gradient_merge": ("bool",),
     "gradient_merge_configs.k_steps": ("int", 1, None),
     "gradient_merge_configs.avg": ("bool",),
@@ -132,6 +136,7 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "nccl_comm_num": ("int", 1, 16),
     "fuse_all_reduce_ops": ("bool",),
     "fuse_grad_size_in_MB": ("float", 0.0, None),
+    "fuse_grad_max_buckets": ("int", 0, None),
     "fp16_allreduce": ("bool",),
     "fp16_allreduce_configs.dtype": ("choice", ["float16", "bfloat16"]),
     "fp16_allreduce_configs.mode": ("choice", ["all", "mixed"]),
@@ -152,6 +157,7 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "slow_rank_check": ("bool",),
     "slow_rank_check_configs.every_n_steps": ("int", 1, None),
     "slow_rank_check_configs.factor": ("float", 1.0, None),
+    "visible_devices": ("values", ["0,1", "", [2]], [("0,x", ValueError), (3, TypeError), ("1,1", ValueError)]),
     "mode": ("choice", ["nccl2", "collective"]),
     "execution_strategy.num_threads": ("int", 0, None),
     "execution_strategy.num_iteration_per_drop_scope": ("int", 1, None),
@@ -200,7 +206,8 @@ def test_registry_matches_the_restated_contract() -> None:
     assert set(KINDS) == set(DistributedStrategy.option_names())
     assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy", "zero.level",
                                                   "communication.gradients_reduce_method",
-                                                  "communication.clip_after_allreduce"}
+                                                  "communication.clip_after_allreduce",
+                                                  *(a.name for a in options.EPL_ALIASES)}
 
 
 @pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,

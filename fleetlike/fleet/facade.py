@@ -25,6 +25,7 @@ Eager style (a plain PyTorch loop):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -81,6 +82,19 @@ def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> tor
     return torch.device("cpu")
 
 
+def _visible(role: Role, ids: tuple[int, ...], backend: str | None) -> Role:
+    """``role`` on the GPUs of ``strategy.visible_devices`` (EPL's ``cluster.run_visible_devices``):
+    local rank i on the i-th id, as ``FLAGS_selected_gpus`` (the NCCL communicator follows it)."""
+    field = "strategy.visible_devices (EPL's cluster.run_visible_devices)"
+    if not torch.cuda.is_available() or (backend or "").lower() in ("gloo", "mpi"):
+        raise ValueError(f"{field}={list(ids)} names GPUs, but this process trains on the CPU (no CUDA device, "
+                         "or a CPU backend); leave it empty")
+    if role.local_size > len(ids) and len(ids) != 1:
+        raise ValueError(f"{field}={list(ids)} has {len(ids)} GPU(s) for the {role.local_size} ranks of this "
+                         "node; give one id per local rank")
+    return dataclasses.replace(role, selected_gpus=tuple(ids))
+
+
 class Fleet:
     """Process-wide entry point; use the module-level ``fleet`` instance."""
 
@@ -121,6 +135,8 @@ class Fleet:
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
+        if strategy is not None and strategy.visible_devices:
+            role = _visible(role, strategy.visible_devices, backend or env.backend)
         device = _device_for(role, env, backend)
         use_device(device)  # once, here: every later CUDA call of this rank lands on its GPU
         limit = DEFAULT_TIMEOUT if timeout is None else timeout

@@ -209,7 +209,7 @@ class HorovodOptimizer(HorovodWrapper):
         self._rt: Runtime = rt
         chosen = self.user_defined_strategy
         params = self._params
-        cap = chosen.bucket_cap_bytes()
+        cap = chosen.bucket_cap_bytes(params)
         self._join_id = next(i for i in range(len(rt.optimizers) + 1) if i not in rt.optimizers)
         # the buckets travel on communicators of their own, so an agreement on the Horovod world
         # overlaps them (each communicator keeps its own order); with join answered from the
