@@ -157,7 +157,7 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "slow_rank_check": ("bool",),
     "slow_rank_check_configs.every_n_steps": ("int", 1, None),
     "slow_rank_check_configs.factor": ("float", 1.0, None),
-    "visible_devices": ("values", ["0,1", "", [2]], [("0,x", ValueError), (3, TypeError), ("1,1", ValueError)]),
+    "visible_devices": ("values", [[0, 1], [], [2]], [("0,x", ValueError), (3, TypeError), ([1, 1], ValueError)]),
     "mode": ("choice", ["nccl2", "collective"]),
     "execution_strategy.num_threads": ("int", 0, None),
     "execution_strategy.num_iteration_per_drop_scope": ("int", 1, None),

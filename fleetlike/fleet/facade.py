@@ -35,7 +35,7 @@ import torch
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_world
 from fleetlike.comm.cuda import selected_gpu, use_device
-from fleetlike.config import DistributedStrategy, rules
+from fleetlike.config import DistributedStrategy
 from fleetlike.fleet import checkpoint as ckpt
 from fleetlike.fleet.context import FleetContext
 from fleetlike.fleet.model import DistributedModel
@@ -44,7 +44,7 @@ from fleetlike.fleet.util import Util
 from fleetlike.fleet.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
-from fleetlike.roles.settings import EnvSettings, env_settings
+from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.step import AppliedEntry
@@ -243,21 +243,17 @@ class Fleet:
 
     def effective_strategy(self, explicit: DistributedStrategy | None = None, what: str = "fleet") -> DistributedStrategy:
         """The strategy a wrapper built now runs: ``explicit`` or init's, with ``FLEETLIKE_STRATEGY``
-        applied and the combination checked (what `distributed_optimizer` uses; also the Horovod
+        and the environment knobs applied and the combination checked (what `distributed_optimizer` uses; also the Horovod
         face's `DistributedOptimizer`)."""
         return self._strategy(explicit, what)
 
     def _strategy(self, explicit: DistributedStrategy | None, what: str) -> DistributedStrategy:
-        """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY applied."""
+        """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY and the knobs
+        (``FLEETLIKE_*``, ``PERSEUS_*``, ``TIACC_*``, ``LIGHT_*``) applied."""
         ctx = self._context(what)
         if explicit is not None and not isinstance(explicit, DistributedStrategy):
             raise TypeError(f"{what}: strategy must be a DistributedStrategy, got {type(explicit).__name__}")
-        chosen = (explicit or ctx.strategy).copy()
-        override = env_settings().strategy_override
-        if override:
-            chosen.update_from_override(override)
-        rules.check(chosen)
-        return chosen
+        return strategy_with_env(explicit or ctx.strategy)
 
     # ------------------------------------------------------------------ optimizer and programs
 

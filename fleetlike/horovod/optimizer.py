@@ -241,7 +241,8 @@ class HorovodOptimizer(HorovodWrapper):
         # the reducer's hook is the only one: it asks this optimizer (its gate) at the first
         # gradient of each backward whether it reduces, and learns which gradients are sparse
         self.reducer = make_reducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets,
-                                    gate=self, sparse=True, lock=self._hvd_lock)
+                                    gate=self, sparse=True, lock=self._hvd_lock,
+                                    check_nan_inf=bool(chosen.check_nan_inf))
         self.reducer.sparse = self._sparse  # kept across a rebind
         self._flag_view: torch.Tensor | None = None
         self._one_hot: torch.Tensor | None = None
