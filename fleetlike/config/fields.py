@@ -392,7 +392,8 @@ class Field:
     """One option: name, spec, Paddle 2.x default and a one-line tuning note.
 
     ``requires`` names the on/off switch without which the option has no effect (reported by
-    ``inactive_settings``); ``inert`` explains why an option is recorded but cannot have an effect
+    ``inactive_settings``); in a section it replaces the section's own, and ``""`` says the
+    option acts whatever the section's switch (``sharding_configs.clip_norm`` in data parallel); ``inert`` explains why an option is recorded but cannot have an effect
     in PyTorch at all; ``feature`` marks the top-level switches that ``enabled_features`` lists.
     """
 

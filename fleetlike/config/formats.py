@@ -67,10 +67,18 @@ def describe_option(name: str) -> str:
                              f"no option named {name!r}. Fix: {fix}")
 
 
+def _requires(field: Field, section: Section | None) -> str | None:
+    """The switch ``field`` needs: its own (``""``: none, even in a section with one), else its
+    section's."""
+    if field.requires is not None or section is None:
+        return field.requires or None
+    return section.requires
+
+
 def _describe_field(path: str, field: Field, section: Section | None) -> str:
     default = field.spec.to_plain(field.default)
     text = f"{path} ({field.spec.describe()}, default {default!r}): {field.note}."
-    requires = field.requires or (section.requires if section else None)
+    requires = _requires(field, section)
     if requires:
         text += f" Only with {requires} = True."
     inert = field.inert or (section.inert if section else None)
@@ -119,7 +127,7 @@ def render_markdown() -> str:
         "|---|---|---|---|",
     ]
     for path, field, section in _fields():
-        requires = field.requires or (section.requires if section else None)
+        requires = _requires(field, section)
         note = field.note + (f" (only with `{requires}`)" if requires else "")
         default = field.spec.to_plain(field.default)
         lines.append(f"| `{path}` | {field.spec.describe()} | `{default!r}` | {note} |")

@@ -399,16 +399,19 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("segment_broadcast_MB", Float(gt=0, keep_int=True), 32.0, note=(
             "MB of parameter all-gathers in flight after the update (the parameters travel in "
             "the gradient buckets, fuse_grad_size_in_MB): larger overlaps more buckets")),
-        Field("gradients_reduce_method", REDUCE_METHOD, "mean", note=(
+        Field("gradients_reduce_method", REDUCE_METHOD, "mean", requires="", note=(
             "'mean' averages the gradients over the ranks (data parallel's meaning), 'sum' adds "
-            "them (scale the learning rate down by the world size)")),
-        Field("clip_norm", Float(ge=0), 0.0, note=(
+            "them (scale the learning rate down by the world size); acts in data parallel and "
+            "sharding, refused with local SGD")),
+        Field("clip_norm", Float(ge=0), 0.0, requires="", note=(
             "clip the gradients by their global L2 norm (torch.nn.utils.clip_grad_norm_'s "
-            "max_norm) before the update; 0 = no clipping")),
-        Field("clip_after_allreduce", Bool(), False, note=(
-            "True clips the reduced gradient by its global norm over all shards (equals data "
-            "parallel then clip_grad_norm_); False (EPL's default) clips each rank's own gradient "
-            "before communication, which delays the reduce-scatter to the end of backward")),
+            "max_norm) before the update; 0 = no clipping; acts in data parallel and sharding, "
+            "refused with local SGD")),
+        Field("clip_after_allreduce", Bool(), False, requires="", note=(
+            "True clips the reduced gradient by its global norm (equals data parallel then "
+            "clip_grad_norm_); False (EPL's default) clips each rank's own gradient before "
+            "communication, which delays the allreduce / reduce-scatter to the end of backward "
+            "(in data parallel the threshold follows AMP's loss scale and gradient merge's k)")),
         Field("overlap_update", Bool(), True, note=(
             "step the owned partition chunk by chunk and broadcast each chunk as soon as it is "
             "updated, so the parameter gather overlaps the update (torch.optim's per-parameter "

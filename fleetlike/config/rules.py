@@ -95,16 +95,31 @@ def _local_clip(s: Options) -> bool:
     return bool(s.sharding) and float(s.sharding_configs["clip_norm"]) > 0 and not s.sharding_configs["clip_after_allreduce"]
 
 
+def _local_sgd(s: Options) -> bool:
+    return bool(s.localsgd) or bool(s.adaptive_localsgd)
+
+
+_NO_GRADIENT_ALLREDUCE = "local SGD averages parameters every k steps and allreduces no gradient"
+
 #: combinations judged on their settings, checked after `RULES`
 CLASHES: tuple[Clash, ...] = (
     Clash("sharding_configs.clip_after_allreduce=False and amp",
           lambda s: _local_clip(s) and bool(s.amp),
-          "clipping before communication sees the loss-scaled gradient, whose norm is the "
-          "scale times the true one", "set sharding_configs.clip_after_allreduce = True"),
+          "with a clip_norm, clipping each shard's gradient before communication sees the loss-scaled "
+          "gradient, whose norm is the scale times the true one", "set sharding_configs.clip_after_allreduce = True"),
     Clash("sharding_configs.clip_after_allreduce=False and gradient_merge",
           lambda s: _local_clip(s) and bool(s.gradient_merge) and int(s.gradient_merge_configs["k_steps"]) > 1,
-          "clipping before communication would clip the sum of the merged micro-steps, not their "
-          "average", "set sharding_configs.clip_after_allreduce = True"),
+          "with a clip_norm, clipping each shard's gradient before communication would clip the sum of the "
+          "merged micro-steps, not their average", "set sharding_configs.clip_after_allreduce = True"),
+    Clash("sharding_configs.gradients_reduce_method='sum' and local SGD",
+          lambda s: _local_sgd(s) and s.sharding_configs["gradients_reduce_method"] == "sum",
+          _NO_GRADIENT_ALLREDUCE + ", so there is no gradient sum",
+          "leave gradients_reduce_method 'mean', or use data parallel (localsgd off)"),
+    Clash("sharding_configs.clip_norm and local SGD",
+          lambda s: _local_sgd(s) and (float(s.sharding_configs["clip_norm"]) > 0 or bool(s.sharding_configs["clip_after_allreduce"])),
+          _NO_GRADIENT_ALLREDUCE + ", so there is no before or after the allreduce to clip at",
+          "clip the local gradient yourself (torch.nn.utils.clip_grad_norm_ before optimizer.step()) and leave "
+          "clip_norm 0 and clip_after_allreduce False"),
 )
 
 
@@ -124,7 +139,7 @@ def check(strategy: Options) -> None:
         if clash.test(strategy):
             raise StrategyValueError(
                 clash.field, True, "not together", clash.fix,
-                f"strategy.{clash.field} (with a clip_norm) cannot work: {clash.why}. Fix: {clash.fix}")
+                f"strategy.{clash.field} cannot work: {clash.why}. Fix: {clash.fix}")
 
 
 class FaceOptions(NamedTuple):

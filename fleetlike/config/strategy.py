@@ -410,11 +410,11 @@ class DistributedStrategy:
             for name, field, value in changed:
                 if inert:
                     found.append(InactiveSetting(name, field.spec.to_plain(value), inert))
-                elif entry.requires and not self._values[entry.requires]:
+                elif (need := entry.requires if field is entry or field.requires is None else field.requires) \
+                        and not self._values[need]:
                     found.append(InactiveSetting(
                         name, field.spec.to_plain(value),
-                        f"{entry.requires} is False, so this has no effect; set "
-                        f"{entry.requires} = True or leave the default"))
+                        f"{need} is False, so this has no effect; set {need} = True or leave the default"))
         if self._values["recompute"] and not self._values["recompute_configs"]["checkpoints"]:
             found.append(InactiveSetting(
                 "recompute", True, "recompute_configs.checkpoints is empty, so nothing is "

@@ -13,11 +13,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fleetlike.collectives import BucketCollective, DownsampledAllReduce, HalfCodec, make_reducer
 from fleetlike.comm import CommGroups, Communicator
 from fleetlike.config import DistributedStrategy
 from fleetlike.program import Op, StepState
 from fleetlike.roles import Role
+from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
 from fleetlike.strategies.topology import averaging_collective
 
@@ -50,14 +53,20 @@ class DataParallelUnit(Unit):
 
     name = "data_parallel"
 
-    def __init__(self, ctx: StepContext, *, amp_skips_non_finite: bool) -> None:
+    def __init__(self, ctx: StepContext, *, amp_skips_non_finite: bool,
+                 multiplier: Callable[[], float] = lambda: 1.0) -> None:
         s = ctx.strategy
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
+        #: gradients_reduce_method and clip_after_allreduce (`fleetlike.strategies.reduce_clip`);
+        #: ``multiplier``: what the local gradient is a multiple of at the end of backward
+        self.reduce_clip = ReduceClip(s, world_size=ctx.groups.world.size, multiplier=multiplier)
+        collective = self.reduce_clip.collective(collective)
         nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
         self.ctx = ctx
         cap = s.bucket_cap_bytes(ctx.model.parameters())
+        hold = self._clip_local if self.reduce_clip.clips_before else None
         self.reducer = make_reducer(ctx.model, collective, cap_bytes=cap,
-                                    find_unused=s.find_unused_parameters, check_nan_inf=nan_check)
+                                    find_unused=s.find_unused_parameters, check_nan_inf=nan_check, hold=hold)
         ctx.reducer = self.reducer
         self._step: StepState | None = None  # the step whose counters are below (held, not its id:
         # an id is reused once the object is freed, which once made two steps look like one)
@@ -72,17 +81,37 @@ class DataParallelUnit(Unit):
         ))
         for name, applied, why in notes:
             ctx.record(name, applied, why)
+        rc = self.reduce_clip
+        if rc.method != "mean":
+            ctx.record("sharding_configs.gradients_reduce_method", True, rc.describe_method())
+        if rc.clip_norm > 0 or rc.clip_after:
+            ctx.record("sharding_configs.clip_after_allreduce", True, rc.describe_clip())
         if s.check_nan_inf:
             ctx.record("check_nan_inf", nan_check, "gradients checked before each bucket's allreduce" if nan_check
                        else "AMP's dynamic loss scaling already skips non-finite steps on every rank")
 
     def hooks(self) -> list[Hook]:
-        return [
-            Hook("before_backward", "arm", self._arm, {"overlap": "bucket allreduce starts as grads fill"},
-                 listed=False),
+        overlap = ("none: the clip before the allreduce needs the whole local gradient" if self.reducer.hold
+                   else "bucket allreduce starts as grads fill")
+        hooks = [
+            Hook("before_backward", "arm", self._arm, {"overlap": overlap}, listed=False),
             Hook("synchronize", "c_wait_allreduce", self._wait,
                  {"buckets": len(self.reducer.buckets), "world": self.ctx.groups.world.size}),
         ]
+        if self.reduce_clip.clips_before:  # the reducer's hold, when c_wait_allreduce starts the buckets
+            hooks[1].attrs["clip_by_local_norm"] = self.reduce_clip.clip_norm
+        if self.reduce_clip.method == "sum":
+            hooks[1].attrs["reduce"] = "sum"
+        if self.reduce_clip.clips_after:
+            hooks.append(Hook("before_update", "clip_by_global_norm", self._clip_reduced,
+                              {"clip_norm": self.reduce_clip.clip_norm, "over": "the reduced gradient"}))
+        return hooks
+
+    def _clip_local(self) -> None:
+        self.reduce_clip.clip_local([b.buffer for b in self.reducer.buckets])
+
+    def _clip_reduced(self, st: StepState) -> None:
+        self.reduce_clip.clip_reduced(st, [b.buffer for b in self.reducer.buckets])
 
     def _arm(self, st: StepState) -> None:
         reducer = self.reducer

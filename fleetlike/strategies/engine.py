@@ -68,10 +68,25 @@ def build_engine(ctx: StepContext) -> Engine:
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
         comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
     else:
-        comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
+        comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
+                                multiplier=_local_multiplier(amp, merge))
     health = SlowRankUnit(ctx) if s.slow_rank_check else None
     units += [health, merge, comm, amp]
     return Engine(ctx, [u for u in units if u is not None])
+
+
+def _local_multiplier(amp: AmpUnit | None, merge: GradientMergeUnit | None) -> Callable[[], float]:
+    """What a rank's gradient at the end of a communicating backward is a multiple of its true
+    value: AMP's float16 loss scale (when AMP acts this step) times gradient merge's k (when it
+    averages the k micro-steps after the allreduce); for the clip before the allreduce."""
+    def multiplier() -> float:
+        m = 1.0
+        if amp is not None and amp.scaling and amp.enabled:
+            m *= float(amp.scaler.scale)
+        if merge is not None and merge.avg:
+            m *= merge.k_steps
+        return m
+    return multiplier
 
 
 class Engine:
