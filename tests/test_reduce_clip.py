@@ -88,25 +88,23 @@ def _clip(grads, c):
     return [g * coef for g in grads], coef
 
 
-def reference(label, world=2):
-    """One process: each rank's gradient computed alone, then reduced and clipped by hand."""
-    keys, micro, amp, _ = CASES[label]
-    s = DistributedStrategy.from_dict(keys)
-    cfg = s.sharding_configs
+def hand_reference(keys, *, world, model, feed, loss, steps, lr, micro=1, amp=False):
+    """One process: each rank's gradient computed alone (``feed(i, rank)`` its i-th micro-batch),
+    then reduced and clipped by hand as ``keys`` say, and an SGD step; returns the parameters
+    and every clip coefficient."""
+    cfg = DistributedStrategy.from_dict(keys).sharding_configs
     total = cfg["gradients_reduce_method"] == "sum"
     c, after = float(cfg["clip_norm"]), bool(cfg["clip_after_allreduce"])
-    model = make_model(100)
     coefs = []
-    for step in range(STEPS):
+    for step in range(steps):
         local = []
         for r in range(world):
             acc = [torch.zeros_like(p) for p in model.parameters()]
             for m in range(micro):
                 model.zero_grad()
-                feed = batch(step * micro + m, r)
                 with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                    out = model(feed["x"])
-                (F.cross_entropy(out.float(), feed["y"]) * (SCALE if amp else 1.0)).backward()
+                    value = loss(model, feed(step * micro + m, r))
+                (value * (SCALE if amp else 1.0)).backward()
                 acc = [a + p.grad / (SCALE if amp else 1.0) for a, p in zip(acc, model.parameters())]
             local.append([a / micro for a in acc])  # gradient merge's avg
         if c > 0 and not after:
@@ -119,8 +117,14 @@ def reference(label, world=2):
             coefs.append(k)
         with torch.no_grad():
             for p, g in zip(model.parameters(), reduced):
-                p -= LR * g
+                p -= lr * g
     return params(model), coefs
+
+
+def reference(label, world=2):
+    keys, micro, amp, _ = CASES[label]
+    return hand_reference(keys, world=world, model=make_model(100), feed=batch, loss=_loss, steps=STEPS, lr=LR,
+                          micro=micro, amp=amp)
 
 
 @pytest.mark.timeout(180)
