@@ -1,5 +1,6 @@
 """EPL's ``communication.gradients_reduce_method`` and ``communication.clip_after_allreduce`` in
-plain data parallel (with gradient merge and AMP), program and eager style, on 2 gloo ranks,
+plain data parallel (with gradient merge and AMP) and under sharding (its clip before the
+reduce-scatter with AMP and gradient merge), program and eager style, on 2 gloo ranks,
 against a single process that computes each rank's gradient itself and combines them by hand:
 
     after:  clip(reduce_r g_r, c)        before:  reduce_r clip(g_r, c)
@@ -44,6 +45,11 @@ CASES = {
                      "gradient_merge": True, "gradient_merge_configs": {"k_steps": 2, "avg": True}}, 2, False, ("eager",)),
     "amp_before": ({"sharding_configs.clip_norm": CLIP, "amp.level": "O1", "amp.loss_scale": SCALE}, 1, True,
                    ("program", "eager")),
+    "zero_amp_before": ({"zero.level": "v1", "sharding_configs.clip_norm": CLIP, "amp.level": "O1",
+                         "amp.loss_scale": SCALE}, 1, True, ("eager",)),
+    "zero_merge_before_sum": ({"zero.level": "v1", "communication.gradients_reduce_method": "sum",
+                               "sharding_configs.clip_norm": CLIP, "gradient_merge": True,
+                               "gradient_merge_configs": {"k_steps": 2, "avg": True}}, 2, False, ("program",)),
     "amp_after_sum": ({"communication.gradients_reduce_method": "sum", "communication.clip_after_allreduce": True,
                        "sharding_configs.clip_norm": CLIP, "amp.level": "O1", "amp.loss_scale": SCALE}, 1, True,
                       ("eager",)),
@@ -141,6 +147,9 @@ def test_reduce_method_and_clip_placement_equal_the_hand_reference(tmp_path):
             assert max_diff(got, results[0][(label, style)][0]) == 0.0, (rank, label, style)
             assert not any("has no effect" in a and "sharding_configs" in a for a in applied), applied
             keys = CASES[label][0]
+            if "zero.level" in keys:  # sharding says it in its own line
+                assert any(a.startswith("sharding: applied") and "clipped to global norm" in a for a in applied)
+                continue
             if keys.get("communication.gradients_reduce_method") == "sum":
                 assert "sharding_configs.gradients_reduce_method: applied (gradients summed over 2 ranks)" in applied
             if "sharding_configs.clip_norm" in keys:

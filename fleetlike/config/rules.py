@@ -91,10 +91,6 @@ class Clash(NamedTuple):
     fix: str
 
 
-def _local_clip(s: Options) -> bool:
-    return bool(s.sharding) and float(s.sharding_configs["clip_norm"]) > 0 and not s.sharding_configs["clip_after_allreduce"]
-
-
 def _local_sgd(s: Options) -> bool:
     return bool(s.localsgd) or bool(s.adaptive_localsgd)
 
@@ -103,14 +99,6 @@ _NO_GRADIENT_ALLREDUCE = "local SGD averages parameters every k steps and allred
 
 #: combinations judged on their settings, checked after `RULES`
 CLASHES: tuple[Clash, ...] = (
-    Clash("sharding_configs.clip_after_allreduce=False and amp",
-          lambda s: _local_clip(s) and bool(s.amp),
-          "with a clip_norm, clipping each shard's gradient before communication sees the loss-scaled "
-          "gradient, whose norm is the scale times the true one", "set sharding_configs.clip_after_allreduce = True"),
-    Clash("sharding_configs.clip_after_allreduce=False and gradient_merge",
-          lambda s: _local_clip(s) and bool(s.gradient_merge) and int(s.gradient_merge_configs["k_steps"]) > 1,
-          "with a clip_norm, clipping each shard's gradient before communication would clip the sum of the "
-          "merged micro-steps, not their average", "set sharding_configs.clip_after_allreduce = True"),
     Clash("sharding_configs.gradients_reduce_method='sum' and local SGD",
           lambda s: _local_sgd(s) and s.sharding_configs["gradients_reduce_method"] == "sum",
           _NO_GRADIENT_ALLREDUCE + ", so there is no gradient sum",

@@ -66,7 +66,8 @@ def build_engine(ctx: StepContext) -> Engine:
             ctx.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
     elif s.sharding:
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
-        comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
+        comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
+                            multiplier=_local_multiplier(amp, merge))
     else:
         comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
                                 multiplier=_local_multiplier(amp, merge))

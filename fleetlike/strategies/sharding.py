@@ -27,7 +27,9 @@ Using the user's optimizer rather than a copy over the shard is why nothing else
 a consolidated checkpoint is the union of the shards (`fleetlike.fleet.checkpoint`).
 
 ``clip_after_allreduce`` False (EPL's default) clips each rank's own gradient by its own norm
-before communication instead; the reduce-scatter then waits for the end of backward.
+before communication instead (of the true gradient: AMP's loss scale and gradient merge's k are
+divided out, `fleetlike.strategies.reduce_clip`); the reduce-scatter then waits for the end of
+backward.
 
 Example:
     >>> s = DistributedStrategy(sharding=True, sharding_configs={"sharding_degree": 0})
@@ -46,6 +48,7 @@ from torch.optim import optimizer as _optim_base
 from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.collectives import BucketCollective, ParamGather, ShardReduceScatter, make_reducer, plan_shards
 from fleetlike.program import Op, StepState
+from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
 __all__ = ["ShardingUnit"]
@@ -86,7 +89,7 @@ class ShardingUnit(Unit):
     needs_optimizer = True
 
     def __init__(self, ctx: StepContext, allreduce: BucketCollective, notes: list[tuple[str, bool, str]], *,
-                 amp_skips_non_finite: bool) -> None:
+                 amp_skips_non_finite: bool, multiplier: Callable[[], float] = lambda: 1.0) -> None:
         s = ctx.strategy
         cfg = s.sharding_configs
         world = ctx.groups.world
@@ -102,6 +105,8 @@ class ShardingUnit(Unit):
         self.rank = world.rank
         self.clip_norm = float(cfg["clip_norm"])
         self.clip_after = bool(cfg["clip_after_allreduce"])
+        #: the clip before communication, on true gradients (AMP's scale and merge's k divided out)
+        self.local_clip = ReduceClip(s, world_size=world.size, multiplier=multiplier)
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.collective = ShardReduceScatter.from_allreduce(allreduce, op)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
@@ -231,9 +236,7 @@ class ShardingUnit(Unit):
         _scale(grads, self.clip_norm, norm)
 
     def _clip_local(self) -> None:
-        grads = [b.buffer for b in self.buckets]  # this rank's own complete gradient, padding is 0
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        _scale(grads, self.clip_norm, norm)
+        self.local_clip.clip_local([b.buffer for b in self.buckets])  # this rank's own gradient, padding is 0
 
     def _select(self, st: StepState) -> None:
         if st.accumulate or st.skip_update:
