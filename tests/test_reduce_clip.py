@@ -163,7 +163,7 @@ def test_reduce_method_and_clip_placement_equal_the_hand_reference(tmp_path):
         assert max_diff(ours[(a, "eager")][0], ours[(b, "eager")][0]) > 1e-4, (a, b)
 
 
-def test_local_sgd_refuses_a_gradient_reduction_or_clip_and_listing_shows_the_clip():
+def test_local_sgd_and_the_ddp_and_horovod_faces_refuse_what_they_cannot_apply():
     from fleetlike.config import rules
 
     for keys, words in [({"communication.gradients_reduce_method": "sum"}, "no gradient sum"),
@@ -176,3 +176,8 @@ def test_local_sgd_refuses_a_gradient_reduction_or_clip_and_listing_shows_the_cl
     assert "Only with sharding" not in DistributedStrategy.describe("sharding_configs.clip_after_allreduce")
     assert any("sharding_configs.segment_broadcast_MB" == i.name
                for i in epl.Config({"sharding_configs.segment_broadcast_MB": 8}).inactive_settings())
+    for face, words in [("ddp", "clip_grad_norm_ after backward"), ("horovod", "op=hvd.Sum")]:
+        keys = {"sharding_configs.clip_norm": 1.0} if face == "ddp" else {"communication.gradients_reduce_method": "sum"}
+        with pytest.raises(ValueError, match=words):
+            rules.refuse_unhonoured(epl.Config(keys), face)
+        rules.refuse_unhonoured(epl.Config({"communication.clip_after_allreduce": True}), face)  # what they do

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 from fleetlike.config.fields import StrategyValueError
 
-__all__ = ["CLASHES", "FACE_OPTIONS", "RULES", "Clash", "Conflict", "FaceOptions", "Options", "check", "refuse_unhonoured"]
+__all__ = ["CLASHES", "FACE_OPTIONS", "FLEET_ONLY_SETTINGS", "RULES", "Clash", "Conflict", "FaceOptions", "Options", "check", "refuse_unhonoured"]
 
 
 class Options(Protocol):
@@ -160,9 +160,25 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
 }
 
 
+#: data-parallel settings (not switches) that only Fleet's face applies: (option, whether it is
+#: set, each face's own way to the same result)
+FLEET_ONLY_SETTINGS: tuple[tuple[str, Callable[[Options], bool], dict[str, str]], ...] = (
+    ("sharding_configs.gradients_reduce_method='sum'",
+     lambda s: s.sharding_configs["gradients_reduce_method"] != "mean",
+     {"ddp": "DDP averages; multiply the learning rate by the world size (or register a summing comm hook)",
+      "horovod": "pass op=hvd.Sum to hvd.DistributedOptimizer"}),
+    ("sharding_configs.clip_norm",
+     lambda s: float(s.sharding_configs["clip_norm"]) > 0,
+     {"ddp": "call torch.nn.utils.clip_grad_norm_ after backward (DDP has reduced the gradients by then: "
+             "clip_after_allreduce True)",
+      "horovod": "call optimizer.synchronize(), clip_grad_norm_, then optimizer.step() inside "
+                 "optimizer.skip_synchronize() (clip_after_allreduce True)"}),
+)
+
+
 def refuse_unhonoured(strategy: Options, face: str) -> None:
     """ValueError naming every switch on in ``strategy`` that ``face`` (a `FACE_OPTIONS` key)
-    does not apply, why, and the fix."""
+    does not apply, why, and the fix; then every `FLEET_ONLY_SETTINGS` entry set."""
     row = FACE_OPTIONS[face]
     extra = [name for name in strategy.enabled_features() if name not in row.honours]
     if extra:
@@ -170,3 +186,8 @@ def refuse_unhonoured(strategy: Options, face: str) -> None:
             f"{', '.join(f'strategy.{n}=True' for n in extra)}: {row.face} applies only "
             f"{', '.join(sorted(row.honours))}; {row.why}, and the strategy also turns on "
             f"{', '.join(extra)}. Fix: {row.fix}")
+    for name, is_set, fixes in FLEET_ONLY_SETTINGS:
+        if is_set(strategy):
+            raise ValueError(
+                f"strategy.{name}: {row.face} does not apply it (only fleet.distributed_model / "
+                f"fleet.distributed_optimizer do). Fix: leave it at its default here and {fixes[face]}")
