@@ -137,9 +137,10 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
     # strategy switches this face cannot apply raise instead of being dropped
     from fleetlike import DistributedStrategy
 
-    for switch in ("localsgd", "sharding", "amp", "gradient_merge", "check_nan_inf"):
+    for switch in ("localsgd", "sharding", "amp", "gradient_merge"):
         with pytest.raises(ValueError, match=f"also turns on {switch}. Fix: turn those off"):
             hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(**{switch: True}))
+    hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(check_nan_inf=True))  # the face applies it
     hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(use_hierarchical_allreduce=True, nccl_comm_num=2))
     with pytest.raises(ValueError, match="invalid params of type"):
         hvd.broadcast_parameters(3, root_rank=0)
