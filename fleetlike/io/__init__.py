@@ -52,12 +52,15 @@ Example:
 """
 
 from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
+from fleetlike.io.decode import Decoder, DecoderName, available_decoders
 from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
 from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks, set_file_cache
 from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, get_dataloader, to_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
+from fleetlike.io.records import RecordError
 from fleetlike.io.store import CacheFullError
+from fleetlike.io.tfrecord import IndexTFRDataset, build_index, read_index
 from fleetlike.io.transforms import (
     CenterCrop,
     Compose,
@@ -78,6 +81,8 @@ __all__ = [
     "CenterCrop",
     "Compose",
     "ConvertImageDtype",
+    "Decoder",
+    "DecoderName",
     "DistributedDataLoader",
     "DistributedSampler",
     "FileCache",
@@ -85,21 +90,26 @@ __all__ = [
     "ImageFolder",
     "ImageListDataset",
     "ImageReadError",
+    "IndexTFRDataset",
     "Normalize",
     "OnError",
     "PILToTensor",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "RecordError",
     "Resize",
     "Skipped",
     "Tail",
     "ThrottledReader",
     "ToTensor",
+    "available_decoders",
+    "build_index",
     "files_shard",
     "get_data_loader",
     "get_dataloader",
     "get_file",
     "read_chunks",
+    "read_index",
     "read_image_list",
     "sample_bytes",
     "set_file_cache",
