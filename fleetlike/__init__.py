@@ -17,6 +17,7 @@ from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
 #: loads the core and the fleet facade only (not the Horovod face, elastic or the DDP patch)
 _LAZY = {
     "cc": ("fleetlike.horovod.light", None),
+    "io": ("fleetlike.io", None),
     "light_init": ("fleetlike.horovod.light", "light_init"),
     "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
     "role_maker": ("fleetlike.fleet.role_maker", None),
@@ -49,6 +50,7 @@ __all__ = [
     "Program",
     "cc",
     "fleet",
+    "io",
     "light_init",
     "load_inference_model",
     "mixed_precision",

@@ -54,7 +54,8 @@ Example:
 from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
 from fleetlike.io.decode import Decoder, DecoderName, available_decoders
 from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
-from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks, set_file_cache
+from fleetlike.io.file_cache import FileCache, ThrottledReader, files_cache, get_file, read_chunks, set_file_cache
+from fleetlike.io.light_dataset import LightDataset
 from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, get_dataloader, to_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
@@ -91,6 +92,7 @@ __all__ = [
     "ImageListDataset",
     "ImageReadError",
     "IndexTFRDataset",
+    "LightDataset",
     "Normalize",
     "OnError",
     "PILToTensor",
@@ -104,6 +106,7 @@ __all__ = [
     "ToTensor",
     "available_decoders",
     "build_index",
+    "files_cache",
     "files_shard",
     "get_data_loader",
     "get_dataloader",

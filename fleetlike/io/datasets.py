@@ -115,6 +115,8 @@ class _Images(Dataset[Any]):
         self.on_error = parse_choice(OnError, on_error, what="on_error", noun="error policy")
         self.file_cache, self.mode = file_cache, mode
         self.cache_transform = bool(cache.pop("cache_transform"))
+        if self.cache_transform and cache["cache_type"] is None:
+            cache["cache_type"] = CacheType.MEMORY  # Light's: asking to cache the transform's output caches
         self.cache: CachedDataset | None = None
         if cache["cache_type"] is not None:
             after = None if self.cache_transform else transform
@@ -192,7 +194,8 @@ class ImageFolder(_Images):
     """torchvision's layout: ``root/<class>/<image>``, classes sorted by name, labels 0..n-1
     (``classes``, ``class_to_idx``, ``samples``, ``targets`` as torchvision's).
     Decoded cache (`CachedDataset`): ``cache_type`` None (none), memory, disk or auto, with
-    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image).
+    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image;
+    without a ``cache_type`` it caches in memory, as Light's ImageFolder).
 
     Example:
         >>> ds = ImageFolder("data/train", transform=t, file_cache=FileCache(...), cache_type="memory")
