@@ -75,6 +75,7 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "check_nan_inf": False,
     "slow_rank_check": False,
     "slow_rank_check_configs": {"every_n_steps": 100, "factor": 1.5},
+    "io_configs": {"slicing": True, "unbalanced_io_slicing": True, "drop_last_files": False},
     "mode": "collective",
     "execution_strategy": {"num_threads": 1, "num_iteration_per_drop_scope": 10},
 }
@@ -152,6 +153,9 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "slow_rank_check": ("bool",),
     "slow_rank_check_configs.every_n_steps": ("int", 1, None),
     "slow_rank_check_configs.factor": ("float", 1.0, None),
+    "io_configs.slicing": ("bool",),
+    "io_configs.unbalanced_io_slicing": ("bool",),
+    "io_configs.drop_last_files": ("bool",),
     "mode": ("choice", ["nccl2", "collective"]),
     "execution_strategy.num_threads": ("int", 0, None),
     "execution_strategy.num_iteration_per_drop_scope": ("int", 1, None),
@@ -200,7 +204,8 @@ def test_registry_matches_the_restated_contract() -> None:
     assert set(KINDS) == set(DistributedStrategy.option_names())
     assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy", "zero.level",
                                                   "communication.gradients_reduce_method",
-                                                  "communication.clip_after_allreduce"}
+                                                  "communication.clip_after_allreduce",
+                                                  "io.slicing", "io.unbalanced_io_slicing", "io.drop_last_files"}
 
 
 @pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,

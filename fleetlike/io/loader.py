@@ -41,7 +41,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from fleetlike.comm.cuda import use_device
 from fleetlike.io.file_cache import files_cache, register_cache
-from fleetlike.io.job import current_device
+from fleetlike.io.job import current_device, io_settings
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.strategies.health import DATA_WAIT
 
@@ -324,7 +324,9 @@ def get_data_loader(
     the number of batches, no sample repeated). ``sampler`` replaces it (not resumable then).
     ``prefetch``: batches fetched ahead onto ``device`` (default ``fleet.device()``, else the
     CPU); 0 fetches in the training thread. ``pin_memory`` defaults to True on CUDA.
-    ``shuffle`` defaults to True (False with a ``batch_sampler``).
+    ``shuffle`` defaults to True (False with a ``batch_sampler``). The job strategy's
+    ``io_configs.slicing`` False (EPL's ``io.slicing``) makes the defaults read the whole
+    dataset on every rank.
 
     Light's parameters: ``batch_sampler`` (yields the index lists of this rank's batches, as
     torch's: no ``batch_size``, ``shuffle``, ``sampler`` or ``drop_last`` beside it; not
@@ -346,6 +348,8 @@ def get_data_loader(
     if batch_sampler is not None:
         _check_batch_sampler(batch_size, shuffle, sampler, drop_last, iterable)
     elif sampler is None and not iterable:
+        if num_replicas is None and rank is None and not io_settings()["slicing"]:
+            num_replicas, rank = 1, 0  # the strategy's io.slicing off: every rank reads the whole dataset
         sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=True if shuffle is None else shuffle,  # type: ignore[arg-type]
                                      seed=seed, tail=tail, batch_size=batch_size, drop_last_batch=drop_last)
     elif iterable and sampler is not None:
