@@ -69,6 +69,20 @@ def test_enable_optimizations_false_is_torchs_dataloader():
     assert isinstance(lio.get_data_loader(ds, 2, 1, 4), light.io.DistributedDataLoader)
 
 
+def test_light_init_enable_optimizations_picks_the_loader():
+    """Light's page: the loader follows light_init's params (False: torch's own DataLoader)."""
+    code = (
+        "import torch\nfrom torch.utils.data import TensorDataset\nfrom fleetlike import light_init\n"
+        "from fleetlike.io import light as lio\nds = TensorDataset(torch.arange(4))\n"
+        "def make():\n    return type(lio.get_data_loader(ds, 1, 0, 2)).__name__\n"
+        "off = light_init(params={'training_framework': 'pytorch', 'enable_optimizations': False})(make)\n"
+        "on = light_init(params={'training_framework': 'pytorch'})(make)\n"
+        "print(off(), on(), make())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["DataLoader", "DistributedDataLoader", "DistributedDataLoader"]
+
+
 def test_batch_sampler_decides_the_batches():
     ds = indexed(10)
     batches = BatchSampler(range(1, 10, 2), 2, drop_last=False)  # this rank's odd indices
