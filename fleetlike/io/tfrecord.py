@@ -174,19 +174,21 @@ class IndexTFRDataset(Dataset[Any]):
 
     def _check_files(self) -> None:
         ends = self._offset + self._length
+        sizes = np.zeros(len(self.files), dtype=np.int64)
         for fid, name in enumerate(self.files):
             path = self.tfrecord_dir / name
-            mine = np.flatnonzero(self._file == fid)
             if not path.is_file():
-                raise FileNotFoundError(f"{self.index_file}: record file {str(path)!r} (sample {int(mine[0])}) "
+                first = int(np.argmax(self._file == fid))
+                raise FileNotFoundError(f"{self.index_file}: record file {str(path)!r} (sample {first}) "
                                         "does not exist")
-            size = path.stat().st_size
-            past = mine[ends[mine] > size]
-            if past.size:
-                i = int(past[0])
-                raise RecordError(f"{self.index_file}: sample {i} points past the end of {path}: offset "
-                                  f"{int(self._offset[i])} + length {int(self._length[i])} > file size {size}; "
-                                  "the record file is truncated or the index belongs to another file")
+            sizes[fid] = path.stat().st_size
+        past = np.flatnonzero(ends > sizes[self._file])  # one pass over the samples, whatever the file count
+        if past.size:
+            i = int(past[0])
+            path, size = self.tfrecord_dir / self.files[int(self._file[i])], int(sizes[self._file[i]])
+            raise RecordError(f"{self.index_file}: sample {i} points past the end of {path}: offset "
+                              f"{int(self._offset[i])} + length {int(self._length[i])} > file size {size}; "
+                              "the record file is truncated or the index belongs to another file")
 
     def __len__(self) -> int:
         return len(self._label)
