@@ -168,6 +168,7 @@ class IndexTFRDataset(Dataset[Any]):
         self._offset = np.array([e[1] for e in entries], dtype=np.int64)
         self._length = np.array([e[2] for e in entries], dtype=np.int64)
         self._label = np.array([e[3] for e in entries], dtype=np.int64)
+        self._paths = [self.tfrecord_dir / name for name in self.files]
         self._check_files()
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
@@ -208,7 +209,7 @@ class IndexTFRDataset(Dataset[Any]):
             self._fds, self._pid = {}, os.getpid()
         fd = self._fds.get(fid)
         if fd is None:
-            fd = self._fds[fid] = os.open(self.tfrecord_dir / self.files[fid], os.O_RDONLY)
+            fd = self._fds[fid] = os.open(self._paths[fid], os.O_RDONLY)
         return fd
 
     def __del__(self) -> None:
@@ -221,8 +222,7 @@ class IndexTFRDataset(Dataset[Any]):
 
     def location(self, index: int) -> tuple[Path, int, int]:
         """``(record file, offset, framed length)`` of sample ``index``."""
-        return (self.tfrecord_dir / self.files[int(self._file[index])], int(self._offset[index]),
-                int(self._length[index]))
+        return (self._paths[int(self._file[index])], int(self._offset[index]), int(self._length[index]))
 
     def record(self, index: int) -> dict[str, Feature]:
         """The decoded ``tf.train.Example`` of sample ``index``; `RecordError` names file and offset."""
