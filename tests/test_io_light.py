@@ -134,6 +134,11 @@ def test_files_path_list_and_get_file_cache_each_file_once(tmp_path, monkeypatch
     for k, where in seen.items():
         (local,) = where  # every read of file k went to one local copy
         assert str(tmp_path / "local") in local and open(local, "rb").read() == open(files[k], "rb").read()
+    # a spawned worker inherits no module state: the loader hands it the dataset's cache
+    spawned = light.io.get_data_loader(dataset, 1, 1, 0, shuffle=False, num_workers=1,
+                                       multiprocessing_context="spawn")
+    got = [(int(x[0, 0]), where[0]) for x, where in spawned]
+    assert [k for k, _ in got] == list(range(6)) and all(str(tmp_path / "local") in w for _, w in got)
     cache = light.io.files_cache(files)
     assert cache.source == src.resolve()
     assert cache.get_file(files[3]).read_bytes() == bytes([3]) * 13 and cache.fetches == 0  # all cached
