@@ -18,6 +18,7 @@ from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy, MixedPr
 _LAZY = {
     "adaptfp16": ("fleetlike.adaptfp16", None),
     "cc": ("fleetlike.horovod.light", None),
+    "io": ("fleetlike.io", None),
     "light_init": ("fleetlike.horovod.light", "light_init"),
     "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
     "role_maker": ("fleetlike.fleet.role_maker", None),
@@ -53,6 +54,7 @@ __all__ = [
     "Program",
     "cc",
     "fleet",
+    "io",
     "light_init",
     "load_inference_model",
     "mixed_precision",

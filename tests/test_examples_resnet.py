@@ -286,3 +286,25 @@ def test_served_model_of_a_recomputed_model(example_modules, tmp_path: Path) -> 
     with torch.no_grad():
         assert torch.equal(served(x), net(x))
     assert json.loads((tmp_path / "inf" / "inference.json").read_text())["served"] == "served.pt"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_packed_tfrecord_format_reaches_the_folders_accuracy(few_digits: Path, tmp_path: Path) -> None:
+    """--data_format tfrecord (the lists packed by img2tfrecord) trains on the same decoded images
+    as the folder: the same top-1/top-5 and the same parameters after an epoch."""
+    from fleetlike.io.tools.img2tfrecord import img2tfrecord
+
+    for split in ("train", "val"):
+        img2tfrecord(few_digits / split, few_digits / f"{split}.txt", split, "ImageFold", workers=2,
+                     out_dir=few_digits / "tfrecord")
+    folder, packed = run_jobs(
+        [train_cmd(few_digits, tmp_path / f"{fmt}-out", tmp_path / f"{fmt}-log", 1, nproc=1) + [f"--data_format={fmt}"]
+         for fmt in ("folder", "tfrecord")],
+        cwd=tmp_path, envs=[clean_env(), clean_env()], timeout=150)
+    assert folder.returncode == 0, folder.stdout[-2000:]
+    assert packed.returncode == 0, packed.stdout[-2000:]
+    assert ACC.search(packed.stdout).groups() == ACC.search(folder.stdout).groups()
+    a = read_file(tmp_path / "folder-out" / "checkpoint", "models.pt")[0]
+    b = read_file(tmp_path / "tfrecord-out" / "checkpoint", "models.pt")[0]
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6

@@ -77,6 +77,7 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "slow_rank_check": False,
     "slow_rank_check_configs": {"every_n_steps": 100, "factor": 1.5},
     "visible_devices": [],
+    "io_configs": {"slicing": True, "unbalanced_io_slicing": True, "drop_last_files": False},
     "mode": "collective",
     "execution_strategy": {"num_threads": 1, "num_iteration_per_drop_scope": 10},
 }
@@ -158,6 +159,9 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "slow_rank_check_configs.every_n_steps": ("int", 1, None),
     "slow_rank_check_configs.factor": ("float", 1.0, None),
     "visible_devices": ("values", [[0, 1], [], [2]], [("0,x", ValueError), (3, TypeError), ([1, 1], ValueError)]),
+    "io_configs.slicing": ("bool",),
+    "io_configs.unbalanced_io_slicing": ("bool",),
+    "io_configs.drop_last_files": ("bool",),
     "mode": ("choice", ["nccl2", "collective"]),
     "execution_strategy.num_threads": ("int", 0, None),
     "execution_strategy.num_iteration_per_drop_scope": ("int", 1, None),
@@ -207,7 +211,8 @@ def test_registry_matches_the_restated_contract() -> None:
     assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy", "zero.level",
                                                   "communication.gradients_reduce_method",
                                                   "communication.clip_after_allreduce",
-                                                  *(a.name for a in options.EPL_ALIASES)}
+                                                  *(a.name for a in options.EPL_ALIASES),
+                                                  "io.slicing", "io.unbalanced_io_slicing", "io.drop_last_files"}
 
 
 @pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,

@@ -444,6 +444,17 @@ ENTRIES: tuple[Field | Section, ...] = (
         "EPL's cluster.run_visible_devices: the GPU ids this job's ranks may use, rank with local "
         "rank i on the i-th (as FLAGS_selected_gpus); fleet.init refuses more local ranks than ids "
         "and a process without CUDA; empty = fleetlike's own choice")),
+    Section("io_configs", note="input sharding (EPL's io.* keys)", fields=(
+        Field("slicing", Bool(), True, note=(
+            "shard the input over the ranks: get_data_loader's default sampler and files_shard / "
+            "FileShardDataset give each rank its part; False: every rank reads all of it (EPL's "
+            "default is False, fleetlike's loader has always sharded)")),
+        Field("unbalanced_io_slicing", Bool(), True, note=(
+            "files that do not divide over the ranks: some ranks get one file more (EPL's default "
+            "is False); False with drop_last_files False refuses such a list, naming the counts")),
+        Field("drop_last_files", Bool(), False, note=(
+            "cut the file list evenly and drop the files left over (every rank the same count)")),
+    )),
     Field("mode", Choice(Mode), Mode.COLLECTIVE, inert=(
         "Fleet 1.x chose between ParallelExecutor (nccl2) and Executor (collective); fleetlike "
         "has one executor, so the value is only recorded"), note=(
@@ -505,6 +516,10 @@ ALIASES: tuple[Alias, ...] = (
           "EPL's name of sharding_configs.gradients_reduce_method"),
     Alias("communication.clip_after_allreduce", "sharding_configs.clip_after_allreduce",
           "EPL's name of sharding_configs.clip_after_allreduce"),
+    Alias("io.slicing", "io_configs.slicing", "EPL's name of io_configs.slicing"),
+    Alias("io.unbalanced_io_slicing", "io_configs.unbalanced_io_slicing",
+          "EPL's name of io_configs.unbalanced_io_slicing"),
+    Alias("io.drop_last_files", "io_configs.drop_last_files", "EPL's name of io_configs.drop_last_files"),
     Alias(
         "collective_mode", None,
         "Fleet 1.x switch, derived from localsgd: reads 'local_sgd' when localsgd or "

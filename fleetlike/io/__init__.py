@@ -7,7 +7,8 @@ API summary (everything defaults ``num_replicas``/``rank``/device to the fleet j
 rank=None, shuffle=True, *, seed, tail, sampler,             resumable sampler, prefetch of
 num_workers, collate_fn, pin_memory, drop_last, timeout,     ``prefetch`` batches onto the
 worker_init_fn, multiprocessing_context, generator,          device, and the data-wait time;
-prefetch_factor, persistent_workers, prefetch=2, device)``   returns a `DistributedDataLoader`
+prefetch_factor, persistent_workers, prefetch=2, device,     returns a `DistributedDataLoader`
+batch_sampler, enable_optimizations=True)``                  (torch's DataLoader when False)
 (alias ``get_dataloader``, Light's other spelling)
 ``DistributedDataLoader``                                    iterate; ``set_epoch(e)``;
                                                              ``state_dict()`` /
@@ -32,6 +33,15 @@ cache_size=None, transforms=None, *, disk_size=None)``         / auto; ``transfo
                                                              ``file_cache=`` and ``cache_type=``,
                                                              ``cache_dir``, ``cache_size``,
                                                              ``cache_transform`` (decoded cache)
+``IndexTFRDataset(tfrecord_dir, tfrecord_file, transform)``  TI-ACC's packed images: TFRecord
+``build_index``, ``read_index``, ``RecordError``             files read through an index (tools:
+                                                             ``python -m fleetlike.io.tools.
+                                                             image_list`` / ``img2tfrecord``)
+``Decoder(name="auto")``, ``available_decoders()``           the fastest installed JPEG decoder
+``LightDataset`` (base class), ``files_cache``               Light's cached datasets; a dataset's
+                                                             ``files_path_list`` for ``get_file``
+``fleetlike.io.light``                                       Light's ``get_data_loader`` order
+                                                             and defaults, Light's ImageFolder
 ``Compose``, ``ToTensor``, ``Normalize``, ``Resize``,        torchvision's transforms on Pillow
 ``CenterCrop``, ``RandomResizedCrop``, ``RandomHorizontalFlip``,  (any callable works as well)
 ``PILToTensor``, ``ConvertImageDtype``
@@ -52,12 +62,16 @@ Example:
 """
 
 from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
+from fleetlike.io.decode import Decoder, DecoderName, available_decoders
 from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
-from fleetlike.io.file_cache import FileCache, ThrottledReader, get_file, read_chunks, set_file_cache
+from fleetlike.io.file_cache import FileCache, ThrottledReader, files_cache, get_file, read_chunks, set_file_cache
+from fleetlike.io.light_dataset import LightDataset
 from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, get_dataloader, to_device
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.io.shard import FileShardDataset, files_shard, worker_shard
+from fleetlike.io.records import RecordError
 from fleetlike.io.store import CacheFullError
+from fleetlike.io.tfrecord import IndexTFRDataset, build_index, read_index
 from fleetlike.io.transforms import (
     CenterCrop,
     Compose,
@@ -78,6 +92,8 @@ __all__ = [
     "CenterCrop",
     "Compose",
     "ConvertImageDtype",
+    "Decoder",
+    "DecoderName",
     "DistributedDataLoader",
     "DistributedSampler",
     "FileCache",
@@ -85,21 +101,28 @@ __all__ = [
     "ImageFolder",
     "ImageListDataset",
     "ImageReadError",
+    "IndexTFRDataset",
+    "LightDataset",
     "Normalize",
     "OnError",
     "PILToTensor",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "RecordError",
     "Resize",
     "Skipped",
     "Tail",
     "ThrottledReader",
     "ToTensor",
+    "available_decoders",
+    "build_index",
+    "files_cache",
     "files_shard",
     "get_data_loader",
     "get_dataloader",
     "get_file",
     "read_chunks",
+    "read_index",
     "read_image_list",
     "sample_bytes",
     "set_file_cache",

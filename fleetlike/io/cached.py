@@ -37,7 +37,7 @@ from fleetlike.io.loader import Skipped
 from fleetlike.io.pillow import is_image
 from fleetlike.io.store import CacheFullError, DiskStore, LockPickling, check_size
 
-__all__ = ["CacheType", "CachedDataset", "sample_bytes"]
+__all__ = ["CacheType", "CachedDataset", "sample_bytes", "transform_input"]
 
 
 class CacheType(str, enum.Enum):
@@ -63,6 +63,16 @@ def sample_bytes(sample: Any) -> int:
     if isinstance(sample, (int, float, bool)) or sample is None:
         return 8
     return len(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def transform_input(transforms: Callable[[Any], Any] | None, sample: Any) -> Any:
+    """``transforms`` applied to a sample's input: the first element of a tuple/list sample, or
+    the whole sample otherwise (a `Skipped` passes unchanged)."""
+    if transforms is None or isinstance(sample, Skipped):
+        return sample
+    if isinstance(sample, (tuple, list)):
+        return type(sample)([transforms(sample[0]), *sample[1:]])
+    return transforms(sample)
 
 
 class CachedDataset(LockPickling, Dataset[Any]):
@@ -159,12 +169,7 @@ class CachedDataset(LockPickling, Dataset[Any]):
                 raise CacheFullError(f"{error} (disk part, cache_dir {str(self.store.root)!r})") from None
 
     def __getitem__(self, index: int) -> Any:
-        sample = self._lookup(index)
-        if self.transforms is None or isinstance(sample, Skipped):
-            return sample
-        if isinstance(sample, (tuple, list)):
-            return type(sample)([self.transforms(sample[0]), *sample[1:]])
-        return self.transforms(sample)
+        return transform_input(self.transforms, self._lookup(index))
 
     @property
     def memory_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""Image datasets decoded with Pillow: Paddle's ``path label`` lists and an ImageFolder.
+"""Image datasets: Paddle's ``path label`` lists and an ImageFolder (decoded by `Decoder`:
+simplejpeg for JPEGs when installed, else Pillow; the same pixels either way).
 
 `ImageListDataset` reads seed 003's ImageNet layout: a ``train.txt`` / ``val.txt`` whose lines
 are ``relative/path label``; `ImageFolder` reads torchvision's ``root/class_name/image`` layout.
@@ -22,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import io as _io
 import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.cached import CachedDataset, CacheType
+from fleetlike.io.decode import Decoder, DecoderName
 from fleetlike.io.loader import Skipped
 from fleetlike.io.pillow import pil
 
@@ -114,7 +115,10 @@ class _Images(Dataset[Any]):
         self.transform, self.target_transform = transform, target_transform
         self.on_error = parse_choice(OnError, on_error, what="on_error", noun="error policy")
         self.file_cache, self.mode = file_cache, mode
+        self.decoder = Decoder(DecoderName.AUTO, mode)  # the fastest installed (simplejpeg for JPEGs), else Pillow
         self.cache_transform = bool(cache.pop("cache_transform"))
+        if self.cache_transform and cache["cache_type"] is None:
+            cache["cache_type"] = CacheType.MEMORY  # Light's: asking to cache the transform's output caches
         self.cache: CachedDataset | None = None
         if cache["cache_type"] is not None:
             after = None if self.cache_transform else transform
@@ -135,12 +139,8 @@ class _Images(Dataset[Any]):
         path = self.path(index)
         Image = pil()
         try:
-            if self.file_cache is not None:
-                image = Image.open(_io.BytesIO(self.file_cache.read_bytes(path)))
-            else:
-                image = Image.open(path)
-            with image:
-                return image.convert(self.mode)
+            data = self.file_cache.read_bytes(path) if self.file_cache is not None else path.read_bytes()
+            return self.decoder(data)
         except (OSError, ValueError, Image.DecompressionBombError) as error:
             raise ImageReadError(f"sample {index}: cannot read image {path}: {error}") from error
 
@@ -192,7 +192,8 @@ class ImageFolder(_Images):
     """torchvision's layout: ``root/<class>/<image>``, classes sorted by name, labels 0..n-1
     (``classes``, ``class_to_idx``, ``samples``, ``targets`` as torchvision's).
     Decoded cache (`CachedDataset`): ``cache_type`` None (none), memory, disk or auto, with
-    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image).
+    ``cache_dir``, ``cache_size`` (bytes) and ``cache_transform`` (cache the transformed image;
+    without a ``cache_type`` it caches in memory, as Light's ImageFolder).
 
     Example:
         >>> ds = ImageFolder("data/train", transform=t, file_cache=FileCache(...), cache_type="memory")

@@ -17,15 +17,17 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from fleetlike.io.store import DiskStore, LockPickling
 
-__all__ = ["FileCache", "ThrottledReader", "get_file", "read_chunks", "set_file_cache"]
+__all__ = ["FileCache", "ThrottledReader", "files_cache", "get_file", "read_chunks", "register_cache",
+           "set_file_cache"]
 
 Reader = Callable[[Path], Iterator[bytes]]
 _CHUNK = 1 << 20
@@ -131,6 +133,9 @@ class FileCache(LockPickling):
 
 _CACHES: dict[tuple[str, str, int | None], FileCache] = {}
 _DEFAULT: list[FileCache | None] = [None]
+_REGISTERED: list[FileCache] = []  # files_cache's, looked up by source when get_file gets a bare path
+#: Light's default cache size (20 GB) for the caches `files_cache` makes
+DEFAULT_FILES_CACHE_BYTES = 20 * 2**30
 _CACHES_LOCK = threading.Lock()
 
 
@@ -144,17 +149,63 @@ def set_file_cache(cache: FileCache | None) -> None:
         _DEFAULT[0] = cache
 
 
+def files_cache(files: Sequence[str | os.PathLike[str]], cache_dir: str | os.PathLike[str] | None = None,
+                max_bytes: int | None = DEFAULT_FILES_CACHE_BYTES) -> FileCache:
+    """The cache of a dataset's ``files_path_list`` (Light's form): a `FileCache` over the folder
+    the files share, under ``cache_dir`` (default ``$FLEETLIKE_FILE_CACHE_DIR`` or
+    ``~/.cache/fleetlike/files``, one subfolder per source folder), registered so that
+    `get_file(path)` of any of the files reads through it. `get_data_loader` calls this for a
+    dataset that has a ``files_path_list``."""
+    if isinstance(files, (str, bytes)) or not isinstance(files, Sequence) or not files:
+        raise TypeError(f"files_path_list must be a non-empty list of file paths, got {type(files).__name__} "
+                        f"({files!r:.80})")
+    parents = {str(Path(f).resolve().parent) for f in files}
+    source = Path(os.path.commonpath(sorted(parents)))
+    if cache_dir is None:
+        base = os.environ.get("FLEETLIKE_FILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                          "fleetlike", "files")
+        digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
+        cache_dir = os.path.join(base, f"{source.name or 'root'}-{digest}")
+    key = (str(source), str(Path(cache_dir).resolve()), max_bytes)
+    with _CACHES_LOCK:
+        cache = _CACHES.get(key)
+        if cache is None:
+            cache = _CACHES[key] = FileCache(source, cache_dir, max_bytes)
+    register_cache(cache)
+    return cache
+
+
+def register_cache(cache: FileCache) -> None:
+    """Let `get_file(path)` read the files under ``cache.source`` through ``cache``."""
+    with _CACHES_LOCK:
+        if cache not in _REGISTERED:
+            _REGISTERED.append(cache)
+
+
+def _registered_for(path: str | os.PathLike[str]) -> FileCache | None:
+    full = Path(path).resolve()
+    with _CACHES_LOCK:
+        for cache in reversed(_REGISTERED):
+            if cache.source in full.parents:
+                return cache
+    return None
+
+
 def get_file(path: str | os.PathLike[str], *, source: str | os.PathLike[str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, max_bytes: int | None = None) -> Path:
     """Light's ``get_file``: the local copy of ``path``. With ``source`` and ``cache_dir``, from
     the `FileCache` of that pair (made once, reused by later calls); without them, from the
-    cache given to `set_file_cache`."""
+    cache given to `set_file_cache`, else the one `files_cache` made for a dataset's
+    ``files_path_list`` holding ``path``."""
     if source is None and cache_dir is None:
         with _CACHES_LOCK:
             cache = _DEFAULT[0]
         if cache is None:
-            raise RuntimeError("get_file: no cache to read through; pass source= and cache_dir=, or call "
-                               "fleetlike.io.set_file_cache(FileCache(source, cache_dir, max_bytes)) first")
+            cache = _registered_for(path)
+        if cache is None:
+            raise RuntimeError(f"get_file({str(path)!r}): no cache to read through; declare the dataset's "
+                               "self.files_path_list (get_data_loader caches those files), pass source= and "
+                               "cache_dir=, or call fleetlike.io.set_file_cache(FileCache(source, cache_dir)) first")
         return cache.get_file(path)
     if source is None or cache_dir is None:
         raise ValueError(f"get_file: give both source and cache_dir (got source={source!r}, cache_dir={cache_dir!r})")

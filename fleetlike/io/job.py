@@ -14,7 +14,7 @@ import torch
 
 from fleetlike.fleet import fleet
 
-__all__ = ["current_device", "replicas"]
+__all__ = ["current_device", "io_settings", "replicas"]
 
 
 def _initialized() -> bool:
@@ -49,3 +49,14 @@ def replicas(num_replicas: int | None, rank: int | None, what: str) -> tuple[int
 def current_device() -> torch.device:
     """The fleet job's device, or the CPU without a job."""
     return fleet.device() if _initialized() else torch.device("cpu")
+
+
+_IO_DEFAULTS = {"slicing": True, "unbalanced_io_slicing": True, "drop_last_files": False}
+
+
+def io_settings() -> dict[str, bool]:
+    """The job strategy's ``io_configs`` (EPL's ``io.slicing``, ``io.unbalanced_io_slicing``,
+    ``io.drop_last_files``); the defaults without a job."""
+    if not _initialized():
+        return dict(_IO_DEFAULTS)
+    return {k: bool(v) for k, v in fleet.effective_strategy(what="fleetlike.io").io_configs.items()}

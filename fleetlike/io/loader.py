@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from fleetlike.comm.cuda import use_device
-from fleetlike.io.job import current_device
+from fleetlike.io.file_cache import files_cache, register_cache
+from fleetlike.io.job import current_device, io_settings
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.strategies.health import DATA_WAIT
 
@@ -295,11 +296,12 @@ def get_data_loader(
     batch_size: int = 1,
     num_replicas: int | None = None,
     rank: int | None = None,
-    shuffle: bool = True,
+    shuffle: bool | None = None,
     *,
     seed: int = 0,
     tail: Tail | str = Tail.PAD,
     sampler: Sampler[int] | None = None,
+    batch_sampler: Sampler[list[int]] | Iterable[list[int]] | None = None,
     num_workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool | None = None,
@@ -312,7 +314,8 @@ def get_data_loader(
     persistent_workers: bool = False,
     prefetch: int = 2,
     device: torch.device | str | None = None,
-) -> DistributedDataLoader:
+    enable_optimizations: bool = True,
+) -> DistributedDataLoader | DataLoader:
     """A DataLoader over this rank's share of ``dataset`` (see the module docstring).
 
     torch's DataLoader parameters keep their meaning (``drop_last`` drops this rank's last
@@ -321,6 +324,16 @@ def get_data_loader(
     the number of batches, no sample repeated). ``sampler`` replaces it (not resumable then).
     ``prefetch``: batches fetched ahead onto ``device`` (default ``fleet.device()``, else the
     CPU); 0 fetches in the training thread. ``pin_memory`` defaults to True on CUDA.
+    ``shuffle`` defaults to True (False with a ``batch_sampler``). The job strategy's
+    ``io_configs.slicing`` False (EPL's ``io.slicing``) makes the defaults read the whole
+    dataset on every rank.
+
+    Light's parameters: ``batch_sampler`` (yields the index lists of this rank's batches, as
+    torch's: no ``batch_size``, ``shuffle``, ``sampler`` or ``drop_last`` beside it; not
+    resumable); ``enable_optimizations=False`` returns torch's own ``DataLoader`` over the same
+    sampler (no prefetch thread, no data-wait time, no state); a dataset with a
+    ``files_path_list`` gets its files cached (`files_cache`: ``get_file(path)`` in its
+    ``__getitem__`` returns the local copy, in DataLoader workers too).
 
     Example:
         >>> loader = get_data_loader(ImageListDataset("data", "train.txt", transform=t), 32, num_workers=4)
@@ -328,25 +341,67 @@ def get_data_loader(
     for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 0), ("num_workers", num_workers, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"get_data_loader: {name}={value!r}; it must be an int >= {low}")
+    if not isinstance(enable_optimizations, bool):
+        raise TypeError(f"get_data_loader: enable_optimizations must be a bool, got {enable_optimizations!r}")
     target = current_device() if device is None else torch.device(device)
     iterable = isinstance(dataset, IterableDataset)
-    if sampler is None and not iterable:
-        sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, tail=tail,  # type: ignore[arg-type]
-                                     batch_size=batch_size, drop_last_batch=drop_last)
+    if batch_sampler is not None:
+        _check_batch_sampler(batch_size, shuffle, sampler, drop_last, iterable)
+    elif sampler is None and not iterable:
+        if num_replicas is None and rank is None and not io_settings()["slicing"]:
+            num_replicas, rank = 1, 0  # the strategy's io.slicing off: every rank reads the whole dataset
+        sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=True if shuffle is None else shuffle,  # type: ignore[arg-type]
+                                     seed=seed, tail=tail, batch_size=batch_size, drop_last_batch=drop_last)
     elif iterable and sampler is not None:
         raise ValueError("get_data_loader: an IterableDataset takes no sampler (it shards itself, "
                          "e.g. FileShardDataset); drop sampler=")
+    files = getattr(dataset, "files_path_list", None)
+    if files is not None:
+        caches = [files_cache(files)]
+        worker_init_fn = _WorkerCaches(caches, worker_init_fn)
     extra: dict[str, Any] = {}
     if num_workers > 0:
         extra.update(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+    if batch_sampler is not None:
+        extra["batch_sampler"] = batch_sampler
+    else:
+        extra.update(batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+    pin = (target.type == "cuda") if pin_memory is None else pin_memory
+    if not enable_optimizations:  # Light's switch: torch's loader, as it is
+        return DataLoader(dataset, num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin, timeout=timeout,
+                          worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                          generator=generator, **extra)
     loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        collate_fn=_SkipCollate(collate_fn or default_collate),
-        pin_memory=(target.type == "cuda") if pin_memory is None else pin_memory,
-        drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+        dataset, num_workers=num_workers, collate_fn=_SkipCollate(collate_fn or default_collate),
+        pin_memory=pin, timeout=timeout, worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context, generator=generator, **extra,
     )
-    return DistributedDataLoader(loader, sampler, batch_size, drop_last, prefetch, target)
+    return DistributedDataLoader(loader, sampler if batch_sampler is None else batch_sampler,  # type: ignore[arg-type]
+                                 batch_size, drop_last, prefetch, target)
+
+
+def _check_batch_sampler(batch_size: int, shuffle: bool | None, sampler: Any, drop_last: bool, iterable: bool) -> None:
+    """torch's rule: a batch sampler decides the batches alone."""
+    clashes = [name for name, clash in (("batch_size", batch_size != 1), ("shuffle", shuffle is not None),
+                                        ("sampler", sampler is not None), ("drop_last", drop_last),
+                                        ("an IterableDataset", iterable)) if clash]
+    if clashes:
+        raise ValueError(f"get_data_loader: batch_sampler decides the batches itself, so {', '.join(clashes)} "
+                         "cannot be given beside it; drop them (the batch sampler yields this rank's index lists)")
+
+
+class _WorkerCaches:
+    """``worker_init_fn`` that registers the dataset's file caches in each DataLoader worker
+    (a spawned or forkserver worker does not inherit them), then calls the user's."""
+
+    def __init__(self, caches: list[Any], user: Callable[[int], None] | None) -> None:
+        self.caches, self.user = caches, user
+
+    def __call__(self, worker_id: int) -> None:
+        for cache in self.caches:
+            register_cache(cache)
+        if self.user is not None:
+            self.user(worker_id)
 
 
 #: Light's other spelling (its feature table names ``light.io.get_dataloader``).

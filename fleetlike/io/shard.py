@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fleetlike.io.job import replicas
+from fleetlike.io.job import io_settings, replicas
 
 __all__ = ["FileShardDataset", "files_shard", "worker_shard"]
 
@@ -39,13 +39,22 @@ def _check_files(files: Any, what: str) -> None:
 
 
 def files_shard(files: Sequence[str], size: int | None = None, rank: int | None = None,
-                drop_last: bool = False) -> list[str]:
+                drop_last: bool | None = None) -> list[str]:
     """This rank's contiguous block of ``files`` (``size``/``rank`` default to the fleet job's).
 
     ``drop_last=True`` gives every rank ``len // size`` files (the tail is dropped) so ranks read
-    equally many. Fewer files than ranks: the whole list, with a warning (Light's behaviour)."""
+    equally many. Fewer files than ranks: the whole list, with a warning (Light's behaviour).
+    Unset ``drop_last`` and the job's defaults follow its strategy's ``io_configs`` (EPL's
+    ``io.*`` keys): ``slicing`` False gives every rank the whole list, ``drop_last_files`` is
+    ``drop_last``, and ``unbalanced_io_slicing`` False refuses a list that does not divide."""
     _check_files(files, "files_shard")
+    settings = io_settings()
+    if size is None and rank is None and not settings["slicing"]:
+        return list(files)  # io.slicing off: every rank reads every file
     rank, size = replicas(size, rank, "files_shard")
+    if drop_last is None:
+        drop_last = settings["drop_last_files"]
+        _check_balanced(len(files), size, drop_last, settings)
     if len(files) < size:
         warnings.warn(f"files_shard: {len(files)} file(s) for {size} ranks; every rank gets the whole "
                       "list (each reads every file). Split the data into at least as many files as ranks",
@@ -55,6 +64,13 @@ def files_shard(files: Sequence[str], size: int | None = None, rank: int | None 
         each = len(files) // size
         return list(files[rank * each : (rank + 1) * each])
     return _block(files, rank, size)
+
+
+def _check_balanced(count: int, size: int, drop_last: bool, settings: dict[str, bool]) -> None:
+    if count % size and not drop_last and not settings["unbalanced_io_slicing"]:
+        raise ValueError(f"files_shard: {count} files do not divide over {size} ranks, and the strategy sets "
+                         "io.unbalanced_io_slicing (io_configs.unbalanced_io_slicing) False; set it True (some "
+                         "ranks read one file more) or io.drop_last_files True (the extra files are dropped)")
 
 
 def worker_shard(files: Sequence[str], rank: int, size: int, worker: int = 0, num_workers: int = 1) -> list[str]:
@@ -71,7 +87,8 @@ class FileShardDataset(IterableDataset[Any]):
     """Iterate ``read(file)`` over this rank's and this DataLoader worker's files.
 
     ``read(path)`` yields the records of one file. ``num_replicas``/``rank`` default to the fleet
-    job's (read when the dataset is built, in the training process, never in a worker).
+    job's (read when the dataset is built, in the training process, never in a worker), and then
+    the strategy's ``io_configs`` act as in `files_shard`.
 
     Example:
         >>> ds = FileShardDataset(sorted(glob.glob("data/part-*")), lambda p: open(p).read().split())
@@ -81,7 +98,14 @@ class FileShardDataset(IterableDataset[Any]):
                  num_replicas: int | None = None, rank: int | None = None) -> None:
         _check_files(files, "FileShardDataset")
         self.files, self.read = list(files), read
+        settings = io_settings()
+        if num_replicas is None and rank is None and not settings["slicing"]:
+            num_replicas, rank = 1, 0  # io.slicing off: every rank reads every file (split over its workers)
         self.rank, self.num_replicas = replicas(num_replicas, rank, "FileShardDataset")
+        if settings["drop_last_files"] and num_replicas is None:
+            self.files = self.files[: len(self.files) // self.num_replicas * self.num_replicas]
+        else:
+            _check_balanced(len(self.files), self.num_replicas, False, settings)
 
     def my_files(self) -> list[str]:
         """The files the calling process (a DataLoader worker or the main process) reads."""

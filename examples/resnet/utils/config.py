@@ -85,6 +85,9 @@ def _build(fleet: bool) -> argparse.ArgumentParser:
     g.add_argument("--small_input", default="auto", choices=("auto", "True", "False"),
                    help="3x3 stem without max pool (CIFAR style); auto: when the image side is <= 64")
     g.add_argument("--data_dir", default="./ImageNet", help="train/, val/, train.txt, val.txt")
+    g.add_argument("--data_format", default="folder", choices=("folder", "tfrecord"),
+                   help="folder: the images as files; tfrecord: packed by img2tfrecord into data_dir/tfrecord "
+                        "(train.index, val.index)")
     g.add_argument("--num_workers", type=_nonnegative(int), default=2, help="DataLoader worker processes")
     g.add_argument("--lower_scale", type=_positive(float), default=0.08, help="random crop: smallest area share")
     g.add_argument("--lower_ratio", type=_positive(float), default=3.0 / 4.0, help="random crop: smallest aspect")

@@ -1,5 +1,7 @@
 """The ImageNet list format of seed 003 (``train.txt`` / ``val.txt`` of ``relative/path label``)
-read with `fleetlike.io.ImageListDataset`, and the transforms of the ImageNet recipe.
+read with `fleetlike.io.ImageListDataset` (or, with ``--data_format tfrecord``, the same lists
+packed by ``img2tfrecord`` and read with `fleetlike.io.IndexTFRDataset`), and the transforms of
+the ImageNet recipe.
 
 Training augmentation (random resized crop, flip) is drawn from a generator seeded by
 ``(seed, epoch, index)`` (`EpochSeeded`), so an epoch's batches are the same whichever worker
@@ -62,8 +64,23 @@ def _list(args, name: str) -> str:
     return path
 
 
+def _packed(args, name: str, transform):
+    """The ``name`` split packed by img2tfrecord into data_dir/tfrecord (``--data_format tfrecord``)."""
+    folder = os.path.join(args.data_dir, "tfrecord")
+    if not os.path.isfile(os.path.join(folder, f"{name}.index")):
+        raise FileNotFoundError(
+            f"--data_format=tfrecord: no {folder}/{name}.index; pack the split first:\n  python -m "
+            f"fleetlike.io.tools.img2tfrecord --img_dir {args.data_dir}/{name} --img_list {args.data_dir}/{name}.txt "
+            f"--tfrecords_name {name} --dataset_type ImageFold --workers 2 --out_dir {folder}")
+    return io.IndexTFRDataset(folder, f"{name}.index", transform)
+
+
 def datasets(args):
     """``(train, val)``: `EpochSeeded` training set and the plain validation set."""
+    if getattr(args, "data_format", "folder") == "tfrecord":
+        train = _packed(args, "train", train_transform(args))
+        val = _packed(args, "val", eval_transform(args.image_shape[1], args.resize_short_size))
+        return EpochSeeded(train, args.seed), val
     train = io.ImageListDataset(os.path.join(args.data_dir, "train"), _list(args, "train"),
                                 transform=train_transform(args), num_classes=args.class_dim)
     val = io.ImageListDataset(os.path.join(args.data_dir, "val"), _list(args, "val"),
