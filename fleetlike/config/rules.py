@@ -95,8 +95,34 @@ def _local_clip(s: Options) -> bool:
     return bool(s.sharding) and float(s.sharding_configs["clip_norm"]) > 0 and not s.sharding_configs["clip_after_allreduce"]
 
 
+def _stage(s: Options) -> int:
+    """The ZeRO stage that runs (0: no sharding)."""
+    return int(s.sharding_configs["stage"]) if s.sharding else 0
+
+
 #: combinations judged on their settings, checked after `RULES`
 CLASHES: tuple[Clash, ...] = (
+    Clash("sharding_configs.stage >= 2 and clip_after_allreduce=False",
+          lambda s: _stage(s) >= 2 and _local_clip(s),
+          "at stages 2 and 3 each block's gradients are reduce-scattered as backward produces "
+          "them, so no rank ever holds its whole local gradient to clip before communication",
+          "set sharding_configs.clip_after_allreduce = True (clip by the global norm over the shards)"),
+    Clash("sharding_configs.stage >= 2 and fp16_allreduce",
+          lambda s: _stage(s) >= 2 and bool(s.fp16_allreduce),
+          "stages 2 and 3 reduce-scatter through torch's FSDP2 on the job's process group, which "
+          "has no 16-bit wire with fleetlike's scaling", "turn fp16_allreduce off, or use stage 1"),
+    Clash("sharding_configs.stage >= 2 and use_hierarchical_allreduce",
+          lambda s: _stage(s) >= 2 and bool(s.use_hierarchical_allreduce),
+          "stages 2 and 3 reduce-scatter through torch's FSDP2 on one flat process group",
+          "turn use_hierarchical_allreduce off, or use stage 1"),
+    Clash("sharding_configs.offload_params without stage 3",
+          lambda s: bool(s.sharding) and bool(s.sharding_configs["offload_params"]) and _stage(s) < 3,
+          "only stage 3 keeps parameter shards that can live in host memory",
+          "set sharding_configs.stage = 3 (EPL: offload.level 'v0' sets it)"),
+    Clash("sharding_configs.optimize_offload at stage 1",
+          lambda s: bool(s.sharding) and bool(s.sharding_configs["optimize_offload"]) and _stage(s) == 1,
+          "offload moves the optimizer state and update of stages 2 and 3 (FSDP2's CPU offload); "
+          "stage 1 keeps its state on the device", "set sharding_configs.stage = 2 or 3"),
     Clash("sharding_configs.clip_after_allreduce=False and amp",
           lambda s: _local_clip(s) and bool(s.amp),
           "clipping before communication sees the loss-scaled gradient, whose norm is the "
