@@ -68,7 +68,9 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "gossip_configs": {"downsample_n_elements": 4},
     "sharding": False,
     "sharding_configs": {"sharding_degree": 8, "segment_broadcast_MB": 32.0, "gradients_reduce_method": "mean",
-                         "clip_norm": 0.0, "clip_after_allreduce": False, "overlap_update": True},
+                         "clip_norm": 0.0, "clip_after_allreduce": False, "overlap_update": True,
+                         "stage": 1, "optimize_offload": False, "offload_params": False},
+    "num_apply_group": 1,
     "sync_batch_norm": False,
     "sync_batch_norm_configs": {"scope": "global"},
     "find_unused_parameters": False,
@@ -145,6 +147,10 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "sharding_configs.clip_norm": ("float_ge", 0.0),
     "sharding_configs.clip_after_allreduce": ("bool",),
     "sharding_configs.overlap_update": ("bool",),
+    "sharding_configs.stage": ("int", 1, 3),
+    "sharding_configs.optimize_offload": ("bool",),
+    "sharding_configs.offload_params": ("bool",),
+    "num_apply_group": ("int", 1, None),
     "sync_batch_norm": ("bool",),
     "sync_batch_norm_configs.scope": ("choice", ["global", "local"]),
     "find_unused_parameters": ("bool",),
@@ -199,6 +205,7 @@ def test_registry_matches_the_restated_contract() -> None:
     assert DistributedStrategy.option_names() == list(flat(PADDLE_DEFAULTS))
     assert set(KINDS) == set(DistributedStrategy.option_names())
     assert set(DistributedStrategy.aliases()) == {*ALIASES, "collective_mode", "exec_strategy", "zero.level",
+                                                  "offload.level", "optimizer.num_apply_group",
                                                   "communication.gradients_reduce_method",
                                                   "communication.clip_after_allreduce"}
 
