@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.comm.torch_group import torch_process_group
@@ -55,7 +55,8 @@ from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
-__all__ = ["ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "shard_blocks"]
+__all__ = ["ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
+           "shard_blocks", "shard_like", "shard_state_like", "unite_shards"]
 
 
 log = logging.getLogger("fleetlike")
@@ -248,13 +249,19 @@ class ShardedParamsUnit(Unit):
         moved = [(p, self.replaced[id(p)]) for p in list(optimizer.state) if id(p) in self.replaced]
         for old, new in moved:
             state = optimizer.state.pop(old)
-            optimizer.state[new] = {k: self.shard_like(v, new) for k, v in state.items()}
+            optimizer.state[new] = {k: shard_like(v, new) for k, v in state.items()}
 
-    def shard_like(self, value: Any, param: DTensor) -> Any:
-        """``value`` (a full-size state tensor of ``param``) as the same shard as ``param``."""
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == tuple(param.shape):
-            return distribute_tensor(value.to(local(param).device), self.mesh, [Shard(0)])
-        return value
+    def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a full (consolidated) optimizer state was loaded: keep this rank's shard of
+        every state tensor (what stage 1 does by dropping the other ranks' parameters)."""
+        for p, st in optimizer.state.items():
+            if isinstance(p, DTensor):
+                for k, v in list(st.items()):
+                    st[k] = shard_like(v, p)
+
+    def layout(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The checkpoint manifest's entry: every rank holds a dim-0 shard of every state tensor."""
+        return {"world_size": self.world.size, "stage": self.stage, "dim0_shards": True}
 
     # ------------------------------------------------------------------ hooks
 
@@ -329,15 +336,64 @@ class ShardedParamsUnit(Unit):
                 for name in [*self.blocks, ""]]
 
 
+def shard_like(value: Any, param: torch.Tensor) -> Any:
+    """``value``, a full-size tensor of ``param``'s shape, cut into this rank's piece of it as
+    ``param`` is (no communication: every rank holds the same full value); anything else as is."""
+    if (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+            and tuple(value.shape) == tuple(param.shape)):
+        return distribute_tensor(value.to(local(param).device), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value
+
+
+def shard_state_like(model: torch.nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
+    """A full state_dict (a consolidated checkpoint's) cut into ``model``'s shards where its
+    entries are sharded, so ``model.load_state_dict`` takes it at any stage."""
+    now = model.state_dict()
+    return {k: shard_like(v, now[k]) if k in now else v for k, v in saved.items()}
+
+
+def plain_shards(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state_dict with each sharded tensor as this rank's plain piece (what
+    ``torch.load(weights_only=True)`` reads back), its full shape under ``"dim0_shards"``."""
+    shapes: dict[Any, dict[str, list[int]]] = {}
+    out = dict(state)
+    out["state"] = {}
+    for index, st in state["state"].items():
+        entry = {}
+        for k, v in st.items():
+            if isinstance(v, DTensor):
+                shapes.setdefault(index, {})[k] = list(v.shape)
+                v = v.to_local().detach().clone()
+            entry[k] = v
+        out["state"][index] = entry
+    if shapes:
+        out["dim0_shards"] = shapes
+    return out
+
+
+def unite_shards(shards: list[dict[str, Any]]) -> dict[Any, Any]:
+    """The full per-parameter state from every rank's `plain_shards` (rank order): each sharded
+    tensor is its pieces joined along dim 0; the rest is rank 0's."""
+    shapes = shards[0].get("dim0_shards", {})
+    state: dict[Any, Any] = {}
+    for index, st in shards[0]["state"].items():
+        entry = dict(st)
+        for k, shape in shapes.get(index, {}).items():
+            entry[k] = torch.cat([s["state"][index][k].reshape(-1, *shape[1:]) for s in shards]).reshape(shape)
+        state[index] = entry
+    return state
+
+
 def full_state_dict(model: torch.nn.Module, rank0_only: bool = False, rank: int = 0) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every shard gathered to its full tensor (collective over the
     shards' ranks when any is sharded); plain tensors, detached copies. With ``rank0_only``
-    ranks other than 0 return ``{}`` (after taking part in the gathers)."""
+    ranks other than 0 return ``{}``, keeping no gathered tensor longer than its gather."""
+    keep = not rank0_only or rank == 0
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        if isinstance(value, torch.Tensor):
-            value = value.detach().clone()
-        out[name] = value
-    return {} if rank0_only and rank != 0 else out
+        if keep:
+            out[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return out
