@@ -93,7 +93,10 @@ def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
     from fleetlike import fleet
 
     fleet.init(role, timeout=300)
-    # stage 2 first: it forms torch's default group the FSDP2 trainer runs on
+    from fleetlike.comm.torch_group import torch_process_group
+
+    # torch's default group on the job's store, as stages 2 and 3 form it: FSDP2 runs on it too
+    torch_process_group(fleet.context().world, fleet.device())
     steps = {k: _trainer(role, k, args) for k in ("dp", "stage1", "stage2", "stage3", "fsdp2")}
     times = interleaved_timings(steps, reps=args.rounds, inner=args.steps, sync=fleet.util.barrier, warmup=2)
     del steps

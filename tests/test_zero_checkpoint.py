@@ -30,7 +30,9 @@ def _train(role, opts: dict, start: int, stop: int, load: str | None = None, sav
         loss_fn(wrapped, batch(step, role.rank, role.world_size)).backward()
         opt.step()
         if save and step == HALF - 1:
-            fleet.save_persistables(None, save)
+            if opts.get("sharding") or role.rank == 0:  # unsharded: one rank writes it (not collective)
+                fleet.save_persistables(None, save)
+            fleet.barrier_worker()
     return state(fleet.full_state_dict(wrapped))
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the interface set_custom_reduce_scatter takes
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fleetlike.collectives import broadcast_coalesced
@@ -55,7 +56,7 @@ from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
-__all__ = ["ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
+__all__ = ["AllReduceScatter", "ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
            "shard_blocks", "shard_like", "shard_state_like", "unite_shards"]
 
 
@@ -131,6 +132,25 @@ def check_same_model(world: Any, model: torch.nn.Module) -> None:
             "must build the same model: build it from the same code and configuration on every rank")
 
 
+class AllReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter as an allreduce of the whole buffer, each rank keeping its chunk.
+
+    gloo's reduce-scatter (torch 2.13, CPU) takes about twice its allreduce of the same buffer
+    (the measurement stage 1 rests on, docs/BENCHMARKS.md), so on gloo the allreduce, which moves
+    the bytes data parallel moves, is the cheaper way to the same chunk. FSDP2 lays the input
+    out rank by rank (``input.view(world, -1)[rank]`` is this rank's), and calls this
+    synchronously on the CPU."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        torch.distributed.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
+
+
 def _offload_policy(cfg: Any, device: torch.device) -> tuple[OffloadPolicy, str | None]:
     """FSDP2's offload policy for the strategy on ``device``, and why offload does not act
     (None when it does)."""
@@ -190,9 +210,12 @@ class ShardedParamsUnit(Unit):
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, offload_policy=offload)
         self.fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
+        self.via_allreduce = ctx.device.type != "cuda" and torch.distributed.get_backend(pg) == "gloo"
         for m in self.fsdp:
             if ctx.device.type != "cuda":
                 m.set_force_sum_reduction_for_comms(True)  # gloo has neither AVG nor PREMUL_SUM
+            if self.via_allreduce:
+                m.set_custom_reduce_scatter(AllReduceScatter())
             if op.value != "avg":
                 m.set_gradient_divide_factor(1.0)  # a sum over the ranks
         after = dict(model.named_parameters())
@@ -214,6 +237,8 @@ class ShardedParamsUnit(Unit):
             + ("; each block gathered for its forward and again for its backward, freed after" if self.stage == 3 else
                "; parameters gathered for the forward and kept to the end of the backward")
             + f"; gradients reduce-scattered per block during backward, {cfg['gradients_reduce_method']}"
+            + ("; on gloo as an allreduce of which each rank keeps its chunk (gloo's reduce_scatter is slower)"
+               if self.via_allreduce else "")
             + (f", clipped to global norm {self.clip_norm:g} over the shards" if self.clip_norm > 0 else "")))
         ctx.record("data_parallel", False, f"replaced by sharding stage {self.stage}")
         if self.offload_why != "off":
