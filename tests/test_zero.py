@@ -2,9 +2,10 @@
 10 steps on 2 and 3 real ranks over gloo, in the eager loop and the program style, equals the
 single-process reference on the global batch (SGD with momentum) and torch's own FSDP2 run in
 the same test on the same ranks (AdamW), to 1e-5 relative, every parameter; with gradient
-merge, recompute, clipping by the global norm and bf16 AMP too (AMP against unsharded data
+merge, recompute, clipping by the global norm and bf16 and fp16 AMP too (AMP against unsharded data
 parallel with the same AMP, within data parallel's own distance from the fp32 reference); each
-rank holds 1/N of the optimizer state."""
+rank holds 1/N of the optimizer state; evaluation forwards (``model.eval()``, ``torch.no_grad()``)
+give the reference model's outputs, and buffers stay whole."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.testing import run_ranks
-from zero_common import STEPS, TinyLM, batch, loss_fn, make_opt, reference, rel_diff, state
+from zero_common import GLOBAL_BATCH, STEPS, TinyLM, batch, loss_fn, make_opt, reference, rel_diff, state
 
 TOL = 1e-5
 
@@ -37,7 +38,7 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def eager(role, opts: dict, opt_name: str, merge: int = 1) -> tuple[dict, int, list[str]]:
+def eager(role, opts: dict, opt_name: str, merge: int = 1, probe: dict | None = None) -> tuple[dict, int, list[str]]:
     model = fleet.distributed_model(TinyLM())
     inner = make_opt(opt_name, model.parameters())
     opt = fleet.distributed_optimizer(inner, DistributedStrategy.from_dict(opts))
@@ -45,6 +46,12 @@ def eager(role, opts: dict, opt_name: str, merge: int = 1) -> tuple[dict, int, l
         opt.zero_grad()
         loss_fn(model, batch(micro, role.rank, role.world_size)).backward()
         opt.step()
+    if probe is not None:  # evaluation: model.eval() and torch.no_grad() forwards, the buffer
+        model.eval()
+        with torch.no_grad():
+            probe["eval"] = model(batch(0, 0, 1)["x"]).double().numpy()
+        model.train()
+        probe["seen"] = int(fleet.full_state_dict(model)["seen"])
     return state(fleet.full_state_dict(model)), _state_bytes(inner), [str(a) for a in model.engine.applied]
 
 
@@ -81,13 +88,15 @@ COMBOS: dict[str, tuple[dict, dict]] = {
     "clip": ({"sharding_configs": {"clip_norm": 0.05, "clip_after_allreduce": True}}, {"clip": 0.05}),
 }
 BF16 = {"amp": True, "amp_configs": {"dtype": "bfloat16"}}
+FP16 = {"amp": True, "amp_configs": {"dtype": "float16", "init_loss_scaling": 1024.0, "incr_every_n_steps": 2}}
 
 
 def _ranks(role, combos: bool) -> dict:
     out: dict = {}
     with fleet.session(role, timeout=60):
         for stage in (2, 3):
-            out[("eager", stage)], _, out[("applied", stage)] = eager(role, options(stage), "momentum")
+            out[("probe", stage)] = probe = {}
+            out[("eager", stage)], _, out[("applied", stage)] = eager(role, options(stage), "momentum", probe=probe)
             out[("program", stage)], out[("listing", stage)] = program(role, options(stage), "momentum")
             out[("adamw", stage)] = eager(role, options(stage), "adamw")[0]
             if combos:
@@ -95,9 +104,11 @@ def _ranks(role, combos: bool) -> dict:
                     merge = extra.get("gradient_merge_configs", {}).get("k_steps", 1)
                     out[(name, stage)] = eager(role, options(stage, **dict(extra)), "momentum", merge)[0]
                 out[("bf16", stage)] = eager(role, options(stage, **BF16), "momentum")[0]
+                out[("fp16", stage)] = eager(role, options(stage, **FP16), "momentum")[0]
         out["fsdp2"] = torch_fsdp2(role, "adamw")
         if combos:
             out["dp_bf16"] = eager(role, BF16, "momentum")[0]
+            out["dp_fp16"] = eager(role, FP16, "momentum")[0]
     return out
 
 
@@ -107,6 +118,11 @@ def test_stages_2_and_3_equal_the_reference_and_fsdp2(world):
     combos = world == 2
     ranks = run_ranks(_ranks, world, combos, timeout=200)
     ref = reference("momentum")
+    ref_model = TinyLM()
+    reference("momentum", model=ref_model)
+    ref_model.eval()
+    with torch.no_grad():
+        ref_out = ref_model(batch(0, 0, 1)["x"]).double().numpy()
     for r, res in enumerate(ranks):
         for stage in (2, 3):
             for style in ("eager", "program"):
@@ -115,9 +131,13 @@ def test_stages_2_and_3_equal_the_reference_and_fsdp2(world):
             if combos:
                 for name, (_, ref_opts) in COMBOS.items():
                     assert rel_diff(res[(name, stage)], reference("momentum", **ref_opts)) <= TOL, (r, name, stage)
-                dp_dist = rel_diff(res["dp_bf16"], ref)
-                assert 0 < dp_dist < 0.05
-                assert rel_diff(res[("bf16", stage)], res["dp_bf16"]) <= dp_dist, (r, stage)
+                for amp in ("bf16", "fp16"):  # within data parallel's own distance from fp32
+                    dp_dist = rel_diff(res[f"dp_{amp}"], ref)
+                    assert 0 < dp_dist < 0.05, amp
+                    assert rel_diff(res[(amp, stage)], res[f"dp_{amp}"]) <= dp_dist, (r, amp, stage)
+            probe = res[("probe", stage)]
+            assert probe["seen"] == STEPS * GLOBAL_BATCH // world  # the rank's own buffer, kept whole
+            assert np.abs(probe["eval"] - ref_out).max() <= TOL * np.abs(ref_out).max(), (r, stage)
         # every rank the same full model
         assert rel_diff(res[("eager", 3)], ranks[0][("eager", 3)]) == 0
     assert "c_reducescatter_grads" in ranks[0][("listing", 3)] and "FSDP2" in ranks[0][("listing", 3)]
