@@ -8,9 +8,9 @@ it alternates timed segments of ``--steps`` steps, rotating which goes first, an
 median seconds per step over ``--rounds``, and the ratios the targets name (stage 3 / FSDP2
 steps per second, stage 2 / stage 1).
 
-Memory, per rank, each trainer alone in its own world: the peak RSS above the rank's own
-baseline after ``fleet.init`` (glibc's mmap threshold fixed at 128 KiB with ``mallopt``, so freed
-blocks go back to the system), in bytes per parameter, against each stage's model (fp32 AdamW:
+Memory, per rank, each trainer alone in its own world: the peak RSS (``VmHWM``) above the
+rank's RSS after ``fleet.init`` (glibc's mmap threshold fixed at 128 KiB with ``mallopt``, so
+freed blocks go back to the system; building the model whole is included), in bytes per parameter, against each stage's model (fp32 AdamW:
 16 for data parallel, 4 + 4 + 8/N for stage 1, 4 + 12/N for stage 2, 16/N + the largest block
 for stage 3).
 
@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import gc
 import os
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,15 +114,22 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> float:
 
         torch_process_group(fleet.context().world, fleet.device())
     del DistributedStrategy
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _status("VmRSS")  # what this rank holds now (its high-water mark may be an import's)
     step = _trainer(role, kind, args)
     for _ in range(args.steps):
         step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status("VmHWM")  # the process's peak RSS: building the model whole included
     del step
     gc.collect()
     fleet.shutdown()
-    return (peak - base) * 1024.0  # bytes (Linux reports KiB)
+    return float(peak - base)
+
+
+def _status(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` of this process, in bytes (Linux's /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
