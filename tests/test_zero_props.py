@@ -170,3 +170,22 @@ def test_grouped_update_and_offload_on_ranks():
     assert "sharding: applied (stage 3" in stage3 and "num_apply_group: applied (each rank's shard updated in 2 groups" in stage3
     assert "sharding_configs.optimize_offload: NOT applied (this job runs on the cpu" in stage3
     assert "num_apply_group=3" in res["too_many"] and "holds 2 parameter(s)" in res["too_many"]
+
+
+def _alone(role) -> dict:
+    with fleet.session(role, timeout=30):
+        model = fleet.distributed_model(TinyLM())
+        opt = fleet.distributed_optimizer(make_opt("momentum", model.parameters()),
+                                          DistributedStrategy.from_dict({"zero.level": "v1"}))
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss_fn(model, batch(step, 0, 1)).backward()
+            opt.step()
+        return {"backend": fleet.context().world.backend, "state": state(fleet.full_state_dict(model))}
+
+
+@pytest.mark.timeout(60)
+def test_a_world_of_one_runs_stage_2():
+    res = run_ranks(_alone, 1, timeout=50)[0]
+    assert res["backend"] == "single"
+    assert rel_diff(res["state"], reference("momentum")) <= 1e-5

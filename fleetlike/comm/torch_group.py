@@ -56,6 +56,8 @@ def torch_process_group(world: Communicator, device: torch.device) -> Any:
             )
         return dist.group.WORLD
     store = getattr(world, "_store", None)
+    if store is None and world.size == 1:  # a world of one has no job store: nothing to meet
+        store = dist.HashStore()
     if store is None:
         raise TorchGroupError(
             f"the fleetlike world runs on {world.backend!r}, which has no job store to form torch's process "
