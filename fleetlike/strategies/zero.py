@@ -311,8 +311,9 @@ class ShardedParamsUnit(Unit):
             self._sync = want
 
     def _wait(self, st: StepState) -> None:
-        # FSDP2 waits for its reduce-scatters at the end of backward (root's final callback)
-        st.info["collectives"] = 2 * len(self.fsdp) if self.stage == 3 else len(self.fsdp)
+        # FSDP2 waits for its reduce-scatters at the end of backward (root's final callback); per
+        # unit: a gather for the forward, one more for the backward at stage 3, a reduce-scatter
+        st.info["collectives"] = (3 if self.stage == 3 else 2) * len(self.fsdp)
 
     def _shards(self) -> list[torch.Tensor]:
         return [local(p.grad) for p in self.ctx.model.parameters() if p.grad is not None]
@@ -356,8 +357,9 @@ class ShardedParamsUnit(Unit):
         return full_state_dict(self.ctx.model, rank0_only, self.world.rank)
 
     def described_ops(self) -> list[Op]:
-        return [Op("c_reducescatter_avg" if self.fsdp else "c_reducescatter", None,
-                   {"block": name or "(root)", "via": "FSDP2"}, parent="backward")
+        op = "avg" if REDUCE_METHOD.op(self.ctx.strategy.sharding_configs["gradients_reduce_method"]).value == "avg" \
+            else "sum"
+        return [Op(f"c_reducescatter_{op}", None, {"block": name or "(root)", "via": "FSDP2"}, parent="backward")
                 for name in [*self.blocks, ""]]
 
 
