@@ -126,7 +126,8 @@ def test_options_aliases_and_rules():
     assert DistributedStrategy.from_dict({"zero.level": ""}).sharding is False
     assert DistributedStrategy().sharding_configs == {
         "sharding_degree": 8, "segment_broadcast_MB": 32.0, "gradients_reduce_method": "mean",
-        "clip_norm": 0.0, "clip_after_allreduce": False, "overlap_update": True}
+        "clip_norm": 0.0, "clip_after_allreduce": False, "overlap_update": True, "stage": 1,
+        "optimize_offload": False, "offload_params": False}
     with pytest.raises(ValueError, match=r"zero.level must be one of '', 'v1', got 'v2'"):
         DistributedStrategy.from_dict({"zero.level": "v2"})
     with pytest.raises(ValueError, match=r"gradients_reduce_method.*'mean', 'sum'"):

@@ -28,6 +28,7 @@ from fleetlike.comm.mpi import MPICommunicator, mpi_available
 from fleetlike.comm.nccl import NcclCommunicator
 from fleetlike.comm.rendezvous import connect
 from fleetlike.comm.single import SingleCommunicator
+from fleetlike.comm.torch_group import release_torch_group
 from fleetlike.roles.role import Role
 
 __all__ = ["Backend", "resolve_backend", "create_world", "CommGroups", "DEFAULT_TIMEOUT"]
@@ -166,6 +167,7 @@ class CommGroups:
         return self._extra[name]
 
     def close(self) -> None:
+        release_torch_group(self.world)  # torch's group that stages 2 and 3 formed over this world
         for comm in [*self._extra.values(), *self._rings[1:], self._intra, self._inter, self.world]:
             if comm is not None:
                 comm.close()

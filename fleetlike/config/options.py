@@ -45,6 +45,7 @@ __all__ = [
     "ReduceMethod",
     "SyncDtype",
     "SyncBatchNormScope",
+    "OffloadLevel",
     "ZeroLevel",
 ]
 
@@ -121,10 +122,19 @@ REDUCE_METHOD = Reduction((("mean", ReduceOp.AVG), ("sum", ReduceOp.SUM)))
 
 
 class ZeroLevel(_StrEnum):
-    """EPL's ``zero.level``: "" (off) or "v1" (optimizer state and gradients sharded)."""
+    """EPL's ``zero.level``: "" (off) or "v1" (optimizer state and gradients sharded: ZeRO
+    stage 2, ``sharding_configs.stage = 2``)."""
 
     OFF = ""
     V1 = "v1"
+
+
+class OffloadLevel(_StrEnum):
+    """EPL's ``offload.level``: "" (off) or "v0" (every parameter kept in host memory: stage 3
+    with the parameter shards, their gradients and the optimizer state offloaded)."""
+
+    OFF = ""
+    V0 = "v0"
 
 
 class Mode(_StrEnum):
@@ -389,8 +399,9 @@ ENTRIES: tuple[Field | Section, ...] = (
             "experience; larger n delays each element's update longer")),
     )),
     Field("sharding", Bool(), False, feature=True, note=(
-        "ZeRO stage 1: each rank keeps the optimizer state of its partition of the parameters, "
-        "gradients are reduce-scattered and updated parameters all-gathered; with Adam it frees "
+        "ZeRO: each rank keeps the optimizer state of its partition of the parameters (stage 1), "
+        "also only its shard of the gradients (stage 2) and of the parameters (stage 3); "
+        "gradients are reduce-scattered and parameters all-gathered; with Adam stage 1 frees "
         "up to 2(N-1)/N of the parameter memory per rank for the same traffic as data parallel")),
     Section("sharding_configs", requires="sharding", note="optimizer-state sharding", fields=(
         Field("sharding_degree", Int(min=0), 8, note=(
@@ -417,7 +428,22 @@ ENTRIES: tuple[Field | Section, ...] = (
             "updated, so the parameter gather overlaps the update (torch.optim's per-parameter "
             "optimizers without step hooks; others update whole, then gather); False: update, "
             "then gather")),
+        Field("stage", Int(min=1, max=3), 1, note=(
+            "ZeRO stage (Paddle's sharding_configs.stage): 1 shards the optimizer state "
+            "(4 + 4 + 8/N bytes per fp32 Adam parameter per rank); 2 also the gradients "
+            "(4 + 12/N); 3 also the parameters, gathered per block for its forward and backward "
+            "and freed after (16/N + the largest block). 2 and 3 run on torch's FSDP2")),
+        Field("optimize_offload", Bool(), False, note=(
+            "Paddle's optimize_offload: the optimizer state and update in host memory (stages 2 "
+            "and 3 on a GPU); on a CPU job it changes nothing and says so")),
+        Field("offload_params", Bool(), False, note=(
+            "also keep the parameter shards in host memory, copied to the device per block "
+            "(EPL's offload.level 'v0'; stage 3 on a GPU; needs optimize_offload)")),
     )),
+    Field("num_apply_group", Int(min=1), 1, note=(
+        "EPL's optimizer.num_apply_group: the update applied in this many groups of "
+        "parameters, one optimizer call each, so its temporary buffers are about 1/N of the "
+        "model (torch.optim's per-parameter optimizers; any sharding stage or none)")),
     Field("sync_batch_norm", Bool(), False, feature=True, note=(
         "BatchNorm statistics over the global batch; helps small per-GPU batches (detection) "
         "at the cost of one allreduce per layer")),
@@ -476,9 +502,20 @@ def _read_zero_level(get: Callable[[str], Any]) -> ZeroLevel:
 
 
 def _write_zero_level(value: Any) -> dict[str, Any]:
-    if value is ZeroLevel.V1:  # EPL shards over all data-parallel workers
-        return {"sharding": True, "sharding_configs.sharding_degree": 0}
+    if value is ZeroLevel.V1:  # EPL shards states and gradients over all data-parallel workers
+        return {"sharding": True, "sharding_configs.sharding_degree": 0, "sharding_configs.stage": 2}
     return {"sharding": False}
+
+
+def _read_offload_level(get: Callable[[str], Any]) -> OffloadLevel:
+    return OffloadLevel.V0 if get("sharding") and get("sharding_configs.offload_params") else OffloadLevel.OFF
+
+
+def _write_offload_level(value: Any) -> dict[str, Any]:
+    if value is OffloadLevel.V0:  # every parameter in host memory: stage 3 shards, offloaded
+        return {"sharding": True, "sharding_configs.sharding_degree": 0, "sharding_configs.stage": 3,
+                "sharding_configs.optimize_offload": True, "sharding_configs.offload_params": True}
+    return {"sharding_configs.optimize_offload": False, "sharding_configs.offload_params": False}
 
 
 def _read_collective_mode(get: Callable[[str], Any]) -> CollectiveMode:
@@ -507,11 +544,22 @@ ALIASES: tuple[Alias, ...] = (
     Alias("exec_strategy", "execution_strategy", "Fleet 1.x name of execution_strategy"),
     Alias(
         "zero.level", None,
-        "EPL's ZeRO switch (dotted-key form): 'v1' turns sharding on over every rank "
-        "(sharding_configs.sharding_degree = 0); '' turns it off; reads 'v1' when sharding is on",
+        "EPL's ZeRO switch (dotted-key form): 'v1' shards optimizer state and gradients over "
+        "every rank (sharding on, sharding_configs.stage = 2, sharding_degree = 0); '' turns "
+        "sharding off; reads 'v1' when sharding is on",
         spec=Choice(ZeroLevel), read=_read_zero_level, write=_write_zero_level,
-        touches=("sharding", "sharding_configs.sharding_degree"),
+        touches=("sharding", "sharding_configs.sharding_degree", "sharding_configs.stage"),
     ),
+    Alias(
+        "offload.level", None,
+        "EPL's offload switch: 'v0' keeps every parameter in host memory (sharding on at "
+        "stage 3 over every rank, optimize_offload and offload_params on); '' turns both "
+        "offloads off; reads 'v0' when sharding with offload_params is on",
+        spec=Choice(OffloadLevel), read=_read_offload_level, write=_write_offload_level,
+        touches=("sharding", "sharding_configs.sharding_degree", "sharding_configs.stage",
+                 "sharding_configs.optimize_offload", "sharding_configs.offload_params"),
+    ),
+    Alias("optimizer.num_apply_group", "num_apply_group", "EPL's name of num_apply_group"),
     Alias("communication.gradients_reduce_method", "sharding_configs.gradients_reduce_method",
           "EPL's name of sharding_configs.gradients_reduce_method"),
     Alias("communication.clip_after_allreduce", "sharding_configs.clip_after_allreduce",

@@ -95,6 +95,16 @@ def _local_sgd(s: Options) -> bool:
     return bool(s.localsgd) or bool(s.adaptive_localsgd)
 
 
+def _local_clip(s: Options) -> bool:
+    """Clipping each rank's own gradient before the allreduce."""
+    return float(s.sharding_configs["clip_norm"]) > 0 and not s.sharding_configs["clip_after_allreduce"]
+
+
+def _stage(s: Options) -> int:
+    """The ZeRO stage that runs (0: no sharding)."""
+    return int(s.sharding_configs["stage"]) if s.sharding else 0
+
+
 _NO_GRADIENT_ALLREDUCE = "local SGD averages parameters every k steps and allreduces no gradient"
 
 #: combinations judged on their settings, checked after `RULES`
@@ -108,6 +118,27 @@ CLASHES: tuple[Clash, ...] = (
           _NO_GRADIENT_ALLREDUCE + ", so there is no before or after the allreduce to clip at",
           "clip the local gradient yourself (torch.nn.utils.clip_grad_norm_ before optimizer.step()) and leave "
           "clip_norm 0 and clip_after_allreduce False"),
+    Clash("sharding_configs.stage >= 2 and clip_after_allreduce=False",
+          lambda s: _stage(s) >= 2 and _local_clip(s),
+          "at stages 2 and 3 each block's gradients are reduce-scattered as backward produces "
+          "them, so no rank ever holds its whole local gradient to clip before communication",
+          "set sharding_configs.clip_after_allreduce = True (clip by the global norm over the shards)"),
+    Clash("sharding_configs.stage >= 2 and fp16_allreduce",
+          lambda s: _stage(s) >= 2 and bool(s.fp16_allreduce),
+          "stages 2 and 3 reduce-scatter through torch's FSDP2 on the job's process group, which "
+          "has no 16-bit wire with fleetlike's scaling", "turn fp16_allreduce off, or use stage 1"),
+    Clash("sharding_configs.stage >= 2 and use_hierarchical_allreduce",
+          lambda s: _stage(s) >= 2 and bool(s.use_hierarchical_allreduce),
+          "stages 2 and 3 reduce-scatter through torch's FSDP2 on one flat process group",
+          "turn use_hierarchical_allreduce off, or use stage 1"),
+    Clash("sharding_configs.offload_params without stage 3",
+          lambda s: bool(s.sharding) and bool(s.sharding_configs["offload_params"]) and _stage(s) < 3,
+          "only stage 3 keeps parameter shards that can live in host memory",
+          "set sharding_configs.stage = 3 (EPL: offload.level 'v0' sets it)"),
+    Clash("sharding_configs.optimize_offload at stage 1",
+          lambda s: bool(s.sharding) and bool(s.sharding_configs["optimize_offload"]) and _stage(s) == 1,
+          "offload moves the optimizer state and update of stages 2 and 3 (FSDP2's CPU offload); "
+          "stage 1 keeps its state on the device", "set sharding_configs.stage = 2 or 3"),
 )
 
 

@@ -52,6 +52,7 @@ from fleetlike.fleet.checkpoint_files import (
     write_json,
 )
 from fleetlike.fleet.inference_model import SERVED_FILE, load_inference_model, save_inference_model
+from fleetlike.strategies.zero import full_state_dict, is_sharded, plain_shards, shard_state_like, unite_shards
 
 __all__ = [
     "CheckpointError",
@@ -72,7 +73,7 @@ __all__ = [
 #: the strategy state inside a fleetlike optimizer's state_dict (`DistributedOptimizer`)
 _ENGINE_KEY = "fleetlike"
 #: strategy options a checkpoint may be loaded across: the optimizer state is resharded
-_RESHARDABLE = frozenset({"sharding", "sharding_configs"})
+_RESHARDABLE = frozenset({"sharding", "sharding_configs", "num_apply_group"})
 #: what each file of a training checkpoint holds (the ``content`` inside it)
 _CONTENT = {"models.pt": "models", "optimizers.pt": "optimizers", "extras.pt": "registered objects"}
 _SHARD_CONTENT = "optimizer shard"
@@ -107,8 +108,9 @@ def _manifest(state: TrainingState) -> dict[str, Any]:
     }
 
 
-def _write_replicated(tmp: Path, state: TrainingState) -> None:
-    save_pt([m.state_dict() for m in state.models], tmp / "models.pt", _CONTENT["models.pt"])
+def _write_replicated(tmp: Path, state: TrainingState, models: list[dict[str, Any]] | None = None) -> None:
+    models = [m.state_dict() for m in state.models] if models is None else models
+    save_pt(models, tmp / "models.pt", _CONTENT["models.pt"])
     save_pt({k: v.state_dict() for k, v in state.extras.items()}, tmp / "extras.pt", _CONTENT["extras.pt"])
 
 
@@ -187,6 +189,10 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
     units = _sharding_units(state)
     unit = next(u for u in units if u is not None)
     world = unit.ctx.groups.world
+    # sharded parameters (stages 2 and 3) are gathered on every rank, kept by rank 0 only: the
+    # models are saved whole (consolidated), loadable at any world size and stage
+    models = [full_state_dict(m, rank0_only=True, rank=world.rank) for m in state.models] \
+        if any(is_sharded(p) for m in state.models for p in m.parameters()) else None
     tag_s = _broadcast_tag(world)
     tmp = target.parent / f".{target.name}.tmp-{tag_s}"
     error: BaseException | None = None
@@ -203,9 +209,10 @@ def _save_sharded(target: Path, state: TrainingState) -> None:
                 f"rank {world.rank} cannot see {tmp}, which rank 0 created: a sharded checkpoint is "
                 "written by every rank into one directory, so dirname must be on a filesystem all ranks share"
             )
-        save_pt([o.state_dict() for o in state.optimizers], tmp / _shard_name(world.rank), _SHARD_CONTENT)
+        save_pt([plain_shards(o.state_dict()) for o in state.optimizers], tmp / _shard_name(world.rank),
+                _SHARD_CONTENT)
         if world.rank == 0:
-            _write_replicated(tmp, state)
+            _write_replicated(tmp, state, models)
             meta = _manifest(state)
             meta["sharding"] = {
                 "world_size": world.size,
@@ -243,9 +250,12 @@ def _read_shards(path: Path, meta: dict[str, Any], fmt: int) -> list[list[dict[s
 def _union(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """One ordinary optimizer state_dict from the shards of one optimizer (disjoint states)."""
     state: dict[Any, Any] = {}
-    for shard in shards:
-        state.update(shard["state"])
-    full = {k: v for k, v in shards[0].items() if k not in ("state", _ENGINE_KEY)}
+    if "dim0_shards" in shards[0]:  # stages 2 and 3: every rank a dim-0 piece of every tensor
+        state = unite_shards(shards)
+    else:  # stage 1: each rank the whole state of the parameters it owns
+        for shard in shards:
+            state.update(shard["state"])
+    full = {k: v for k, v in shards[0].items() if k not in ("state", _ENGINE_KEY, "dim0_shards")}
     full["state"] = dict(sorted(state.items()))
     return full
 
@@ -388,6 +398,7 @@ def load_training(dirname: str | os.PathLike[str], state: TrainingState, device:
     # names and shapes were checked above, and torch's own code copies tensor into tensor) goes
     # without a copy of its weights: nothing that could call for putting it back comes after it.
     # Every other object is held (copied) just before it is applied.
+    models = [shard_state_like(m, saved) for m, saved in zip(state.models, models)]  # stages 2 and 3
     risky = [(m, saved, bool(_why_unsafe(m, saved))) for m, saved in zip(state.models, models)]
     plan = [(o, saved, True) for o, saved in zip(state.optimizers, optimizers)] \
         + [(obj, extras[name], True) for name, obj in state.extras.items()] \

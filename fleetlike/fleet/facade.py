@@ -48,6 +48,7 @@ from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_en
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.step import AppliedEntry
+from fleetlike.strategies.zero import full_state_dict
 
 __all__ = ["Fleet", "fleet", "load_inference_model"]
 
@@ -355,7 +356,7 @@ class Fleet:
                 raise RuntimeError("the fleet that wrapped this model is gone")
             return fleet_._build_engine(wrapped, explicit)
 
-        wrapped = DistributedModel(model, engine_for)
+        wrapped = DistributedModel(model, engine_for, ctx.role.rank)
         self._models.append(wrapped)
         return wrapped
 
@@ -409,6 +410,18 @@ class Fleet:
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"fleet.register_state({name!r}, ...): {type(obj).__name__} has no state_dict/load_state_dict")
         self._registered[name] = obj
+
+    def full_state_dict(self, model: torch.nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's full parameters and buffers as plain tensors under its own names (for
+        evaluation, export, comparison), whatever the strategy: sharded ones (stages 2 and 3)
+        are gathered, so every rank calls it. ``rank0_only``: ranks other than 0 get ``{}``.
+        A fleetlike model wrapper answers through its ``_full_state_dict(rank0_only)``."""
+        own = getattr(model, "_full_state_dict", None)
+        if callable(own):
+            return own(rank0_only)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"fleet.full_state_dict takes a torch.nn.Module, got {type(model).__name__}")
+        return full_state_dict(model, rank0_only, self._context("fleet.full_state_dict").role.rank)
 
     # ------------------------------------------------------------------ save / load
 

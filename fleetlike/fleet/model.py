@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fleetlike.strategies.engine import Engine
+from fleetlike.strategies.zero import full_state_dict
 
 __all__ = ["DistributedModel"]
 
@@ -36,9 +37,11 @@ __all__ = ["DistributedModel"]
 class DistributedModel(torch.nn.Module):
     """The user's module, driven by a strategy engine (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, engine_for: Callable[[DistributedModel], Engine]) -> None:
+    def __init__(self, module: torch.nn.Module, engine_for: Callable[[DistributedModel], Engine], rank: int = 0) -> None:
         super().__init__()
         self.module = module
+        #: this process's rank (``_full_state_dict``'s rank0_only)
+        self.rank = rank
         self._engine_for = engine_for
         self._engine: Engine | None = None
 
@@ -76,6 +79,12 @@ class DistributedModel(torch.nn.Module):
             yield
         finally:
             engine.no_sync_depth -= 1
+
+    def _full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers at full size under its own names, as plain
+        tensors (what ``fleet.full_state_dict`` returns): sharded ones (stages 2 and 3) are
+        gathered, so every rank must call it; with ``rank0_only`` other ranks get ``{}``."""
+        return full_state_dict(self.module, rank0_only, self.rank)
 
     # the module's own state, without a "module." prefix (as paddle.DataParallel)
 

@@ -265,7 +265,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not (s.localsgd or s.adaptive_localsgd):
                 comm = groups.extra("fleet divergence guard", 0, groups.world.rank)
                 assert comm is not None
-                guard = DivergenceGuard(comm, engine.ctx.model.named_parameters(), every=every_from_env(),
+                # shards (stages 2 and 3) differ between the ranks by design: the replicated ones are checked
+                replicated = [(n, p) for n, p in engine.ctx.model.named_parameters() if not hasattr(p, "to_local")]
+                guard = DivergenceGuard(comm, replicated, every=every_from_env(),
                                         what="fleet.distributed_optimizer")
                 guard.check("at the first step, after fleet.distributed_model's broadcast from rank 0")
             guards[id(engine)] = guard

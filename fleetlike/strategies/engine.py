@@ -8,7 +8,9 @@
     gradient_merge               k micro-steps, then one communication and one update
     data_parallel | sharding | localsgd
                                  gradient buckets during backward (allreduced | reduce-scattered,
-                                 partition stepped, parameters all-gathered) | parameter averaging
+                                 partition stepped, parameters all-gathered) | parameter averaging;
+                                 sharding stages 2 and 3 run on FSDP2 (`fleetlike.strategies.zero`)
+    num_apply_group              the update in groups (data parallel; sharding groups itself)
     amp                          autocast, loss scaling, agreed finite check
 
 Each phase of a step runs the units' hooks for that phase in this order. The program style
@@ -36,6 +38,7 @@ import torch
 from fleetlike.config import rules
 from fleetlike.program import StepState
 from fleetlike.strategies.amp import AmpUnit
+from fleetlike.strategies.apply_groups import ApplyGroupUnit
 from fleetlike.strategies.data_parallel import DataParallelUnit, gradient_collective
 from fleetlike.strategies.gradient_merge import GradientMergeUnit
 from fleetlike.strategies.health import SlowRankUnit
@@ -44,6 +47,7 @@ from fleetlike.strategies.recompute import RecomputeUnit
 from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
+from fleetlike.strategies.zero import ShardedParamsUnit
 
 __all__ = ["Engine", "build_engine"]
 
@@ -64,15 +68,18 @@ def build_engine(ctx: StepContext) -> Engine:
         ctx.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
         if s.check_nan_inf:
             ctx.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
+    elif s.sharding and int(s.sharding_configs["stage"]) >= 2:
+        comm = ShardedParamsUnit(ctx, amp=amp is not None and amp.scaler.dynamic)
     elif s.sharding:
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
         comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
-                            multiplier=_local_multiplier(amp, merge))
+                            multiplier=_local_multiplier(amp, merge), apply_groups=int(s.num_apply_group))
     else:
         comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
                                 multiplier=_local_multiplier(amp, merge))
+    groups = ApplyGroupUnit(ctx, int(s.num_apply_group)) if s.num_apply_group > 1 and not s.sharding else None
     health = SlowRankUnit(ctx) if s.slow_rank_check else None
-    units += [health, merge, comm, amp]
+    units += [health, merge, comm, groups, amp]
     return Engine(ctx, [u for u in units if u is not None])
 
 

@@ -151,7 +151,8 @@ def _startup(engine: Engine) -> Program:
     """Broadcast rank 0's parameters and buffers (coalesced per dtype), then the units' startup."""
     ctx = engine.ctx
     world = ctx.groups.world
-    tensors = [p.data for p in ctx.model.parameters()] + list(ctx.model.buffers())
+    # sharded parameters (stages 2 and 3) were broadcast whole before sharding; a shard cannot be
+    tensors = [p.data for p in ctx.model.parameters() if not hasattr(p, "to_local")] + list(ctx.model.buffers())
 
     def broadcast(_: StepState) -> None:
         broadcast_coalesced(world, tensors)

@@ -51,7 +51,7 @@ from fleetlike.program import Op, StepState
 from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
-__all__ = ["ShardingUnit"]
+__all__ = ["ShardingUnit", "check_num_apply_group", "whole_update_reason"]
 
 #: optimizers that cannot step a partition: they need every parameter in one closure
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
@@ -77,6 +77,22 @@ def whole_update_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def check_num_apply_group(n: int, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters; raise when ``n`` groups cannot be made of them."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if n > len(params):
+        raise ValueError(
+            f"strategy.num_apply_group={n} (EPL: optimizer.num_apply_group), but the optimizer holds "
+            f"{len(params)} parameter(s): each group needs at least one; set it to at most {len(params)}"
+        )
+    if n > 1:
+        why = whole_update_reason(optimizer)
+        if why is not None:
+            raise ValueError(f"strategy.num_apply_group={n} cannot split this update: "
+                             + why.split("; it runs whole")[0] + "; set num_apply_group to 1")
+    return params
+
+
 def _mb(x: float) -> str:
     kb = x / 1024
     return f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
@@ -89,7 +105,8 @@ class ShardingUnit(Unit):
     needs_optimizer = True
 
     def __init__(self, ctx: StepContext, allreduce: BucketCollective, notes: list[tuple[str, bool, str]], *,
-                 amp_skips_non_finite: bool, multiplier: Callable[[], float] = lambda: 1.0) -> None:
+                 amp_skips_non_finite: bool, multiplier: Callable[[], float] = lambda: 1.0,
+                 apply_groups: int = 1) -> None:
         s = ctx.strategy
         cfg = s.sharding_configs
         world = ctx.groups.world
@@ -122,7 +139,21 @@ class ShardingUnit(Unit):
         self.mine = [p for b in buckets for p, r in zip(b.params, b.owners) if r == self.rank]
         self.others = [p for b in buckets for p, r in zip(b.params, b.owners) if r != self.rank]
         rings = self.collective.rings
-        self.gather = ParamGather(buckets, self.rank, rings, int(float(cfg["segment_broadcast_MB"]) * (1 << 20)))
+        self.apply_groups = apply_groups
+        chunk = None
+        if apply_groups > 1:  # EPL's num_apply_group: the partition stepped in that many chunks
+            if not bool(cfg["overlap_update"]):
+                raise ValueError(
+                    f"strategy.num_apply_group={apply_groups} at sharding stage 1 steps the partition chunk by "
+                    "chunk, which sharding_configs.overlap_update=False turns off; set overlap_update True "
+                    "or num_apply_group 1")
+            shares = [0] * world.size
+            for b in buckets:
+                for p, r in zip(b.params, b.owners):
+                    shares[r] += p.numel() * p.element_size()
+            chunk = max(1, -(-max(shares) // apply_groups))
+        self.gather = ParamGather(buckets, self.rank, rings, int(float(cfg["segment_broadcast_MB"]) * (1 << 20)),
+                                  chunk_bytes=chunk)
         self._step: StepState | None = None
         self._issued = (0, 0)
         self._masked = False
@@ -168,6 +199,10 @@ class ShardingUnit(Unit):
                 "partition; use another optimizer or turn sharding off"
             )
         self.drop_foreign_state(optimizer)
+        if self.apply_groups > 1:
+            check_num_apply_group(self.apply_groups, optimizer)
+            self.ctx.record("num_apply_group", True, f"this rank's partition updated in chunks of "
+                            f"{_mb(self.gather.chunk_bytes)} (about 1/{self.apply_groups} of the largest partition)")
         if self.overlap:
             why = whole_update_reason(optimizer)
             if why is not None:

@@ -140,7 +140,9 @@ EXPLICIT_SCALING = ExplicitScaling()
 
 
 def model_grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.grad for p in model.parameters() if p.grad is not None]
+    """Each parameter's gradient; this rank's shard where the gradient is sharded (ZeRO stages
+    2 and 3), so units scale and check exactly the elements this rank holds."""
+    return [g.to_local() if hasattr(g, "to_local") else g for p in model.parameters() if (g := p.grad) is not None]
 
 
 class Unit:

@@ -1,0 +1,217 @@
+"""ZeRO stages 1, 2 and 3 against torch's FSDP2 and plain data parallel, on gloo, in one run.
+
+Each of the ``--world`` rank processes builds the same model (``--layers`` x
+``Linear(--width, --width)`` with ReLU between, AdamW) from one seed, once per trainer: fleetlike
+data parallel, stage 1, stage 2, stage 3 (eager loop), and torch's own ``fully_shard`` on every
+Linear and the root (the default group stages 2 and 3 formed on the job's store). After warm-up
+it alternates timed segments of ``--steps`` steps, rotating which goes first, and reports the
+median seconds per step over ``--rounds``, and the ratios the targets name (stage 3 / FSDP2
+steps per second, stage 2 / stage 1).
+
+Memory, per rank, each trainer alone in its own world: the peak RSS (``VmHWM``) above the
+rank's RSS after ``fleet.init`` (glibc's mmap threshold fixed at 128 KiB with ``mallopt``, so
+freed blocks go back to the system; building the model whole is included), in bytes per parameter, against each stage's model (fp32 AdamW:
+16 for data parallel, 4 + 4 + 8/N for stage 1, 4 + 12/N for stage 2, 16/N + the largest block
+for stage 3).
+
+Usage (from the repository root)::
+
+    python -m bench.zero                       # 2 ranks, about 2 minutes
+    python -m bench.zero --no-docs --out /tmp/zero
+
+Writes ``docs/benchmarks/zero.json`` and ``.png`` and (re)writes the "## ZeRO stages 2 and 3"
+section of ``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
+
+__all__ = ["KINDS", "main"]
+
+KINDS = ("dp", "stage1", "stage2", "stage3", "fsdp2")
+ROOT = Path(__file__).resolve().parent.parent
+#: bytes per parameter of fp32 AdamW under each kind, on ``n`` ranks (plus, for stage 3 and FSDP2,
+#: the largest block at full size)
+MODEL = {"dp": lambda n: 16.0, "stage1": lambda n: 8 + 8 / n, "stage2": lambda n: 4 + 12 / n,
+         "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n}
+
+
+def _model(layers: int, width: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    mods: list[Any] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from fleetlike import DistributedStrategy, fleet
+
+    g = torch.Generator().manual_seed(role.rank)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randn(args.batch, args.width, generator=g)
+    model = _model(args.layers, args.width)
+    if kind == "fsdp2":
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        options: dict[str, Any] = {"fuse_grad_size_in_MB": 25}
+        if kind != "dp":
+            options.update(sharding=True, sharding_configs={"sharding_degree": 0, "stage": int(kind[-1])})
+        wrapped = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          DistributedStrategy.from_dict(options))
+
+    def step() -> None:
+        opt.zero_grad()
+        F.mse_loss(wrapped(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from fleetlike import fleet
+
+    fleet.init(role, timeout=300)
+    from fleetlike.comm.torch_group import torch_process_group
+
+    # torch's default group on the job's store, as stages 2 and 3 form it: FSDP2 runs on it too
+    torch_process_group(fleet.context().world, fleet.device())
+    steps = {k: _trainer(role, k, args) for k in ("dp", "stage1", "stage2", "stage3", "fsdp2")}
+    times = interleaved_timings(steps, reps=args.rounds, inner=args.steps, sync=fleet.util.barrier, warmup=2)
+    del steps
+    gc.collect()
+    fleet.shutdown()
+    return {k: median(v) for k, v in times.items()}
+
+
+def _rss(role: Any, kind: str, args: argparse.Namespace) -> float:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD: freed blocks go back to the system
+    from fleetlike import DistributedStrategy, fleet
+
+    fleet.init(role, timeout=300)
+    if kind == "fsdp2":  # torch's default group on the job's store, as stages 2 and 3 form it
+        from fleetlike.comm.torch_group import torch_process_group
+
+        torch_process_group(fleet.context().world, fleet.device())
+    del DistributedStrategy
+    base = _status("VmRSS")  # what this rank holds now (its high-water mark may be an import's)
+    step = _trainer(role, kind, args)
+    for _ in range(args.steps):
+        step()
+    peak = _status("VmHWM")  # the process's peak RSS: building the model whole included
+    del step
+    gc.collect()
+    fleet.shutdown()
+    return float(peak - base)
+
+
+def _status(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` of this process, in bytes (Linux's /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["kind"] for r in rows]
+    a.bar(names, [r["ms"] for r in rows], color="#47c")
+    a.set_ylabel("ms / step (median)")
+    a.set_title("step time")
+    b.bar(names, [r["bytes_per_param"] for r in rows], color="#2a7", label="measured")
+    b.plot(names, [r["model_bytes_per_param"] for r in rows], "k_", markersize=30, label="model")
+    b.set_ylabel("peak RSS above baseline, bytes / parameter")
+    b.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "zero"))
+    args = parser.parse_args(argv)
+
+    from fleetlike.testing import run_ranks
+
+    load = os.getloadavg()
+    ranks = run_ranks(_time, args.world, args, timeout=1200)
+    rss = {kind: run_ranks(_rss, args.world, kind, args, timeout=600) for kind in KINDS}
+    n_params = args.layers * (args.width * args.width + args.width)
+    block = (args.width * args.width + args.width) * 4
+    rows = []
+    for kind in KINDS:
+        t = median([r[kind] for r in ranks])
+        per = max(rss[kind]) / n_params
+        rows.append({"kind": kind, "ms": t * 1e3, "steps_per_s": 1 / t, "bytes_per_param": per,
+                     "model_bytes_per_param": MODEL[kind](args.world)
+                     + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
+    by = {r["kind"]: r for r in rows}
+    ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
+    ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
+    cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
+            Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
+            Column("model_bytes_per_param", "model B/param", "{:.2f}")]
+    table = format_table(cols, rows)
+    verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
+               "(target >= 0.95)")
+    print(table)
+    print(verdict)
+    print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    model = (f"{args.layers} x Linear({args.width}, {args.width}), {n_params / 1e6:.1f}M parameters, AdamW, "
+             f"batch {args.batch}/rank")
+    payload = {"info": run_info("bench.zero", argv if argv is not None else sys.argv[1:]), "load_average": load,
+               "world": args.world, "model": model, "rows": rows, "ratio_stage3_fsdp2": ratio3,
+               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "times": ranks}
+    out = Path(args.out)
+    save_json(out.with_suffix(".json"), payload)
+    _plot(out.with_suffix(".png"), rows, f"ZeRO stages, {args.world} ranks on gloo: {model}")
+    command = "python -m bench.zero " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = (
+        "## ZeRO stages 2 and 3\n\n"
+        f"`{command.strip()}` ({args.world} ranks on gloo, {model}; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run; the machine is shared)\n\n"
+        + format_table(cols, rows, markdown=True) + "\n\n" + verdict + ".\n\n"
+        "![zero](benchmarks/zero.png)\n"
+    )
+    if not args.no_docs:
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", "## ZeRO stages 2 and 3", section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
