@@ -1,0 +1,57 @@
+"""The fleet facade's pipeline calls: build a pipelined model, answer
+``get_hybrid_communicate_group``, gather a model's whole state.
+
+Kept apart from `fleetlike.fleet.facade` so that the facade only dispatches: a strategy with
+``pipeline`` on makes ``fleet.distributed_model`` return a `PipelineModel` instead of a
+`DistributedModel`.
+
+Example:
+    >>> full = fleet.full_state_dict(model)   # the unsplit model's state_dict, every stage's tensors
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fleetlike.config import DistributedStrategy, rules
+from fleetlike.fleet.context import FleetContext
+from fleetlike.pipeline import HybridCommunicateGroup, PipelineModel, plan_stages, resolve_degrees
+from fleetlike.pipeline.topology import error_store
+
+__all__ = ["build_pipeline", "full_state_dict", "hybrid_group"]
+
+
+def hybrid_group(ctx: FleetContext, strategy: DistributedStrategy) -> HybridCommunicateGroup:
+    """The ``dp x pp`` groups of ``strategy`` (collective: every rank calls it once)."""
+    cfg = strategy.hybrid_configs
+    pp = int(cfg["pp_degree"]) if strategy.pipeline else 1
+    resolve_degrees(ctx.role.world_size, int(cfg["dp_degree"]), pp)  # the clear error before any group
+    return HybridCommunicateGroup(ctx.groups, ctx.role, int(cfg["dp_degree"]), pp, ctx.timeout)
+
+
+def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: DistributedStrategy, loss_fn: Any,
+                   hcg: HybridCommunicateGroup | None) -> tuple[PipelineModel, HybridCommunicateGroup]:
+    """``model`` split by ``strategy`` into this rank's stage; errors come before any group
+    is formed, the same on every rank."""
+    rules.refuse_unhonoured(strategy, "pipeline")
+    cfg = strategy.hybrid_configs
+    _, pp = resolve_degrees(ctx.role.world_size, int(cfg["dp_degree"]), int(cfg["pp_degree"]))
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"fleet.distributed_model: loss_fn must be callable (output, labels) -> loss, got {loss_fn!r}")
+    plan = plan_stages(model, pp, tuple(strategy.pipeline_configs["split_points"]))
+    if hcg is None or hcg.pp_degree != pp:
+        hcg = hybrid_group(ctx, strategy)
+    wrapped = PipelineModel(model, plan, hcg, strategy, loss_fn, ctx.device, error_store(ctx.world))
+    return wrapped, hcg
+
+
+def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[str, Any]:
+    """The whole model's ``state_dict`` under the unsplit model's names: a wrapper's own
+    ``_full_state_dict(rank0_only)`` where it has one (a pipelined or sharded model, collective
+    then), else ``model.state_dict()``."""
+    gather = getattr(model, "_full_state_dict", None)
+    if callable(gather):
+        return gather(rank0_only)
+    return dict(model.state_dict())
