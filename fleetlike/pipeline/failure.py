@@ -46,7 +46,8 @@ class FailureGuard:
                 "Fix: restart the job (from its last checkpoint)") from self.broken
         try:
             return work()
-        except Exception as exc:
+        except Exception as caught:
+            exc = _root(caught)
             mine = (f"stage {self.stage} (rank {self.rank}) raised "
                     f"{''.join(traceback.format_exception_only(type(exc), exc)).strip()}")
             first = self._publish(mine)
@@ -57,10 +58,12 @@ class FailureGuard:
                     pass
             if first is None or first == mine:
                 self.broken = exc
-                raise
+                if exc is caught:
+                    raise
+                raise exc from caught
             err = PipelineStageError(f"the pipelined step failed on another rank: {first}")
             self.broken = err
-            raise err from exc
+            raise err from caught
 
     def _publish(self, message: str) -> str | None:
         """Write ``message`` unless an earlier error is there; the error now stored."""
@@ -71,3 +74,13 @@ class FailureGuard:
         except Exception:  # noqa: BLE001 - the store itself is gone: keep our own error
             return None
         return found.decode() if isinstance(found, bytes) else str(found)
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The exception a stage's own code raised: torch's schedule wraps it ("[Stage 1] failed to
+    run forward") with the original as the cause."""
+    seen = {id(exc)}
+    while isinstance(exc, RuntimeError) and exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc

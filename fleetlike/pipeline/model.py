@@ -117,6 +117,9 @@ class PipelineModel(torch.nn.Module):
             self._collective, notes = gradient_collective(strategy, hcg.dp_groups, hcg.dp_role)
             layout = plan_buckets(list(self.stage.parameters()), strategy.bucket_cap_bytes())
             self._buckets = [Bucket(i, ps) for i, ps in enumerate(layout)]
+            self.applied.append(AppliedEntry("data_parallel", True, (
+                f"each stage's gradients averaged over the {hcg.dp_degree} pipelines once per step, "
+                f"{len(self._buckets)} bucket(s) on this stage")))
             self.applied += [AppliedEntry(n, a, w) for n, a, w in notes]
         abort = [self._abort_pipe, hcg.dp_comm._abort, hcg.pp_comm._abort]
         self.guard = FailureGuard(store, hcg.global_rank, stage_id, abort)
