@@ -50,7 +50,7 @@ def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def single_process(opt_name: str, steps: int = STEPS, amp: bool = False) -> dict[str, torch.Tensor]:
+def single_process(opt_name: str, steps: int = STEPS, amp: bool = False, pipelines: int = 1) -> dict[str, torch.Tensor]:
     """The unsplit model trained on each step's global batch. ``amp``: the loss of each of the
     micro-batches of every pipeline under bfloat16 autocast, averaged (what the pipeline runs)."""
     net = make_net()
@@ -59,7 +59,7 @@ def single_process(opt_name: str, steps: int = STEPS, amp: bool = False) -> dict
         x, y = global_batch(step)
         opt.zero_grad()
         if amp:
-            parts = list(zip(x.chunk(2 * MICRO), y.chunk(2 * MICRO)))
+            parts = list(zip(x.chunk(pipelines * MICRO), y.chunk(pipelines * MICRO)))
             for xm, ym in parts:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     out = net(xm)

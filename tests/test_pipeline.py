@@ -159,7 +159,7 @@ def test_split_points_name_blocks_in_forward_order():
     with pytest.raises(ValueError, match=r"lies inside '1' \(TransformerEncoderLayer\), which is not an nn.Sequential"):
         plan_stages(deep, 2, ["1.linear1"])
     with pytest.raises(TypeError, match="splits an nn.Sequential"):
-        plan_stages(torch.nn.Transformer(8, 2, 1, 1, 16), 2)
+        plan_stages(torch.nn.MultiheadAttention(8, 2), 2)
 
 
 def test_automatic_balance_minimises_the_heaviest_stage():

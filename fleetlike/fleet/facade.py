@@ -466,11 +466,27 @@ class Fleet:
                                   ctx.role.rank, strategy.to_dict(), runs)
 
     def save_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
-        """Save everything needed to resume exactly; atomic. Not collective (rank 0 may call it alone)."""
+        """Save everything needed to resume exactly; atomic. Not collective (rank 0 may call it alone),
+        except for a pipelined model: every rank calls it, each stage's first pipeline writes its
+        stage's file (`fleetlike.pipeline.checkpoint`)."""
+        if self._pipelines:
+            from fleetlike.fleet.pipelined import save_pipeline
+
+            runs = {p.name: p.runs for p in (self._programs() or ())}
+            save_pipeline(self._context("fleet.save_persistables"), dirname, self._pipelines[-1],
+                          self._optimizers, self._registered, runs)
+            return
         ckpt.save_training(dirname, self._training_state("save_persistables"))
 
     def load_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
         """Restore what `save_persistables` wrote; checks the job fits and says what differs."""
+        if self._pipelines:
+            from fleetlike.fleet.pipelined import load_pipeline
+
+            saved = load_pipeline(dirname, self._pipelines[-1], self._optimizers, self._registered)
+            for program in self._programs() or ():
+                program.runs = saved.get(program.name, program.runs)
+            return
         state = self._training_state("load_persistables")
         runs = ckpt.load_training(dirname, state, self.device())
         for program in self._programs() or ():

@@ -18,9 +18,10 @@ import torch
 from fleetlike.config import DistributedStrategy, rules
 from fleetlike.fleet.context import FleetContext
 from fleetlike.pipeline import HybridCommunicateGroup, PipelineModel, plan_stages, resolve_degrees
+from fleetlike.pipeline.checkpoint import load_stage, save_stage
 from fleetlike.pipeline.topology import error_store
 
-__all__ = ["build_pipeline", "full_state_dict", "hybrid_group"]
+__all__ = ["build_pipeline", "full_state_dict", "hybrid_group", "load_pipeline", "save_pipeline"]
 
 
 def hybrid_group(ctx: FleetContext, strategy: DistributedStrategy) -> HybridCommunicateGroup:
@@ -55,3 +56,27 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[st
     if callable(gather):
         return gather(rank0_only)
     return dict(model.state_dict())
+
+
+def _optimizer_of(model: PipelineModel, optimizers: list[Any]) -> Any:
+    mine = {id(p) for p in model.parameters()}
+    return next((o for o in reversed(optimizers) if mine & {id(p) for g in o.param_groups for p in g["params"]}), None)
+
+
+def save_pipeline(ctx: FleetContext, dirname: str, model: PipelineModel, optimizers: list[Any],
+                  registered: dict[str, Any], runs: dict[str, int]) -> None:
+    """``fleet.save_persistables`` of a pipelined model: collective (every rank calls it; each
+    stage's first pipeline writes its stage file), done on every rank when it returns."""
+    extra = {"registered": {name: obj.state_dict() for name, obj in registered.items()}, "runs": runs}
+    save_stage(dirname, model, _optimizer_of(model, optimizers), extra)
+    ctx.world.barrier()
+
+
+def load_pipeline(dirname: str, model: PipelineModel, optimizers: list[Any], registered: dict[str, Any]) -> dict[str, int]:
+    """``fleet.load_persistables`` of a pipelined model (from stage files of any stage count);
+    the program run counters saved."""
+    extra = load_stage(dirname, model, _optimizer_of(model, optimizers))
+    for name, state in extra.get("registered", {}).items():
+        if name in registered:
+            registered[name].load_state_dict(state)
+    return dict(extra.get("runs", {}))

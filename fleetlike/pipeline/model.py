@@ -175,6 +175,8 @@ class PipelineModel(torch.nn.Module):
 
     def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self.loss_fn is not None
+        if self.stage.amp_configs is not None and isinstance(output, torch.Tensor) and output.is_floating_point():
+            output = output.float()  # the loss in float32, as autocast computes losses
         loss = self.loss_fn(output, target)
         return loss.float() if loss.dtype != torch.float32 and loss.is_floating_point() else loss
 
@@ -214,10 +216,9 @@ class PipelineModel(torch.nn.Module):
         if self.loss_fn is None:
             raise ValueError("train_batch needs the loss: fleet.distributed_model(model, loss_fn=...) "
                              "with loss_fn(output, labels) -> the mean loss of one micro-batch")
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if not isinstance(inner, torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"train_batch: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        return self.guard.run(lambda: self._train(data, inner, lr_scheduler))
+        return self.guard.run(lambda: self._train(data, optimizer, lr_scheduler))
 
     def _train(self, data: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> torch.Tensor:
         x, y = self._split_batch(data, "train_batch")
@@ -239,6 +240,8 @@ class PipelineModel(torch.nn.Module):
         else:
             schedule.step()
         self._average_gradients()
+        if hasattr(optimizer, "pipelined"):  # fleet's DistributedOptimizer: its step is the wrapped one's
+            optimizer.pipelined = True  # type: ignore[attr-defined]
         optimizer.step()
         if lr_scheduler is not None:
             lr_scheduler.step()
