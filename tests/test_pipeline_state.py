@@ -4,6 +4,7 @@ a stage, and what each rank holds. Real ranks over gloo; references as in test_p
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -166,3 +167,25 @@ def test_each_rank_holds_only_its_stage_and_its_optimizer_state():
     for total, share, held, mine, state in results:
         assert held == mine == share < total
         assert state == 2 * share  # AdamW's two moments of this stage's parameters only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_pipeline_example_runs_under_the_launcher(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from examples_common import clean_env
+    from helpers import run_job
+
+    root = Path(__file__).resolve().parent.parent
+    proc = run_job([sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=2", "--started_port=auto",
+                    "--log_dir", str(tmp_path / "log"), str(root / "examples/pipeline/train.py")], cwd=root,
+                   env=clean_env(STEPS="6", MODEL_PATH=str(tmp_path / "ckpt")), timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    logs = [(tmp_path / "log" / f"workerlog.{r}").read_text() for r in range(2)]
+    for rank, log in enumerate(logs):
+        assert f"stage {rank} of 2" in log and "step 5 loss" in log, log[-2000:]
+        assert "['stage-0-of-2.pt', 'stage-1-of-2.pt']" in log, log[-2000:]
+    last = [[line for line in log.splitlines() if line.startswith("step 5 loss")] for log in logs]
+    assert last[0] == last[1]  # the loss is returned on every stage
