@@ -77,6 +77,24 @@ def test_four_stages_and_two_pipelines_of_two_equal_the_references():
     assert any("data_parallel" in a or "buckets" in a or "allreduce" in a for a in applied[1:]), applied
 
 
+def _compressed(role):
+    from fleetlike import fleet
+
+    s = pc.strategy("1F1B", 2, 2, fp16_allreduce=True, fp16_allreduce_configs={"dtype": "bfloat16"})
+    fleet.init(role, strategy=s)
+    model, _, _ = pc.train_pipeline(s, "momentum")
+    got = fleet.full_state_dict(model)
+    applied = [str(e) for e in fleet.applied_strategy()]
+    fleet.shutdown()
+    return pc.relative_error(got, pc.single_process("momentum")), applied
+
+
+def test_pipelines_average_their_gradients_with_16_bit_compression():
+    for err, applied in run_ranks(_compressed, 4, timeout=90):
+        assert 1e-7 < err < 2e-2, err  # bfloat16 on the wire: close, not equal
+        assert any(a.startswith("fp16_allreduce: applied") for a in applied), applied
+
+
 # ---------------------------------------------------------------------------- the groups
 
 
