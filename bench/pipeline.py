@@ -1,8 +1,8 @@
 """Pipeline parallelism: fleetlike's ``train_batch`` beside torch's own schedule, the bubble, and
 the activations each schedule keeps.
 
-The model is an ``nn.Sequential`` of 8 blocks (Linear 512x512 + GELU), batch 256 rows of width
-512, split by fleetlike into 2 balanced stages on 2 ranks (gloo, one thread each), AdamW.
+The model is an ``nn.Sequential`` of 8 blocks (Linear 1024x1024 + GELU), batches of m micro-batches of 16 rows
+(width 1024), split by fleetlike into 2 balanced stages on 2 ranks (gloo, one thread each), AdamW.
 Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 
 - steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
@@ -11,6 +11,8 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 - idle fraction of a stage: 1 - (the time the stage computed inside ``--reps`` real steps: its
   forwards, and each backward from its output's gradient arriving to its first block's weight
   gradient, and the optimizer's update) / (the steps' time): the pipeline bubble, beside (p-1)/(m+p-1);
+- the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
+  process on one thread, sends counted free) beside the measured steps/s;
 - peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
   (``torch.autograd.graph.saved_tensors_hooks``), counted per storage from when it is saved to
   when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
@@ -44,7 +46,7 @@ __all__ = ["ActivationMeter", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
-BLOCKS, WIDTH, BATCH = 8, 512, 256
+BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
 
 
 class ActivationMeter:
@@ -104,15 +106,16 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
 
     torch.set_num_threads(1)
     rows = []
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     for mode, m in configs:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
         s = DistributedStrategy(pipeline=True, pipeline_configs={"accumulate_steps": m, "schedule_mode": mode},
                                 hybrid_configs={"pp_degree": 2})
         fleet.init(role, strategy=s)
         meter = ActivationMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
-        meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # the parameters and the batch itself are no activations
+        meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         hcg = model.hcg
         # torch's own: the same blocks' copies on the same pipe group
@@ -134,7 +137,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
             model.train_batch((x, y), opt)
 
         barrier = hcg.get_pipe_parallel_group().barrier
-        times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=3,
+        times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=1,
                                     sync=barrier, warmup=2)
         # the activations each schedule keeps: one metered step
         meter.peak = 0
@@ -144,7 +147,8 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         fleet_step()
         peak = meter.peak
         # one micro-batch's saved bytes, for the unit of the peak
-        mb = x[: BATCH // m].clone().requires_grad_(hcg.stage_id > 0)
+        mb = x[:MICRO_ROWS].clone().requires_grad_(hcg.stage_id > 0)
+        meter.params.add(mb.untyped_storage().data_ptr())
         meter.peak = 0
         out = model.stage(mb)
         one = meter.peak
@@ -205,6 +209,20 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> tuple[float, float
     return busy[0], total
 
 
+def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+    """`fleetlike.plan.pipeline`'s step seconds for each configuration (one thread, as a rank)."""
+    from fleetlike.plan.pipeline import predict_pipeline
+
+    torch.set_num_threads(1)
+    out = {}
+    for mode, m in configs:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
+        pred = predict_pipeline(_net(ActivationMeter()), x, y, F.mse_loss, pp=2, micro_batches=m, schedule=mode)
+        out[(mode, m)] = pred.step_s
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -218,16 +236,21 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_ranks(_rank, 2, configs, args.reps, timeout=1200)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
+    predicted = _predicted(configs)
+    for r in rows:
+        r["predicted_steps_s"] = 1 / predicted[(r["schedule"], r["m"])]
+        r["predicted_ratio"] = r["predicted_steps_s"] / r["fleetlike_steps_s"]
     cols = [Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
             Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
             Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
-            Column("peak_micro", "peak activations (micro-batches)", "{:.1f}")]
+            Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
+            Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
     print(format_table(cols, rows))
     save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows})
     _plot(rows, Path(args.out).with_suffix(".png"))
     if not args.no_docs:
-        section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, batch "
-                   f"{BATCH}, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
+        section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
+                   f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
                    "the same split, interleaved; idle = 1 - (the stage's forward and backward time inside the steps) / (the steps' time); peak "
                    "activations = the most saved-for-backward bytes a stage holds, in micro-batches' worth).\n\n"
                    + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n")

@@ -28,7 +28,8 @@ fleet                 the facade of API.md and Paddle's aliases (``fleet.mixed_p
 elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
                       (fleet for the world it re-forms; everything below)
 plan                  the strategy planner: builds each strategy's real programs over dry
-                      communicators and costs them (everything below but mixed_precision)
+                      communicators and costs them, and predicts pipelines from the stages
+                      ``pipeline.split`` makes (everything below but mixed_precision)
 horovod               ``import fleetlike.horovod as hvd`` and Light's names (``horovod.light``,
                       ``light_init``): the Horovod face over fleet's communicators and the reducer
                       (everything below)
@@ -76,7 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("pipeline", ("fleetlike.pipeline",), {"config", "collectives", "comm", "roles", "program", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
-    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
+    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "pipeline", "fleet"}),
     ("horovod", ("fleetlike.horovod",), None),
     ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"config", "roles", "comm"}),
