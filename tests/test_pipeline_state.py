@@ -153,20 +153,35 @@ def _holds(role):
     model = fleet.distributed_model(net, loss_fn=F.cross_entropy)
     opt = fleet.distributed_optimizer(pc.make_opt("adamw", model.parameters()))
     model.train_batch(pc.my_batch(0, 0, 1), opt)
+    # eval_batch: the mean micro-batch loss and the last stage's output, on every rank
+    x, y = pc.my_batch(1, 0, 1)
+    loss = float(model.eval_batch((x, y)))
+    out = model.eval_batch((x, y), compute_loss=False)
+    plain = pc.make_net(seed=5)
+    plain.load_state_dict(fleet.full_state_dict(model))
+    with torch.no_grad():
+        want_out = plain(x)
+        want_loss = float(torch.stack([F.cross_entropy(plain(a), b) for a, b in zip(x.chunk(pc.MICRO), y.chunk(pc.MICRO))]).mean())
+    evals = (abs(loss - want_loss), float((out - want_out).abs().max()))
     share = model.plan.param_counts()[model.hcg.stage_id]
     held = sum(p.numel() for p in net.parameters() if not p.is_meta)  # the user's model object
     mine = sum(p.numel() for p in model.parameters())
     state = sum(t.numel() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     fleet.shutdown()
-    return total, share, held, mine, state
+    return total, share, held, mine, state, evals
 
 
 def test_each_rank_holds_only_its_stage_and_its_optimizer_state():
     results = run_ranks(_holds, 2, timeout=90)
     assert sum(r[1] for r in results) == results[0][0]
-    for total, share, held, mine, state in results:
+    for total, share, held, mine, state, _ in results:
         assert held == mine == share < total
         assert state == 2 * share  # AdamW's two moments of this stage's parameters only
+
+
+def test_eval_batch_gives_the_loss_and_the_output_on_every_rank():
+    for *_, (loss_err, out_err) in run_ranks(_holds, 2, timeout=90):
+        assert loss_err < 1e-6 and out_err < 1e-6, (loss_err, out_err)
 
 
 @pytest.mark.slow

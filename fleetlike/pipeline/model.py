@@ -158,17 +158,17 @@ class PipelineModel(torch.nn.Module):
         if pg is not None:
             pg.abort()
 
-    def _schedule(self, micro: torch.Tensor, training: bool) -> tuple[PipelineStage, Any]:
+    def _schedule(self, micro: torch.Tensor, training: bool, with_loss: bool = True) -> tuple[PipelineStage, Any]:
         """The stage and schedule for micro-batches shaped like ``micro`` (torch's stage agrees
         the shapes between neighbours once, at its first step, so each shape gets its own)."""
-        key = (tuple(micro.shape[1:]), micro.dtype, training)
+        key = (tuple(micro.shape), micro.dtype, training, with_loss)
         found = self._stages.get(key)
         if found is None:
             hcg = self.hcg
             stage = PipelineStage(self.stage, hcg.stage_id, hcg.pp_degree, self.device,
                                   group=hcg.get_pipe_parallel_process_group())
             cls = Schedule1F1B if self.schedule_mode == "1F1B" else ScheduleGPipe
-            loss = self._micro_loss if self.loss_fn is not None else None
+            loss = self._micro_loss if self.loss_fn is not None and with_loss else None
             found = (stage, cls(stage, self.num_micro, loss_fn=loss, scale_grads=True))
             self._stages[key] = found
         return found
@@ -276,7 +276,7 @@ class PipelineModel(torch.nn.Module):
         if compute_loss and self.loss_fn is None:
             raise ValueError("eval_batch(compute_loss=True) needs fleet.distributed_model(model, loss_fn=...)")
         self.stage.eval()
-        stage, schedule = self._schedule(x[: x.shape[0] // self.num_micro], False)
+        stage, schedule = self._schedule(x[: x.shape[0] // self.num_micro], False, compute_loss)
         hcg = self.hcg
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
