@@ -201,6 +201,11 @@ def _errors(role):
             found[name] = f"{type(exc).__name__}: {exc}"
 
     fleet.init(role)
+    hcg = fleet.get_hybrid_communicate_group()  # plain data parallel: every rank its own slice
+    import torch.distributed as dist
+
+    found["plain_hcg"] = (hcg.get_data_parallel_rank(), hcg.get_data_parallel_world_size(), hcg.get_stage_id(),
+                          hcg.get_pipe_parallel_world_size(), dist.is_initialized())
     catch("degrees", lambda: fleet.distributed_model(pc.make_net(), pc.strategy("1F1B", 2, 2), loss_fn=F.cross_entropy))
     catch("micro", lambda: fleet.distributed_model(
         pc.make_net(), DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2},
@@ -222,6 +227,7 @@ def _errors(role):
 
 def test_bad_input_is_refused_before_the_first_step_on_every_rank():
     for rank, found in enumerate(run_ranks(_errors, 2, timeout=90)):
+        assert found["plain_hcg"] == (rank, 2, 0, 1, False), found  # torch's world left to the script
         assert "dp_degree=2 x pp_degree=2 = 4 ranks, but the job has 2" in found["degrees"], found
         assert "accumulate_steps=1 micro-batches is fewer than the 2 stages" in found["micro"], found
         assert "'8' is not a module of the model" in found["split"], found

@@ -29,7 +29,8 @@ def hybrid_group(ctx: FleetContext, strategy: DistributedStrategy) -> HybridComm
     cfg = strategy.hybrid_configs
     pp = int(cfg["pp_degree"]) if strategy.pipeline else 1
     resolve_degrees(ctx.role.world_size, int(cfg["dp_degree"]), pp)  # the clear error before any group
-    return HybridCommunicateGroup(ctx.groups, ctx.role, int(cfg["dp_degree"]), pp, ctx.timeout)
+    return HybridCommunicateGroup(ctx.groups, ctx.role, int(cfg["dp_degree"]), pp, ctx.timeout,
+                                  torch_groups=bool(strategy.pipeline))
 
 
 def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: DistributedStrategy, loss_fn: Any,
@@ -42,7 +43,7 @@ def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: Distribu
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"fleet.distributed_model: loss_fn must be callable (output, labels) -> loss, got {loss_fn!r}")
     plan = plan_stages(model, pp, tuple(strategy.pipeline_configs["split_points"]))
-    if hcg is None or hcg.pp_degree != pp:
+    if hcg is None or hcg.pp_degree != pp or hcg.get_pipe_parallel_process_group() is None:
         hcg = hybrid_group(ctx, strategy)
     wrapped = PipelineModel(model, plan, hcg, strategy, loss_fn, ctx.device, error_store(ctx.world))
     return wrapped, hcg

@@ -111,23 +111,27 @@ class HybridCommunicateGroup:
     Built collectively by ``fleet.distributed_model`` for a pipelined model (every rank makes
     the same groups in the same order)."""
 
-    def __init__(self, groups: CommGroups, role: Role, dp_degree: int, pp_degree: int, timeout: float) -> None:
+    def __init__(self, groups: CommGroups, role: Role, dp_degree: int, pp_degree: int, timeout: float,
+                 torch_groups: bool = True) -> None:
         self.groups = groups
         self.role = role
         self.dp_degree, self.pp_degree = resolve_degrees(role.world_size, dp_degree, pp_degree)
         self.global_rank = role.rank
         self.stage_id = role.rank % self.pp_degree
         self.dp_rank = role.rank // self.pp_degree
-        torch_world(groups.world, role, timeout)
-        # every rank creates every pipeline's group, in order (new_group is collective)
+        # torch's groups carry a pipeline's activations; a plain data-parallel job (a script
+        # asking for its data slice) gets none, and torch's world is left to the script
         self._pipe_group: Any = None
-        for j in range(self.dp_degree):
-            members = self.pipe_ranks(j)
-            pg = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout))
-            if j == self.dp_rank:
-                self._pipe_group = pg
-        dp_comm = groups.extra(f"pipeline dp stage {self.stage_id}", self.stage_id, self.dp_rank)
-        pp_comm = groups.extra(f"pipeline pp {self.dp_rank}", self.dp_rank, self.stage_id)
+        if torch_groups:
+            torch_world(groups.world, role, timeout)
+            for j in range(self.dp_degree):  # every rank creates every pipeline's group, in order
+                pg = dist.new_group(self.pipe_ranks(j), timeout=datetime.timedelta(seconds=timeout))
+                if j == self.dp_rank:
+                    self._pipe_group = pg
+        # named by the shape too: the groups are cached by name, and another shape splits anew
+        shape = f"{self.dp_degree}x{self.pp_degree}"
+        dp_comm = groups.extra(f"pipeline {shape} dp of stage {self.stage_id}", self.stage_id, self.dp_rank)
+        pp_comm = groups.extra(f"pipeline {shape} pp {self.dp_rank}", self.dp_rank, self.stage_id)
         assert dp_comm is not None and pp_comm is not None
         self.dp_comm: Communicator = dp_comm
         self.pp_comm: Communicator = pp_comm
@@ -178,7 +182,8 @@ class HybridCommunicateGroup:
         return self.pp_comm
 
     def get_pipe_parallel_process_group(self) -> Any:
-        """torch's process group of this rank's pipeline (what its `PipelineStage` sends over)."""
+        """torch's process group of this rank's pipeline (what its `PipelineStage` sends over);
+        None when the strategy has no pipeline."""
         return self._pipe_group
 
     def get_rank_from_stage(self, stage_id: int) -> int:
