@@ -13,6 +13,8 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   gradient, and the optimizer's update) / (the steps' time): the pipeline bubble, beside (p-1)/(m+p-1);
 - the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
   process on one thread, sends counted free) beside the measured steps/s;
+- point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
+  (what the stages send on) and over fleetlike's own gloo communicator;
 - peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
   (``torch.autograd.graph.saved_tensors_hooks``), counted per storage from when it is saved to
   when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
@@ -93,10 +95,14 @@ class Metered(torch.nn.Module):
             return self.block(x)
 
 
-def _net(meter: ActivationMeter) -> torch.nn.Sequential:
+def _plain_net() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[Metered(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()), meter)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
                                  for _ in range(BLOCKS)])
+
+
+def _net(meter: ActivationMeter) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
 
 
 def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str, Any]]:
@@ -209,6 +215,47 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> tuple[float, float
     return busy[0], total
 
 
+def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
+    the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
+    import torch.distributed as dist
+
+    from fleetlike import DistributedStrategy, fleet
+
+    torch.set_num_threads(1)
+    fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2}))
+    hcg = fleet.get_hybrid_communicate_group()
+    comm, pg, me = hcg.get_pipe_parallel_group(), hcg.get_pipe_parallel_process_group(), hcg.get_stage_id()
+    rows = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+
+        def on_torch() -> None:
+            if me == 0:
+                dist.send(buf, group_dst=1, group=pg)
+                dist.recv(buf, group_src=1, group=pg)
+            else:
+                dist.recv(buf, group_src=0, group=pg)
+                dist.send(buf, group_dst=0, group=pg)
+
+        def on_fleetlike() -> None:
+            other = 1 - me
+            if me == 0:
+                comm._send_start(buf, other, 7).wait()
+                comm._recv_start(buf, other, 7).wait()
+            else:
+                comm._recv_start(buf, other, 7).wait()
+                comm._send_start(buf, other, 7).wait()
+
+        times = interleaved_timings({"torch": on_torch, "fleetlike": on_fleetlike}, reps=reps, inner=5,
+                                    sync=comm.barrier, warmup=2)
+        rows.append({"bytes": nbytes, "torch_us": median(times["torch"]) * 1e6,
+                     "fleetlike_us": median(times["fleetlike"]) * 1e6,
+                     "ratio": median(times["torch"]) / median(times["fleetlike"])})
+    fleet.shutdown()
+    return rows
+
+
 def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     """`fleetlike.plan.pipeline`'s step seconds for each configuration (one thread, as a rank)."""
     from fleetlike.plan.pipeline import predict_pipeline
@@ -218,7 +265,7 @@ def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     for mode, m in configs:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
-        pred = predict_pipeline(_net(ActivationMeter()), x, y, F.mse_loss, pp=2, micro_batches=m, schedule=mode)
+        pred = predict_pipeline(_plain_net(), x, y, F.mse_loss, pp=2, micro_batches=m, schedule=mode)
         out[(mode, m)] = pred.step_s
     return out
 
@@ -246,14 +293,26 @@ def main(argv: list[str] | None = None) -> int:
             Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
             Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
     print(format_table(cols, rows))
-    save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows})
+    p2p = run_ranks(_p2p, 2, [64 << 10, 1 << 20, 4 << 20], args.reps, timeout=600)[0]
+    p2p_cols = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
+                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
+                Column("ratio", "torch / fleetlike", "{:.2f}")]
+    print(format_table(p2p_cols, p2p))
+    save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows, "p2p": p2p})
     _plot(rows, Path(args.out).with_suffix(".png"))
     if not args.no_docs:
         section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
                    f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
                    "the same split, interleaved; idle = 1 - (the stage's forward and backward time inside the steps) / (the steps' time); peak "
-                   "activations = the most saved-for-backward bytes a stage holds, in micro-batches' worth).\n\n"
-                   + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n")
+                   "activations = the most saved-for-backward bytes a stage holds, in micro-batches' worth). A step "
+                   "ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times "
+                   "torch's step without the wait for stage 0's tail, which its next step pays; fleetlike's returns "
+                   "the loss to stage 0 first). The 2 cores are shared with other jobs: ratios move by about 0.1 "
+                   "between runs.\n\n"
+                   + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
+                   "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
+                   "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
+                   + format_table(p2p_cols, p2p, markdown=True) + "\n")
         replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section)
     return 0
 

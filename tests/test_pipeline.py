@@ -188,6 +188,12 @@ def test_automatic_balance_minimises_the_heaviest_stage():
     assert plan.names(0) == ["0"] and plan.param_counts() == [1640, 432]
 
 
+def _sized():
+    s = pc.strategy("1F1B", 2)
+    s.pipeline_configs["micro_batch_size"] = 3
+    return s
+
+
 def _errors(role):
     from fleetlike import fleet
     from fleetlike.pipeline import PipelineStageError
@@ -221,6 +227,11 @@ def _errors(role):
     catch("rows", lambda: model.train_batch((x[:7], y[:7]), opt))
     catch("after", lambda: model.train_batch((x, y), opt))
     fleet.shutdown()
+    fleet.init(role)  # a failed step cut the job's pipeline links: a new job
+    sized = fleet.distributed_model(pc.make_net(), _sized(), loss_fn=F.cross_entropy)
+    sized_opt = fleet.distributed_optimizer(pc.make_opt("momentum", sized.parameters()))
+    catch("mbs", lambda: sized.train_batch((x, y), sized_opt))
+    fleet.shutdown()
     found["after_is_stage_error"] = isinstance(PipelineStageError("x"), RuntimeError)
     return found
 
@@ -232,6 +243,7 @@ def test_bad_input_is_refused_before_the_first_step_on_every_rank():
         assert "accumulate_steps=1 micro-batches is fewer than the 2 stages" in found["micro"], found
         assert "'8' is not a module of the model" in found["split"], found
         assert "model.train_batch trains a pipelined model" in found["not_pipelined"], found
+        assert "the batch has 16 rows, but pipeline_configs.micro_batch_size=3 x accumulate_steps=4 = 12" in found["mbs"], found
         assert "a batch of 7 rows cannot be cut into pipeline_configs.accumulate_steps=4" in found["rows"], (rank, found)
         assert "stopped at an earlier error" in found["after"], found
 
