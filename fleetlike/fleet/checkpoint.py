@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.config import DistributedStrategy
 from fleetlike.fleet.checkpoint_files import (
     COMPLETE,
     FORMAT,
@@ -336,10 +337,12 @@ def _fit_problems(meta: dict[str, Any], state: TrainingState) -> list[str]:
     if meta.get("extras", []) != sorted(state.extras):
         problems.append(f"registered objects: saved {meta.get('extras')}, now {sorted(state.extras)}")
     saved_strategy = meta["strategy"] if isinstance(meta["strategy"], dict) else {}
+    # an option added since the save is absent from it: the save ran with its default
+    defaults = DistributedStrategy().to_dict()
     for key in sorted(set(state.strategy) | set(saved_strategy)):
         if key in _RESHARDABLE:
             continue
-        if state.strategy.get(key) != saved_strategy.get(key):
+        if state.strategy.get(key) != saved_strategy.get(key, defaults.get(key)):
             problems.append(f"strategy.{key}: saved {saved_strategy.get(key)!r}, now {state.strategy.get(key)!r}")
     return problems
 
