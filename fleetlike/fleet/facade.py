@@ -348,8 +348,15 @@ class Fleet:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"fleet.distributed_model wraps a torch.nn.Module, got {type(model).__name__}")
         explicit = None if strategy is None else self._strategy(strategy, "fleet.distributed_model")
-        chosen = explicit or self._strategy(None, "fleet.distributed_model")
+        if explicit is not None:
+            chosen = explicit
+        else:  # init's strategy, judged at the first forward unless it pipelines (judged now)
+            chosen = ctx.strategy.copy()
+            override = env_settings().strategy_override
+            if override:
+                chosen.update_from_override(override)
         if chosen.pipeline:
+            chosen = explicit or self._strategy(None, "fleet.distributed_model")
             from fleetlike.fleet.pipelined import build_pipeline
 
             pipelined, self._hcg = build_pipeline(ctx, model, chosen, loss_fn, self._hcg)
