@@ -194,6 +194,30 @@ def _sized():
     return s
 
 
+class _Repeat(torch.nn.Module):
+    """One layer applied ``times`` times: one block's parameters, ``times`` blocks' compute."""
+
+    def __init__(self, layer: torch.nn.Module, times: int) -> None:
+        super().__init__()
+        self.layer, self.times = layer, times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.layer(x))
+        return x
+
+
+def test_split_points_by_measured_time_balance_unequal_blocks():
+    from fleetlike.pipeline import split_points_by_time
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_Repeat(torch.nn.Linear(512, 512), 12),
+                              *[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh()) for _ in range(4)])
+    assert plan_stages(net, 2).names(1)[0] == "2"  # equal parameters: 2 and 3 blocks
+    points = split_points_by_time(net, torch.randn(32, 512), 2, reps=3)
+    assert points == ["1"], points  # the first block computes three times what the four others do
+
+
 def _errors(role):
     from fleetlike import fleet
     from fleetlike.pipeline import PipelineStageError

@@ -16,7 +16,8 @@ Example:
 
 from fleetlike.pipeline.failure import FailureGuard, PipelineStageError
 from fleetlike.pipeline.model import PipelineModel, StageModule
-from fleetlike.pipeline.split import StagePlan, balance, plan_stages, sequence_blocks
+from fleetlike.pipeline.split import (StagePlan, balance, block_seconds, plan_stages, sequence_blocks,
+                                      split_points_by_time)
 from fleetlike.pipeline.topology import HybridCommunicateGroup, ParallelMode, resolve_degrees
 
 __all__ = [
@@ -28,7 +29,9 @@ __all__ = [
     "StageModule",
     "StagePlan",
     "balance",
+    "block_seconds",
     "plan_stages",
     "resolve_degrees",
     "sequence_blocks",
+    "split_points_by_time",
 ]

@@ -10,6 +10,11 @@ Without split points the blocks are balanced: the contiguous division into ``p``
 largest stage holds the fewest parameters (a block without parameters, an activation, weighs
 as much as one parameter, so it still goes somewhere sensible).
 
+Where blocks of equal size cost different time (an attention block beside an embedding),
+`split_points_by_time` measures each block's forward and backward on an example micro-batch and
+returns the split points that balance the measured time, to pass as
+``pipeline_configs.split_points``.
+
 Example:
     >>> plan = plan_stages(nn.Sequential(*blocks), 2, split_points=["4"])
     >>> plan.stages[1][0][0]
@@ -19,10 +24,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
+from typing import Any
 
 import torch
 
-__all__ = ["StagePlan", "balance", "plan_stages", "sequence_blocks"]
+__all__ = ["StagePlan", "balance", "block_seconds", "plan_stages", "sequence_blocks", "split_points_by_time"]
 
 Block = tuple[str, torch.nn.Module]
 
@@ -133,3 +141,34 @@ def plan_stages(model: torch.nn.Module, num_stages: int, split_points: tuple[str
     bounds = [*starts, len(blocks)]
     stages = tuple(tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:]))
     return StagePlan(stages, how)
+
+
+def block_seconds(model: torch.nn.Module, example: Any, reps: int = 3) -> list[tuple[str, float]]:
+    """Each block's forward + backward seconds on ``example`` (one micro-batch of the model's
+    input), the median of ``reps``, in forward order; each block gets the previous block's output."""
+    out = []
+    x = example
+    for name, block in sequence_blocks(model):
+        src = x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y = block(src)
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                y.float().sum().backward()
+            times.append(time.perf_counter() - t0)
+        block.zero_grad(set_to_none=True)
+        out.append((name, statistics.median(times)))
+        with torch.no_grad():
+            x = block(src.detach() if isinstance(src, torch.Tensor) else src)
+    return out
+
+
+def split_points_by_time(model: torch.nn.Module, example: Any, num_stages: int, reps: int = 3) -> list[str]:
+    """The ``num_stages - 1`` split points whose stages take the most equal measured time
+    (`block_seconds` on ``example``), for ``pipeline_configs.split_points``."""
+    timed = block_seconds(model, example, reps)
+    if len(timed) < num_stages:
+        raise ValueError(f"the model has {len(timed)} block(s), fewer than the {num_stages} stages")
+    weights = [max(1, round(seconds * 1e6)) for _, seconds in timed]  # microseconds
+    return [timed[i][0] for i in balance(weights, num_stages)[1:]]
