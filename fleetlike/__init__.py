@@ -11,15 +11,17 @@ from typing import Any
 from fleetlike import roles
 from fleetlike.fleet import DistributedOptimizer, fleet, load_inference_model
 from fleetlike.program import CPUPlace, CUDAPlace, Executor, Program
-from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
+from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy, MixedPrecision_TrainingPolicy
 
 #: names of the faces other than Fleet's, imported on first use, so that ``import fleetlike``
 #: loads the core and the fleet facade only (not the Horovod face, elastic or the DDP patch)
 _LAZY = {
+    "adaptfp16": ("fleetlike.adaptfp16", None),
     "cc": ("fleetlike.horovod.light", None),
     "light_init": ("fleetlike.horovod.light", "light_init"),
     "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
     "role_maker": ("fleetlike.fleet.role_maker", None),
+    "tiacc_torch_warp": ("fleetlike.tiacc_torch_warp", None),
 }
 
 
@@ -41,11 +43,13 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AdaptiveAmpPolicy",
+    "adaptfp16",
     "CPUPlace",
     "CUDAPlace",
     "DistributedOptimizer",
     "DistributedStrategy",
     "Executor",
+    "MixedPrecision_TrainingPolicy",
     "Program",
     "cc",
     "fleet",
@@ -54,4 +58,5 @@ __all__ = [
     "mixed_precision",
     "role_maker",
     "roles",
+    "tiacc_torch_warp",
 ]

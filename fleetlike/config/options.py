@@ -28,6 +28,7 @@ from fleetlike.config.fields import (
     StrList,
     StrategyValueError,
 )
+from fleetlike.config.epl_keys import EPL_ALIASES, DeviceIds
 from fleetlike.config.reductions import ReduceOp
 
 __all__ = [
@@ -343,6 +344,9 @@ ENTRIES: tuple[Field | Section, ...] = (
             "'loss': a relative loss decrease per step above this is abnormal (AMP off)")),
         Field("policy_loss_slow", Float(), 0.0, note=(
             "'loss': a relative loss decrease per step below this (0: the loss rose) is abnormal")),
+        Field("debug_log", Bool(), False, note=(
+            "EPL's amp.debug_log: one stderr line per optimizer step with the loss scale and "
+            "whether the step was skipped for inf/NaN gradients")),
     )),
     Field("recompute", Bool(), False, feature=True, note=(
         "trade compute for memory: checkpointed submodules re-run their forward during backward; "
@@ -350,7 +354,13 @@ ENTRIES: tuple[Field | Section, ...] = (
     Section("recompute_configs", requires="recompute", note="what to recompute", fields=(
         Field("checkpoints", Checkpoints(), (), note=(
             "submodule names as model.named_modules() gives them (e.g. one per transformer "
-            "block), or 'auto' for the model's top-level children")),
+            "block), or 'auto' for the repeated blocks: the children of the largest "
+            "ModuleList/Sequential of at least two modules of one class")),
+        Field("check_gradients", Bool(), False, note=(
+            "EPL's gradient_checkpoint.check_gradients: at each checkpointed submodule's first "
+            "training forward, compare its recomputed gradients (inputs and parameters) with a "
+            "plain backward of the same forward and raise naming the submodule on a difference; "
+            "costs one extra forward and two backwards of each submodule, once")),
     )),
     Field("gradient_merge", Bool(), False, feature=True, note=(
         "accumulate gradients over k_steps batches, then communicate and update once: a k times "
@@ -385,6 +395,10 @@ ENTRIES: tuple[Field | Section, ...] = (
           note=(
               "bucket size in MB: 32 suits most models; smaller buckets start communicating "
               "earlier in backward, larger ones amortise latency on slow links")),
+    Field("fuse_grad_max_buckets", Int(min=0), 0, requires="fuse_all_reduce_ops", note=(
+        "EPL's communication.max_splits: at most this many gradient buckets per model (the "
+        "bucket size grows to the gradients' bytes / this when fuse_grad_size_in_MB would make "
+        "more); 0 = no limit")),
     Field("fp16_allreduce", Bool(), False, feature=True, note=(
         "gradients travel as 16-bit floats, halving traffic (pre-divided by the world size, then "
         "scaled by grad_scale, before the cast); mostly useless when amp already makes "
@@ -492,6 +506,10 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("factor", Float(gt=1), 1.5, note=(
             "a rank is slow when its step time exceeds the median by this factor")),
     )),
+    Field("visible_devices", DeviceIds(), (), note=(
+        "EPL's cluster.run_visible_devices: the GPU ids this job's ranks may use, rank with local "
+        "rank i on the i-th (as FLAGS_selected_gpus); fleet.init refuses more local ranks than ids "
+        "and a process without CUDA; empty = fleetlike's own choice")),
     Field("mode", Choice(Mode), Mode.COLLECTIVE, inert=(
         "Fleet 1.x chose between ParallelExecutor (nccl2) and Executor (collective); fleetlike "
         "has one executor, so the value is only recorded"), note=(
@@ -597,5 +615,6 @@ ALIASES: tuple[Alias, ...] = (
         spec=Choice(EplPipelineStrategy), read=_read_epl_strategy, write=_write_epl_strategy,
         touches=("pipeline_configs.schedule_mode",),
     ),
+    *EPL_ALIASES,
 )
 

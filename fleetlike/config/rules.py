@@ -177,9 +177,9 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
         "merge), or train without pipeline"),
     "horovod": FaceOptions(
         "hvd.DistributedOptimizer",
-        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce"}),
-        "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, nccl_comm_num and "
-        "the hierarchical settings)",
+        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf"}),
+        "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, fuse_grad_max_buckets, "
+        "nccl_comm_num, the hierarchical settings and the NaN/Inf check of each bucket)",
         "turn those off for the Horovod face, or use fleet.distributed_model / fleet.distributed_optimizer, "
         "which apply every option (backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm "
         "its sync BN)"),

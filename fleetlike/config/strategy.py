@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy as _copy
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from fleetlike.config import envvars, rules
@@ -429,15 +429,26 @@ class DistributedStrategy:
         """
         rules.check(self)
 
-    def bucket_cap_bytes(self) -> int | None:
+    def bucket_cap_bytes(self, params: Iterable[Any] | None = None) -> int | None:
         """Gradient bucket size in bytes (``fuse_grad_size_in_MB`` MiB), or None for one bucket
         per gradient (``fuse_all_reduce_ops`` False).
 
         The one place this conversion lives: data parallel, eager style and local SGD's
-        averaging buffers all size their buckets from it, so they always agree."""
+        averaging buffers all size their buckets from it, so they always agree. With
+        ``fuse_grad_max_buckets`` N > 0 and the trainable ``params`` given, the size grows to
+        ``ceil(bytes / N)`` plus the largest gradient where the MB size would make more than N
+        buckets: a bucket closes only when the next gradient does not fit, so each closed one
+        holds more than 1/N of the bytes and there are at most N (per dtype and device)."""
         if not self._values["fuse_all_reduce_ops"]:
             return None
-        return int(float(self._values["fuse_grad_size_in_MB"]) * (1 << 20))
+        cap = int(float(self._values["fuse_grad_size_in_MB"]) * (1 << 20))
+        most = int(self._values["fuse_grad_max_buckets"])
+        if most > 0 and params is not None:
+            sizes = [p.numel() * p.element_size() for p in params if p.requires_grad]
+            total = sum(sizes)
+            if total > most * cap:
+                cap = -(-total // most) + max(sizes)
+        return cap
 
     # ---------------------------------------------------------------- introspection
 

@@ -51,6 +51,7 @@ from fleetlike.collectives.divergence import DivergenceGuard
 from fleetlike.comm import CommGroups
 from fleetlike.config import DistributedStrategy, envvars
 from fleetlike.ddp import FleetHookState, KnobError, applied_knobs, strategy_from_env
+from fleetlike.config.knobs import knob_options
 from fleetlike.ddp.slot import HookSlot, attach
 from fleetlike.ddp.world import groups_for, model_group
 from fleetlike.roles.settings import every_from_env
@@ -72,6 +73,9 @@ class _Settings:
         self.strategy = strategy
         self.every = every  # divergence guard period, in backward passes
         self.knobs = dict(knobs)
+        #: a knob sized the buckets (FLEETLIKE_FUSION_MB, PERSEUS_ALLREDUCE_FUSION,
+        #: TIACC_TRAINING_FUSION_THRESHOLD): DDP's bucket_cap_mb follows, unless the script gives one
+        self.sizes_buckets = bool({"fuse_grad_size_in_MB", "fuse_grad_max_buckets"} & set(knob_options(self.knobs)))
         self.groups: CommGroups | None = None
         self.printed = False
         self.by_param: weakref.WeakValueDictionary[int, FleetHookState] = weakref.WeakValueDictionary()
@@ -120,8 +124,10 @@ def uninstall() -> None:
 def _ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
     cfg = settings()
     bound = _DDP_SIGNATURE.bind(self, *args, **kwargs)
-    if "bucket_cap_mb" not in bound.arguments and envvars.FUSION_MB in cfg.knobs:
-        kwargs["bucket_cap_mb"] = float(cfg.strategy.fuse_grad_size_in_MB)
+    if "bucket_cap_mb" not in bound.arguments and cfg.sizes_buckets:
+        module = bound.arguments.get("module")
+        cap = cfg.strategy.bucket_cap_bytes(module.parameters() if isinstance(module, torch.nn.Module) else None)
+        kwargs["bucket_cap_mb"] = float(cfg.strategy.fuse_grad_size_in_MB) if cap is None else cap / (1 << 20)
     _ORIGINAL_DDP_INIT(self, *args, **kwargs)
     if self._comm_hooks:  # DDP's own mixed precision registered a hook already: it stays
         print("fleetlike.auto: this DDP model already has a comm hook (DDP's mixed precision); "

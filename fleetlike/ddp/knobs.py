@@ -23,9 +23,12 @@ knob                                values                       strategy field(
                                                                  ``.downsample_n_elements``
 ==================================  ===========================  ================================================  ===================================
 
-Any other ``FLEETLIKE_*`` variable that fleetlike does not read (`KNOWN_ELSEWHERE`), and any
-value outside a knob's set, is a `KnobError` naming the variable, the value and what is
-accepted: a misspelt knob never silently does nothing.
+The table and its parsing live in `fleetlike.config.knobs` (with AIACC's ``PERSEUS_*`` and TI-ACC's
+``TIACC_*`` / ``LIGHT_*`` names beside these), and `fleetlike.roles.settings.strategy_with_env`
+applies them: the Fleet and Horovod faces read the same knobs through the same function. Any other
+``FLEETLIKE_*`` variable that fleetlike does not read (`KNOWN_ELSEWHERE`), and any value outside a
+knob's set, is a `KnobError` naming the variable, the value and what is accepted: a misspelt knob
+never silently does nothing.
 
 Example:
     >>> strategy_from_env({"FLEETLIKE_ALLREDUCE_DTYPE": "mixed", "FLEETLIKE_ALLREDUCE_MODE": "flat"}).fp16_allreduce
@@ -34,135 +37,19 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-from fleetlike.config import STRATEGY_ENV_VAR, DistributedStrategy, envvars
+from fleetlike.config import DistributedStrategy, envvars
+from fleetlike.config.knobs import KNOBS, KNOWN_ELSEWHERE, Knob, KnobError, applied_knobs
+from fleetlike.roles.settings import strategy_with_env
 
 __all__ = ["ACCELERATE_VAR", "KNOBS", "KNOWN_ELSEWHERE", "Knob", "KnobError", "applied_knobs", "strategy_from_env"]
 
 #: set by ``python -m fleetlike.launch --accelerate_ddp``: workers import `fleetlike.auto`
 ACCELERATE_VAR = envvars.ACCELERATE_DDP
 
-#: ``FLEETLIKE_*`` variables other parts of fleetlike (and its launcher) read: not knobs, not
-#: errors (the table of `fleetlike.config.envvars`, less the knobs)
-KNOWN_ELSEWHERE = envvars.fleetlike_names() - frozenset(envvars.KNOB_NAMES)
-
-
-class KnobError(ValueError):
-    """A ``FLEETLIKE_*`` variable that is unknown or holds a value its knob does not accept."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Knob:
-    """One environment knob: its values and the strategy options a value sets."""
-
-    name: str
-    accepted: str
-    aiacc: str
-    parse: Callable[[str], dict[str, Any]]
-
-
-def _choice(options: Mapping[str, dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-    def parse(text: str) -> dict[str, Any]:
-        return dict(options[text.strip().lower()])  # KeyError -> KnobError
-    return parse
-
-
-def _int(lo: int, hi: int | None, build: Callable[[int], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-    def parse(text: str) -> dict[str, Any]:
-        value = int(text.strip())
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError(text)
-        return build(value)
-    return parse
-
-
-def _positive(build: Callable[[float], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-    def parse(text: str) -> dict[str, Any]:
-        value = float(text.strip())
-        if not value > 0 or not math.isfinite(value):
-            raise ValueError(text)
-        return build(value)
-    return parse
-
-
-_F16 = "fp16_allreduce_configs"
-KNOBS: tuple[Knob, ...] = (
-    Knob(envvars.ALLREDUCE_DTYPE, "fp32, fp16, bf16, mixed", "PERSEUS_ALLREDUCE_DTYPE", _choice({
-        "fp32": {"fp16_allreduce": False},
-        "fp16": {"fp16_allreduce": True, f"{_F16}.dtype": "float16", f"{_F16}.mode": "all"},
-        "bf16": {"fp16_allreduce": True, f"{_F16}.dtype": "bfloat16", f"{_F16}.mode": "all"},
-        "mixed": {"fp16_allreduce": True, f"{_F16}.dtype": "float16", f"{_F16}.mode": "mixed"},
-    })),
-    Knob(envvars.ALLREDUCE_MODE, "flat, hierarchical, auto", "PERSEUS_ALLREDUCE_MODE", _choice({
-        "flat": {"use_hierarchical_allreduce": False},
-        "hierarchical": {"use_hierarchical_allreduce": True},
-        "auto": {"use_hierarchical_allreduce": True},
-    })),
-    Knob(envvars.ALLREDUCE_STREAMS, "an integer from 1 to 16", "PERSEUS_ALLREDUCE_STREAMS",
-         _int(1, 16, lambda v: {"nccl_comm_num": v})),
-    Knob(envvars.FUSION_MB, "a number of MB > 0", "PERSEUS_ALLREDUCE_FUSION",
-         _positive(lambda v: {"fuse_all_reduce_ops": True, "fuse_grad_size_in_MB": v})),
-    Knob(envvars.GRADIENT_SCALE, "a number > 0 (with a 16-bit FLEETLIKE_ALLREDUCE_DTYPE)",
-         "PERSEUS_ALLREDUCE_GRADIENT_SCALE", _positive(lambda v: {f"{_F16}.grad_scale": v})),
-    Knob(envvars.ACCUMULATE_N_STEPS, "an integer >= 1", "PERSEUS_ACCUMULATE_N_STEPS",
-         _int(1, None, lambda v: {"gradient_merge": v > 1, "gradient_merge_configs.k_steps": v})),
-    Knob(envvars.NAN_CHECK, "0 or 1", "PERSEUS_ALLREDUCE_NANHECK",
-         _choice({"0": {"check_nan_inf": False}, "1": {"check_nan_inf": True}})),
-    Knob(envvars.PERF_CHECK_N_STEPS, "an integer >= 0 (0 = off)", "PERSEUS_PERF_CHECK_N_STEPS",
-         _int(0, None, lambda v: {"slow_rank_check": v > 0, "slow_rank_check_configs.every_n_steps": max(v, 1)})),
-    Knob(envvars.DOWNSAMPLE_N_ELEMENTS, "an integer >= 1 (1 = off)", "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
-         _int(1, None, lambda v: {"gossip": v > 1, "gossip_configs.downsample_n_elements": max(v, 2)})),
-)
-_BY_NAME = {k.name: k for k in KNOBS}
-
-
-def _update(s: DistributedStrategy, flat: Mapping[str, Any]) -> None:
-    for path, value in flat.items():
-        head, dot, tail = path.partition(".")
-        if dot:
-            s.update({head: {tail: value}})
-        else:
-            s.update({head: value})
-
-
-def applied_knobs(environ: Mapping[str, str]) -> dict[str, str]:
-    """The knobs set in ``environ`` (by name); KnobError for an unknown ``FLEETLIKE_*`` name."""
-    found = {}
-    for name, value in sorted(environ.items()):
-        if not name.startswith("FLEETLIKE_") or name in KNOWN_ELSEWHERE:
-            continue
-        if name not in _BY_NAME:
-            raise KnobError(
-                f"{name}={value!r} is not a fleetlike setting; the DDP knobs are "
-                f"{', '.join(k.name for k in KNOBS)} (and fleetlike reads {', '.join(sorted(KNOWN_ELSEWHERE))}). "
-                "Fix the name or unset it"
-            )
-        found[name] = value
-    return found
-
 
 def strategy_from_env(environ: Mapping[str, str]) -> DistributedStrategy:
     """``FLEETLIKE_STRATEGY`` (JSON or file; default strategy when unset) with the knobs of
     ``environ`` applied over it; KnobError names a bad variable, its value and what is accepted."""
-    text = environ.get(STRATEGY_ENV_VAR)
-    s = DistributedStrategy.from_json_or_path(text) if text else DistributedStrategy()
-    knobs = applied_knobs(environ)
-    for name, value in knobs.items():
-        knob = _BY_NAME[name]
-        try:
-            options = knob.parse(value)
-        except (KeyError, ValueError):
-            raise KnobError(f"{name}={value!r} is not accepted; use {knob.accepted}") from None
-        _update(s, options)
-    if envvars.GRADIENT_SCALE in knobs and not s.fp16_allreduce:
-        raise KnobError(
-            f"FLEETLIKE_GRADIENT_SCALE={knobs[envvars.GRADIENT_SCALE]!r} scales gradients around a "
-            "16-bit cast, but the allreduce stays fp32; set FLEETLIKE_ALLREDUCE_DTYPE to fp16, bf16 or "
-            "mixed, or unset FLEETLIKE_GRADIENT_SCALE"
-        )
-    s.validate_combination()
-    return s
+    return strategy_with_env(None, environ)

@@ -25,6 +25,7 @@ Eager style (a plain PyTorch loop):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.comm import DEFAULT_TIMEOUT, CommGroups, Communicator, create_world
 from fleetlike.comm.cuda import selected_gpu, use_device
-from fleetlike.config import DistributedStrategy, rules
+from fleetlike.config import DistributedStrategy
 from fleetlike.fleet import checkpoint as ckpt
 from fleetlike.fleet.context import FleetContext
 from fleetlike.fleet.model import DistributedModel
@@ -43,7 +44,7 @@ from fleetlike.fleet.util import Util
 from fleetlike.fleet.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
-from fleetlike.roles.settings import EnvSettings, env_settings
+from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.step import AppliedEntry
@@ -79,6 +80,19 @@ def _device_for(role: Role, env: EnvSettings, backend: str | None = None) -> tor
     if env.cuda_visible_devices or role.source in _GPU_BY_LOCAL_RANK or chosen == "nccl":
         return torch.device("cuda", role.local_rank % count)
     return torch.device("cpu")
+
+
+def _visible(role: Role, ids: tuple[int, ...], backend: str | None) -> Role:
+    """``role`` on the GPUs of ``strategy.visible_devices`` (EPL's ``cluster.run_visible_devices``):
+    local rank i on the i-th id, as ``FLAGS_selected_gpus`` (the NCCL communicator follows it)."""
+    field = "strategy.visible_devices (EPL's cluster.run_visible_devices)"
+    if not torch.cuda.is_available() or (backend or "").lower() in ("gloo", "mpi"):
+        raise ValueError(f"{field}={list(ids)} names GPUs, but this process trains on the CPU (no CUDA device, "
+                         "or a CPU backend); leave it empty")
+    if role.local_size > len(ids) and len(ids) != 1:
+        raise ValueError(f"{field}={list(ids)} has {len(ids)} GPU(s) for the {role.local_size} ranks of this "
+                         "node; give one id per local rank")
+    return dataclasses.replace(role, selected_gpus=tuple(ids))
 
 
 class Fleet:
@@ -124,6 +138,8 @@ class Fleet:
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
+        if strategy is not None and strategy.visible_devices:
+            role = _visible(role, strategy.visible_devices, backend or env.backend)
         device = _device_for(role, env, backend)
         use_device(device)  # once, here: every later CUDA call of this rank lands on its GPU
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -235,21 +251,17 @@ class Fleet:
 
     def effective_strategy(self, explicit: DistributedStrategy | None = None, what: str = "fleet") -> DistributedStrategy:
         """The strategy a wrapper built now runs: ``explicit`` or init's, with ``FLEETLIKE_STRATEGY``
-        applied and the combination checked (what `distributed_optimizer` uses; also the Horovod
+        and the environment knobs applied and the combination checked (what `distributed_optimizer` uses; also the Horovod
         face's `DistributedOptimizer`)."""
         return self._strategy(explicit, what)
 
     def _strategy(self, explicit: DistributedStrategy | None, what: str) -> DistributedStrategy:
-        """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY applied."""
+        """The strategy a wrapper runs: its own or init's, with FLEETLIKE_STRATEGY and the knobs
+        (``FLEETLIKE_*``, ``PERSEUS_*``, ``TIACC_*``, ``LIGHT_*``) applied."""
         ctx = self._context(what)
         if explicit is not None and not isinstance(explicit, DistributedStrategy):
             raise TypeError(f"{what}: strategy must be a DistributedStrategy, got {type(explicit).__name__}")
-        chosen = (explicit or ctx.strategy).copy()
-        override = env_settings().strategy_override
-        if override:
-            chosen.update_from_override(override)
-        rules.check(chosen)
-        return chosen
+        return strategy_with_env(explicit or ctx.strategy)
 
     # ------------------------------------------------------------------ optimizer and programs
 

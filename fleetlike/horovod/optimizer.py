@@ -209,7 +209,7 @@ class HorovodOptimizer(HorovodWrapper):
         self._rt: Runtime = rt
         chosen = self.user_defined_strategy
         params = self._params
-        cap = chosen.bucket_cap_bytes()
+        cap = chosen.bucket_cap_bytes(params)
         self._join_id = next(i for i in range(len(rt.optimizers) + 1) if i not in rt.optimizers)
         # the buckets travel on communicators of their own, so an agreement on the Horovod world
         # overlaps them (each communicator keeps its own order); with join answered from the
@@ -241,7 +241,8 @@ class HorovodOptimizer(HorovodWrapper):
         # the reducer's hook is the only one: it asks this optimizer (its gate) at the first
         # gradient of each backward whether it reduces, and learns which gradients are sparse
         self.reducer = make_reducer(params, collective, cap_bytes=cap, names=self._names, buckets=buckets,
-                                    gate=self, sparse=True, lock=self._hvd_lock)
+                                    gate=self, sparse=True, lock=self._hvd_lock,
+                                    check_nan_inf=bool(chosen.check_nan_inf))
         self.reducer.sparse = self._sparse  # kept across a rebind
         self._flag_view: torch.Tensor | None = None
         self._one_hot: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""The ``-np/-H`` command line (horovodrun's and perseusrun's form) -> a checked `HostsJob`.
+"""The ``-np/-H`` command line (horovodrun's and perseusrun's ``-np N -H host:n,...`` form) -> a checked `HostsJob`.
 
 ``python -m fleetlike.launch -np 4 -H host1:2,host2:2 [--gloo|--mpi] -- python train.py`` starts
 one job over several machines from one command. This module only reads and checks that command

@@ -7,7 +7,7 @@ Three axes, each value a set of `DistributedStrategy` options:
   ``fp16_mixed`` (16-bit across nodes only), ``sharding`` (ZeRO-1: reduce-scatter, partitioned
   update, parameter gather), ``sharding_hier``, ``localsgd`` (parameters averaged every 4 steps), ``gossip`` (one of every 4
   gradient elements per step, error feedback);
-- **compute/memory**: none, ``recompute`` ("auto": the model's top-level children),
+- **compute/memory**: none, ``recompute`` ("auto": the model's repeated blocks),
   ``amp`` (bfloat16 autocast);
 - **accumulation**: none, ``merge`` (gradient merge, k = 4).
 

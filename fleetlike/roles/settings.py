@@ -1,7 +1,9 @@
 """Process-wide switches read from the environment, turned into plain values here.
 
-`fleet.init` and the DDP face ask this function rather than the environment; the other readers
-are the role makers, the launcher, elastic membership and the DDP knobs (docs/ARCHITECTURE.md).
+`fleet.init` and the DDP face ask this function rather than the environment, and every face
+builds its strategy with `strategy_with_env` (``FLEETLIKE_STRATEGY`` and the knobs of
+`fleetlike.config.knobs`); the other readers are the role makers, the launcher and elastic
+membership (docs/ARCHITECTURE.md).
 
 ==========================  ===============================================================
 ``FLEETLIKE_STRATEGY``      JSON text or a path to a JSON file, applied over the script's
@@ -22,9 +24,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from fleetlike.config import envvars
+from fleetlike.config import DistributedStrategy, envvars, rules
+from fleetlike.config.knobs import apply_knobs, knob_options
 
-__all__ = ["EnvSettings", "env_settings", "every_from_env"]
+__all__ = ["EnvSettings", "env_settings", "every_from_env", "strategy_with_env"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,9 @@ class EnvSettings:
     cuda_visible_devices: str | None = None
     #: FLEETLIKE_DIVERGENCE_CHECK_N_STEPS as an int >= 0; None when unset (the guard's default)
     divergence_every: int | None = None
+    #: the strategy options the knobs set (``FLEETLIKE_*``, ``PERSEUS_*``, ``TIACC_*``,
+    #: ``LIGHT_*``; `fleetlike.config.knobs`), checked when the settings are read
+    knob_options: dict = dataclasses.field(default_factory=dict)
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -46,6 +52,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
             f"{envvars.CHECK_COLLECTIVES}={flag!r} is not a switch; use 1 or 0"
         )
     return EnvSettings(
+        knob_options=knob_options(env),  # a bad, refused or misspelt knob stops the job here
         divergence_every=every_from_env(env),
         strategy_override=env.get(envvars.STRATEGY) or None,
         backend=env.get(envvars.BACKEND) or None,
@@ -70,3 +77,19 @@ def every_from_env(environ: Mapping[str, str] | None = None) -> int | None:
         raise ValueError(f"{envvars.DIVERGENCE_CHECK_N_STEPS}={text!r} is not accepted; use an integer >= 0 (steps "
                          "between two parameter checks across ranks; 0 = only after the starting broadcast)")
     return value
+
+
+def strategy_with_env(strategy: DistributedStrategy | None = None,
+                      environ: Mapping[str, str] | None = None) -> DistributedStrategy:
+    """The strategy a face runs: a copy of ``strategy`` (default: a fresh one) with
+    ``FLEETLIKE_STRATEGY`` applied, then every knob of the environment (`fleetlike.config.knobs`),
+    and the combination checked. The one path from the environment to a strategy: Fleet's
+    faces (program and eager), Horovod's optimizer and the DDP hook all take it."""
+    env = os.environ if environ is None else environ
+    chosen = DistributedStrategy() if strategy is None else strategy.copy()
+    override = env.get(envvars.STRATEGY)
+    if override:
+        chosen.update_from_override(override)
+    apply_knobs(chosen, env)
+    rules.check(chosen)
+    return chosen

@@ -34,6 +34,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -211,6 +212,8 @@ class AmpUnit(Unit):
         # the finite check and the scale act at the update; 'time_lr' reads the optimizer's lr
         self.needs_optimizer = self.scaling or (self.policy is not None and self.policy.policy == "time_lr")
         self.found_inf = False
+        #: optimizer steps logged by amp_configs.debug_log
+        self._logged = 0
         ctx.record("amp", True, f"autocast {dtype_name(self.dtype)}, " + (
             "dynamic loss scaling" if self.scaler.dynamic
             else ("fixed loss scale" if self.scaling else "no loss scaling (bfloat16)")))
@@ -231,6 +234,8 @@ class AmpUnit(Unit):
                 Hook("after_update", "update_loss_scaling", self._update,
                      {"dynamic": self.scaler.dynamic, "scale": lambda: self.scaler.scale}),
             ]
+        if self.cfg["debug_log"]:
+            hooks.append(Hook("after_update", "amp_debug_log", self._debug_log, {"to": "stderr"}))
         if self.policy is not None:
             hooks.append(Hook("after_update", "amp_policy_step", self._count, {
                 "time": "optimizer steps", **({"loss": "averaged over ranks"} if self.policy.policy == "loss" else {})}))
@@ -322,6 +327,17 @@ class AmpUnit(Unit):
             if self.enabled:
                 self.scaler.update(self.found_inf)
             st.info["loss_scale"] = self.scaler.scale
+
+    def _debug_log(self, st: StepState) -> None:
+        """EPL's ``amp.debug_log``: one line per optimizer step (micro-steps of gradient merge
+        are not steps), rank-tagged, with what AMP did."""
+        if st.accumulate:
+            return
+        self._logged += 1
+        what = ("off this step (amp_configs.policy)" if not self.enabled
+                else "skipped: inf/NaN gradients" if self.found_inf else "applied")
+        print(f"fleetlike amp [rank {self.ctx.groups.world.rank}] step {self._logged}: {dtype_name(self.dtype)}, "
+              f"loss scale {self.scaler.scale:g}, update {what}", file=sys.stderr, flush=True)
 
     def notes(self) -> list[Callable[[], str]]:
         return [lambda: f"amp {dtype_name(self.dtype)}: loss scale {self.scaler.scale:g}, "

@@ -161,13 +161,73 @@ class AdaptiveAmpPolicy:
             self.switches = [tuple(s) for s in state["switches"]]  # type: ignore[misc]
 
 
-class MixedPrecision_TrainingPolicy(AdaptiveAmpPolicy):  # noqa: N801 - TI-ACC's own name
-    """TI-ACC's class name. Its parameters are keyword-only after ``policy``: TI-ACC's own example
-    passes them as ``(policy, start, hold, end, ...)`` while its table lists ``(policy,
-    start_time, end_time, hold_time, ...)``, so a positional call would mean one thing to one
-    reader and another to the next."""
+#: TI-ACC's example names of the parameters, in the example's positional order, and the
+#: parameter table's names for the same values
+_EXAMPLE_ORDER = ("start_step", "hold_step", "end_step", "test_interval", "test_step")
+_TABLE_NAME = {"start_step": "start_time", "hold_step": "hold_time", "end_step": "end_time",
+               "test_interval": "interval_time", "test_step": "interval_hold_time"}
+_TABLE_DEFAULTS: dict[str, Any] = {"start_time": 10, "end_time": None, "hold_time": None, "interval_time": 1000,
+                                   "interval_hold_time": 100}
 
-    def __init__(self, policy: str | int, *, start_time: float = 10, end_time: float | None = None,
-                 hold_time: float | None = None, interval_time: float = 1000,
-                 interval_hold_time: float = 100) -> None:
-        super().__init__(policy, start_time, end_time, hold_time, interval_time, interval_hold_time)
+
+def _is_scaler(value: Any) -> bool:
+    """A GradScaler (torch.cuda.amp's, torch.amp's, or one with its interface), not a number."""
+    return value is not None and not isinstance(value, (int, float)) and all(
+        callable(getattr(value, name, None)) for name in ("scale", "update"))
+
+
+class MixedPrecision_TrainingPolicy(AdaptiveAmpPolicy):  # noqa: N801 - TI-ACC's own name
+    """TI-ACC's class, taking both of its documented calls:
+
+    - the example's positional one, ``MixedPrecision_TrainingPolicy(policy, start_step, hold_step,
+      end_step, test_interval, test_step)`` (keywords of those names work too);
+    - the parameter table's keywords, ``MixedPrecision_TrainingPolicy(policy, start_time=10,
+      end_time=None, hold_time=None, interval_time=1000, interval_hold_time=100)``.
+
+    A value given twice (positionally and by a keyword, or by both names) is a TypeError.
+
+    Example:
+        >>> p = MixedPrecision_TrainingPolicy(1, 2, 3, 8, 1000, 100)   # time_lr, start 2, hold 3, end 8
+        >>> (p.start_time, p.hold_time, p.end_time)
+        (2.0, 3.0, 8.0)
+    """
+
+    def __init__(self, policy: str | int, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(_EXAMPLE_ORDER):
+            raise TypeError(f"MixedPrecision_TrainingPolicy takes policy and at most {len(_EXAMPLE_ORDER)} values "
+                            f"({', '.join(_EXAMPLE_ORDER)}), got {1 + len(args)}")
+        values: dict[str, Any] = {}
+        for name, value in zip(_EXAMPLE_ORDER, args):
+            values[_TABLE_NAME[name]] = value
+        for name, value in kwargs.items():
+            table = _TABLE_NAME.get(name, name)
+            if table not in _TABLE_DEFAULTS:
+                raise TypeError(f"MixedPrecision_TrainingPolicy got an unexpected keyword {name!r}; its parameters are "
+                                f"{', '.join(_TABLE_DEFAULTS)} (the table's names) or {', '.join(_EXAMPLE_ORDER)} "
+                                "(the example's)")
+            if table in values:
+                raise TypeError(f"MixedPrecision_TrainingPolicy got {table} twice ({name!r} and an earlier "
+                                "positional value or other name); give it once")
+            values[table] = value
+        super().__init__(policy, **{**_TABLE_DEFAULTS, **values})
+
+    def enable_mixed_precision(self, epoch: float, *args: Any, lr: float | None = None,  # type: ignore[override]
+                               loss: float | None = None, scaler: Any = None) -> bool:
+        """Whether AMP is on for ``epoch``, in both of TI-ACC's forms: the example's
+        ``(epoch, lr, loss, scaler=scaler)`` and the table's ``(epoch, scaler, lr=None,
+        loss=None)`` (told apart by the second argument: a GradScaler or a number)."""
+        given: dict[str, Any] = {}
+        order = ("scaler", "lr", "loss") if args and _is_scaler(args[0]) else ("lr", "loss", "scaler")
+        if len(args) > 3:
+            raise TypeError("enable_mixed_precision takes epoch and at most lr, loss and scaler")
+        for name, value in zip(order, args):
+            given[name] = value
+        for name, value in (("lr", lr), ("loss", loss), ("scaler", scaler)):
+            if value is not None:
+                if name in given:
+                    raise TypeError(f"enable_mixed_precision got {name} twice; give it once")
+                given[name] = value
+        if given.get("lr") is not None and _is_scaler(given["lr"]):
+            raise TypeError("enable_mixed_precision: lr is a GradScaler; pass (epoch, lr, loss, scaler=scaler) or "
+                            "(epoch, scaler, lr=..., loss=...)")
+        return super().enable_mixed_precision(epoch, given.get("lr"), given.get("loss"), given.get("scaler"))

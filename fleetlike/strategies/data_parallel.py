@@ -55,17 +55,19 @@ class DataParallelUnit(Unit):
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
         nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
         self.ctx = ctx
-        self.reducer = make_reducer(ctx.model, collective, cap_bytes=s.bucket_cap_bytes(),
+        cap = s.bucket_cap_bytes(ctx.model.parameters())
+        self.reducer = make_reducer(ctx.model, collective, cap_bytes=cap,
                                     find_unused=s.find_unused_parameters, check_nan_inf=nan_check)
         ctx.reducer = self.reducer
         self._step: StepState | None = None  # the step whose counters are below (held, not its id:
         # an id is reused once the object is freed, which once made two steps look like one)
         self._issued = (0, 0)
-        cap = s.bucket_cap_bytes()
         rings = ctx.groups.rings(s.nccl_comm_num)
+        most = int(s.fuse_grad_max_buckets)
         ctx.record("data_parallel", True, (
             f"{len(self.reducer.buckets)} buckets "
-            + (f"of <= {s.fuse_grad_size_in_MB} MB" if cap else "(one per gradient: fuse_all_reduce_ops=False)")
+            + (f"of <= {cap / (1 << 20):g} MB" + (f" (at most {most}: fuse_grad_max_buckets)" if most else "")
+               if cap else "(one per gradient: fuse_all_reduce_ops=False)")
             + f" over {len(rings)} communicator(s)"
         ))
         for name, applied, why in notes:

@@ -255,7 +255,7 @@ class LocalSGDUnit(Unit):
                                                       rings=own)
         self.alpha = 0.0 if adaptive else float(cfg["overlap_alpha"])
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        frags = split_fragments(params, count, self.collective, s.bucket_cap_bytes(), _WIRE.get(sync_dtype))
+        frags = split_fragments(params, count, self.collective, s.bucket_cap_bytes(params), _WIRE.get(sync_dtype))
         k = int(cfg["init_k_steps"] if adaptive else cfg["k_steps"])
         self.state = LocalSGDState(k, int(cfg["begin_step"]), adaptive, k if adaptive else 0, frags, self.overlap)
         rings = ctx.groups.rings(s.nccl_comm_num)

@@ -25,11 +25,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from fleetlike.strategies.step import StepContext, Unit
 
-__all__ = ["RecomputeUnit", "apply_recompute", "auto_checkpoints", "plain_forwards"]
+__all__ = ["RecomputeUnit", "apply_recompute", "auto_checkpoints", "check_recompute_gradients", "plain_forwards"]
 
 
 def auto_checkpoints(model: torch.nn.Module) -> list[str]:
@@ -64,8 +65,71 @@ def _buffers_kept(module: torch.nn.Module) -> Iterator[None]:
                 buf.copy_(value)
 
 
-def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
-    """Make the forward of each named submodule recompute in backward; returns the names."""
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def check_recompute_gradients(name: str, module: torch.nn.Module, plain: Any, args: tuple[Any, ...],
+                              kwargs: dict[str, Any], rtol: float = 1e-5, atol: float = 1e-7) -> float:
+    """EPL's ``gradient_checkpoint.check_gradients`` for one submodule: run its forward on
+    detached copies of the inputs twice, plainly and checkpointed (the same RNG state and
+    buffers each time), backpropagate the same random cotangent through both and compare the
+    gradients of the inputs and of the module's parameters. Raises `RuntimeError` naming the
+    submodule and the tensor on a difference beyond ``rtol``/``atol``; returns the largest
+    absolute difference. RNG state and buffers are left as they were, so the step that follows
+    draws and updates exactly what it would have without the check."""
+    leaves, spec = tree_flatten((args, kwargs))
+    copies = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for t in leaves]
+    c_args, c_kwargs = tree_unflatten(copies, spec)
+    inputs = [t for t in copies if isinstance(t, torch.Tensor) and t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    wrt = inputs + params
+    devices = sorted({t.device.index for t in _tensors((args, kwargs)) if t.device.type == "cuda"}, key=int)
+    with torch.random.fork_rng(devices=devices):
+        state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+
+        def run(fn: Any) -> list[torch.Tensor]:
+            torch.set_rng_state(state)
+            for d, st in zip(devices, cuda_states):
+                torch.cuda.set_rng_state(st, d)
+            with _buffers_kept(module):
+                out = fn()
+                outs = [t for t in _tensors(out) if t.requires_grad]
+                gen = torch.Generator().manual_seed(0)
+                cot = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype) for t in outs]
+                if not outs or not wrt:
+                    return []
+                got = torch.autograd.grad(outs, wrt, cot, allow_unused=True)
+            return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
+
+        reference = run(lambda: plain(*c_args, **c_kwargs))
+        recomputed = run(lambda: checkpoint(plain, *c_args, use_reentrant=False, preserve_rng_state=True,
+                                            context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)),
+                                            **c_kwargs))
+    labels = [f"input {i}" for i in range(len(inputs))] + [f"parameter {n!r}" for n, p in module.named_parameters()
+                                                           if p.requires_grad]
+    worst = 0.0
+    for label, ref, rec in zip(labels, reference, recomputed):
+        diff = float((ref.detach().double() - rec.detach().double()).abs().max()) if ref.numel() else 0.0
+        worst = max(worst, diff)
+        if not torch.allclose(rec, ref, rtol=rtol, atol=atol):
+            raise RuntimeError(
+                f"recompute_configs.check_gradients: submodule {name!r} gives different gradients when "
+                f"recomputed: {label} differs by up to {diff:.3g} from a plain backward (rtol {rtol:g}, "
+                f"atol {atol:g}). Its forward does not compute the same thing twice (state changed between "
+                "calls, or an RNG/buffer it reads outside torch's); drop it from recompute_configs.checkpoints "
+                "or make its forward repeatable")
+    return worst
+
+
+def apply_recompute(model: torch.nn.Module, names: Sequence[str], check_gradients: bool = False) -> list[str]:
+    """Make the forward of each named submodule recompute in backward; returns the names.
+
+    ``check_gradients``: each submodule's first training forward first runs
+    `check_recompute_gradients` (once per submodule)."""
     modules = dict(model.named_modules())
     for name in names:
         if name not in modules or name == "":
@@ -81,10 +145,16 @@ def apply_recompute(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
         def contexts(_module: torch.nn.Module = module) -> tuple[Any, Any]:
             return contextlib.nullcontext(), _buffers_kept(_module)
 
+        pending = {"check": check_gradients}
+
         @functools.wraps(plain)
-        def forward(*args: Any, _plain: Any = plain, _contexts: Any = contexts, **kwargs: Any) -> Any:
+        def forward(*args: Any, _plain: Any = plain, _contexts: Any = contexts, _name: str = name,
+                    _module: torch.nn.Module = module, _pending: dict[str, bool] = pending, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _plain(*args, **kwargs)
+            if _pending["check"]:
+                _pending["check"] = False
+                check_recompute_gradients(_name, _module, _plain, args, kwargs)
             return checkpoint(_plain, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=_contexts, **kwargs)
 
@@ -127,8 +197,12 @@ class RecomputeUnit(Unit):
         if not names:
             ctx.record("recompute", False, "recompute is on but recompute_configs.checkpoints is empty")
             return None
-        apply_recompute(ctx.model, names)
+        check = bool(ctx.strategy.recompute_configs["check_gradients"])
+        apply_recompute(ctx.model, names, check_gradients=check)
         ctx.record("recompute", True, f"checkpoints: {', '.join(names)}")
+        if check:
+            ctx.record("recompute_configs.check_gradients", True,
+                       "each checkpoint's first training forward compares recomputed and plain gradients")
         return cls(names)
 
     def forward_attrs(self) -> dict[str, Any]:

@@ -105,10 +105,10 @@ class ShardingUnit(Unit):
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.collective = ShardReduceScatter.from_allreduce(allreduce, op)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        buckets = plan_shards(params, s.bucket_cap_bytes(), world.size, self.collective.positions())
+        buckets = plan_shards(params, s.bucket_cap_bytes(params), world.size, self.collective.positions())
         nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
         hold = self._clip_local if self.clip_norm > 0 and not self.clip_after else None
-        self.reducer = make_reducer(ctx.model, self.collective, cap_bytes=s.bucket_cap_bytes(),
+        self.reducer = make_reducer(ctx.model, self.collective, cap_bytes=s.bucket_cap_bytes(params),
                                     find_unused=s.find_unused_parameters, check_nan_inf=nan_check,
                                     buckets=buckets, hold=hold)
         ctx.reducer = self.reducer
