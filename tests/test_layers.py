@@ -20,12 +20,16 @@ strategies            one unit per feature (config, collectives, program, comm, 
 ddp                   PyTorch DDP's face: communication hooks from a strategy, ``ddp.auto`` (the
                       zero-code-change patch) and its env knobs (config, collectives, comm, roles,
                       strategies: the data-parallel collective and the slow-rank helpers)
+pipeline              pipeline parallelism: stages, the dp x pp groups, torch's schedules, stage
+                      checkpoints (config, collectives, comm, roles, program, strategies: the
+                      data-parallel collective, AMP's autocast, recompute)
 fleet                 the facade of API.md and Paddle's aliases (``fleet.mixed_precision``'s
                       ``decorate``, ``fleet.role_maker``) (everything below)
 elastic               fault tolerance with Horovod Elastic's names: State, commit/restore, run
                       (fleet for the world it re-forms; everything below)
 plan                  the strategy planner: builds each strategy's real programs over dry
-                      communicators and costs them (everything below but mixed_precision)
+                      communicators and costs them, and predicts pipelines from the stages
+                      ``pipeline.split`` makes (everything below but mixed_precision)
 horovod               ``import fleetlike.horovod as hvd`` and Light's names (``horovod.light``,
                       ``light_init``): the Horovod face over fleet's communicators and the reducer
                       (everything below)
@@ -70,9 +74,10 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("program", ("fleetlike.program",), None),
     ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
     ("ddp", ("fleetlike.ddp",), {"config", "collectives", "comm", "roles", "strategies"}),
+    ("pipeline", ("fleetlike.pipeline",), {"config", "collectives", "comm", "roles", "program", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
-    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "fleet"}),
+    ("plan", ("fleetlike.plan",), {"config", "roles", "comm", "collectives", "program", "strategies", "pipeline", "fleet"}),
     ("horovod", ("fleetlike.horovod",), None),
     ("io", ("fleetlike.io",), None),
     ("launch", ("fleetlike.launch",), {"config", "roles", "comm"}),

@@ -72,6 +72,10 @@ PADDLE_DEFAULTS: dict[str, Any] = {
                          "clip_norm": 0.0, "clip_after_allreduce": False, "overlap_update": True,
                          "stage": 1, "optimize_offload": False, "offload_params": False},
     "num_apply_group": 1,
+    "pipeline": False,
+    "pipeline_configs": {"accumulate_steps": 1, "micro_batch_size": 0, "schedule_mode": "1F1B", "split_points": []},
+    "hybrid_configs": {"dp_degree": -1, "pp_degree": 1, "mp_degree": 1},
+    "tensor_parallel": False,
     "sync_batch_norm": False,
     "sync_batch_norm_configs": {"scope": "global"},
     "find_unused_parameters": False,
@@ -157,6 +161,15 @@ KINDS: dict[str, tuple[Any, ...]] = {
     "sharding_configs.optimize_offload": ("bool",),
     "sharding_configs.offload_params": ("bool",),
     "num_apply_group": ("int", 1, None),
+    "pipeline": ("bool",),
+    "pipeline_configs.accumulate_steps": ("int", 1, None),
+    "pipeline_configs.micro_batch_size": ("int", 0, None),
+    "pipeline_configs.schedule_mode": ("choice", ["1F1B", "FThenB"]),
+    "pipeline_configs.split_points": ("names", "s"),
+    "hybrid_configs.dp_degree": ("values", [-1, 1, 4], [(0, ValueError), (-2, ValueError), ("2", TypeError)]),
+    "hybrid_configs.pp_degree": ("int", 1, None),
+    "hybrid_configs.mp_degree": ("values", [1], [(2, ValueError), (0, ValueError), (True, TypeError)]),
+    "tensor_parallel": ("bool",),
     "sync_batch_norm": ("bool",),
     "sync_batch_norm_configs.scope": ("choice", ["global", "local"]),
     "find_unused_parameters": ("bool",),
@@ -219,7 +232,9 @@ def test_registry_matches_the_restated_contract() -> None:
                                                   "communication.gradients_reduce_method",
                                                   "communication.clip_after_allreduce",
                                                   *(a.name for a in options.EPL_ALIASES),
-                                                  "io.slicing", "io.unbalanced_io_slicing", "io.drop_last_files"}
+                                                  "io.slicing", "io.unbalanced_io_slicing", "io.drop_last_files",
+                                                  "pipeline.num_micro_batch", "pipeline.num_stages",
+                                                  "pipeline.strategy"}
 
 
 @pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,

@@ -41,6 +41,8 @@ __all__ = [
     "Mode",
     "AmpPolicy",
     "OuterOptimizer",
+    "PipelineSchedule",
+    "EplPipelineStrategy",
     "REDUCE_METHOD",
     "ReduceMethod",
     "SyncDtype",
@@ -135,6 +137,21 @@ class OffloadLevel(_StrEnum):
 
     OFF = ""
     V0 = "v0"
+
+
+class PipelineSchedule(_StrEnum):
+    """Paddle's ``pipeline_configs.schedule_mode``: one forward then one backward per micro-batch
+    in the steady state (1F1B), or every forward before any backward (FThenB, GPipe)."""
+
+    ONE_F_ONE_B = "1F1B"
+    F_THEN_B = "FThenB"
+
+
+class EplPipelineStrategy(_StrEnum):
+    """EPL's ``pipeline.strategy``: PreferBackward is 1F1B (PipeDream), PreferForward GPipe."""
+
+    PREFER_BACKWARD = "PreferBackward"
+    PREFER_FORWARD = "PreferForward"
 
 
 class Mode(_StrEnum):
@@ -242,6 +259,26 @@ def _outer_check(section: str, merged: Mapping[str, Any]) -> None:
             f"{section}.outer_momentum={merged['outer_momentum']!r} must be > 0 with "
             "outer_optimizer='nesterov'. Fix: set outer_momentum (DiLoCo uses 0.9) or use "
             "outer_optimizer='sgd'")
+
+def _hybrid_check(section: str, merged: Mapping[str, Any]) -> None:
+    """Tensor (model) parallelism is not offered: refuse it here, with the reason."""
+    mp = int(merged["mp_degree"])
+    if mp != 1:
+        raise StrategyValueError(
+            f"{section}.mp_degree", mp, "1 (tensor parallelism is not offered)",
+            "leave mp_degree at 1; split a model larger than one device into pipeline stages "
+            "(pp_degree) or shard its optimizer state (sharding)",
+            f"{section}.mp_degree={mp}: tensor (model) parallelism is not offered by fleetlike, "
+            "so no layer is split across ranks. Fix: leave mp_degree at 1 and use pp_degree "
+            "(pipeline stages) or sharding for a model larger than one device")
+    dp = int(merged["dp_degree"])
+    if dp == 0 or dp < -1:
+        raise StrategyValueError(
+            f"{section}.dp_degree", dp, "-1 (the world size / pp_degree) or >= 1",
+            "use -1 to take every rank left over by the pipeline",
+            f"{section}.dp_degree={dp} must be -1 (world size / pp_degree) or a positive count. "
+            "Fix: use -1 to take every rank the pipeline leaves")
+
 
 ENTRIES: tuple[Field | Section, ...] = (
     Field("localsgd", Bool(), False, feature=True, note=(
@@ -444,6 +481,38 @@ ENTRIES: tuple[Field | Section, ...] = (
         "EPL's optimizer.num_apply_group: the update applied in this many groups of "
         "parameters, one optimizer call each, so its temporary buffers are about 1/N of the "
         "model (torch.optim's per-parameter optimizers; any sharding stage or none)")),
+    Field("pipeline", Bool(), False, feature=True, note=(
+        "split the model into hybrid_configs.pp_degree stages on as many ranks and stream "
+        "micro-batches through them (Paddle's PipelineParallel, EPL's pipeline): for a model "
+        "whose parameters and optimizer state do not fit one device; train with "
+        "model.train_batch((x, y), opt)")),
+    Section("pipeline_configs", requires="pipeline", note="pipeline schedule", fields=(
+        Field("accumulate_steps", Int(min=1), 1, note=(
+            "micro-batches per optimizer step (EPL's pipeline.num_micro_batch): the bubble is "
+            "(p-1)/(m+p-1) of a step, so use at least 4x the stages")),
+        Field("micro_batch_size", Int(min=0), 0, note=(
+            "rows per micro-batch; 0 = the batch's rows / accumulate_steps. When set, every "
+            "batch must hold micro_batch_size x accumulate_steps rows (Paddle's check)")),
+        Field("schedule_mode", Choice(PipelineSchedule), PipelineSchedule.ONE_F_ONE_B, note=(
+            "'1F1B' keeps at most pp_degree micro-batches' activations per stage; 'FThenB' "
+            "(GPipe) runs every forward first and holds accumulate_steps of them")),
+        Field("split_points", StrList("module names"), (), note=(
+            "names (model.named_modules()) of the modules that begin stages 2..p, in forward "
+            "order; empty = balance the model's blocks by parameter count")),
+    )),
+    Section("hybrid_configs", note="how the ranks divide: dp_degree x pp_degree = world size",
+            check=_hybrid_check, fields=(
+        Field("dp_degree", Int(min=-1), -1, note=(
+            "pipelines training side by side on different data (data parallel across "
+            "pipelines); -1 = world size / pp_degree")),
+        Field("pp_degree", Int(min=1), 1, note=(
+            "pipeline stages (ranks per pipeline); > 1 needs pipeline = True")),
+        Field("mp_degree", Int(min=1), 1, note=(
+            "tensor (model) parallelism: not offered, only 1 is accepted")),
+    )),
+    Field("tensor_parallel", Bool(), False, feature=True, note=(
+        "Paddle's tensor (model) parallelism: not offered (no layer is split across ranks); "
+        "True is refused when the strategy is used. Use pipeline stages or sharding")),
     Field("sync_batch_norm", Bool(), False, feature=True, note=(
         "BatchNorm statistics over the global batch; helps small per-GPU batches (detection) "
         "at the cost of one allreduce per layer")),
@@ -530,6 +599,25 @@ def _write_collective_mode(value: Any) -> dict[str, Any]:
     return {"localsgd": False, "adaptive_localsgd": False}
 
 
+def _read_num_stages(get: Callable[[str], Any]) -> int:
+    return int(get("hybrid_configs.pp_degree")) if get("pipeline") else 1
+
+
+def _write_num_stages(value: Any) -> dict[str, Any]:
+    return {"pipeline": int(value) > 1, "hybrid_configs.pp_degree": int(value)}
+
+
+def _read_epl_strategy(get: Callable[[str], Any]) -> EplPipelineStrategy:
+    mode = get("pipeline_configs.schedule_mode")
+    return (EplPipelineStrategy.PREFER_BACKWARD if mode is PipelineSchedule.ONE_F_ONE_B
+            else EplPipelineStrategy.PREFER_FORWARD)
+
+
+def _write_epl_strategy(value: Any) -> dict[str, Any]:
+    mode = PipelineSchedule.ONE_F_ONE_B if value is EplPipelineStrategy.PREFER_BACKWARD else PipelineSchedule.F_THEN_B
+    return {"pipeline_configs.schedule_mode": mode}
+
+
 ALIASES: tuple[Alias, ...] = (
     Alias("use_local_sgd", "localsgd", "Fleet 1.x name of localsgd"),
     Alias("local_sgd_steps", "localsgd_configs.k_steps", "Fleet 1.x name of k_steps"),
@@ -577,5 +665,22 @@ ALIASES: tuple[Alias, ...] = (
         spec=Choice(CollectiveMode), read=_read_collective_mode, write=_write_collective_mode,
         touches=("localsgd", "adaptive_localsgd"),
     ),
+    Alias("pipeline.num_micro_batch", "pipeline_configs.accumulate_steps",
+          "EPL's name of pipeline_configs.accumulate_steps (micro-batches per step)"),
+    Alias(
+        "pipeline.num_stages", None,
+        "EPL's stage count: n > 1 turns pipeline on with hybrid_configs.pp_degree = n; 1 turns "
+        "it off; reads pp_degree when pipeline is on, else 1",
+        spec=Int(min=1), read=_read_num_stages, write=_write_num_stages,
+        touches=("pipeline", "hybrid_configs.pp_degree"),
+    ),
+    Alias(
+        "pipeline.strategy", None,
+        "EPL's schedule: 'PreferBackward' (PipeDream-style) is schedule_mode '1F1B', "
+        "'PreferForward' (GPipe) is 'FThenB'",
+        spec=Choice(EplPipelineStrategy), read=_read_epl_strategy, write=_write_epl_strategy,
+        touches=("pipeline_configs.schedule_mode",),
+    ),
     *EPL_ALIASES,
 )
+

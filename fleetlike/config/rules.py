@@ -159,6 +159,24 @@ def check(strategy: Options) -> None:
             raise StrategyValueError(
                 clash.field, True, "not together", clash.fix,
                 f"strategy.{clash.field} cannot work: {clash.why}. Fix: {clash.fix}")
+    _check_parallelism(strategy)
+
+
+def _check_parallelism(s: Options) -> None:
+    """Tensor parallelism is refused; pipeline degrees need the pipeline switch."""
+    if s.tensor_parallel:
+        fix = "turn tensor_parallel off; split the model into pipeline stages or shard its optimizer state"
+        raise StrategyValueError(
+            "tensor_parallel", True, "False (tensor parallelism is not offered)", fix,
+            "strategy.tensor_parallel=True: tensor (model) parallelism is not offered by fleetlike, "
+            f"so no layer would be split across ranks. Fix: {fix}")
+    pp = int(s.hybrid_configs["pp_degree"])
+    if pp > 1 and not s.pipeline:
+        fix = "set pipeline = True (or pipeline.num_stages), or pp_degree = 1"
+        raise StrategyValueError(
+            "hybrid_configs.pp_degree", pp, "1 unless pipeline is True", fix,
+            f"strategy.hybrid_configs.pp_degree={pp} asks for {pp} pipeline stages but strategy.pipeline "
+            f"is False. Fix: {fix}")
 
 
 class FaceOptions(NamedTuple):
@@ -180,6 +198,17 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
                    "find_unused_parameters", "check_nan_inf", "slow_rank_check"}),
         "it only combines DDP's gradient buckets, it cannot change the optimizer, the forward or the model",
         "turn it off here, or train through fleet.distributed_optimizer, which runs it"),
+    "pipeline": FaceOptions(
+        "a pipelined model (strategy.pipeline)",
+        frozenset({"pipeline", "fuse_all_reduce_ops", "use_hierarchical_allreduce", "fp16_allreduce", "amp",
+                   "recompute"}),
+        "its stages run torch's pipeline schedules and average each stage's gradients over the "
+        "pipelines once per step (buckets, hierarchical, 16-bit), with AMP and recompute inside a "
+        "stage; the micro-batches already are the gradient accumulation, and optimizer-state "
+        "sharding, local SGD, gossip, sync BatchNorm and the other switches are not wired into "
+        "the schedule",
+        "turn it off for a pipelined model (pipeline_configs.accumulate_steps is the gradient "
+        "merge), or train without pipeline"),
     "horovod": FaceOptions(
         "hvd.DistributedOptimizer",
         frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf"}),

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.config import DistributedStrategy
 from fleetlike.fleet.checkpoint_files import (
     COMPLETE,
     FORMAT,
@@ -346,6 +347,11 @@ def _fit_problems(meta: dict[str, Any], state: TrainingState) -> list[str]:
     if meta.get("extras", []) != sorted(state.extras):
         problems.append(f"registered objects: saved {meta.get('extras')}, now {sorted(state.extras)}")
     saved_strategy = meta["strategy"] if isinstance(meta["strategy"], dict) else {}
+    # an option (or a section's key) added since the save is absent from it: the save ran with
+    # its default
+    defaults = DistributedStrategy().to_dict()
+    saved_strategy = {**defaults, **{k: {**defaults[k], **v} if isinstance(v, dict) and isinstance(defaults.get(k), dict)
+                                     else v for k, v in saved_strategy.items()}}
     for key in sorted(set(state.strategy) | set(saved_strategy)):
         if key in _RESHARDABLE:
             continue

@@ -104,6 +104,9 @@ class Fleet:
         self._models: list[DistributedModel] = []
         self._optimizers: list[DistributedOptimizer] = []
         self._registered: dict[str, Any] = {}
+        #: pipelined models (strategy.pipeline) and their dp x pp groups
+        self._pipelines: list[Any] = []
+        self._hcg: Any = None
         self.util = Util(self._util_comm)
 
     # ------------------------------------------------------------------ init and roles
@@ -173,8 +176,13 @@ class Fleet:
         """Close the communicators (also done at exit). ``init`` may be called again after."""
         if self._ctx is not None:
             self._ctx.groups.close()
+        if self._hcg is not None:
+            from fleetlike.pipeline.topology import release_torch_world
+
+            release_torch_world()
         self._ctx = None
         self._models, self._optimizers, self._registered = [], [], {}
+        self._pipelines, self._hcg = [], None
 
     @contextlib.contextmanager
     def session(self, role_maker: RoleMaker | Role | None = None, **init_kwargs: Any) -> Iterator[Fleet]:
@@ -317,6 +325,9 @@ class Fleet:
     def applied_strategy(self) -> list[AppliedEntry]:
         """What the strategy applied, in order, and why anything was not (the latest model's)."""
         engines = self._engines()
+        if self._pipelines:
+            model = self._pipelines[-1]
+            return [*model.applied, *(AppliedEntry(s.name, False, s.reason) for s in model.strategy.inactive_settings())]
         if not engines:
             return []
         engine = engines[-1]
@@ -334,19 +345,39 @@ class Fleet:
     # ------------------------------------------------------------------ eager style
 
     def distributed_model(
-        self, model: torch.nn.Module, strategy: DistributedStrategy | None = None
-    ) -> DistributedModel:
+        self, model: torch.nn.Module, strategy: DistributedStrategy | None = None, loss_fn: Any = None
+    ) -> Any:
         """Broadcast rank 0's parameters and buffers; return the model wrapped for training.
 
         The strategy is ``strategy``, else that of the `distributed_optimizer` holding the
         model's parameters, else the one given to ``fleet.init``; it is applied at the first
-        forward (see `DistributedModel`). Two models (a GAN's) each get their own engine."""
+        forward (see `DistributedModel`). Two models (a GAN's) each get their own engine.
+        Under ``strategy.pipeline`` the model is split into stages and this rank's stage is
+        returned as a `fleetlike.pipeline.PipelineModel` (``loss_fn(output, labels)``: one
+        micro-batch's mean loss; train with ``model.train_batch((x, y), opt)``)."""
         ctx = self._context("fleet.distributed_model")
         if isinstance(model, DistributedModel):
             raise TypeError("fleet.distributed_model got a model it already wrapped; wrap the plain module once")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"fleet.distributed_model wraps a torch.nn.Module, got {type(model).__name__}")
         explicit = None if strategy is None else self._strategy(strategy, "fleet.distributed_model")
+        if explicit is not None:
+            chosen = explicit
+        else:  # init's strategy, judged at the first forward unless it pipelines (judged now)
+            chosen = ctx.strategy.copy()
+            override = env_settings().strategy_override
+            if override:
+                chosen.update_from_override(override)
+        if chosen.pipeline:
+            chosen = explicit or self._strategy(None, "fleet.distributed_model")
+            from fleetlike.fleet.pipelined import build_pipeline
+
+            pipelined, self._hcg = build_pipeline(ctx, model, chosen, loss_fn, self._hcg)
+            self._pipelines.append(pipelined)
+            return pipelined
+        if loss_fn is not None:
+            raise ValueError("fleet.distributed_model(loss_fn=...) is for a pipelined model (strategy.pipeline); "
+                             "a data-parallel model computes its loss in the script: loss_fn(model(x), y)")
         broadcast_coalesced(ctx.world, [p.data for p in model.parameters()] + list(model.buffers()))
         me = weakref.ref(self)
 
@@ -386,6 +417,18 @@ class Fleet:
             self._check_same(engine, opt)
             opt.bind(engine)
         return engine
+
+    def get_hybrid_communicate_group(self) -> Any:
+        """Paddle's ``fleet.get_hybrid_communicate_group()``: this rank's place among the
+        ``dp_degree x pp_degree`` ranks of init's strategy (`fleetlike.pipeline.HybridCommunicateGroup`:
+        ``get_data_parallel_rank()``, ``get_stage_id()``, ...). Collective on the first call
+        (every rank calls it, or ``fleet.distributed_model`` of a pipelined model, first)."""
+        if self._hcg is None:
+            from fleetlike.fleet.pipelined import hybrid_group
+
+            ctx = self._context("fleet.get_hybrid_communicate_group()")
+            self._hcg = hybrid_group(ctx, self._strategy(None, "fleet.get_hybrid_communicate_group()"))
+        return self._hcg
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -446,11 +489,27 @@ class Fleet:
                                   ctx.role.rank, strategy.to_dict(), runs)
 
     def save_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
-        """Save everything needed to resume exactly; atomic. Not collective (rank 0 may call it alone)."""
+        """Save everything needed to resume exactly; atomic. Not collective (rank 0 may call it alone),
+        except for a pipelined model: every rank calls it, each stage's first pipeline writes its
+        stage's file (`fleetlike.pipeline.checkpoint`)."""
+        if self._pipelines:
+            from fleetlike.fleet.pipelined import save_pipeline
+
+            runs = {p.name: p.runs for p in (self._programs() or ())}
+            save_pipeline(self._context("fleet.save_persistables"), dirname, self._pipelines[-1],
+                          self._optimizers, self._registered, runs)
+            return
         ckpt.save_training(dirname, self._training_state("save_persistables"))
 
     def load_persistables(self, executor: Executor | None, dirname: str, main_program: Program | None = None) -> None:
         """Restore what `save_persistables` wrote; checks the job fits and says what differs."""
+        if self._pipelines:
+            from fleetlike.fleet.pipelined import load_pipeline
+
+            saved = load_pipeline(dirname, self._pipelines[-1], self._optimizers, self._registered)
+            for program in self._programs() or ():
+                program.runs = saved.get(program.name, program.runs)
+            return
         state = self._training_state("load_persistables")
         runs = ckpt.load_training(dirname, state, self.device())
         for program in self._programs() or ():

@@ -85,6 +85,13 @@ class DistributedModel(torch.nn.Module):
         tensors (what ``fleet.full_state_dict`` returns): sharded ones (stages 2 and 3) are
         gathered, so every rank must call it; with ``rank0_only`` other ranks get ``{}``."""
         return full_state_dict(self.module, rank0_only, self.rank)
+    def train_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Paddle's pipeline call: refused with the reason (this model is not pipelined)."""
+        raise _not_pipelined("model.train_batch")
+
+    def eval_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Paddle's pipeline call: refused with the reason (this model is not pipelined)."""
+        raise _not_pipelined("model.eval_batch")
 
     # the module's own state, without a "module." prefix (as paddle.DataParallel)
 
@@ -99,3 +106,12 @@ class DistributedModel(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
+
+
+def _not_pipelined(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} trains a pipelined model, and this model is not pipelined (strategy.pipeline was "
+        "False when fleet.distributed_model wrapped it). Fix: turn pipeline on "
+        "(DistributedStrategy(pipeline=True, hybrid_configs={'pp_degree': 2}) or EPL's "
+        "'pipeline.num_stages') and wrap with fleet.distributed_model(model, loss_fn=...), or train "
+        "this model with loss_fn(model(x), y).backward(); opt.step()")

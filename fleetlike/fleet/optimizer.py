@@ -70,6 +70,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.programs: tuple[Program, Program, Program] | None = None
         self._skip_sync = False
         self._pending_state: dict[str, Any] | None = None
+        #: set by a pipelined model's train_batch: step() is then the wrapped optimizer's
+        self.pipelined = False
         #: divergence guard per engine (by id; dropped with the engines on `rebind`)
         self._guards: dict[int, DivergenceGuard | None] = {}
 
@@ -151,11 +153,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"minimize: loss_fn must be callable (model, feed) -> loss, got {loss_fn!r}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"minimize: model must be a torch.nn.Module, got {type(model).__name__}")
-        if self.engines:
+        if self.engines or self.programs is not None:
             raise RuntimeError(
                 "minimize: this optimizer already drives a model (an earlier minimize or "
                 "fleet.distributed_model); create a new fleet.distributed_optimizer for another program"
             )
+        from fleetlike.pipeline import PipelineModel
+
+        if isinstance(model, PipelineModel):  # a pipelined model lays out its own step
+            from fleetlike.pipeline.programs import pipeline_programs
+
+            self.programs = pipeline_programs(model, loss_fn, self)
+            return self.programs[1], self.programs[2]
         engine = self._program_engine(model)
         self.programs = build_programs(engine, loss_fn)
         self._minimized = (loss_fn, model)
@@ -229,7 +238,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One update through the strategy (see the module docstring).
 
         ``loss``: this step's loss, for adaptive local SGD (or call ``backward(loss)``); a
-        ``closure`` is evaluated first (with grad enabled) and its result is the loss."""
+        ``closure`` is evaluated first (with grad enabled) and its result is the loss. Under
+        ``strategy.pipeline`` the pipelined model's ``train_batch`` calls it after averaging
+        the stage's gradients: the wrapped optimizer's step."""
+        if self.pipelined and not self.engines:
+            return self.inner_optimizer.step(closure)
         engines = self._driven()
         if closure is not None:
             with torch.enable_grad():

@@ -1,0 +1,348 @@
+"""Pipeline parallelism: fleetlike's ``train_batch`` beside torch's own schedule, the bubble, and
+the activations each schedule keeps.
+
+The model is an ``nn.Sequential`` of 8 blocks (Linear 1024x1024 + GELU), batches of m micro-batches of 16 rows
+(width 1024), split by fleetlike into 2 balanced stages on 2 ranks (gloo, one thread each), AdamW.
+Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
+
+- steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
+  schedule + ``opt.step()`` on the same split and the same process group, interleaved rep by rep
+  (`bench._common.interleaved_timings`), median of ``--reps``; the ratio fleetlike / torch;
+- idle fraction of a stage: 1 - (the time the stage computed inside ``--reps`` real steps: its
+  forwards, and each backward from its output's gradient arriving to its first block's weight
+  gradient, and the optimizer's update) / (the steps' time): the pipeline bubble, beside (p-1)/(m+p-1);
+- the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
+  process on one thread, sends counted free) beside the measured steps/s;
+- point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
+  (what the stages send on) and over fleetlike's own gloo communicator;
+- peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
+  (``torch.autograd.graph.saved_tensors_hooks``), counted per storage from when it is saved to
+  when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
+  micro-batch's saved bytes).
+
+Usage (from the repository root)::
+
+    python -m bench.pipeline                 # ~1 minute
+    python -m bench.pipeline --reps 5
+
+Writes ``docs/benchmarks/pipeline.json`` and ``.png`` and (re)writes the "## Pipeline" section
+of ``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
+
+__all__ = ["ActivationMeter", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## Pipeline"
+BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
+
+
+class ActivationMeter:
+    """Live bytes of the tensors autograd saved (per storage, parameters left out) and their peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.peak = 0
+        self.lock = threading.Lock()
+        self.params: set[int] = set()
+        #: off while steps are timed (the hooks cost Python time per saved tensor)
+        self.enabled = False
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.params:
+            return t
+        key = t.untyped_storage().data_ptr()
+        with self.lock:
+            self.refs[key] = self.refs.get(key, 0) + 1
+            self.live[key] = t.untyped_storage().nbytes()
+            self.peak = max(self.peak, sum(self.live.values()))
+        weakref.finalize(t, self._drop, key)
+        return t
+
+    def _drop(self, key: int) -> None:
+        with self.lock:
+            if key not in self.refs:  # saved before the last reset
+                return
+            self.refs[key] -= 1
+            if not self.refs[key]:
+                del self.refs[key], self.live[key]
+
+
+class Metered(torch.nn.Module):
+    """A block whose forward runs under the meter's saved-tensor hooks."""
+
+    def __init__(self, block: torch.nn.Module, meter: ActivationMeter) -> None:
+        super().__init__()
+        self.block, self.meter = block, meter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(self.meter.pack, lambda t: t):
+            return self.block(x)
+
+
+def _plain_net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
+                                 for _ in range(BLOCKS)])
+
+
+def _net(meter: ActivationMeter) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
+
+
+def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str, Any]]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from fleetlike import DistributedStrategy, fleet
+
+    torch.set_num_threads(1)
+    rows = []
+    for mode, m in configs:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
+        s = DistributedStrategy(pipeline=True, pipeline_configs={"accumulate_steps": m, "schedule_mode": mode},
+                                hybrid_configs={"pp_degree": 2})
+        fleet.init(role, strategy=s)
+        meter = ActivationMeter()
+        model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
+        # the parameters and the batch itself are no activations
+        meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        hcg = model.hcg
+        # torch's own: the same blocks' copies on the same pipe group
+        theirs = _net(ActivationMeter())
+        blocks = torch.nn.Sequential(*[theirs[int(n)] for n in model.stage.names])
+        stage = PipelineStage(blocks, hcg.stage_id, 2, torch.device("cpu"), group=hcg.get_pipe_parallel_process_group())
+        sched = (Schedule1F1B if mode == "1F1B" else ScheduleGPipe)(stage, m, loss_fn=F.mse_loss)
+        topt = torch.optim.AdamW(blocks.parameters(), lr=1e-4)
+
+        def torch_step() -> None:
+            topt.zero_grad()
+            if hcg.is_first_stage():
+                sched.step(x)
+            else:
+                sched.step(target=y, losses=[])
+            topt.step()
+
+        def fleet_step() -> None:
+            model.train_batch((x, y), opt)
+
+        barrier = hcg.get_pipe_parallel_group().barrier
+        times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=1,
+                                    sync=barrier, warmup=2)
+        # the activations each schedule keeps: one metered step
+        meter.peak = 0
+        meter.live.clear()
+        meter.refs.clear()
+        meter.enabled = True
+        fleet_step()
+        peak = meter.peak
+        # one micro-batch's saved bytes, for the unit of the peak
+        mb = x[:MICRO_ROWS].clone().requires_grad_(hcg.stage_id > 0)
+        meter.params.add(mb.untyped_storage().data_ptr())
+        meter.peak = 0
+        out = model.stage(mb)
+        one = meter.peak
+        meter.enabled = False
+        del out
+        # the stage's busy time inside real steps: its forwards, and each backward from the
+        # output's gradient arriving to the first block's weight gradient (the last computed)
+        busy, steps = _busy_time(model, opt, fleet_step, reps)
+        step = median(times["fleetlike"])
+        rows.append({"schedule": mode, "m": m, "stage": hcg.stage_id, "fleetlike_steps_s": 1 / step,
+                     "torch_steps_s": 1 / median(times["torch"]), "ratio": median(times["torch"]) / step,
+                     "idle": 1 - busy / steps, "bubble": 1 / (m + 1),
+                     "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
+        barrier()
+        fleet.shutdown()
+    return rows
+
+
+def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> tuple[float, float]:
+    """(seconds the stage computed -- forwards, backwards, the optimizer's update --, seconds
+    the steps took) over ``reps`` steps."""
+    stage = model.stage
+    plain = stage._run
+    first = next(stage.parameters())
+    busy, pending = [0.0], [0.0]
+
+    def timed(x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = plain(x)
+        busy[0] += time.perf_counter() - t0
+        if out.requires_grad:
+            out.register_hook(lambda g: pending.__setitem__(0, time.perf_counter()))
+        return out
+
+    def done(p: torch.Tensor) -> None:
+        busy[0] += time.perf_counter() - pending[0]
+
+    def timed_step(*args: Any, _plain: Any = opt.step, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return _plain(*args, **kwargs)
+        finally:
+            busy[0] += time.perf_counter() - t0
+
+    handle = first.register_post_accumulate_grad_hook(done)
+    stage._run = timed
+    opt.step = timed_step
+    try:
+        model.hcg.get_pipe_parallel_group().barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        total = time.perf_counter() - t0
+    finally:
+        stage._run = plain
+        del opt.step
+        handle.remove()
+    return busy[0], total
+
+
+def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
+    the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
+    import torch.distributed as dist
+
+    from fleetlike import DistributedStrategy, fleet
+
+    torch.set_num_threads(1)
+    fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2}))
+    hcg = fleet.get_hybrid_communicate_group()
+    comm, pg, me = hcg.get_pipe_parallel_group(), hcg.get_pipe_parallel_process_group(), hcg.get_stage_id()
+    rows = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+
+        def on_torch() -> None:
+            if me == 0:
+                dist.send(buf, group_dst=1, group=pg)
+                dist.recv(buf, group_src=1, group=pg)
+            else:
+                dist.recv(buf, group_src=0, group=pg)
+                dist.send(buf, group_dst=0, group=pg)
+
+        def on_fleetlike() -> None:
+            other = 1 - me
+            if me == 0:
+                comm._send_start(buf, other, 7).wait()
+                comm._recv_start(buf, other, 7).wait()
+            else:
+                comm._recv_start(buf, other, 7).wait()
+                comm._send_start(buf, other, 7).wait()
+
+        times = interleaved_timings({"torch": on_torch, "fleetlike": on_fleetlike}, reps=reps, inner=5,
+                                    sync=comm.barrier, warmup=2)
+        rows.append({"bytes": nbytes, "torch_us": median(times["torch"]) * 1e6,
+                     "fleetlike_us": median(times["fleetlike"]) * 1e6,
+                     "ratio": median(times["torch"]) / median(times["fleetlike"])})
+    fleet.shutdown()
+    return rows
+
+
+def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+    """`fleetlike.plan.pipeline`'s step seconds for each configuration (one thread, as a rank)."""
+    from fleetlike.plan.pipeline import predict_pipeline
+
+    torch.set_num_threads(1)
+    out = {}
+    for mode, m in configs:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
+        pred = predict_pipeline(_plain_net(), x, y, F.mse_loss, pp=2, micro_batches=m, schedule=mode)
+        out[(mode, m)] = pred.step_s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--micro", default="4,8,16", help="micro-batch counts")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "pipeline.json"))
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    from fleetlike.testing import run_ranks
+
+    configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
+    per_rank = run_ranks(_rank, 2, configs, args.reps, timeout=1200)
+    rows = [r for rank_rows in per_rank for r in rank_rows]
+    rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
+    predicted = _predicted(configs)
+    for r in rows:
+        r["predicted_steps_s"] = 1 / predicted[(r["schedule"], r["m"])]
+        r["predicted_ratio"] = r["predicted_steps_s"] / r["fleetlike_steps_s"]
+    cols = [Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
+            Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
+            Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
+            Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
+            Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
+    print(format_table(cols, rows))
+    p2p = run_ranks(_p2p, 2, [64 << 10, 1 << 20, 4 << 20], args.reps, timeout=600)[0]
+    p2p_cols = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
+                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
+                Column("ratio", "torch / fleetlike", "{:.2f}")]
+    print(format_table(p2p_cols, p2p))
+    save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows, "p2p": p2p})
+    _plot(rows, Path(args.out).with_suffix(".png"))
+    if not args.no_docs:
+        section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
+                   f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
+                   "the same split, interleaved; idle = 1 - (the stage's forward and backward time inside the steps) / (the steps' time); peak "
+                   "activations = the most saved-for-backward bytes a stage holds, in micro-batches' worth). A step "
+                   "ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times "
+                   "torch's step without the wait for stage 0's tail, which its next step pays; fleetlike's returns "
+                   "the loss to stage 0 first). The 2 cores are shared with other jobs: ratios move by about 0.1 "
+                   "between runs.\n\n"
+                   + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
+                   "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
+                   "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
+                   + format_table(p2p_cols, p2p, markdown=True) + "\n")
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section)
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench._common import save_figure
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for mode, marker in (("1F1B", "o"), ("FThenB", "s")):
+        first = [r for r in rows if r["schedule"] == mode and r["stage"] == 0]
+        ms = [r["m"] for r in first]
+        axes[0].plot(ms, [r["ratio"] for r in first], marker=marker, label=mode)
+        axes[1].plot(ms, [r["idle"] for r in first], marker=marker, label=f"{mode} measured")
+        axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
+    ms = sorted({r["m"] for r in rows})
+    axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")
+    axes[0].axhline(0.9, color="grey", ls=":")
+    axes[0].set(title="fleetlike / torch steps/s", xlabel="micro-batches m")
+    axes[1].set(title="idle fraction, stage 0", xlabel="micro-batches m")
+    axes[2].set(title="peak activations, stage 0 (micro-batches)", xlabel="micro-batches m")
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""How the ranks divide into pipelines: `HybridCommunicateGroup`, Paddle's names.
+
+Ranks are laid out as Paddle's ``CommunicateTopology(["data", "pipe", "model"])`` does:
+``rank = dp_rank * pp_degree + stage_id``. Pipeline ``j`` is ranks ``j*pp .. j*pp+pp-1``
+(neighbouring ranks, so a pipeline's activations stay on one node where they can); the
+data-parallel group of stage ``s`` is ranks ``s, s+pp, s+2pp, ...``.
+
+Two kinds of communicator serve a pipelined model:
+
+* the stages' activations and gradients travel over a ``torch.distributed`` process group per
+  pipeline, because torch's `PipelineStage` sends through ``torch.distributed`` point-to-point
+  calls. fleetlike forms torch's default group on a prefix of the job's own store (no second
+  store, no second port) unless the script already formed one of the same rank and size;
+* each stage's gradients are averaged over its data-parallel group with fleetlike's own
+  communicators (a split of the job's world), so buckets, hierarchical and 16-bit averaging act.
+
+Example:
+    >>> hcg = fleet.get_hybrid_communicate_group()
+    >>> x = x.chunk(hcg.get_data_parallel_world_size())[hcg.get_data_parallel_rank()]
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from fleetlike.comm import CommGroups, Communicator
+from fleetlike.roles import Role
+
+__all__ = ["HybridCommunicateGroup", "ParallelMode", "error_store", "release_torch_world", "resolve_degrees", "torch_world"]
+
+#: whether this module formed torch's default group (then `release_torch_world` destroys it)
+_FORMED = [False]
+
+
+class ParallelMode:
+    """Paddle's ``ParallelMode`` values, as ``get_parallel_mode()`` answers them."""
+
+    DATA_PARALLEL = 0
+    TENSOR_PARALLEL = 1
+    PIPELINE_PARALLEL = 2
+    SHARDING_PARALLEL = 3
+
+
+def resolve_degrees(world_size: int, dp_degree: int, pp_degree: int) -> tuple[int, int]:
+    """``(dp, pp)`` with ``dp = -1`` resolved; ValueError naming the degrees when their product
+    is not the world size."""
+    dp = world_size // pp_degree if dp_degree == -1 else dp_degree
+    if dp_degree == -1 and world_size % pp_degree:
+        raise ValueError(
+            f"hybrid_configs.pp_degree={pp_degree} does not divide the world size {world_size}, so "
+            f"dp_degree=-1 (world / pp_degree) has no value. Fix: choose pp_degree among the "
+            f"divisors of {world_size} ({[d for d in range(1, world_size + 1) if world_size % d == 0]}), "
+            "or start that many ranks")
+    if dp * pp_degree != world_size:
+        raise ValueError(
+            f"hybrid_configs: dp_degree={dp} x pp_degree={pp_degree} = {dp * pp_degree} ranks, but the job "
+            f"has {world_size}. Fix: make dp_degree x pp_degree equal the world size (dp_degree=-1 "
+            "takes every rank the pipeline leaves), or start that many ranks")
+    return dp, pp_degree
+
+
+def torch_world(world: Communicator, role: Role, timeout: float) -> None:
+    """Form torch's default process group on the job's store if the script has not; check
+    rank and size where it has."""
+    if dist.is_initialized():
+        if dist.get_rank() != role.rank or dist.get_world_size() != role.world_size:
+            raise RuntimeError(
+                f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but fleet's job is rank {role.rank} of {role.world_size}; "
+                "a pipeline's stages would send to the wrong ranks. Fix: initialize torch.distributed "
+                "with the job's rank and size, or leave it to fleet")
+        return
+    store = getattr(world, "_store", None)
+    if store is None:
+        raise RuntimeError(
+            f"pipeline parallelism sends activations over torch.distributed, whose process group fleet "
+            f"forms on the job's store; the {world.backend!r} backend has none. Fix: use the gloo or "
+            "nccl backend (FLEETLIKE_BACKEND), or call torch.distributed.init_process_group with the "
+            "job's rank and size before fleet.distributed_model")
+    backend = "nccl" if world.backend == "nccl" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("fleetlike/pipeline/", store), rank=role.rank,
+                            world_size=role.world_size, timeout=datetime.timedelta(seconds=timeout))
+    _FORMED[0] = True
+
+
+def release_torch_world() -> None:
+    """Destroy torch's default group if `torch_world` formed it (``fleet.shutdown``): a later
+    ``fleet.init`` meets on a new store."""
+    if _FORMED[0] and dist.is_initialized():
+        dist.destroy_process_group()
+    _FORMED[0] = False
+
+
+def error_store(world: Communicator) -> Any:
+    """A store every rank of the job reaches, for a failing stage's error (None if none)."""
+    store = getattr(world, "_store", None)
+    if store is None and dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - backends without a store (mpi)
+            return None
+    return None if store is None else dist.PrefixStore("fleetlike/pipeline/errors/", store)
+
+
+class HybridCommunicateGroup:
+    """This rank's place among ``dp x pp`` ranks, with Paddle's method names.
+
+    Built collectively by ``fleet.distributed_model`` for a pipelined model (every rank makes
+    the same groups in the same order)."""
+
+    def __init__(self, groups: CommGroups, role: Role, dp_degree: int, pp_degree: int, timeout: float,
+                 torch_groups: bool = True) -> None:
+        self.groups = groups
+        self.role = role
+        self.dp_degree, self.pp_degree = resolve_degrees(role.world_size, dp_degree, pp_degree)
+        self.global_rank = role.rank
+        self.stage_id = role.rank % self.pp_degree
+        self.dp_rank = role.rank // self.pp_degree
+        # torch's groups carry a pipeline's activations; a plain data-parallel job (a script
+        # asking for its data slice) gets none, and torch's world is left to the script
+        self._pipe_group: Any = None
+        if torch_groups:
+            torch_world(groups.world, role, timeout)
+            for j in range(self.dp_degree):  # every rank creates every pipeline's group, in order
+                pg = dist.new_group(self.pipe_ranks(j), timeout=datetime.timedelta(seconds=timeout))
+                if j == self.dp_rank:
+                    self._pipe_group = pg
+        # named by the shape too: the groups are cached by name, and another shape splits anew
+        shape = f"{self.dp_degree}x{self.pp_degree}"
+        dp_comm = groups.extra(f"pipeline {shape} dp of stage {self.stage_id}", self.stage_id, self.dp_rank)
+        pp_comm = groups.extra(f"pipeline {shape} pp {self.dp_rank}", self.dp_rank, self.stage_id)
+        assert dp_comm is not None and pp_comm is not None
+        self.dp_comm: Communicator = dp_comm
+        self.pp_comm: Communicator = pp_comm
+        eps = list(role.endpoints)
+        dp_eps = [eps[r] for r in self.data_ranks(self.stage_id)]
+        self.dp_role = Role.from_endpoints(self.dp_rank, dp_eps, selected_gpus=role.selected_gpus,
+                                           source=role.source, job_id=f"{role.job_id}-pp{self.stage_id}"[:64])
+        #: fleetlike's communicators of this stage's data-parallel group (for its gradients)
+        self.dp_groups = CommGroups(dp_comm, self.dp_role)
+
+    def pipe_ranks(self, dp_rank: int) -> list[int]:
+        """Global ranks of pipeline ``dp_rank``, stage order."""
+        return [dp_rank * self.pp_degree + s for s in range(self.pp_degree)]
+
+    def data_ranks(self, stage_id: int) -> list[int]:
+        """Global ranks holding stage ``stage_id``, data-parallel order."""
+        return [j * self.pp_degree + stage_id for j in range(self.dp_degree)]
+
+    # ---------------------------------------------------------------- Paddle's names
+
+    def get_parallel_mode(self) -> int:
+        return ParallelMode.PIPELINE_PARALLEL if self.pp_degree > 1 else ParallelMode.DATA_PARALLEL
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_degree
+
+    def get_data_parallel_group(self) -> Communicator:
+        """fleetlike's communicator of this stage's data-parallel ranks."""
+        return self.dp_comm
+
+    def get_data_parallel_group_src_rank(self) -> int:
+        return self.data_ranks(self.stage_id)[0]
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp_degree
+
+    def get_pipe_parallel_group(self) -> Communicator:
+        """fleetlike's communicator of this rank's pipeline (stage order)."""
+        return self.pp_comm
+
+    def get_pipe_parallel_process_group(self) -> Any:
+        """torch's process group of this rank's pipeline (what its `PipelineStage` sends over);
+        None when the strategy has no pipeline."""
+        return self._pipe_group
+
+    def get_rank_from_stage(self, stage_id: int) -> int:
+        return self.dp_rank * self.pp_degree + stage_id
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.pp_degree - 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sharding_parallel_rank(self) -> int:
+        return 0
+
+    def get_sharding_parallel_world_size(self) -> int:
+        return 1
+
+    def topology(self) -> dict[str, int]:
+        return {"data": self.dp_degree, "pipe": self.pp_degree, "model": 1}
+
+    def __repr__(self) -> str:
+        return (f"HybridCommunicateGroup(rank={self.global_rank}, dp {self.dp_rank}/{self.dp_degree}, "
+                f"stage {self.stage_id}/{self.pp_degree})")
