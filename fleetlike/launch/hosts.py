@@ -262,8 +262,10 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("-np", "--num-proc", dest="np", required=True, help="number of processes in all")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("-H", "--hosts", dest="hosts", help="HOST:SLOTS,... in rank order")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", dest="hosts",
+                       help="HOST:SLOTS,... in rank order (default: this machine, -np slots: one node, as "
+                       "horovodrun and perseusrun read -np N alone)")
     where.add_argument("--hostfile", "--host-file", dest="hostfile",
                        help="a file of 'HOST slots=N' lines (horovodrun's / Open MPI's form)")
     mode = p.add_mutually_exclusive_group()
@@ -335,7 +337,9 @@ def parse_hosts(
         # as in the ordinary launcher: a bare `python` is the interpreter running the launcher
         command[0] = sys.executable
     np = _positive("-np", args.np)
-    if args.hosts is not None:
+    if args.hosts is None and args.hostfile is None:
+        where, slots = f"-np={np} (no -H: this machine)", [("localhost", np)]
+    elif args.hosts is not None:
         where, slots = f"-H={args.hosts}", parse_host_list(args.hosts)
     else:
         where, slots = f"--hostfile={args.hostfile}", parse_host_list(_read_hostfile(args.hostfile), name=f"--hostfile={args.hostfile}")

@@ -1,7 +1,8 @@
 """Imported by Python at start-up when ``python -m fleetlike.launch --accelerate_ddp`` puts this
 folder first on the workers' PYTHONPATH: imports `fleetlike.ddp.auto` (``fleetlike.auto``) before the training script
 (only with ``FLEETLIKE_ACCELERATE_DDP=1``, so other Python processes the script starts with the
-same path are left alone), then runs the ``sitecustomize`` this one shadows, if any and if it has
+same path are left alone); with ``FLEETLIKE_ACCELERATE_HOROVOD=1`` (``--accelerate_horovod``)
+``import horovod.torch`` resolves to `fleetlike.horovod` (`fleetlike.horovod.alias`); then runs the ``sitecustomize`` this one shadows, if any and if it has
 not run in this process already (a worker forked from a preload server that ran it at its start,
 `fleetlike.launch.preload`)."""
 
@@ -12,6 +13,10 @@ import sys
 
 if os.environ.get("FLEETLIKE_ACCELERATE_DDP") == "1":
     import fleetlike.ddp.auto  # noqa: F401
+if os.environ.get("FLEETLIKE_ACCELERATE_HOROVOD") == "1":  # ``--accelerate_horovod``
+    import fleetlike.horovod.alias
+
+    fleetlike.horovod.alias.install()
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
