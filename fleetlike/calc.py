@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -44,7 +45,9 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _choose(optimizer: torch.optim.Optimizer) -> str:
     """"fused" where torch's constructor accepts it for these parameters, else "foreach"."""
     cls = type(optimizer)
-    hyper = {k: v for k, v in optimizer.defaults.items() if k not in _KERNELS}
+    accepted = inspect.signature(cls.__init__).parameters
+    # defaults may hold entries the constructor does not take (AdamW's decoupled_weight_decay)
+    hyper = {k: v for k, v in optimizer.defaults.items() if k not in _KERNELS and k in accepted}
     if "fused" in optimizer.defaults:
         try:  # torch's own checks (device, dtype, differentiable, ...) decide, on a throwaway copy
             probe = cls([torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device))

@@ -63,6 +63,8 @@ class FormedGroup:
         self.backend = backend
         self.accelerated = accelerated
         self.answered = 0  # the script's own init_process_group calls answered so far
+        #: `fleetlike.auto` was installed here (not by the script's own import): `release` undoes it
+        self.owns_auto = False
 
 
 _FORMED: FormedGroup | None = None
@@ -119,25 +121,30 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
         _ORIGINAL_INIT(chosen, store=dist.PrefixStore("torch.distributed/", store), rank=role.rank,
                        world_size=role.world_size, timeout=datetime.timedelta(seconds=limit))
         _export(role)
-        accelerated = False
+        accelerated = owns = False
         if accelerate:
-            from fleetlike.ddp import auto  # noqa: F401 - installs on import (knobs checked there)
+            already = "fleetlike.ddp.auto" in sys.modules and sys.modules["fleetlike.ddp.auto"]._SETTINGS is not None
+            from fleetlike.ddp import auto  # installs on import (knobs checked there)
 
             auto.install()  # re-reads the knobs where it was imported earlier
-            accelerated = True
+            accelerated, owns = True, not already
         _FORMED = FormedGroup(role, chosen, accelerated)
+        _FORMED.owns_auto = owns
         dist.init_process_group = _answer  # type: ignore[assignment]
         dist.distributed_c10d.init_process_group = _answer  # type: ignore[assignment]
         return _FORMED
 
 
 def release() -> None:
-    """Destroy the group `init_process_group` formed (if still alive) and give torch its own
-    ``init_process_group`` back (`fleetlike.auto` stays installed where it was)."""
+    """Destroy the group `init_process_group` formed (if still alive), give torch its own
+    ``init_process_group`` back, and uninstall `fleetlike.auto` where it installed it (a script
+    that imported ``fleetlike.auto`` itself keeps it)."""
     global _FORMED
     with _LOCK:
         if _FORMED is not None and dist.is_initialized():
             dist.destroy_process_group()
+        if _FORMED is not None and _FORMED.owns_auto:
+            sys.modules["fleetlike.ddp.auto"].uninstall()
         _FORMED = None
         dist.init_process_group = _ORIGINAL_INIT  # type: ignore[assignment]
         dist.distributed_c10d.init_process_group = _ORIGINAL_C10D_INIT  # type: ignore[assignment]
