@@ -319,3 +319,41 @@ def _cc_rank(role: Any) -> dict[str, Any]:
         return out
     finally:
         hvd.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_lights_distributed_amp_example_on_two_ranks() -> None:
+    """The page's "Light distributed amp" loop: ``get_distributed_optimizer``, ``GradScaler``,
+    ``optimizer.synchronize()`` then ``scaler.step`` under ``skip_synchronize()`` (on CPU the
+    scaler is torch's CPU one; its power-of-two scale is undone exactly)."""
+    results = run_ranks(_amp_rank, 2, timeout=100)
+    ref = _reference_params()
+    for res in results:
+        assert res["scale"] == 65536.0  # the scaler was active
+        for got, want in zip(res["params"], ref):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def _amp_rank(role: Any) -> dict[str, Any]:
+    import fleetlike.horovod as hvd
+    from fleetlike import cc
+
+    hvd.init(role_maker=role)
+    try:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = cc.get_distributed_optimizer(optimizer)
+        scaler = torch.amp.GradScaler("cpu")
+        x, y = _batch(cc.rank())
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", enabled=False):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+                scaler.update()
+        return {"scale": float(scaler.get_scale()), "params": [p.detach().numpy().copy() for p in model.parameters()]}
+    finally:
+        hvd.shutdown()
