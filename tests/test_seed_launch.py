@@ -139,13 +139,24 @@ def test_a_horovod_script_runs_unchanged_only_under_accelerate_horovod(tmp_path:
         cmd = launcher(*flag, str(HVD), str(tmp_path), name, log_dir=tmp_path / f"{name}.log")
         return run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
 
-    with side_by_side({"on": lambda: job(("--accelerate_horovod",), "on"), "off": lambda: job((), "off")}) as futures:
+    def hosts(name: str, *mode: str):  # noqa: ANN202 - horovodrun's form, as Horovod's users start it
+        cmd = [PY, "-m", "fleetlike.launch", "-np", "2", *mode, "--accelerate_horovod",
+               f"--log_dir={tmp_path / name}.log", "--", "python", str(HVD), str(tmp_path), name]
+        return run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
+
+    jobs = {"on": lambda: job(("--accelerate_horovod",), "on"), "off": lambda: job((), "off"),
+            "hosts": lambda: hosts("hosts")}
+    if not mpi_missing():
+        jobs["hosts_mpi"] = lambda: hosts("hosts_mpi", "--mpi")
+    with side_by_side(jobs) as futures:
         pass
-    on, off = futures["on"].result(), futures["off"].result()
-    assert on.returncode == 0, on.stdout
-    assert "horovod is fleetlike.horovod" in on.stdout
     ref = _hvd_reference()
-    _close(_params(tmp_path, "on"), [ref, ref], "horovod")
+    for name in [n for n in jobs if n != "off"]:
+        done = futures[name].result()
+        assert done.returncode == 0, (name, done.stdout)
+        _close(_params(tmp_path, name), [ref, ref], name)
+    assert "horovod is fleetlike.horovod" in futures["on"].result().stdout
+    off = futures["off"].result()
     assert off.returncode == 3 and "no horovod: No module named 'horovod'" in off.stdout, off.stdout
 
 

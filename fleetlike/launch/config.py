@@ -135,8 +135,10 @@ class SharedFlag:
     its names and default once; ``help`` says what it means in each form."""
 
     names: tuple[str, ...]
-    default: str | None
+    default: str | bool | None
     help: dict[str, str]
+    #: argparse's action ("store_true" for a switch); None: a flag with a value
+    action: str | None = None
 
 
 #: the flags the two parsers share, by their first name without the dashes
@@ -165,12 +167,20 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
                 f"on {{host}}; the line is appended as one argument (default: {DEFAULT_REMOTE_SHELL!r})",
         "hosts": "command that runs a shell command line on {host}; the line is appended as "
                  f"one argument (default: {DEFAULT_REMOTE_SHELL!r})"}),
+    "accelerate_horovod": SharedFlag(("--accelerate_horovod",), False, {
+        "node": "workers' `import horovod.torch` imports fleetlike.horovod: a Horovod script runs unchanged "
+                "(nothing is shadowed without this flag)",
+        "hosts": "the workers' `import horovod.torch` imports fleetlike.horovod: a Horovod script runs "
+                 "unchanged, as under horovodrun (nothing is shadowed without this flag)"}, "store_true"),
 }
 
 
 def add_shared_flag(p: argparse.ArgumentParser, name: str, form: str) -> None:
     """Declare `SHARED_FLAGS` ``name`` on ``p`` with the help of ``form`` ("node" or "hosts")."""
     flag = SHARED_FLAGS[name]
+    if flag.action is not None:
+        p.add_argument(*flag.names, action=flag.action, default=flag.default, help=flag.help[form])
+        return
     p.add_argument(*flag.names, default=flag.default, help=flag.help[form])
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,9 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_flag(p, "kill_grace", "node")
     p.add_argument("--accelerate_ddp", action="store_true",
                    help="workers import fleetlike.auto first: their torch DDP models average through fleetlike")
-    p.add_argument("--accelerate_horovod", action="store_true",
-                   help="workers' `import horovod.torch` imports fleetlike.horovod: a Horovod script runs "
-                   "unchanged (nothing is shadowed without this flag)")
+    add_shared_flag(p, "accelerate_horovod", "node")
     p.add_argument("--malloc_tuning", default="on", choices=("on", "off"),
                    help="on (default): workers start with glibc's per-thread malloc cache off "
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
