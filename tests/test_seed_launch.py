@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples_common import PY, clean_env, launcher, mpi_missing, mpiexec, run
+from examples_common import BIN, PY, clean_env, launcher, mpi_missing, mpiexec, run
 from helpers import run_job, run_jobs, side_by_side
 
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
@@ -214,13 +214,25 @@ def test_torch_style_two_nodes_of_two_equal_plain_ddp_on_four_ranks(tmp_path: Pa
                  str(SEED), str(tmp_path), name, vendor] for k in range(2)]
         return _ok(run_jobs(cmds, cwd=tmp_path, envs=[clean_env()] * 2, timeout=200), tmp_path / f"{name}.log")
 
+    def mpi_nodes(name: str) -> str:  # TI-ACC's mpirun path on two hosts: a block of 2 ranks per address
+        block = [PY, str(SEED), str(tmp_path), name, "tiacc"]
+        cmd = [str(BIN / "mpiexec"), "-launcher", "fork", "-bind-to", "none",
+               "-n", "2", "-env", "FLEETLIKE_NODE_IP", "127.0.0.1", *block,
+               ":", "-n", "2", "-env", "FLEETLIKE_NODE_IP", "127.0.0.2", *block]
+        return _ok([run(cmd, cwd=tmp_path, env=clean_env(), timeout=200)])
+
+    second = {"plain": lambda: nodes("plain", "plain")}
+    if not mpi_missing():
+        second["tiacc_mpi"] = lambda: mpi_nodes("tiacc_mpi")
     with side_by_side({"reference": lambda: _launch(tmp_path, "reference", "plain", nproc=4),
-                       "light": lambda: nodes("light", "light")},
-                      {"plain": lambda: nodes("plain", "plain")}) as futures:
+                       "light": lambda: nodes("light", "light")}, second) as futures:
         pass
-    said = {name: futures[name].result() for name in ("reference", "light", "plain")}
+    said = {name: futures[name].result() for name in ("reference", "light", *second)}
     ref = _params(tmp_path, "reference", 4)
     _close(_params(tmp_path, "light", 4), ref, "light 2x2")
     _close(_params(tmp_path, "plain", 4), ref, "plain DDP under torch's two-node line")
     assert "DDP gradients through fleetlike (4 ranks, 2 node(s))" in said["light"], said["light"]
     assert "warning: no FLEETLIKE_JOB_SECRET" in said["plain"]  # the open job says so on every node
+    if "tiacc_mpi" in said:
+        _close(_params(tmp_path, "tiacc_mpi", 4), ref, "the init line under mpiexec, 2x2")
+        assert "DDP gradients through fleetlike (4 ranks, 2 node(s))" in said["tiacc_mpi"], said["tiacc_mpi"]
