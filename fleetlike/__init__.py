@@ -16,9 +16,9 @@ from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy
 #: names of the faces other than Fleet's, imported on first use, so that ``import fleetlike``
 #: loads the core and the fleet facade only (not the Horovod face, elastic or the DDP patch)
 _LAZY = {
-    "calc": ("fleetlike.calc", None),
+    "calc": ("fleetlike.horovod.light_calc", None),
     "cc": ("fleetlike.horovod.light", None),
-    "init_process_group": ("fleetlike.ddp.start", "init_process_group"),
+    "init_process_group": ("fleetlike.ddp.initialize", "init_process_group"),
     "light_init": ("fleetlike.horovod.light", "light_init"),
     "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
     "role_maker": ("fleetlike.fleet.role_maker", None),

@@ -81,7 +81,9 @@ def _launch(out: Path, name: str, *args: str, flags: tuple[str, ...] = (), nproc
 
 
 def _mpi(out: Path, name: str) -> str:
-    return _ok([run(mpiexec(str(SEED), str(out), name, "tiacc"), cwd=out, env=clean_env(), timeout=150)])
+    # the rendezvous port: mpiexec tells none, and jobs side by side must not share the default
+    env = clean_env(FLEETLIKE_MASTER_PORT=str(_ports(3)))
+    return _ok([run(mpiexec(str(SEED), str(out), name, "tiacc"), cwd=out, env=env, timeout=150)])
 
 
 def _slurm(out: Path, name: str) -> str:
@@ -140,7 +142,7 @@ def test_a_horovod_script_runs_unchanged_only_under_accelerate_horovod(tmp_path:
         return run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
 
     def hosts(name: str, *mode: str):  # noqa: ANN202 - horovodrun's form, as Horovod's users start it
-        cmd = [PY, "-m", "fleetlike.launch", "-np", "2", *mode, "--accelerate_horovod",
+        cmd = [PY, "-m", "fleetlike.launch", "-np", "2", *mode, "--accelerate_horovod", f"--started_port={_ports(3)}",
                f"--log_dir={tmp_path / name}.log", "--", "python", str(HVD), str(tmp_path), name]
         return run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)
 
@@ -176,7 +178,8 @@ def test_the_launch_lines_of_all_five_pages_start_two_rank_jobs(tmp_path: Path) 
         return _ok([run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)], tmp_path / f"{name}.log")
 
     def perseusrun(name: str, *hosts: str) -> str:
-        cmd = [PY, "-m", "fleetlike.launch", "-np", "2", *hosts, f"--log_dir={tmp_path / name}.log", "--",
+        cmd = [PY, "-m", "fleetlike.launch", "-np", "2", *hosts, f"--started_port={_ports(3)}",
+               f"--log_dir={tmp_path / name}.log", "--",
                "python", str(SEED), str(tmp_path), name, "plain"]
         return _ok([run_job(cmd, cwd=tmp_path, env=clean_env(), timeout=150)], tmp_path / f"{name}.log")
 
@@ -219,7 +222,7 @@ def test_torch_style_two_nodes_of_two_equal_plain_ddp_on_four_ranks(tmp_path: Pa
         cmd = [str(BIN / "mpiexec"), "-launcher", "fork", "-bind-to", "none",
                "-n", "2", "-env", "FLEETLIKE_NODE_IP", "127.0.0.1", *block,
                ":", "-n", "2", "-env", "FLEETLIKE_NODE_IP", "127.0.0.2", *block]
-        return _ok([run(cmd, cwd=tmp_path, env=clean_env(), timeout=200)])
+        return _ok([run(cmd, cwd=tmp_path, env=clean_env(FLEETLIKE_MASTER_PORT=str(_ports(3))), timeout=200)])
 
     second = {"plain": lambda: nodes("plain", "plain")}
     if not mpi_missing():

@@ -131,9 +131,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CHECK_COLLECTIVES, "user", "roles.settings", "1: check that every rank issues the same collectives"),
     EnvVar(DIVERGENCE_CHECK_N_STEPS, "user", "roles.settings",
            "steps between two parameter checksums across ranks (0: only after the starting broadcast)"),
-    EnvVar(ACCELERATE_DDP, "launch.env (--accelerate_ddp)", "ddp._site.sitecustomize",
+    EnvVar(ACCELERATE_DDP, "launch.env (--accelerate_ddp)", "_site.sitecustomize",
            "1: every worker imports fleetlike.auto before the script"),
-    EnvVar(ACCELERATE_HOROVOD, "launch.env (--accelerate_horovod)", "ddp._site.sitecustomize",
+    EnvVar(ACCELERATE_HOROVOD, "launch.env (--accelerate_horovod)", "_site.sitecustomize",
            "1: `import horovod.torch` in a worker imports fleetlike.horovod"),
     *(EnvVar(name, "user", _KNOBS, meaning) for name, meaning in _KNOB_MEANINGS),
     # the job

@@ -13,8 +13,10 @@ It reads the role from the launch (``python -m fleetlike.launch``, torchrun, Ope
 ``srun``), meets the other ranks through fleetlike's rendezvous (behind the job's secret: a
 process without it is refused, `fleetlike.comm.rendezvous`), and forms torch's default group on
 that meeting's store (``gloo``; ``cpu:gloo,cuda:nccl`` on a machine with CUDA), so DDP,
-``DistributedSampler`` and ``dist.*`` calls work unchanged. Then, unless told not to, it installs
-`fleetlike.auto` (every DDP model averages through fleetlike, with the ``FLEETLIKE_*`` knobs).
+``DistributedSampler`` and ``dist.*`` calls work unchanged. This module forms the group
+(`form_group`); `fleetlike.ddp.initialize` adds `fleetlike.auto` on top (every DDP model
+averages through fleetlike, with the ``FLEETLIKE_*`` knobs): it sits above the DDP face's
+modules, this one below them (`fleetlike.ddp.world` reads the role formed here).
 
 The script's own later ``dist.init_process_group(...)`` call (TI-ACC's and AIACC's scripts keep
 theirs) is answered by the group formed here: a call whose ``rank`` / ``world_size`` /
@@ -23,7 +25,7 @@ naming both. ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` a
 unset, as torchrun exports them, for scripts that read them (``torch.cuda.set_device``).
 
 Example:
-    >>> import fleetlike; fleetlike.init_process_group()     # the first line of train.py
+    >>> group = form_group()          # what fleetlike.init_process_group() does first
     >>> model = torch.nn.parallel.DistributedDataParallel(Net())
 """
 
@@ -47,7 +49,7 @@ from fleetlike.config import envvars
 from fleetlike.roles import Role, detect_role, detect_source
 from fleetlike.roles.mpi import MPIRoleMaker
 
-__all__ = ["FormedGroup", "formed", "init_process_group", "release"]
+__all__ = ["FormedGroup", "default_backend", "form_group", "formed", "release_group"]
 
 _LOCK = threading.Lock()
 _ORIGINAL_INIT: Callable[..., Any] = dist.init_process_group
@@ -55,15 +57,15 @@ _ORIGINAL_C10D_INIT: Callable[..., Any] = dist.distributed_c10d.init_process_gro
 
 
 class FormedGroup:
-    """What `init_process_group` formed: the role it read, the backend, whether it installed
-    `fleetlike.auto`."""
+    """What `form_group` formed: the role it read, the backend, whether `fleetlike.auto` was
+    installed over it (`fleetlike.ddp.initialize`)."""
 
     def __init__(self, role: Role, backend: str, accelerated: bool) -> None:
         self.role = role
         self.backend = backend
         self.accelerated = accelerated
         self.answered = 0  # the script's own init_process_group calls answered so far
-        #: `fleetlike.auto` was installed here (not by the script's own import): `release` undoes it
+        #: `fleetlike.auto` was installed for it (not by the script's own import): undone on release
         self.owns_auto = False
 
 
@@ -71,7 +73,7 @@ _FORMED: FormedGroup | None = None
 
 
 def formed() -> FormedGroup | None:
-    """The group `init_process_group` formed and that is still alive, else None."""
+    """The group `form_group` formed and that is still alive, else None."""
     if _FORMED is not None and not dist.is_initialized():
         return None
     return _FORMED
@@ -93,11 +95,9 @@ def _role() -> Role:
     return detect_role()
 
 
-def init_process_group(backend: str | None = None, *, timeout: float | None = None,
-                       accelerate: bool = True) -> FormedGroup:
-    """Form torch's default process group from the launch and (``accelerate``) install
-    `fleetlike.auto`; see the module doc. Collective: every rank calls it. A second call
-    returns what the first formed.
+def form_group(backend: str | None = None, *, timeout: float | None = None) -> FormedGroup:
+    """Form torch's default process group from the launch; see the module doc. Collective:
+    every rank calls it. A second call returns what the first formed.
 
     ``backend``: torch's backend string (default `default_backend`); ``timeout``: seconds for
     the meeting and for torch's collectives (default fleetlike's, 300).
@@ -121,30 +121,19 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
         _ORIGINAL_INIT(chosen, store=dist.PrefixStore("torch.distributed/", store), rank=role.rank,
                        world_size=role.world_size, timeout=datetime.timedelta(seconds=limit))
         _export(role)
-        accelerated = owns = False
-        if accelerate:
-            already = "fleetlike.ddp.auto" in sys.modules and sys.modules["fleetlike.ddp.auto"]._SETTINGS is not None
-            from fleetlike.ddp import auto  # installs on import (knobs checked there)
-
-            auto.install()  # re-reads the knobs where it was imported earlier
-            accelerated, owns = True, not already
-        _FORMED = FormedGroup(role, chosen, accelerated)
-        _FORMED.owns_auto = owns
+        _FORMED = FormedGroup(role, chosen, False)
         dist.init_process_group = _answer  # type: ignore[assignment]
         dist.distributed_c10d.init_process_group = _answer  # type: ignore[assignment]
         return _FORMED
 
 
-def release() -> None:
-    """Destroy the group `init_process_group` formed (if still alive), give torch its own
-    ``init_process_group`` back, and uninstall `fleetlike.auto` where it installed it (a script
-    that imported ``fleetlike.auto`` itself keeps it)."""
+def release_group() -> None:
+    """Destroy the group `form_group` formed (if still alive) and give torch its own
+    ``init_process_group`` back."""
     global _FORMED
     with _LOCK:
         if _FORMED is not None and dist.is_initialized():
             dist.destroy_process_group()
-        if _FORMED is not None and _FORMED.owns_auto:
-            sys.modules["fleetlike.ddp.auto"].uninstall()
         _FORMED = None
         dist.init_process_group = _ORIGINAL_INIT  # type: ignore[assignment]
         dist.distributed_c10d.init_process_group = _ORIGINAL_C10D_INIT  # type: ignore[assignment]

@@ -155,7 +155,7 @@ def _meet(members: tuple[int, ...], rank: int, device: torch.device | None, time
 
 def _env_role() -> Role | None:
     """The launcher's role where it describes torch's world (same rank and size), else None:
-    the one `fleetlike.init_process_group` formed torch's group from, where it did (under
+    the one `fleetlike.init_process_group` (`fleetlike.ddp.start`) formed torch's group from, where it did (under
     ``mpirun`` read through MPI), else the environment's."""
     from fleetlike.ddp.start import formed
 

@@ -1,7 +1,7 @@
 """``import horovod.torch as hvd`` answered by `fleetlike.horovod`: a Horovod script runs unchanged.
 
 Light (seed 000) replaces Horovod's calls "with no code change". ``python -m fleetlike.launch
---accelerate_horovod`` does the same here: every worker's start-up (`fleetlike.ddp._site`) calls
+--accelerate_horovod`` does the same here: every worker's start-up (`fleetlike/_site/sitecustomize.py`) calls
 `install`, which puts a finder first on ``sys.meta_path`` that answers
 
 * ``horovod`` with a small package of its own (``horovod.__version__`` says whose it is),

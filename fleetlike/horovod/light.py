@@ -336,17 +336,17 @@ def light_init(params: Mapping[str, Any] | None = None) -> Callable[[F], F]:
                 if started:
                     _hvd.init()
                 if ddp:
-                    from fleetlike.ddp import start
+                    from fleetlike.ddp import initialize, start
 
                     formed = start.formed() is None
-                    start.init_process_group(accelerate=settings["enable_optimizations"])
+                    initialize.init_process_group(accelerate=settings["enable_optimizations"])
                 return main(*args, **kwargs)
             finally:
                 _STATE.clear()
                 if formed:
-                    from fleetlike.ddp import start
+                    from fleetlike.ddp import initialize
 
-                    start.release()
+                    initialize.release()
                 if started:
                     _hvd.shutdown()
                 applied.restore()

@@ -43,8 +43,7 @@ import time
 
 import torch.distributed as dist
 
-from fleetlike.comm import JobSecret, challenge_of, job_store
-from fleetlike.comm.rendezvous import host_store
+from fleetlike.comm import JobSecret, challenge_of, host_store, job_store
 
 __all__ = ["DEFAULT_MASTER_PORT", "NodeMeetingError", "TorchFlagError", "TorchNodes", "add_torch_flags", "meet_nodes", "torch_nodes"]
 

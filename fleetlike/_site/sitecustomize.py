@@ -1,10 +1,11 @@
-"""Imported by Python at start-up when ``python -m fleetlike.launch --accelerate_ddp`` puts this
-folder first on the workers' PYTHONPATH: imports `fleetlike.ddp.auto` (``fleetlike.auto``) before the training script
-(only with ``FLEETLIKE_ACCELERATE_DDP=1``, so other Python processes the script starts with the
-same path are left alone); with ``FLEETLIKE_ACCELERATE_HOROVOD=1`` (``--accelerate_horovod``)
-``import horovod.torch`` resolves to `fleetlike.horovod` (`fleetlike.horovod.alias`); then runs the ``sitecustomize`` this one shadows, if any and if it has
-not run in this process already (a worker forked from a preload server that ran it at its start,
-`fleetlike.launch.preload`)."""
+"""Imported by Python at start-up when ``python -m fleetlike.launch --accelerate_ddp`` (or
+``--accelerate_horovod``) puts this folder first on the workers' PYTHONPATH. It serves both faces,
+so it sits above them: with ``FLEETLIKE_ACCELERATE_DDP=1`` it imports `fleetlike.ddp.auto`
+(``fleetlike.auto``) before the training script, with ``FLEETLIKE_ACCELERATE_HOROVOD=1`` it makes
+``import horovod.torch`` resolve to `fleetlike.horovod` (`fleetlike.horovod.alias`); without them
+(other Python processes the script starts with the same path) it does neither. Then it runs the
+``sitecustomize`` this one shadows, if any and if it has not run in this process already (a
+worker forked from a preload server that ran it at its start, `fleetlike.launch.preload`)."""
 
 import importlib.machinery
 import importlib.util
