@@ -17,7 +17,9 @@ from fleetlike.strategies import AdaptiveAmpPolicy, DistributedStrategy, MixedPr
 #: loads the core and the fleet facade only (not the Horovod face, elastic or the DDP patch)
 _LAZY = {
     "adaptfp16": ("fleetlike.adaptfp16", None),
+    "calc": ("fleetlike.horovod.light_calc", None),
     "cc": ("fleetlike.horovod.light", None),
+    "init_process_group": ("fleetlike.ddp.initialize", "init_process_group"),
     "io": ("fleetlike.io", None),
     "light_init": ("fleetlike.horovod.light", "light_init"),
     "mixed_precision": ("fleetlike.fleet.mixed_precision", None),
@@ -52,8 +54,10 @@ __all__ = [
     "Executor",
     "MixedPrecision_TrainingPolicy",
     "Program",
+    "calc",
     "cc",
     "fleet",
+    "init_process_group",
     "io",
     "light_init",
     "load_inference_model",

@@ -55,8 +55,6 @@ def test_light_init_params_are_checked() -> None:
         fleetlike.light_init(params={"training_framework": "tensorflow"})
     with pytest.raises(ValueError, match="choose one of"):
         fleetlike.light_init(params={"training_framework": "jax"})
-    with pytest.raises(ValueError, match="pytorch_ddp"):
-        fleetlike.light_init(params={"training_framework": "pytorch_ddp"})
     with pytest.raises(ValueError, match="application_scenario='CV'"):
         fleetlike.light_init(params={"training_framework": "pytorch", "application_scenario": "CV"})
     with pytest.raises(TypeError, match="enable_optimizations must be a bool"):

@@ -53,7 +53,7 @@ def _written(env: dict[str, str], base: dict[str, str]) -> set[str]:
 def test_what_the_launcher_writes_is_in_the_table_under_its_name() -> None:
     base = {"PATH": "/bin"}
     config = LaunchConfig("train.py", cluster_node_ips=("127.0.0.1", "127.0.0.2"), node_ip="127.0.0.2",
-                          started_port=7100, nproc_per_node=2, job_id="j1", accelerate_ddp=True,
+                          started_port=7100, nproc_per_node=2, job_id="j1", accelerate_ddp=True, accelerate_horovod=True,
                           malloc_tuning=True)
     written = _written(worker_env(config, 1, base=base), base)
     only_sometimes = {envvars.AGENT_STORE, envvars.CUDA_VISIBLE_DEVICES}  # --started_port=auto; GPU runs

@@ -38,7 +38,7 @@ io                    data input: samplers, loaders, caches, datasets (fleet for
 launch                the launcher: the environment table of config, the public names of roles, and of comm (the launcher hosts
                       the rendezvous store with --started_port=auto)
 top                   ``fleetlike/__init__.py`` (the faces other than Fleet's on first use),
-                      the shims that keep the old import paths (``auto``, ``cc``,
+                      the shims that keep the old import paths (``auto``, ``cc``, ``calc``,
                       ``mixed_precision``, ``role_maker``: each the same module object as the face's
                       own), ``testing`` (test helper that builds roles and worlds); nothing in the
                       package imports them
@@ -58,7 +58,7 @@ import fleetlike
 ROOT = Path(fleetlike.__file__).resolve().parent
 
 #: old import paths kept at the root: module -> the face's module it is (the same object)
-SHIMS = {"auto": "fleetlike.ddp.auto", "cc": "fleetlike.horovod.light",
+SHIMS = {"auto": "fleetlike.ddp.auto", "cc": "fleetlike.horovod.light", "calc": "fleetlike.horovod.light_calc",
          "mixed_precision": "fleetlike.fleet.mixed_precision", "role_maker": "fleetlike.fleet.role_maker"}
 #: the faces, each a package over the core
 FACES = ("ddp", "fleet", "horovod")
@@ -347,4 +347,4 @@ def test_import_fleetlike_loads_the_core_and_fleet_only() -> None:
     loaded = _loaded_by("fleetlike")
     assert {_layer(m) for m in loaded} <= EAGER_LAYERS, sorted(m for m in loaded if _layer(m) not in EAGER_LAYERS)
     # the other faces come on first use, by their documented names
-    assert set(fleetlike._LAZY) == {"cc", "light_init", "mixed_precision", "role_maker"}
+    assert set(fleetlike._LAZY) == {"calc", "cc", "init_process_group", "light_init", "mixed_precision", "role_maker"}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = [
-    "ACCELERATE_DDP", "ACCUMULATE_N_STEPS", "AGENT_STORE", "ALLREDUCE_DTYPE", "ALLREDUCE_MODE",
+    "ACCELERATE_DDP", "ACCELERATE_HOROVOD", "ACCUMULATE_N_STEPS", "AGENT_STORE", "ALLREDUCE_DTYPE", "ALLREDUCE_MODE",
     "ALLREDUCE_STREAMS", "BACKEND", "BY_NAME", "CHECK_COLLECTIVES", "CUDA_VISIBLE_DEVICES", "DIVERGENCE_CHECK_N_STEPS",
     "DOWNSAMPLE_N_ELEMENTS", "ELASTIC_HEARTBEAT_TIMEOUT", "ELASTIC_LAST_CALL", "ELASTIC_MAX_WORKERS", "ELASTIC_MIN_WORKERS",
     "ELASTIC_RUN_ID", "ELASTIC_STORE", "ENV_VARS", "EnvVar", "FUSION_MB", "GLIBC_TUNABLES", "GRADIENT_SCALE", "GROUP_RANK",
@@ -50,6 +50,7 @@ BACKEND = "FLEETLIKE_BACKEND"
 CHECK_COLLECTIVES = "FLEETLIKE_CHECK_COLLECTIVES"
 DIVERGENCE_CHECK_N_STEPS = "FLEETLIKE_DIVERGENCE_CHECK_N_STEPS"
 ACCELERATE_DDP = "FLEETLIKE_ACCELERATE_DDP"
+ACCELERATE_HOROVOD = "FLEETLIKE_ACCELERATE_HOROVOD"
 JOB_ID = "FLEETLIKE_JOB_ID"
 JOB_SECRET = "FLEETLIKE_JOB_SECRET"
 SECRET_DIR = "FLEETLIKE_SECRET_DIR"
@@ -130,8 +131,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CHECK_COLLECTIVES, "user", "roles.settings", "1: check that every rank issues the same collectives"),
     EnvVar(DIVERGENCE_CHECK_N_STEPS, "user", "roles.settings",
            "steps between two parameter checksums across ranks (0: only after the starting broadcast)"),
-    EnvVar(ACCELERATE_DDP, "launch.env (--accelerate_ddp)", "ddp._site.sitecustomize",
+    EnvVar(ACCELERATE_DDP, "launch.env (--accelerate_ddp)", "_site.sitecustomize",
            "1: every worker imports fleetlike.auto before the script"),
+    EnvVar(ACCELERATE_HOROVOD, "launch.env (--accelerate_horovod)", "_site.sitecustomize",
+           "1: `import horovod.torch` in a worker imports fleetlike.horovod"),
     *(EnvVar(name, "user", _KNOBS, meaning) for name, meaning in _KNOB_MEANINGS),
     # the job
     EnvVar(JOB_ID, "launch.env, launch.hostrun (-np/-H)", "roles, launch.config", "the job's id (--job_id)"),
@@ -180,7 +183,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CUDA_VISIBLE_DEVICES, f"{_LAUNCH} (GPU runs: kept in order), user", "roles.settings",
            "the GPUs a worker sees; set: it trains on a GPU even without FLAGS_selected_gpus"),
     EnvVar(GLIBC_TUNABLES, f"{_LAUNCH} (--malloc_tuning on)", "glibc", "the malloc tunables (tcache off)"),
-    EnvVar(PYTHONPATH, f"{_LAUNCH} (--accelerate_ddp)", "python", "the folder whose sitecustomize imports fleetlike.auto, first"),
+    EnvVar(PYTHONPATH, f"{_LAUNCH} (--accelerate_ddp, --accelerate_horovod)", "python", "the folder whose sitecustomize imports fleetlike.auto (or maps horovod.torch), first"),
     # test helpers' own variables, recognised so fleetlike.auto does not call them misspelt knobs
     EnvVar("FLEETLIKE_NCCL_BENCH", "tests", "tests", "file for the NCCL overhead figures"),
     EnvVar("FLEETLIKE_TEST_MARKER", "tests", "tests", "a variable the launcher must pass through"),

@@ -154,7 +154,14 @@ def _meet(members: tuple[int, ...], rank: int, device: torch.device | None, time
 
 
 def _env_role() -> Role | None:
-    """The launcher's role where it describes torch's world (same rank and size), else None."""
+    """The launcher's role where it describes torch's world (same rank and size), else None:
+    the one `fleetlike.init_process_group` (`fleetlike.ddp.start`) formed torch's group from, where it did (under
+    ``mpirun`` read through MPI), else the environment's."""
+    from fleetlike.ddp.start import formed
+
+    group = formed()
+    if group is not None and group.role.rank == dist.get_rank() and group.role.world_size == dist.get_world_size():
+        return group.role
     try:
         role = detect_role()
     except (ValueError, KeyError, TypeError):  # a partial launcher environment: torch's world rules

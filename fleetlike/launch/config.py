@@ -20,6 +20,7 @@ from fleetlike.comm import SECRET_ENV, JobSecret, SecretError, new_secret
 from fleetlike.config import envvars
 from fleetlike.launch.cloud import CloudCluster, CloudEnvError, read_cloud
 from fleetlike.launch.preload import PRELOAD_CHOICES, PRELOAD_ENV, preload_mode
+from fleetlike.launch.torch_flags import TorchFlagError, TorchNodes, add_torch_flags, torch_nodes
 from fleetlike.roles import is_host, parse_gpu_list
 
 __all__ = [
@@ -134,8 +135,10 @@ class SharedFlag:
     its names and default once; ``help`` says what it means in each form."""
 
     names: tuple[str, ...]
-    default: str | None
+    default: str | bool | None
     help: dict[str, str]
+    #: argparse's action ("store_true" for a switch); None: a flag with a value
+    action: str | None = None
 
 
 #: the flags the two parsers share, by their first name without the dashes
@@ -164,12 +167,20 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
                 f"on {{host}}; the line is appended as one argument (default: {DEFAULT_REMOTE_SHELL!r})",
         "hosts": "command that runs a shell command line on {host}; the line is appended as "
                  f"one argument (default: {DEFAULT_REMOTE_SHELL!r})"}),
+    "accelerate_horovod": SharedFlag(("--accelerate_horovod",), False, {
+        "node": "workers' `import horovod.torch` imports fleetlike.horovod: a Horovod script runs unchanged "
+                "(nothing is shadowed without this flag)",
+        "hosts": "the workers' `import horovod.torch` imports fleetlike.horovod: a Horovod script runs "
+                 "unchanged, as under horovodrun (nothing is shadowed without this flag)"}, "store_true"),
 }
 
 
 def add_shared_flag(p: argparse.ArgumentParser, name: str, form: str) -> None:
     """Declare `SHARED_FLAGS` ``name`` on ``p`` with the help of ``form`` ("node" or "hosts")."""
     flag = SHARED_FLAGS[name]
+    if flag.action is not None:
+        p.add_argument(*flag.names, action=flag.action, default=flag.default, help=flag.help[form])
+        return
     p.add_argument(*flag.names, default=flag.default, help=flag.help[form])
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_flag(p, "kill_grace", "node")
     p.add_argument("--accelerate_ddp", action="store_true",
                    help="workers import fleetlike.auto first: their torch DDP models average through fleetlike")
+    add_shared_flag(p, "accelerate_horovod", "node")
     p.add_argument("--malloc_tuning", default="on", choices=("on", "off"),
                    help="on (default): workers start with glibc's per-thread malloc cache off "
                    "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), so freed gradient-sized blocks "
@@ -227,9 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "only the failed worker is started again, and nodes lost or joining use none of "
                    "the N; see docs/launching.md, 'Elastic jobs'")
     p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
-                   help="an elastic job of MIN to MAX nodes (or exactly N): the workers meet through "
-                   "--rdzv_endpoint and must use fleetlike.elastic (elastic.init, @elastic.run); a "
-                   "node that is lost or joins changes the world without restarting the others")
+                   help="an elastic job of MIN to MAX nodes (or exactly N with --rdzv_endpoint): the "
+                   "workers meet through --rdzv_endpoint and must use fleetlike.elastic (elastic.init, "
+                   "@elastic.run); a node that is lost or joins changes the world without restarting the "
+                   "others. One number N without --rdzv_endpoint: a static job of N nodes, torch's form "
+                   "(--node_rank, --master_addr, --master_port)")
+    add_torch_flags(p)
     p.add_argument("--rdzv_endpoint", default=None, metavar="HOST:PORT",
                    help="with --nnodes: the rendezvous store; the launcher whose --node_ip is HOST "
                    "hosts it (start it first; the job lives as long as it does)")
@@ -327,6 +342,8 @@ class LaunchConfig:
     print_config: bool = False
     malloc_tuning: bool = True
     accelerate_ddp: bool = False
+    #: ``--accelerate_horovod``: ``import horovod.torch`` in a worker is `fleetlike.horovod`
+    accelerate_horovod: bool = False
     #: ``--preload`` (`fleetlike.launch.preload`): "off" or "torch"
     preload: str = "off"
     rendezvous_file: str | None = None
@@ -342,6 +359,10 @@ class LaunchConfig:
     rdzv_last_call: float = 3.0
     #: ``--heartbeat_timeout``: seconds of silence after which a worker counts as gone
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    #: torch's static form (``--nnodes N --node_rank R --master_addr A --master_port P``,
+    #: ``--standalone``), translated; other nodes' addresses are learnt when the launchers meet
+    #: (`fleetlike.launch.torch_flags.meet_nodes`)
+    static_nodes: TorchNodes | None = None
     #: ``--host_discovery_script`` (`fleetlike.launch.discovery`)
     host_discovery_script: str | None = None
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
@@ -688,7 +709,13 @@ def parse_config(
         if cloud is not None:
             ips, node_ip, port, ports, endpoints = _with_cloud(
                 cloud, ips, node_ip, args.node_ip is not None, port, nproc)
-    nodes = _nnodes(args.nnodes)
+    try:
+        static = torch_nodes(args, paddle_port_given=args.started_port != SHARED_FLAGS["started_port"].default)
+    except TorchFlagError as exc:
+        raise LaunchInputError(str(exc)) from None
+    if static is not None:
+        ips, node_ip, port = static.ips, static.node_ip, static.started_port
+    nodes = _nnodes(None if static is not None else args.nnodes)
     last_call = _seconds("--rdzv_last_call", args.rdzv_last_call)
     heartbeat = _heartbeat_timeout(args.heartbeat_timeout, elastic=bool(nodes[0]))
     if nodes[0]:
@@ -715,6 +742,7 @@ def parse_config(
         print_config=args.print_config,
         malloc_tuning=args.malloc_tuning == "on",
         accelerate_ddp=args.accelerate_ddp,
+        accelerate_horovod=args.accelerate_horovod,
         preload=_preload(args.preload, env),
         rendezvous_file=args.rendezvous_file,
         rendezvous_timeout=rdzv_timeout,
@@ -732,6 +760,7 @@ def parse_config(
         remote_shell=args.remote_shell,
         job_secret=secret_text or new_secret(),
         job_id_from_file=bool(from_file),
+        static_nodes=static,
     )
     several = config.node_num > 1 or (config.max_nodes > 1 and config.host_discovery_script is None)
     if several and not config.meets_through_file and not secret_text:
@@ -740,7 +769,10 @@ def parse_config(
         # flags, so it keeps every node of this job together but cannot keep out whoever knows
         # them. `open_job_warning` says so on every node.
         # an elastic job's nodes name only themselves: its rendezvous endpoint is what they share
-        secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
+        if static is not None:  # what every node's flags share: node 0's address and the job's size
+            secret = open_job_secret((static.master_addr,), str(static.master_port), None, f"static {static.nnodes}")
+        else:
+            secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
         given_id = args.job_id is not None or bool(env.get(envvars.JOB_ID, "").strip())
         config = dataclasses.replace(config, job_secret=secret, open_job=True,
                                      job_id=config.job_id if given_id else JobSecret(secret).job_id())

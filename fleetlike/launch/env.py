@@ -122,8 +122,10 @@ def worker_env(
     GLIBC_TUNABLES        ``--malloc_tuning on`` only: `MALLOC_TUNABLE` added
                           (`tuned_glibc_tunables`)
     FLEETLIKE_ACCELERATE_DDP  ``--accelerate_ddp`` only: ``1`` (workers import fleetlike.auto)
-    PYTHONPATH            ``--accelerate_ddp`` only: `ACCELERATE_SITE` first, whose
-                          ``sitecustomize`` imports ``fleetlike.auto`` before the script
+    FLEETLIKE_ACCELERATE_HOROVOD  ``--accelerate_horovod`` only: ``1`` (``import horovod.torch``
+                          is fleetlike.horovod, `fleetlike.horovod.alias`)
+    PYTHONPATH            ``--accelerate_ddp`` / ``--accelerate_horovod`` only: `ACCELERATE_SITE`
+                          first, whose ``sitecustomize`` acts on the two variables above
     ====================  =============================================================
 
     and without ``http_proxy``/``https_proxy``/``all_proxy`` in either case (`PROXY_VARIABLES`).
@@ -175,5 +177,8 @@ def worker_env(
         env[envvars.GLIBC_TUNABLES] = tuned_glibc_tunables(env.get(envvars.GLIBC_TUNABLES))
     if config.accelerate_ddp:
         env[envvars.ACCELERATE_DDP] = "1"
+    if config.accelerate_horovod:
+        env[envvars.ACCELERATE_HOROVOD] = "1"
+    if config.accelerate_ddp or config.accelerate_horovod:
         env[envvars.PYTHONPATH] = os.pathsep.join(p for p in (ACCELERATE_SITE, env.get(envvars.PYTHONPATH)) if p)
     return env

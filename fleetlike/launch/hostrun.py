@@ -50,6 +50,7 @@ from fleetlike.launch.hosts import (
 from fleetlike.launch.main import _StopRequest
 from fleetlike.launch.main import main as launch_main
 from fleetlike.launch.mpiguard import GUARD_LINE
+from fleetlike.launch.preload import ACCELERATE_SITE
 from fleetlike.launch.remote import agent_argv, agent_grace, forwarded_env, start_agent, stop_agents
 from fleetlike.launch.workers import describe_exit
 
@@ -78,6 +79,8 @@ def agent_command(job: HostsJob, node: int, *, cwd: str, env: dict[str, str]) ->
         f"--job_id={_job_id(job)}",
         f"--kill_grace={job.kill_grace:g}",
     ]
+    if job.accelerate_horovod:
+        argv.append("--accelerate_horovod")
     if module:
         argv.append("-m")
     return agent_argv([*argv, script, *script_args], cwd=cwd, env=env)
@@ -101,6 +104,9 @@ def mpiexec_command(job: HostsJob, launcher_exec: str | None) -> list[str]:
         (envvars.JOB_ID, _job_id(job)),
     ):
         argv += ["-genv", name, value]
+    if job.accelerate_horovod:  # what the ordinary launcher's --accelerate_horovod sets (fleetlike.launch.env)
+        site = os.pathsep.join(p for p in (ACCELERATE_SITE, os.environ.get(envvars.PYTHONPATH)) if p)
+        argv += ["-genv", envvars.ACCELERATE_HOROVOD, "1", "-genv", envvars.PYTHONPATH, site]
     argv += list(job.mpiexec_args)
     guard = [sys.executable, _MPIGUARD, "guard"]
     for k, host in enumerate(job.hosts):

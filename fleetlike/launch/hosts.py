@@ -56,7 +56,8 @@ __all__ = [
 #: The flags that select this form when they come before the training command.
 _MARKERS = ("-np", "-H", "--hosts", "--hostfile", "--gloo", "--mpi")
 #: Flags of either form that take no value (for `is_hosts_form`'s scan).
-_SWITCHES = ("--gloo", "--mpi", "-m", "--module", "--print_config", "--use_paddlecloud", "-h", "--help")
+_SWITCHES = ("--gloo", "--mpi", "-m", "--module", "--print_config", "--use_paddlecloud", "-h", "--help",
+             "--accelerate_ddp", "--accelerate_horovod", "--use_env", "--use-env", "--standalone")
 #: Variables every remote node's workers get from the launcher's environment (with ``-x``
 #: naming more): what finds the interpreter and fleetlike, and fleetlike's own knobs.
 FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
@@ -96,6 +97,8 @@ class HostsJob:
     forward: tuple[str, ...] = ()
     mpiexec: str | None = None
     mpiexec_args: tuple[str, ...] = ()
+    #: ``--accelerate_horovod``: the workers' ``import horovod.torch`` is fleetlike.horovod
+    accelerate_horovod: bool = False
 
     @property
     def per_node(self) -> int:
@@ -262,8 +265,10 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("-np", "--num-proc", dest="np", required=True, help="number of processes in all")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("-H", "--hosts", dest="hosts", help="HOST:SLOTS,... in rank order")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", dest="hosts",
+                       help="HOST:SLOTS,... in rank order (default: this machine, -np slots: one node, as "
+                       "horovodrun and perseusrun read -np N alone)")
     where.add_argument("--hostfile", "--host-file", dest="hostfile",
                        help="a file of 'HOST slots=N' lines (horovodrun's / Open MPI's form)")
     mode = p.add_mutually_exclusive_group()
@@ -279,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     add_shared_flag(p, "kill_grace", "hosts")
     p.add_argument("-x", dest="forward", action="append", default=[], metavar="NAME",
                    help="also pass environment variable NAME to remote hosts (repeatable)")
+    add_shared_flag(p, "accelerate_horovod", "hosts")
     p.add_argument("--mpiexec_args", "--mpi-args", default="",
                    help="--mpi: extra mpiexec arguments, one string")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to run, e.g. python train.py")
@@ -335,7 +341,9 @@ def parse_hosts(
         # as in the ordinary launcher: a bare `python` is the interpreter running the launcher
         command[0] = sys.executable
     np = _positive("-np", args.np)
-    if args.hosts is not None:
+    if args.hosts is None and args.hostfile is None:
+        where, slots = f"-np={np} (no -H: this machine)", [("localhost", np)]
+    elif args.hosts is not None:
         where, slots = f"-H={args.hosts}", parse_host_list(args.hosts)
     else:
         where, slots = f"--hostfile={args.hostfile}", parse_host_list(_read_hostfile(args.hostfile), name=f"--hostfile={args.hostfile}")
@@ -394,6 +402,7 @@ def parse_hosts(
         np=np, hosts=hosts, command=tuple(command), mode=mode, remote_shell=args.remote_shell,
         started_port=port, log_dir=args.log_dir, job_id=args.job_id, kill_grace=grace,
         forward=tuple(args.forward), mpiexec=found, mpiexec_args=tuple(shlex.split(args.mpiexec_args)),
+        accelerate_horovod=args.accelerate_horovod,
     )
 
 

@@ -14,6 +14,7 @@ several-node ``--started_port=auto`` job did not meet (`fleetlike.launch.meeting
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ from fleetlike.launch.elastic_agent import restart_loop
 from fleetlike.launch.env import omp_note, worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
+from fleetlike.launch.torch_flags import NodeMeetingError, meet_nodes
 from fleetlike.launch.workers import (
     Worker,
     close_logs,
@@ -104,6 +106,15 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     stop.install()
     try:
         check_machine(config, visible_gpus=visible_gpus)
+        if config.static_nodes is not None and config.static_nodes.pending:
+            try:  # torch's static form: learn the other nodes' addresses (`fleetlike.launch.torch_flags`)
+                ips = meet_nodes(config.static_nodes, config.nproc_per_node, config.job_secret, config.job_id,
+                                 config.rendezvous_timeout, stop.event)
+            except NodeMeetingError as exc:
+                print(f"{_PREFIX} {exc}", file=sys.stderr, flush=True)
+                return 128 + stop.signum if stop.signum is not None else 1
+            config = dataclasses.replace(config, cluster_node_ips=ips,
+                                         static_nodes=dataclasses.replace(config.static_nodes, ips=ips, met=True))
         if config.meets_through_file and hosted is not None:
             try:
                 config = meet(config, hosted, stop=stop.event)

@@ -74,10 +74,11 @@ PRELOAD_ENV = envvars.PRELOAD
 SOCKET_ENV = envvars.PRELOAD_SOCKET
 PRELOAD_CHOICES = ("off", "torch")
 
-#: ``--accelerate_ddp``: the folder whose ``sitecustomize.py`` makes every worker import
-#: ``fleetlike.auto`` before the script (a path, not an import: launch sits below fleetlike.ddp);
+#: ``--accelerate_ddp`` / ``--accelerate_horovod``: the folder whose ``sitecustomize.py`` makes every
+#: worker import ``fleetlike.auto`` / answer ``import horovod.torch`` before the script (a path, not
+#: an import: launch sits below the faces);
 #: `fleetlike.launch.env` puts it first on the workers' PYTHONPATH, a preloaded start honours it
-ACCELERATE_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddp", "_site")
+ACCELERATE_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_site")
 
 _PREFIX = "fleetlike.launch:"
 _FLAGS = ("-u", "-B", "-E", "-s", "-S", "-O", "-OO", "-b", "-bb", "-q", "-I", "-P")
