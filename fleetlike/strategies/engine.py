@@ -28,6 +28,7 @@ Example (eager style, what the wrappers in `fleetlike.fleet` do):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from fleetlike.config import rules
 from fleetlike.program import StepState
 from fleetlike.strategies.amp import AmpUnit
+from fleetlike.strategies.autotune import AutoTuneUnit
 from fleetlike.strategies.data_parallel import DataParallelUnit, gradient_collective
 from fleetlike.strategies.gradient_merge import GradientMergeUnit
 from fleetlike.strategies.health import SlowRankUnit
@@ -44,6 +46,7 @@ from fleetlike.strategies.recompute import RecomputeUnit
 from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
+from fleetlike.tune import requested
 
 __all__ = ["Engine", "build_engine"]
 
@@ -70,8 +73,18 @@ def build_engine(ctx: StepContext) -> Engine:
     else:
         comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic)
     health = SlowRankUnit(ctx) if s.slow_rank_check else None
-    units += [health, merge, comm, amp]
+    tuned = requested(s)
+    tune = AutoTuneUnit(_with_strategy(ctx, tuned), comm) if tuned is not None else None
+    units += [health, merge, comm, amp, tune]
     return Engine(ctx, [u for u in units if u is not None])
+
+
+def _with_strategy(ctx: StepContext, s: Any) -> StepContext:
+    """``ctx`` seeing ``s`` (the strategy with ``auto_tune`` turned on by the environment); the
+    applied list stays shared."""
+    if s is ctx.strategy:
+        return ctx
+    return dataclasses.replace(ctx, strategy=s, applied=ctx.applied)
 
 
 class Engine:
