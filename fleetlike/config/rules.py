@@ -148,7 +148,7 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
         "turn it off here, or train through fleet.distributed_optimizer, which runs it"),
     "horovod": FaceOptions(
         "hvd.DistributedOptimizer",
-        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce"}),
+        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "auto_tune"}),
         "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, nccl_comm_num and "
         "the hierarchical settings)",
         "turn those off for the Horovod face, or use fleet.distributed_model / fleet.distributed_optimizer, "
