@@ -264,3 +264,55 @@ def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     assert f"horovod_env: applied (HOROVOD_FUSION_THRESHOLD={fixed_env['HOROVOD_FUSION_THRESHOLD']})" in f0["applied"]
     for got, want in zip(a["params"], f0["params"]):
         assert torch.equal(got, want)
+
+
+def _ddp_model(seed):
+    # over 1 MiB of gradients: DDP's first bucket holds at most 1 MiB, so there are several
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 20000), torch.nn.Tanh(), torch.nn.Linear(20000, 3))
+
+
+def _ddp_job(role, rendezvous, options):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fleetlike.auto as auto
+    from dp_common import torch_group
+    from fleetlike.ddp import register
+
+    env = {"FLEETLIKE_AUTOTUNE": "1", "FLEETLIKE_AUTOTUNE_LOG": f"{rendezvous}.csv",
+           "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": TUNE["auto_tune_configs"]})} if options is None else {}
+    os.environ.update(env)
+    with torch_group(role, rendezvous):
+        try:
+            if options is None:  # an unchanged DDP script under fleetlike.auto, tuned from the environment
+                auto.install({})
+                ddp = DDP(_ddp_model(100 + role.rank), bucket_cap_mb=0.25)
+                state = auto.settings().by_param[id(next(ddp.parameters()))]
+            else:  # the same job with the chosen setting fixed from the start
+                ddp = DDP(_ddp_model(100 + role.rank), bucket_cap_mb=0.25)
+                state = register(ddp, DistributedStrategy(**options))
+            opt = make_opt("adam", ddp)
+            for i in range(STEPS):
+                loss_fn(ddp, batch(i, role.rank)).backward()
+                opt.step()
+                opt.zero_grad()
+            tuner = state.tuning.tuner if state.tuning is not None else None
+            return {"params": [p.detach().clone() for p in ddp.parameters()],
+                    "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
+                    "trials": [(t.setting, t.step_times) for t in tuner.trials] if tuner else None}
+        finally:
+            auto.uninstall()
+            for k in env:
+                os.environ.pop(k, None)
+
+
+def test_ddp_through_fleetlike_auto_tunes_its_hook(tmp_path):
+    a, b = run_ranks(_ddp_job, 2, str(tmp_path / "rdv"), None, timeout=120)
+    assert a["done"] and a["chosen"] == b["chosen"] and a["trials"] == b["trials"]
+    assert {t[0].comm_num for t in a["trials"]} == {1, 2}  # DDP's buckets stay: communicators are tuned
+    assert {t[0].bucket_mb for t in a["trials"]} == {32.0}
+    rows = list(csv.DictReader(open(tmp_path / "rdv.csv")))
+    assert rows[-1]["best"] == "1" and int(rows[-1]["nccl_comm_num"]) == a["chosen"].comm_num
+    f0, _ = run_ranks(_ddp_job, 2, str(tmp_path / "rdv2"), _fixed(a["chosen"]), timeout=120)
+    for got, want in zip(a["params"], f0["params"]):
+        assert torch.equal(got, want)

@@ -367,7 +367,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         "try gradient-communication settings during the first steps (allreduce mode, bucket size, "
         "communicators, 16-bit wire where allowed), measure each one's steps/s on every rank and "
         "keep the fastest; options set away from their default are never tuned; "
-        "FLEETLIKE_AUTOTUNE=1 / HOROVOD_AUTOTUNE=1 turn it on too")),
+        "the FLEETLIKE_AUTOTUNE / HOROVOD_AUTOTUNE variables turn it on too")),
     Section("auto_tune_configs", requires="auto_tune", note="online tuning of gradient communication",
             fields=(
         Field("warmup_steps", Int(min=0), 1, note=(

@@ -143,7 +143,7 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
     "ddp": FaceOptions(
         "a DDP communication hook",
         frozenset({"gradient_merge", "use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "gossip",
-                   "find_unused_parameters", "check_nan_inf", "slow_rank_check"}),
+                   "find_unused_parameters", "check_nan_inf", "slow_rank_check", "auto_tune"}),
         "it only combines DDP's gradient buckets, it cannot change the optimizer, the forward or the model",
         "turn it off here, or train through fleet.distributed_optimizer, which runs it"),
     "horovod": FaceOptions(

@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from fleetlike.config import DistributedStrategy
+from fleetlike.config import DistributedStrategy, envvars
 
 __all__ = ["AUTOTUNE", "AUTOTUNE_LOG", "log_path", "requested"]
 
-AUTOTUNE = "FLEETLIKE_AUTOTUNE"
-AUTOTUNE_LOG = "FLEETLIKE_AUTOTUNE_LOG"
+AUTOTUNE = envvars.AUTOTUNE
+AUTOTUNE_LOG = envvars.AUTOTUNE_LOG
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool | None:

@@ -79,7 +79,8 @@ class OnlineTuner:
     def __init__(self, world: Communicator, strategy: DistributedStrategy, *, param_bytes: Sequence[int],
                  two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] = (),
                  log_path: str | os.PathLike[str] | None = None, cycle_time_ms: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 bucket_count: Callable[[Setting], int] | None = None) -> None:
         cfg = strategy.auto_tune_configs
         self.world = world
         self.warmup = int(cfg["warmup_steps"])
@@ -97,6 +98,8 @@ class OnlineTuner:
         self.log_path = Path(log_path) if log_path else None
         self.cycle_time_ms = float(cycle_time_ms)
         self._apply = apply
+        #: how many buckets a setting gives (default: from ``param_bytes``; the DDP face counts DDP's own)
+        self.bucket_count = bucket_count or (lambda st: len(same_buckets(self.param_bytes, st.bucket_mb)))
         #: the step clock (a test may skew one rank's to check that the ranks still agree)
         self.clock = clock
         self._knobs = [k for k in _ORDER if k in self.values]
@@ -178,8 +181,7 @@ class OnlineTuner:
 
     def _redundant(self, cand: Setting) -> bool:
         """More communicators than buckets change nothing: not worth a trial."""
-        buckets = len(same_buckets(self.param_bytes, cand.bucket_mb))
-        return cand.comm_num > 1 and buckets < cand.comm_num
+        return cand.comm_num > 1 and self.bucket_count(cand) < cand.comm_num
 
     def _agree(self, mine: Setting | None) -> Setting | None:
         """Rank 0's decision, broadcast; a rank that decided otherwise raises (never diverges)."""
