@@ -25,7 +25,8 @@ from fleetlike.testing import run_ranks
 from fleetlike.tune import LOG_COLUMNS, Knob, OnlineTuner, Setting, fixed_knobs, knob_values, requested
 
 STEPS = 30
-TUNE = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": 2, "warmup_steps": 1}}
+#: short trials counted in steps (seconds_per_trial=0): the tests check agreement and equality, not speed
+TUNE = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": 2, "warmup_steps": 1, "seconds_per_trial": 0}}
 #: sizes of dp_common's model's gradients (bytes, parameter order)
 SIZES = [16 * 24 * 4, 24 * 4, 24 * 3 * 4, 3 * 4]
 
@@ -66,14 +67,16 @@ def test_search_finds_the_fastest_setting_and_logs_it(tmp_path):
     smallest = min(v for v in t.values[Knob.BUCKET_MB])
     assert t.best.setting.bucket_mb == smallest and t.current == t.best.setting
     assert applied[-1] == t.best.setting
-    # every bucket size, then 2 communicators at the best one (it has several buckets)
-    assert [tr.setting.bucket_mb for tr in t.trials] == [*t.values[Knob.BUCKET_MB], smallest]
+    # every bucket size (a winner confirmed against the start timed again right after it), then 2
+    # communicators at the best one (it has several buckets)
+    start, first, *rest = t.values[Knob.BUCKET_MB]
+    assert [tr.setting.bucket_mb for tr in t.trials] == [start, first, start, *rest, smallest]
     assert [tr.setting.comm_num for tr in t.trials][-1] == 2
     assert t.tuning_steps == 1 + len(t.trials) * 3  # the first step, then warmup 1 + 2 measured per trial
     rows = list(csv.DictReader(open(log)))
     assert list(rows[0]) == list(LOG_COLUMNS) and list(LOG_COLUMNS[:5]) == [
         "hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold", "score"]
-    assert len(rows) == len(t.trials) + 1 and rows[-1]["best"] == "1"
+    assert len(rows) == len(t.trials) + 1 and rows[-1]["best"] == "1" and first == smallest
     assert float(rows[-1]["tensor_fusion_threshold"]) == smallest
     assert float(rows[-1]["steps_per_s"]) == pytest.approx(1 / (0.01 + smallest), rel=1e-3)
     assert "chose flat" in t.summary() and "fixed knobs: wire_dtype" in t.summary()
@@ -244,7 +247,8 @@ def _horovod_job(role, tmp, env):
 def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     log, trace = tmp_path / "autotune.csv", tmp_path / "timeline.json"
     env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log), "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_TIMELINE": str(trace)}
+           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_TIMELINE": str(trace),
+           "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
     a, b = run_ranks(_horovod_job, 2, str(tmp_path), env, timeout=120)
     assert a["done"] and a["chosen"] == b["chosen"]
     assert any(line.startswith("auto_tune: applied (chose ") for line in a["applied"])
@@ -316,3 +320,14 @@ def test_ddp_through_fleetlike_auto_tunes_its_hook(tmp_path):
     f0, _ = run_ranks(_ddp_job, 2, str(tmp_path / "rdv2"), _fixed(a["chosen"]), timeout=120)
     for got, want in zip(a["params"], f0["params"]):
         assert torch.equal(got, want)
+
+
+def test_trials_last_seconds_per_trial_at_the_first_trials_speed():
+    s = DistributedStrategy(auto_tune=True, auto_tune_configs={"steps_per_trial": 2, "seconds_per_trial": 0.1})
+    t, clock, _ = _tuner(lambda st: 0.01, strategy=s)
+    for _ in range(4):  # the first step, 1 warmup, 2 measured: the first trial ends
+        clock.step()
+    assert len(t.trials) == 1 and t.per_trial == 10  # 0.1 s of 10 ms steps, for every later trial
+    for _ in range(11):
+        clock.step()
+    assert len(t.trials) == 2 and len(t.trials[1].step_times) == 10

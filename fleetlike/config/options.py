@@ -376,6 +376,9 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("steps_per_trial", Int(min=1), 5, note=(
             "measured steps per candidate: the median of the slowest rank's step times is its score; "
             "more steps beat more noise and cost more tuning")),
+        Field("seconds_per_trial", Float(ge=0), 0.5, note=(
+            "and at least this long (steps counted from the first trial's speed, the same on every "
+            "rank); 0 = steps_per_trial steps only")),
         Field("min_gain", Float(ge=0), 0.05, note=(
             "a candidate replaces the best so far only when faster by this fraction (noise guard)")),
         Field("allow_16bit_wire", Bool(), False, note=(

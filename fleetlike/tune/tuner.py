@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -86,6 +87,10 @@ class OnlineTuner:
         self.warmup = int(cfg["warmup_steps"])
         self.per_trial = int(cfg["steps_per_trial"])
         self.min_gain = float(cfg["min_gain"])
+        self.seconds_per_trial = float(cfg["seconds_per_trial"])
+        #: a bound on the steps of one trial, whatever the speed of the first
+        self.max_steps_per_trial = max(self.per_trial, 200)
+        self._challenger: Trial | None = None
         self.param_bytes = list(param_bytes)
         self.grad_bytes = sum(self.param_bytes)
         self.fixed = fixed_knobs(strategy, fixed)
@@ -148,8 +153,27 @@ class OnlineTuner:
         trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup)
         self.trials.append(trial)
         self._measured[trial.setting] = trial
-        if self.best is None or trial.steps_per_s > self.best.steps_per_s * (1.0 + self.min_gain):
+        if self.best is None:
             self.best = trial
+            # later trials last at least seconds_per_trial (at this speed): a few steps of a few
+            # milliseconds are at the mercy of every other process on the machine. Agreed: the
+            # median is the max-reduced one, so every rank computes the same count
+            self.per_trial = max(self.per_trial, math.ceil(self.seconds_per_trial / max(trial.median_s, 1e-9)))
+            self.per_trial = min(self.per_trial, self.max_steps_per_trial)
+        elif self._challenger is not None:  # the incumbent measured again, right after its challenger
+            challenger, self._challenger = self._challenger, None
+            self.best = trial
+            if challenger.steps_per_s > trial.steps_per_s * (1.0 + self.min_gain):
+                self.best = challenger
+        elif trial.steps_per_s > self.best.steps_per_s * (1.0 + self.min_gain):
+            # a win is confirmed against the incumbent timed again now (load drifts during a job)
+            self._challenger = trial
+            nxt = self._agree(self.best.setting)
+            self._apply(nxt)
+            self.current = nxt
+            self._times = []
+            self._since_switch = 0
+            return
         nxt = self._next()
         nxt = self._agree(nxt)
         if nxt is None:
