@@ -260,12 +260,14 @@ def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     events = json.load(open(trace))["traceEvents"]
     assert any(e["tid"] == "gradient bucket 0" and e["name"] == "ALLREDUCE" and e["ph"] == "X" for e in events)
     # the same script with the chosen setting fixed from the start, by Horovod's own variable
-    fixed_env = {"HOROVOD_FUSION_THRESHOLD": str(int(a["chosen"].bucket_mb * (1 << 20)))}
+    fixed_env = {"HOROVOD_FUSION_THRESHOLD": str(int(a["chosen"].bucket_mb * (1 << 20))),
+                 "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}  # acts, and says why one node stays flat
     if a["chosen"].comm_num != 1:
         fixed_env["FLEETLIKE_STRATEGY"] = json.dumps({"nccl_comm_num": a["chosen"].comm_num})
     f0, _ = run_ranks(_horovod_job, 2, str(tmp_path), fixed_env, timeout=120)
     assert f0["buckets"] == a["buckets"]
     assert f"horovod_env: applied (HOROVOD_FUSION_THRESHOLD={fixed_env['HOROVOD_FUSION_THRESHOLD']})" in f0["applied"]
+    assert any(line.startswith("use_hierarchical_allreduce: NOT applied (one node") for line in f0["applied"])
     for got, want in zip(a["params"], f0["params"]):
         assert torch.equal(got, want)
 

@@ -11,7 +11,7 @@ So the switch happens at the same step everywhere.
 
 The search is coordinate descent from the starting setting (the strategy as configured: the
 planner's recommendation when the job was started from ``python -m fleetlike.plan``'s
-strategy file): each free knob in turn (bucket size, communicators, allreduce mode, wire
+strategy file): each free knob in turn (allreduce mode, bucket size, communicators, wire
 dtype) tries its values with the others at the best so far; a candidate replaces the best
 only when faster by ``min_gain``. Once every knob is done, the best setting is applied for the
 rest of the job and the trial log is written (Horovod's ``HOROVOD_AUTOTUNE_LOG`` columns first:
@@ -48,8 +48,9 @@ __all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial"]
 #: the trial log's columns: Horovod's autotune log, then fleetlike's
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold",
                "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best")
-#: the order in which knobs are searched: bucket size matters most on every link
-_ORDER = (Knob.BUCKET_MB, Knob.COMM_NUM, Knob.ALLREDUCE_MODE, Knob.WIRE_DTYPE)
+#: the order in which knobs are searched: where two levels can form, the mode moves a slow link's
+#: traffic most (1.5-1.6x at 100 Mbit in bench/autotune.py), so the bucket sizes are tried under it
+_ORDER = (Knob.ALLREDUCE_MODE, Knob.BUCKET_MB, Knob.COMM_NUM, Knob.WIRE_DTYPE)
 _MODES = list(AllreduceMode)
 _WIRES = ["native", "float16", "bfloat16"]
 
