@@ -72,7 +72,8 @@ def test_search_finds_the_fastest_setting_and_logs_it(tmp_path):
     start, first, *rest = t.values[Knob.BUCKET_MB]
     assert [tr.setting.bucket_mb for tr in t.trials] == [start, first, start, *rest, smallest]
     assert [tr.setting.comm_num for tr in t.trials][-1] == 2
-    assert t.tuning_steps == 1 + len(t.trials) * 3  # the first step, then warmup 1 + 2 measured per trial
+    # the first step, the warm-up trial, then per trial 1 unmeasured + 2 measured steps
+    assert t.tuning_steps == 1 + (1 + len(t.trials)) * 3
     rows = list(csv.DictReader(open(log)))
     assert list(rows[0]) == list(LOG_COLUMNS) and list(LOG_COLUMNS[:5]) == [
         "hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold", "score"]
@@ -90,7 +91,8 @@ def test_a_gain_below_min_gain_keeps_the_start():
 
 
 def test_fixed_knobs_are_never_tuned():
-    s = DistributedStrategy(auto_tune=True, fuse_grad_size_in_MB=8, auto_tune_configs={"fixed": ["comm_num"]})
+    s = DistributedStrategy(auto_tune=True, fuse_grad_size_in_MB=8,
+                            auto_tune_configs={"fixed": ["comm_num"], "seconds_per_trial": 0})
     assert fixed_knobs(s) == {Knob.BUCKET_MB, Knob.COMM_NUM, Knob.WIRE_DTYPE}
     t, clock, _ = _tuner(lambda s: 0.01, strategy=s, two_level_ok=True)
     assert set(t.values) == {Knob.ALLREDUCE_MODE}
@@ -327,9 +329,9 @@ def test_ddp_through_fleetlike_auto_tunes_its_hook(tmp_path):
 def test_trials_last_seconds_per_trial_at_the_first_trials_speed():
     s = DistributedStrategy(auto_tune=True, auto_tune_configs={"steps_per_trial": 2, "seconds_per_trial": 0.1})
     t, clock, _ = _tuner(lambda st: 0.01, strategy=s)
-    for _ in range(4):  # the first step, 1 warmup, 2 measured: the first trial ends
+    for _ in range(4):  # the first step, 1 unmeasured, 2 measured: the warm-up trial ends
         clock.step()
-    assert len(t.trials) == 1 and t.per_trial == 10  # 0.1 s of 10 ms steps, for every later trial
+    assert len(t.trials) == 0 and t.per_trial == 10  # 0.1 s of 10 ms steps, for every later trial
     for _ in range(11):
         clock.step()
-    assert len(t.trials) == 2 and len(t.trials[1].step_times) == 10
+    assert len(t.trials) == 1 and len(t.trials[0].step_times) == 10 and t.trials[0].setting == t.start

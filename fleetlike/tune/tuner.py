@@ -92,6 +92,7 @@ class OnlineTuner:
         #: a bound on the steps of one trial, whatever the speed of the first
         self.max_steps_per_trial = max(self.per_trial, 200)
         self._challenger: Trial | None = None
+        self._warmed = False
         self.param_bytes = list(param_bytes)
         self.grad_bytes = sum(self.param_bytes)
         self.fixed = fixed_knobs(strategy, fixed)
@@ -152,15 +153,23 @@ class OnlineTuner:
         times = torch.tensor(self._times, dtype=torch.float64)
         self.world.all_reduce(times, "max")  # each step as long as its slowest rank made it
         trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup)
+        if not self._warmed:
+            # the job's first steps run slower than its later ones (caches, allocator, the other
+            # ranks still starting: up to 25% in bench/autotune.py), so, as Horovod's warm-up
+            # samples, the first trial only sets the trial length and the start is timed again.
+            # Later trials last at least seconds_per_trial at this speed (a few steps of a few
+            # milliseconds are at the mercy of every other process on the machine); agreed: the
+            # median is the max-reduced one, so every rank computes the same count
+            self._warmed = True
+            self.per_trial = max(self.per_trial, math.ceil(self.seconds_per_trial / max(trial.median_s, 1e-9)))
+            self.per_trial = min(self.per_trial, self.max_steps_per_trial)
+            self._times = []
+            self._since_switch = 0
+            return
         self.trials.append(trial)
         self._measured[trial.setting] = trial
         if self.best is None:
             self.best = trial
-            # later trials last at least seconds_per_trial (at this speed): a few steps of a few
-            # milliseconds are at the mercy of every other process on the machine. Agreed: the
-            # median is the max-reduced one, so every rank computes the same count
-            self.per_trial = max(self.per_trial, math.ceil(self.seconds_per_trial / max(trial.median_s, 1e-9)))
-            self.per_trial = min(self.per_trial, self.max_steps_per_trial)
         elif self._challenger is not None:  # the incumbent measured again, right after its challenger
             challenger, self._challenger = self._challenger, None
             self.best = trial
