@@ -293,7 +293,7 @@ def _ddp_job(role, rendezvous, options):
     with torch_group(role, rendezvous):
         try:
             if options is None:  # an unchanged DDP script under fleetlike.auto, tuned from the environment
-                auto.install({})
+                auto.install(env)  # FLEETLIKE_STRATEGY: short trials
                 ddp = DDP(_ddp_model(100 + role.rank), bucket_cap_mb=0.25)
                 state = auto.settings().by_param[id(next(ddp.parameters()))]
             else:  # the same job with the chosen setting fixed from the start
