@@ -106,7 +106,7 @@ def test_one_table_says_which_options_each_face_applies() -> None:
 
     features = ["localsgd", "adaptive_localsgd", "amp", "recompute", "gradient_merge", "use_hierarchical_allreduce",
                 "fuse_all_reduce_ops", "fp16_allreduce", "gossip", "sharding", "sync_batch_norm",
-                "find_unused_parameters", "check_nan_inf", "slow_rank_check"]
+                "find_unused_parameters", "check_nan_inf", "slow_rank_check", "auto_tune"]
     assert FACE_OPTIONS["ddp"].honours <= set(features) and FACE_OPTIONS["horovod"].honours <= set(features)
     refused = []
     for name in features:

@@ -360,6 +360,30 @@ class GradReducer:
         with self._lock:
             self._zeroed = True
 
+    def rebucket(self, cap_bytes: int | None, collective: BucketCollective) -> None:
+        """Between steps: lay the gradients out in buckets of at most ``cap_bytes`` and combine
+        them with ``collective`` from the next backward on (the online tuner's switch). The
+        current gradients are copied into the new buckets, so a step's update is unchanged; the
+        hooks stay (they find each parameter's bucket anew)."""
+        with self._lock:
+            if self.armed:
+                raise RuntimeError("GradReducer.rebucket: a backward's buckets are in flight; switch between steps")
+            if self._learning:
+                raise RuntimeError("GradReducer.rebucket: sparse gradients are still being learnt; rebuild the reducer")
+            self.collective = collective
+            if [[id(p) for p in b.params] for b in self.buckets] == [
+                    [id(p) for p in ps] for ps in plan_buckets(self.params, cap_bytes)]:
+                return
+            grads = {id(p): p.grad for p in self.params}
+            self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_buckets(self.params, cap_bytes))]
+            self._where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
+            for b in self.buckets:
+                for p, view in zip(b.params, b.views):
+                    g = grads[id(p)]
+                    if g is not None:
+                        view.copy_(g.to_dense() if g.is_sparse else g)
+                    p.grad = view
+
     def remove(self) -> None:
         """Detach the hooks (the buffers stay as the grads)."""
         for h in self._hooks:

@@ -21,6 +21,7 @@ import dataclasses
 
 __all__ = [
     "ACCELERATE_DDP", "ACCELERATE_HOROVOD", "ACCUMULATE_N_STEPS", "AGENT_STORE", "ALLREDUCE_DTYPE", "ALLREDUCE_MODE",
+    "AUTOTUNE", "AUTOTUNE_LOG",
     "ALLREDUCE_STREAMS", "BACKEND", "BY_NAME", "CHECK_COLLECTIVES", "CUDA_VISIBLE_DEVICES", "DIVERGENCE_CHECK_N_STEPS",
     "DOWNSAMPLE_N_ELEMENTS", "ELASTIC_HEARTBEAT_TIMEOUT", "ELASTIC_LAST_CALL", "ELASTIC_MAX_WORKERS", "ELASTIC_MIN_WORKERS",
     "ELASTIC_RUN_ID", "ELASTIC_STORE", "ENV_VARS", "EnvVar", "FUSION_MB", "GLIBC_TUNABLES", "GRADIENT_SCALE", "GROUP_RANK",
@@ -78,6 +79,9 @@ ACCUMULATE_N_STEPS = "FLEETLIKE_ACCUMULATE_N_STEPS"
 NAN_CHECK = "FLEETLIKE_NAN_CHECK"
 PERF_CHECK_N_STEPS = "FLEETLIKE_PERF_CHECK_N_STEPS"
 DOWNSAMPLE_N_ELEMENTS = "FLEETLIKE_DOWNSAMPLE_N_ELEMENTS"
+# the online tuner (every face)
+AUTOTUNE = "FLEETLIKE_AUTOTUNE"
+AUTOTUNE_LOG = "FLEETLIKE_AUTOTUNE_LOG"
 
 # ------------------------------------------------------- Paddle's and torchrun's names (written
 # by the launcher so both kinds of script meet the same job)
@@ -136,6 +140,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(ACCELERATE_HOROVOD, "launch.env (--accelerate_horovod)", "_site.sitecustomize",
            "1: `import horovod.torch` in a worker imports fleetlike.horovod"),
     *(EnvVar(name, "user", _KNOBS, meaning) for name, meaning in _KNOB_MEANINGS),
+    EnvVar(AUTOTUNE, "user", "tune.request (every face)",
+           "1: strategy.auto_tune, the online tuner of the gradient communication"),
+    EnvVar(AUTOTUNE_LOG, "user", "tune.request", "the tuner's trial log (csv, Horovod's autotune columns first), rank 0"),
     # the job
     EnvVar(JOB_ID, "launch.env, launch.hostrun (-np/-H)", "roles, launch.config", "the job's id (--job_id)"),
     EnvVar(JOB_SECRET, "launch.env, user", "comm.secret, launch.config",

@@ -424,6 +424,31 @@ ENTRIES: tuple[Field | Section, ...] = (
             "extra factor applied before the cast and undone after; lower it if gradients "
             "overflow in transit, raise it if small ones underflow to zero")),
     )),
+    Field("auto_tune", Bool(), False, feature=True, note=(
+        "try gradient-communication settings during the first steps (allreduce mode, bucket size, "
+        "communicators, 16-bit wire where allowed), measure each one's steps/s on every rank and "
+        "keep the fastest; options set away from their default are never tuned; "
+        "the FLEETLIKE_AUTOTUNE / HOROVOD_AUTOTUNE variables turn it on too")),
+    Section("auto_tune_configs", requires="auto_tune", note="online tuning of gradient communication",
+            fields=(
+        Field("warmup_steps", Int(min=0), 1, note=(
+            "steps after each switch that are not measured (the first step of a setting pays for "
+            "its new buffers and communicators)")),
+        Field("steps_per_trial", Int(min=1), 5, note=(
+            "measured steps per candidate: the median of the slowest rank's step times is its score; "
+            "more steps beat more noise and cost more tuning")),
+        Field("seconds_per_trial", Float(ge=0), 0.5, note=(
+            "and at least this long (steps counted from the first trial's speed, the same on every "
+            "rank); 0 = steps_per_trial steps only")),
+        Field("min_gain", Float(ge=0), 0.05, note=(
+            "a candidate replaces the best so far only when faster by this fraction (noise guard)")),
+        Field("allow_16bit_wire", Bool(), False, note=(
+            "let the tuner try float16 and bfloat16 gradients on the wire (changes the numerics); "
+            "off: the wire dtype is never tuned")),
+        Field("fixed", StrList("tuned knob names"), (), note=(
+            "knobs never tuned even at their default: allreduce_mode, bucket_mb, comm_num, "
+            "wire_dtype (a knob set away from its default is never tuned anyway)")),
+    )),
     Field("gossip", Bool(), False, feature=True, note=(
         "gossip (down-sampling) compression, AIACC's PERSEUS_DOWNSAMPLE_N_ELEMENTS: each step "
         "averages one of every n gradient elements (a rotating offset) and keeps the rest as a "

@@ -195,7 +195,7 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
     "ddp": FaceOptions(
         "a DDP communication hook",
         frozenset({"gradient_merge", "use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "gossip",
-                   "find_unused_parameters", "check_nan_inf", "slow_rank_check"}),
+                   "find_unused_parameters", "check_nan_inf", "slow_rank_check", "auto_tune"}),
         "it only combines DDP's gradient buckets, it cannot change the optimizer, the forward or the model",
         "turn it off here, or train through fleet.distributed_optimizer, which runs it"),
     "pipeline": FaceOptions(
@@ -211,9 +211,9 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
         "merge), or train without pipeline"),
     "horovod": FaceOptions(
         "hvd.DistributedOptimizer",
-        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf"}),
+        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf", "auto_tune"}),
         "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, fuse_grad_max_buckets, "
-        "nccl_comm_num, the hierarchical settings and the NaN/Inf check of each bucket)",
+        "nccl_comm_num, the hierarchical settings, the NaN/Inf check of each bucket and the online tuner)",
         "turn those off for the Horovod face, or use fleet.distributed_model / fleet.distributed_optimizer, "
         "which apply every option (backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm "
         "its sync BN)"),

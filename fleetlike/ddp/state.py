@@ -46,6 +46,8 @@ from fleetlike.roles import Role, detect_role
 from fleetlike.roles.settings import env_settings
 from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.strategies.health import SlowRankWindow
+from fleetlike.ddp.tuning import HookTuning
+from fleetlike.tune import requested
 
 __all__ = ["FleetHookState"]
 
@@ -75,6 +77,7 @@ class FleetHookState:
         s = (strategy or DistributedStrategy()).copy()
         if not isinstance(s, DistributedStrategy):
             raise TypeError(f"strategy must be a DistributedStrategy, got {type(strategy).__name__}")
+        s = requested(s) or s  # FLEETLIKE_AUTOTUNE=1
         s.validate_combination()
         rules.refuse_unhonoured(s, "ddp")
         self.strategy = s
@@ -96,6 +99,7 @@ class FleetHookState:
         self.sampler = Downsampler(self.gossip_n) if self.gossip_n > 1 else None
         self._pool: dict[str, torch.Tensor] = {}  # gossip residuals of a re-laid-out bucket, by name
         self.names: dict[int, str] = {}
+        self._param_bytes: list[int] = []
         self.process_group: Any = None  # the bound DDP model's group (`bind`)
         self._param_sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -112,6 +116,8 @@ class FleetHookState:
         self.groups: CommGroups | None = None
         self.role: Role | None = None
         self.collective: Any = None
+        #: the online tuner (strategy.auto_tune): it picks the collective of each pass
+        self.tuning: HookTuning | None = None
         self.notes: list[tuple[str, bool, str]] = []
         self.health: Communicator | None = None
         self.perf: SlowRankWindow | None = None  # the slow-rank window (`connect` makes it)
@@ -124,6 +130,7 @@ class FleetHookState:
         """Name the parameters of ``model`` (a DDP model's ``module.`` prefix is dropped)."""
         module = getattr(model, "module", model)
         self.names = {id(p): n for n, p in module.named_parameters()}
+        self._param_bytes = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
         self.process_group = model_group(model)
         if self.groups is not None:
             check_world(self.groups, self.process_group)
@@ -146,6 +153,8 @@ class FleetHookState:
         plain.gossip = False  # gossip is applied by the hook itself (keys survive DDP's re-bucketing)
         self.collective, self.notes = gradient_collective(plain, groups, role)
         self.groups, self.role = groups, role
+        if self.strategy.auto_tune:
+            self.tuning = HookTuning(self.strategy, groups, role, self.collective, self._param_bytes)
         if self.perf_every:
             self.health = groups.extra("ddp slow-rank check", 0, groups.world.rank)
             self.perf = SlowRankWindow(self.perf_every, self.perf_factor, role)
@@ -190,6 +199,10 @@ class FleetHookState:
     def start(self, flat: torch.Tensor, index: int, params: Sequence[torch.Tensor]) -> tuple[Work, Any]:
         """Start averaging ``flat`` (DDP bucket ``index``); ``(work, finish)``: call ``finish()``
         after ``work.wait()`` to complete the bucket (gossip writes its elements back)."""
+        if self.tuning is not None:
+            if index == 0:
+                self.collective = self.tuning.pass_begins()
+            self.tuning.saw_bucket(index)
         if self.sampler is None:
             return self.collective.start_tensor(flat, index), None
         key = self._gossip_key(flat, params)

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from fleetlike.comm import CollectiveMismatchError, CollectiveTimeoutError
+from fleetlike.config import DistributedStrategy as _Strategy
+from fleetlike.horovod import env as _hvd_env
+from fleetlike import tune as _tune_env
 from fleetlike.horovod import elastic
 from fleetlike.horovod.adasum import AdasumUnsupportedError, refuse_adasum_on_a_set
 from fleetlike.horovod.adasum_optimizer import AdasumOptimizer
@@ -240,6 +243,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         if groups is not None or strategy is not None:
             raise ValueError("hvd.DistributedOptimizer(op=Adasum) reduces the update in step(): groups and "
                              "strategy (bucket settings) do not apply to it")
+        if _hvd_env.read().autotune or _tune_env.requested(rt.strategy or _Strategy()) is not None:
+            raise ValueError("hvd.DistributedOptimizer(op=Adasum) with HOROVOD_AUTOTUNE / FLEETLIKE_AUTOTUNE / "
+                             "strategy.auto_tune: Adasum reduces the update in step(), it has no gradient buckets "
+                             "to tune. Fix: unset the variable for this job, or use op=hvd.Average")
         return AdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step)
     return HorovodOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, red,
                             gradient_predivide_factor, groups, sparse_as_dense, strategy=strategy, agree=agree,

@@ -78,6 +78,11 @@ from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime
 from fleetlike.roles.settings import every_from_env
 from fleetlike.strategies.data_parallel import gradient_collective
+from fleetlike.strategies.step import AppliedEntry
+from fleetlike.strategies.topology import two_level_possible
+from fleetlike.horovod import env as hvd_env
+from fleetlike.horovod import timeline
+from fleetlike.tune import OnlineTuner, Setting, log_path, requested
 
 __all__ = ["HorovodOptimizer", "OutsideSetOptimizer", "named_parameter_map"]
 
@@ -175,6 +180,11 @@ class HorovodOptimizer(HorovodWrapper):
         if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         chosen = fleet.effective_strategy(strategy or rt.strategy, "hvd.DistributedOptimizer").copy()
+        henv = hvd_env.read()  # Horovod's launch-line variables win over the strategy, as FLEETLIKE_STRATEGY
+        chosen = henv.apply(chosen)
+        tuned = requested(chosen)
+        if tuned is not None:
+            chosen = tuned
         # a switch this face cannot apply (local SGD, sharding, AMP, ...) raises, never dropped
         rules.refuse_unhonoured(chosen, "horovod")
         wire = _wire(compression)
@@ -201,6 +211,37 @@ class HorovodOptimizer(HorovodWrapper):
         self._sparse: set[int] = set()
         self.reducer: GradReducer | None = None  # type: ignore[assignment]
         self._bind(rt)
+        #: the online tuner (strategy.auto_tune, HOROVOD_AUTOTUNE=1, FLEETLIKE_AUTOTUNE=1), ticked by step()
+        self.tuner: OnlineTuner | None = None
+        self._env_notes = [("horovod_env", True, f"{k}={v}") for k, v in henv.seen]
+        if chosen.auto_tune:
+            groups = rt.optimizer_groups()
+            agree = groups.extra("hvd autotune", 0, rt.comm.rank)
+            assert agree is not None  # every rank takes part
+            ok, _ = two_level_possible(chosen, groups, rt.role)
+            self.tuner = OnlineTuner(agree, chosen, param_bytes=[p.numel() * p.element_size() for p in self._params],
+                                     two_level_ok=ok and self._groups_arg is None, apply=self._retune,
+                                     fixed=henv.fixed if self._groups_arg is None else (*henv.fixed, "bucket_mb"),
+                                     log_path=henv.autotune_log or log_path())
+
+    def _retune(self, setting: Setting) -> None:
+        """The tuner's switch, between steps on every rank: the buckets and communicators are
+        built anew for ``setting`` (the gradients are kept), as for a re-formed world."""
+        with self._hvd_lock:
+            self.user_defined_strategy = setting.applied_to(self.user_defined_strategy)
+            self.rebind(self._rt)
+
+    def applied_strategy(self) -> list[AppliedEntry]:
+        """What this optimizer applies (the Horovod face's ``fleet.applied_strategy()``): its
+        buckets, the strategy's notes, the Horovod variables that acted and the tuner's choice."""
+        s = self.user_defined_strategy
+        rows = [AppliedEntry("data_parallel", True, f"{len(self.reducer.buckets)} buckets "
+                             + (f"of <= {s.fuse_grad_size_in_MB:g} MB" if s.fuse_all_reduce_ops else "(one per gradient)")
+                             + f" over {s.nccl_comm_num} communicator(s)")]
+        rows += [AppliedEntry(*n) for n in [*self.notes, *self._env_notes]]
+        if self.tuner is not None:
+            rows.append(AppliedEntry("auto_tune", True, self.tuner.summary()))
+        return rows
 
     def _bind(self, rt: Runtime) -> None:
         """Build the buckets, their communicators and hooks on ``rt`` (collective: every rank
@@ -229,6 +270,8 @@ class HorovodOptimizer(HorovodWrapper):
         post = self.gradient_predivide_factor * (n if self.op is ReduceOp.SUM else 1)
         if pre != 1.0 or post != 1.0:
             collective = ScaledAllReduce(collective, pre, post)
+        if timeline.recording():  # each bucket's allreduce on the trace (HOROVOD_TIMELINE)
+            collective = timeline.TimedCollective(collective)
         self._accumulation.close()
         self._communicated = False
         self._synchronized = False
@@ -456,6 +499,8 @@ class HorovodOptimizer(HorovodWrapper):
         result = self.inner_optimizer.step(closure)
         if not (self._joiners or self._rt.joined_seen):  # a joined rank no longer steps: no check
             self._guard.tick()
+            if self.tuner is not None and not self.tuner.done:
+                self.tuner.step_done()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

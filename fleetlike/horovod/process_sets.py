@@ -29,7 +29,9 @@ from fleetlike.horovod.negotiate import Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES
 from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime, split_runtime
+from fleetlike.horovod import env as hvd_env
 from fleetlike.horovod import runtime as _runtime_module
+from fleetlike.horovod.timeline import start_env_timeline
 
 __all__ = [
     "ProcessSet",
@@ -237,10 +239,13 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
     if bad:
         raise TypeError(f"hvd.init(process_sets=...): every entry must be an hvd.ProcessSet, got {bad[0]!r}")
     was = _runtime_module._RUNTIME
+    henv = hvd_env.read()  # a refused or malformed HOROVOD_* variable stops here, before any rank connects
     _runtime_module.init(comm, **kwargs)
     rt = _runtime_module._RUNTIME
     if rt is None or rt is was:
         return  # not a member of comm=, or initialised already
+    if henv.timeline and rt.comm.rank == 0 and not rt.is_set:
+        start_env_timeline(henv.timeline)  # as Horovod: the coordinator writes HOROVOD_TIMELINE
     for i, ps in enumerate(sets):
         if ps.process_set_id is not None and ps.process_set_id in rt.process_sets:
             raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "

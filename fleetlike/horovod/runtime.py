@@ -277,6 +277,9 @@ def _members(comm: Any, world_size: int) -> list[int]:
 def shutdown() -> None:
     """Close what ``init`` opened (the fleet too when ``init`` started it). ``init`` may follow."""
     global _RUNTIME, _EXCLUDED, _OWNS_FLEET
+    from fleetlike.horovod.timeline import stop_timeline
+
+    stop_timeline()  # a recording timeline (HOROVOD_TIMELINE) is written before the world closes
     with _INIT_LOCK:
         rt, owned = _RUNTIME, _OWNS_FLEET
         _RUNTIME, _EXCLUDED, _OWNS_FLEET = None, None, False

@@ -16,13 +16,16 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
 from typing import Any
 
-__all__ = ["record", "start_timeline", "stop_timeline"]
+from fleetlike.comm.handles import ChainedWork
+
+__all__ = ["TimedCollective", "record", "recording", "start_env_timeline", "start_timeline", "stop_timeline"]
 
 _LOCK = threading.Lock()
 _ACTIVE: dict[str, Any] | None = None  # {"path", "events", "pid"}
@@ -74,3 +77,41 @@ def record(name: str, kind: str, submitted: float, started: float, done: float) 
                                  "dur": max(us(started) - us(submitted), 0.0), **common})
         active["events"].append({"name": kind.upper(), "ph": "X", "ts": us(started),
                                  "dur": max(us(done) - us(started), 0.0), **common})
+
+
+def recording() -> bool:
+    """Whether a timeline records now."""
+    return _ACTIVE is not None
+
+
+class TimedCollective:
+    """A bucket collective whose allreduces appear on the timeline (row ``gradient bucket i``):
+    ``NEGOTIATE`` is empty (the buckets need no agreement), ``ALLREDUCE`` spans its launch to
+    the reducer's wait for it. Other members are the inner collective's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def world(self) -> Any:
+        return self.inner.world
+
+    def start(self, bucket: Any) -> Any:
+        t0 = now()
+        work = self.inner.start(bucket)
+        return ChainedWork(work, lambda: record(f"gradient bucket {bucket.index}", "allreduce", t0, t0, now()))
+
+    def describe(self, bucket: Any) -> dict[str, Any]:
+        return self.inner.describe(bucket)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def start_env_timeline(path: str) -> None:
+    """``HOROVOD_TIMELINE=path``: record from ``hvd.init`` on; written by ``hvd.shutdown()`` or,
+    if the script never calls it, when the process exits."""
+    start_timeline(path)
+    atexit.register(stop_timeline)

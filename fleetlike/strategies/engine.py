@@ -30,6 +30,7 @@ Example (eager style, what the wrappers in `fleetlike.fleet` do):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +40,7 @@ from fleetlike.config import rules
 from fleetlike.program import StepState
 from fleetlike.strategies.amp import AmpUnit
 from fleetlike.strategies.apply_groups import ApplyGroupUnit
+from fleetlike.strategies.autotune import AutoTuneUnit
 from fleetlike.strategies.data_parallel import DataParallelUnit, gradient_collective
 from fleetlike.strategies.gradient_merge import GradientMergeUnit
 from fleetlike.strategies.health import SlowRankUnit
@@ -48,6 +50,7 @@ from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
 from fleetlike.strategies.zero import ShardedParamsUnit
+from fleetlike.tune import requested
 
 __all__ = ["Engine", "build_engine"]
 
@@ -79,7 +82,9 @@ def build_engine(ctx: StepContext) -> Engine:
                                 multiplier=_local_multiplier(amp, merge))
     groups = ApplyGroupUnit(ctx, int(s.num_apply_group)) if s.num_apply_group > 1 and not s.sharding else None
     health = SlowRankUnit(ctx) if s.slow_rank_check else None
-    units += [health, merge, comm, groups, amp]
+    tuned = requested(s)
+    tune = AutoTuneUnit(_with_strategy(ctx, tuned), comm) if tuned is not None else None
+    units += [health, merge, comm, groups, amp, tune]
     return Engine(ctx, [u for u in units if u is not None])
 
 
@@ -95,6 +100,14 @@ def _local_multiplier(amp: AmpUnit | None, merge: GradientMergeUnit | None) -> C
             m *= merge.k_steps
         return m
     return multiplier
+
+
+def _with_strategy(ctx: StepContext, s: Any) -> StepContext:
+    """``ctx`` seeing ``s`` (the strategy with ``auto_tune`` turned on by the environment); the
+    applied list stays shared."""
+    if s is ctx.strategy:
+        return ctx
+    return dataclasses.replace(ctx, strategy=s, applied=ctx.applied)
 
 
 class Engine:

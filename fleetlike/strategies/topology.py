@@ -23,7 +23,7 @@ from fleetlike.comm import CommGroups, Communicator
 from fleetlike.config import DistributedStrategy
 from fleetlike.roles import Role
 
-__all__ = ["AveragingCollective", "averaging_collective", "comm_label"]
+__all__ = ["AveragingCollective", "averaging_collective", "comm_label", "two_level_possible"]
 
 AveragingCollective = FlatAllReduce | HierarchicalAllReduce | CompressedAllReduce
 Note = tuple[str, bool, str]
@@ -56,6 +56,13 @@ def _two_level(s: DistributedStrategy, groups: CommGroups, role: Role, want_hier
     if role.local_size == 1:
         return False, None, "one rank per node: the two-level allreduce equals the flat one"
     return True, None, ""
+
+
+def two_level_possible(s: DistributedStrategy, groups: CommGroups, role: Role) -> tuple[bool, str]:
+    """Whether ``use_hierarchical_allreduce`` would form two levels on this job, and why not (the
+    online tuner tries the two-level mode only where it can)."""
+    ok, _, why = _two_level(s, groups, role, True)
+    return ok, why
 
 
 def averaging_collective(

@@ -1,0 +1,286 @@
+"""The online tuner: tries communication settings during a job's first steps and keeps the fastest.
+
+Every rank calls `OnlineTuner.step_done` once at the end of each training step. A trial runs one
+`Setting` for ``warmup_steps`` unmeasured steps, then ``steps_per_trial`` measured ones. At its
+end the ranks all-reduce the step times with MAX, so each measured step counts as long as its
+slowest rank made it (a data-parallel step cannot finish before every rank's gradients arrive),
+and score the trial by the median of those times (one slow step from a neighbour's process does
+not decide). Every rank then holds the same numbers and runs the same search; rank 0's choice is
+broadcast and a rank that decided otherwise raises instead of going on with another setting.
+So the switch happens at the same step everywhere.
+
+The search is coordinate descent from the starting setting (the strategy as configured: the
+planner's recommendation when the job was started from ``python -m fleetlike.plan``'s
+strategy file): each free knob in turn (allreduce mode, bucket size, communicators, wire
+dtype) tries its values with the others at the best so far; a candidate replaces the best
+only when faster by ``min_gain``. Once every knob is done, the best setting is applied for the
+rest of the job and the trial log is written (Horovod's ``HOROVOD_AUTOTUNE_LOG`` columns first:
+``hierarchical_allreduce,hierarchical_allgather,cycle_time_ms,tensor_fusion_threshold,score``,
+score in gradient bytes per microsecond as Horovod's; then fleetlike's own; the last row is the
+best, as Horovod writes it).
+
+Example:
+    >>> tuner = OnlineTuner(world, strategy, param_bytes=sizes, two_level_ok=False, apply=switch)
+    >>> for batch in loader:
+    ...     train_step(batch); tuner.step_done()
+    >>> tuner.summary()
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from fleetlike.comm import Communicator
+from fleetlike.config import DistributedStrategy
+from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, knob_values, same_buckets
+
+__all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial"]
+
+#: the trial log's columns: Horovod's autotune log, then fleetlike's
+LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold",
+               "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best")
+#: the order in which knobs are searched: where two levels can form, the mode moves a slow link's
+#: traffic most (1.5-1.6x at 100 Mbit in bench/autotune.py), so the bucket sizes are tried under it
+_ORDER = (Knob.ALLREDUCE_MODE, Knob.BUCKET_MB, Knob.COMM_NUM, Knob.WIRE_DTYPE)
+_MODES = list(AllreduceMode)
+_WIRES = ["native", "float16", "bfloat16"]
+
+
+@dataclasses.dataclass
+class Trial:
+    """One measured candidate: its setting and the slowest rank's step times."""
+
+    setting: Setting
+    step_times: list[float]
+    first_step: int  # the job's step index (0-based) of its first step
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def steps_per_s(self) -> float:
+        return 1.0 / self.median_s
+
+
+class OnlineTuner:
+    """See the module docstring. ``apply(setting)`` switches the job's communication (called on
+    every rank at the same step, between steps); ``param_bytes`` are the gradient sizes in
+    parameter order (to skip bucket sizes that give the same buckets); ``fixed`` names knobs a
+    face fixed explicitly (Horovod's variables)."""
+
+    def __init__(self, world: Communicator, strategy: DistributedStrategy, *, param_bytes: Sequence[int],
+                 two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] = (),
+                 log_path: str | os.PathLike[str] | None = None, cycle_time_ms: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter,
+                 bucket_count: Callable[[Setting], int] | None = None) -> None:
+        cfg = strategy.auto_tune_configs
+        self.world = world
+        self.warmup = int(cfg["warmup_steps"])
+        self.per_trial = int(cfg["steps_per_trial"])
+        self.min_gain = float(cfg["min_gain"])
+        self.seconds_per_trial = float(cfg["seconds_per_trial"])
+        #: a bound on the steps of one trial, whatever the speed of the first
+        self.max_steps_per_trial = max(self.per_trial, 200)
+        self._challenger: Trial | None = None
+        self._warmed = False
+        self.param_bytes = list(param_bytes)
+        self.grad_bytes = sum(self.param_bytes)
+        self.fixed = fixed_knobs(strategy, fixed)
+        self.values = knob_values(strategy, param_bytes=self.param_bytes, two_level_ok=two_level_ok,
+                                  fixed=self.fixed)
+        self.start = Setting.of(strategy)
+        self.current = self.start
+        self.best: Trial | None = None
+        self.trials: list[Trial] = []
+        self.log_path = Path(log_path) if log_path else None
+        self.cycle_time_ms = float(cycle_time_ms)
+        self._apply = apply
+        #: how many buckets a setting gives (default: from ``param_bytes``; the DDP face counts DDP's own)
+        self.bucket_count = bucket_count or (lambda st: len(same_buckets(self.param_bytes, st.bucket_mb)))
+        #: the step clock (a test may skew one rank's to check that the ranks still agree)
+        self.clock = clock
+        self._knobs = [k for k in _ORDER if k in self.values]
+        self._pending: list[Setting] = []
+        self._measured: dict[Setting, Trial] = {}
+        self._times: list[float] = []
+        self._since_switch = 0
+        self._last: float | None = None
+        self._began: float | None = None
+        #: steps taken while tuning (the first trial's first step to the decision), and their seconds
+        self.tuning_steps = 0
+        self.tuning_seconds = 0.0
+        self.steps = 0
+        self.done = not self._knobs
+
+    # ------------------------------------------------------------------ the per-step call
+
+    def step_done(self) -> None:
+        """The end of a training step on this rank (collective once per trial: every rank calls it
+        at every step)."""
+        now = self.clock()
+        self.steps += 1
+        if self.done:
+            return
+        if self._last is None:  # the job's first step: its time includes everything before it
+            self._last = self._began = now
+            self.tuning_steps = 1
+            return
+        dt, self._last = now - self._last, now
+        self.tuning_steps += 1
+        self._since_switch += 1
+        if self._since_switch > self.warmup:
+            self._times.append(dt)
+        if len(self._times) < self.per_trial:
+            return
+        self._end_trial()
+        self._last = self.clock()  # the switch itself is counted in tuning_seconds, not in a trial
+        assert self._began is not None
+        self.tuning_seconds = self._last - self._began
+
+    # ------------------------------------------------------------------ one trial ends
+
+    def _end_trial(self) -> None:
+        times = torch.tensor(self._times, dtype=torch.float64)
+        self.world.all_reduce(times, "max")  # each step as long as its slowest rank made it
+        trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup)
+        if not self._warmed:
+            # the job's first steps run slower than its later ones (caches, allocator, the other
+            # ranks still starting: up to 25% in bench/autotune.py), so, as Horovod's warm-up
+            # samples, the first trial only sets the trial length and the start is timed again.
+            # Later trials last at least seconds_per_trial at this speed (a few steps of a few
+            # milliseconds are at the mercy of every other process on the machine); agreed: the
+            # median is the max-reduced one, so every rank computes the same count
+            self._warmed = True
+            self.per_trial = max(self.per_trial, math.ceil(self.seconds_per_trial / max(trial.median_s, 1e-9)))
+            self.per_trial = min(self.per_trial, self.max_steps_per_trial)
+            self._times = []
+            self._since_switch = 0
+            return
+        self.trials.append(trial)
+        self._measured[trial.setting] = trial
+        if self.best is None:
+            self.best = trial
+        elif self._challenger is not None:  # the incumbent measured again, right after its challenger
+            challenger, self._challenger = self._challenger, None
+            self.best = trial
+            if challenger.steps_per_s > trial.steps_per_s * (1.0 + self.min_gain):
+                self.best = challenger
+        elif trial.steps_per_s > self.best.steps_per_s * (1.0 + self.min_gain):
+            # a win is confirmed against the incumbent timed again now (load drifts during a job)
+            self._challenger = trial
+            nxt = self._agree(self.best.setting)
+            self._apply(nxt)
+            self.current = nxt
+            self._times = []
+            self._since_switch = 0
+            return
+        nxt = self._next()
+        nxt = self._agree(nxt)
+        if nxt is None:
+            self.done = True
+            assert self.best is not None
+            if self.best.setting != self.current:
+                self._apply(self.best.setting)
+                self.current = self.best.setting
+            self._write_log()
+            return
+        self._apply(nxt)
+        self.current = nxt
+        self._times = []
+        self._since_switch = 0
+
+    def _next(self) -> Setting | None:
+        """The next candidate to measure (None: the search is over), the same on every rank."""
+        assert self.best is not None
+        while True:
+            while self._pending:
+                cand = self._pending.pop(0)
+                if cand not in self._measured and not self._redundant(cand):
+                    return cand
+            if not self._knobs:
+                return None
+            knob = self._knobs.pop(0)
+            base = self.best.setting
+            self._pending = [base.replace(knob, v) for v in self.values[knob]]
+
+    def _redundant(self, cand: Setting) -> bool:
+        """More communicators than buckets change nothing: not worth a trial."""
+        return cand.comm_num > 1 and self.bucket_count(cand) < cand.comm_num
+
+    def _agree(self, mine: Setting | None) -> Setting | None:
+        """Rank 0's decision, broadcast; a rank that decided otherwise raises (never diverges)."""
+        code = torch.tensor(_encode(mine), dtype=torch.float64)
+        root = code.clone()
+        self.world.broadcast(root, 0)
+        if not torch.equal(root, code):
+            raise RuntimeError(
+                f"auto_tune: rank {self.world.rank} chose {mine.label() if mine else 'to stop'} but rank 0 "
+                f"chose {_decode(root.tolist())}; the ranks measured the same max-reduced step times, so "
+                "this is a bug: report it with the trial log")
+        return mine
+
+    # ------------------------------------------------------------------ reports
+
+    def summary(self) -> str:
+        """What was chosen and why, for ``fleet.applied_strategy()``."""
+        if not self.values:
+            return ("nothing to tune: every knob is fixed (set away from its default, in auto_tune_configs.fixed, "
+                    "or by the face), or has one possible value on this job")
+        if not self.done:
+            return (f"tuning: trial {len(self.trials) + 1}, now {self.current.label()}"
+                    + (f"; best so far {self.best.setting.label()} at {self.best.steps_per_s:.2f} steps/s"
+                       if self.best else ""))
+        assert self.best is not None
+        first = self.trials[0]
+        gain = self.best.steps_per_s / first.steps_per_s
+        fixed = ", ".join(sorted(k.value for k in self.fixed)) or "none"
+        return (f"chose {self.best.setting.label()}: {self.best.steps_per_s:.2f} steps/s (median of the slowest "
+                f"rank's step times), {gain:.2f}x the start ({first.setting.label()}, "
+                f"{first.steps_per_s:.2f} steps/s); {len(self.trials)} trials in {self.tuning_steps} steps "
+                f"({self.tuning_seconds:.2f} s); fixed knobs: {fixed}")
+
+    def rows(self) -> list[dict[str, object]]:
+        """The trial log's rows (the best last, again, as Horovod's log ends)."""
+        out = [self._row(t, False) for t in self.trials]
+        if self.done and self.best is not None:
+            out.append(self._row(self.best, True))
+        return out
+
+    def _row(self, t: Trial, best: bool) -> dict[str, object]:
+        s = t.setting
+        score = self.grad_bytes / t.median_s / 1e6  # Horovod's score: bytes per microsecond
+        return {"hierarchical_allreduce": int(s.mode is AllreduceMode.TWO_LEVEL), "hierarchical_allgather": 0,
+                "cycle_time_ms": self.cycle_time_ms, "tensor_fusion_threshold": s.bucket_mb, "score": round(score, 6),
+                "nccl_comm_num": s.comm_num, "wire_dtype": s.wire, "steps_per_s": round(t.steps_per_s, 4),
+                "median_step_s": round(t.median_s, 6), "measured_steps": len(t.step_times), "best": int(best)}
+
+    def _write_log(self) -> None:
+        if self.log_path is None or self.world.rank != 0:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=LOG_COLUMNS)
+            w.writeheader()
+            w.writerows(self.rows())
+
+
+def _encode(s: Setting | None) -> list[float]:
+    if s is None:
+        return [1.0, 0.0, 0.0, 0.0, 0.0]
+    return [0.0, float(_MODES.index(s.mode)), s.bucket_mb, float(s.comm_num), float(_WIRES.index(s.wire))]
+
+
+def _decode(code: list[float]) -> str:
+    if code[0]:
+        return "to stop"
+    return Setting(_MODES[int(code[1])], code[2], int(code[3]), _WIRES[int(code[4])]).label()
