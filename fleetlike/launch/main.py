@@ -30,6 +30,7 @@ from fleetlike.launch.config import (
     parse_config,
 )
 from fleetlike.launch.elastic_agent import restart_loop
+from fleetlike.launch.homesecret import forget, settle
 from fleetlike.launch.env import omp_note, worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
@@ -104,6 +105,7 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     stop.install()
     try:
         check_machine(config, visible_gpus=visible_gpus)
+        config = settle(config, stop.event)
         if config.meets_through_file and hosted is not None:
             try:
                 config = meet(config, hosted, stop=stop.event)
@@ -120,6 +122,7 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
         return _run(config, stop)
     finally:
         stop.restore()
+        forget(config)
         if hosted is not None:
             hosted.close()
 

@@ -1,0 +1,72 @@
+"""Test helper: another local user's process attacking a running job with what it can learn
+without the job's secret: the launchers' command lines (``/proc/PID/cmdline``).
+
+Usage: intruder.py MODE REPORT MARKER [ARGS...] -> REPORT (JSON: each attempt and how it ended).
+The payloads it sends write MARKER when unpickled.
+
+Modes:
+  cmdline PID   compute the secret an elastic job without FLEETLIKE_JOB_SECRET once derived from
+                its flags (read from the launcher's command line) and join its rendezvous
+"""
+
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+
+class Payload:
+    """Runs when unpickled: the proof that the intruder's data was loaded."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def attempt(report: dict, name: str, fn) -> None:
+    try:
+        report[name] = {"ok": True, "value": fn()}
+    except BaseException as exc:  # noqa: BLE001 - every outcome goes to the report
+        report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                        "trace": traceback.format_exc()[-2000:]}
+
+
+def flags_of(pid: int) -> dict:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        argv = fh.read().decode().split("\0")
+    return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
+
+
+def main() -> None:
+    mode, out, marker, *rest = sys.argv[1:]
+    report: dict = {}
+    if mode == "cmdline":
+        flags = flags_of(int(rest[0]))
+        endpoint, nnodes = flags["--rdzv_endpoint"], flags["--nnodes"]
+        started = flags.get("--started_port", "6170")  # the launcher's default
+        # what an open job's launchers all computed from their flags
+        text = "\0".join(["fleetlike open job", "", str(started), endpoint, nnodes])
+        os.environ["FLEETLIKE_JOB_SECRET"] = hashlib.sha256(text.encode()).hexdigest()
+        report["flags"] = flags
+        from fleetlike.comm.secret import JobSecret, dumps_signed, set_current
+        from fleetlike.elastic.membership import ElasticSettings, Membership
+
+        run_id = JobSecret(os.environ["FLEETLIKE_JOB_SECRET"]).job_id() + "-g0"
+
+        def join() -> int:
+            settings = ElasticSettings(endpoint, 1, 3, 1.0, run_id, "127.0.0.1", "127.0.0.1:1", 0)
+            members = Membership(settings, join_timeout=10)
+            set_current(JobSecret(os.environ["FLEETLIKE_JOB_SECRET"]))
+            dumps_signed(Payload(marker), "elastic.sync", 0)
+            return 1
+
+        attempt(report, "join", join)
+    with open(out, "w") as fh:
+        json.dump(report, fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The trust boundary against what a local user or a network observer can do to a running job.
+
+Each test runs a real job (launchers, workers) and attacks it with what a stranger can learn
+without the job's secret: the launchers' command lines (``/proc/PID/cmdline``), the bytes that
+cross the loopback, the worker logs, and the public keys of the store. Every attempt is refused
+or harmless, no payload runs (its marker file never appears), and the job ends as it would
+have without the stranger, or within seconds with an error naming the interference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_launch_run import PY, WORKERS, Launchers, clean_env, finish
+
+pytestmark = [pytest.mark.timeout(180)]
+
+
+@pytest.fixture()
+def launchers(tmp_path: Path):
+    runner = Launchers(tmp_path)
+    yield runner
+    runner.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def intruder(mode: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    report, marker = tmp_path / f"intruder-{mode}.json", tmp_path / "payload-ran"
+    done = subprocess.run([PY, str(WORKERS / "intruder.py"), mode, str(report), str(marker), *args],
+                          cwd=tmp_path, env=env or clean_env(FLEETLIKE_SECRET_DIR=str(tmp_path / "intruder-home")),
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+def wait_for(check, what: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, f"the launcher ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.05)
+
+
+def _store_up(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def test_an_elastic_job_without_an_exported_secret_cannot_be_entered_from_its_flags(
+        tmp_path: Path, launchers: Launchers) -> None:
+    """docs/elastic.md's example with no FLEETLIKE_JOB_SECRET: a process that read the
+    launcher's flags from /proc cannot compute the job's secret (it is random, shared through a
+    0600 file of the user's private directory), so it is refused; a second launcher of the same
+    user on 127.0.0.2 joins, and a launcher that cannot read that directory (another machine)
+    refuses to start, saying how to share a secret."""
+    port, out, go, home = free_port(), tmp_path / "out", tmp_path / "go", tmp_path / "home"
+    out.mkdir()
+    env = clean_env(FLEETLIKE_SECRET_DIR=str(home))
+    flags = ["--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{port}", "--nproc_per_node=1", "--rdzv_last_call=2",
+             "--heartbeat_timeout=10"]
+    # a plain process (not forked from the preload server): its flags are in /proc/PID/cmdline
+    a = subprocess.Popen([PY, "-m", "fleetlike.launch", *flags, "--node_ip=127.0.0.1", "--log_dir=log-a",
+                          str(WORKERS / "elastic_wait.py"), str(out), str(go)], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launchers.procs.append(a)
+    wait_for(lambda: _store_up(port), "rendezvous store", a)
+    report = intruder("cmdline", tmp_path, str(a.pid))
+    assert report["flags"]["--rdzv_endpoint"] == f"127.0.0.1:{port}"
+    assert not report["join"]["ok"], report["join"]
+    assert "does not hold this job's secret" in report["join"]["error"]
+    # another machine: no access to this user's private directory
+    started = time.monotonic()
+    c = launchers.start(*flags, "--node_ip=127.0.0.3", "--log_dir=log-c", str(WORKERS / "elastic_wait.py"),
+                        str(out), str(go), env=clean_env(FLEETLIKE_SECRET_DIR=str(tmp_path / "elsewhere")))
+    code, _, said = finish(c, timeout=60)
+    assert code == 2, said
+    assert time.monotonic() - started < 30
+    assert "cannot read it there (no such file)" in said and "Nothing was started" in said
+    assert "export FLEETLIKE_JOB_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')" in said
+    b = launchers.start(*flags, "--node_ip=127.0.0.2", "--log_dir=log-b", str(WORKERS / "elastic_wait.py"),
+                        str(out), str(go), env=env)
+    wait_for(lambda: len(list(home.glob("*.secret"))) == 1 and b.poll() is None and _joined(tmp_path / "log-b"),
+             "node B's worker", b)
+    go.touch()
+    for proc in (a, b):
+        code, _, said = finish(proc, timeout=90)
+        assert code == 0, said
+    got = sorted((json.loads(p.read_text()) for p in out.iterdir()), key=lambda r: r["rank"])
+    assert [(r["rank"], r["size"], r["sum"]) for r in got] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert all(r["synced"] == {"state": "from rank 0"} for r in got)
+    assert not (tmp_path / "payload-ran").exists()
+    assert list(home.glob("*.secret")) == []  # node A's launcher removed the file at its exit
+    assert os.stat(home).st_mode & 0o777 == 0o700
+
+
+def _joined(log_dir: Path) -> bool:
+    return (log_dir / "workerlog.0").exists()
