@@ -115,3 +115,42 @@ def test_an_elastic_job_without_an_exported_secret_cannot_be_entered_from_its_fl
 
 def _joined(log_dir: Path) -> bool:
     return (log_dir / "workerlog.0").exists()
+
+
+def _raw_sockets() -> bool:
+    import socket
+
+    try:
+        socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003)).close()
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+@pytest.mark.skipif(not _raw_sockets(), reason="reading the loopback needs CAP_NET_RAW (run as root)")
+def test_a_key_prefix_read_off_the_wire_writes_nothing_a_member_takes(tmp_path: Path, launchers: Launchers) -> None:
+    """The job's key prefix crosses the loopback in clear; an intruder that reads it there (a
+    raw socket) and writes a pickle where torch's elastic rendezvous keeps its state (torch
+    unpickles that state) is refused: every value under the prefix is signed with the secret,
+    so the worker refuses the planted state unread, naming the interference. No payload runs,
+    no log quotes the prefix, and the logs are readable by their owner only."""
+    port, out, go = free_port(), tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    a = launchers.start("--nnodes=1:2", f"--rdzv_endpoint=127.0.0.1:{port}", "--node_ip=127.0.0.1",
+                        "--nproc_per_node=1", "--rdzv_last_call=1", "--job_id=demo", "--log_dir=log",
+                        str(WORKERS / "elastic_wait.py"), str(out), str(go))
+    wait_for(lambda: _store_up(port), "rendezvous store", a)
+    report = intruder("sniff", tmp_path, f"127.0.0.1:{port}", "demo")
+    assert report["prefix"].startswith("fleetlike/")
+    assert report["plant state"]["ok"]  # the write itself cannot be stopped; its use can
+    go.touch()
+    code, _, said = finish(a, timeout=120)
+    assert code != 0, said
+    log = (tmp_path / "log" / "workerlog.0").read_text()
+    assert "is not signed with this job's secret" in log and "torch.rendezvous.demo" in log
+    assert not (tmp_path / "payload-ran").exists()
+    secret_part = report["prefix"].split("/")[1]
+    for path in (tmp_path / "log").rglob("*"):
+        if path.is_file():
+            assert secret_part not in path.read_text(errors="replace"), path
+            assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))

@@ -44,6 +44,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
+from fleetlike.comm.signed_store import SignedStore
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -60,6 +61,9 @@ _MAX_KNOCKS_LOGGED = 20
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
 _HOSTED: dict[tuple[str, int], dist.TCPStore] = {}
+#: the signed key space of each (raw store, secret) in use (`job_store`), with the raw store
+_SIGNED: dict[tuple[int, str], tuple[dist.Store, SignedStore]] = {}
+_SIGNED_LOCK = threading.Lock()
 #: meetings so far per job id in this process
 _MEETINGS: dict[str, int] = {}
 
@@ -81,8 +85,17 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def job_store(raw: dist.Store, secret: JobSecret) -> dist.Store:
-    """The job's key space on ``raw``: readable only by holders of ``secret``."""
-    return dist.PrefixStore(secret.prefix, raw)
+    """The job's key space on ``raw``: under ``secret``'s prefix, every value signed with it
+    (`SignedStore`), so knowing the prefix (it crosses the network in clear) is not enough to
+    write a value a member would take."""
+    key = (id(raw), secret.prefix)
+    with _SIGNED_LOCK:
+        found = _SIGNED.get(key)
+        if found is None:
+            # torch keeps only the C++ half of a Python store it wraps (a PrefixStore over this
+            # one): the Python object must stay referenced for as long as ``raw`` may be used
+            found = _SIGNED[key] = (raw, SignedStore(dist.PrefixStore(secret.prefix, raw), secret))
+    return found[1]
 
 
 def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False) -> bool:

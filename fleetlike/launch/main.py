@@ -39,6 +39,7 @@ from fleetlike.launch.workers import (
     close_logs,
     describe_exit,
     last_line,
+    log_problem,
     start_worker,
     stop_workers,
 )
@@ -159,18 +160,36 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
         while True:
             if stop.signum is not None:
                 return _stopped_by_signal(workers, config, stop.signum)
+            unlogged = next((w for w in workers if w.log_error is not None), None)
+            if unlogged is not None:
+                print(f"{_PREFIX} rank {unlogged.rank}'s log file {unlogged.log_path} cannot be written "
+                      f"({unlogged.log_error}); stopping the job (free space there, or give another "
+                      "--log_dir)", file=sys.stderr, flush=True)
+                stop_workers(workers, grace=config.kill_grace)
+                if failed_out is not None:
+                    failed_out.append(unlogged)
+                return 1
             failed, all_done = _first_failure(workers)
             if failed is not None:
                 stop_workers([failed], grace=config.kill_grace)  # its children, and its log
                 code = failed.process.returncode
-                said = last_line(failed.log_path)
+                unwritable = log_problem(failed.log_path) if code > 0 else None
+                said = "" if unwritable else last_line(failed.log_path)
                 print(
                     f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
                     f"{describe_exit(code)}; log: {failed.log_path}"
-                    + (f"; last line: {said}" if said else ""),
+                    + (f"; last line: {said}" if said else "")
+                    + (f" (cannot be written: {unwritable}; free space there, or give another "
+                       "--log_dir)" if unwritable else ""),
                     file=sys.stderr,
                     flush=True,
                 )
+                if unwritable:
+                    stop_workers(workers, grace=config.kill_grace)
+                    close_logs(workers)
+                    if failed_out is not None:
+                        failed_out.append(failed)
+                    return code
                 again = replace(failed, respawn) if replace is not None else None
                 if again is not None:
                     workers[workers.index(failed)] = again

