@@ -154,3 +154,35 @@ def test_a_key_prefix_read_off_the_wire_writes_nothing_a_member_takes(tmp_path: 
         if path.is_file():
             assert secret_part not in path.read_text(errors="replace"), path
             assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount(), reason="a 1 MiB tmpfs log folder needs root")
+@pytest.mark.parametrize("printing", ["0", "1"], ids=["echoed-rank", "logged-rank"])
+def test_a_full_log_disk_ends_the_job_naming_the_log(tmp_path: Path, launchers: Launchers, printing: str) -> None:
+    """A log folder on a 1 MiB tmpfs: the rank that fills it (rank 0, whose output the launcher
+    copies to its log and console; or rank 1, which writes its log itself) makes the launcher end
+    the job within 10 s with one line naming the log file and the cause; nothing blocks on a
+    pipe nobody reads."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    logs.mkdir()
+    out.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(logs)], check=True)
+    try:
+        proc = launchers.start("--nproc_per_node=2", "--started_port=auto", f"--log_dir={logs}",
+                               str(WORKERS / "chatty.py"), str(out), printing)
+        wait_for(lambda: (out / f"start.{printing}").exists(), "the printing rank", proc)
+        started = time.monotonic()
+        code, _, said = finish(proc, timeout=60)
+        took = time.monotonic() - started
+    finally:
+        launchers.close()
+        subprocess.run(["umount", "-l", str(logs)], check=False)
+    assert code != 0, said
+    lines = [ln for ln in said.splitlines() if "cannot be written" in ln]
+    assert len(lines) == 1, said[-3000:]
+    assert f"{logs}/workerlog.{printing}" in lines[0] and "No space left on device" in lines[0], lines
+    assert took < 10, (took, said[-2000:])
