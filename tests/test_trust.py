@@ -186,3 +186,35 @@ def test_a_full_log_disk_ends_the_job_naming_the_log(tmp_path: Path, launchers: 
     assert len(lines) == 1, said[-3000:]
     assert f"{logs}/workerlog.{printing}" in lines[0] and "No space left on device" in lines[0], lines
     assert took < 10, (took, said[-2000:])
+
+
+def test_a_deleted_marker_stalls_nobody_and_refusal_records_are_escaped(tmp_path: Path, launchers: Launchers) -> None:
+    """A stranger deletes the store's public marker before the late rank arrives, and leaves a
+    refusal record whose text would forge log lines: the late rank (which holds the secret)
+    joins at once all the same, the job finishes with the right answers, and rank 0's log shows
+    the record on one escaped line."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out, go = tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launchers.start("--nproc_per_node=2", f"--started_port={port}", "--log_dir=log",
+                           str(WORKERS / "secure_job.py"), str(out), str(go))
+    wait_for(lambda: _store_up(port), "the job's store", proc)
+    time.sleep(0.5)  # rank 0 greeted: the marker exists
+    report = intruder("marker", tmp_path, f"127.0.0.1:{port}")
+    assert report["delete marker"]["ok"] and report["knock"]["ok"], report
+    go.touch()
+    started = time.monotonic()
+    code, _, said = finish(proc, timeout=60)
+    assert code == 0, said
+    assert time.monotonic() - started < 20
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["sum"] == 3.0 and r["gathered"] == [0, 1] for r in results)
+    log0 = (tmp_path / "log" / "workerlog.0").read_text()
+    refused = [ln for ln in log0.splitlines() if "refused a process without this job's secret" in ln]
+    assert len(refused) == 1 and "\\nfleetlike.launch: summary: job succeeded\\x1b[2J" in refused[0], log0
+    assert not any(ln.startswith(("fleetlike.launch: summary", "forged")) for ln in log0.splitlines())
+    assert "\x1b" not in log0

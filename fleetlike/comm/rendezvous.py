@@ -163,7 +163,7 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
                 "job using that port? Pick another --started_port / MASTER_PORT."
             ) from exc
-        _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start, secret)
         challenge = challenge_of(raw, secret) or ""
     else:
         try:
@@ -178,7 +178,7 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
         if role.rank == 0:  # on a store another launcher hosts (torchrun's): greet if it did not
             assert secret is not None
             greet(raw, secret, role.job_id, only_if_absent=True)
-        _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start, secret)
         if secret is None:
             secret = _find_private_secret(role, raw, host, port)
         challenge = _check_job(raw, secret, role, host, port)
@@ -233,14 +233,43 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     return sock.detach(), bound  # the store owns the descriptor from here on
 
 
-def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:
+def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float,
+           secret: JobSecret | None = None) -> None:
+    """Wait until the store's host has greeted: the job's challenge under ``secret``'s prefix
+    (what a member needs: a stranger cannot delete it without the secret's prefix), or the
+    public marker (another job's store, or a rank that must still find its secret). A stranger
+    deleting the marker therefore stalls nobody who holds the secret."""
+    pause = 0.001
+    while True:
+        try:
+            if secret is not None and challenge_of(raw, secret) is not None:
+                return
+            if raw.check([JOB_KEY]):
+                return
+            if secret is None and _private_secret(role, raw) is not None:
+                return
+        except SecretError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises several types when the host is gone
+            raise RendezvousError(
+                f"rank {role.rank}: the store at {host}:{port} stopped answering while this rank "
+                f"waited for its greeting ({type(exc).__name__}); has rank 0 died?") from None
+        if time.monotonic() - start > timeout:
+            raise RendezvousError(
+                f"rank {role.rank}: the store at {host}:{port} never greeted this rank within "
+                f"{time.monotonic() - start:.1f}s: no fleetlike job is hosted there (something else "
+                "may be listening), or its host has not started")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _private_secret(role: Role, raw: dist.Store) -> JobSecret | None:
+    """The secret rank 0 left in this user's private directory, once the store greets with it."""
     try:
-        raw.wait([JOB_KEY], _td(max(timeout - (time.monotonic() - start), 1.0)))
-    except Exception as exc:  # noqa: BLE001
-        raise RendezvousError(
-            f"rank {role.rank}: the store at {host}:{port} never announced a fleetlike job "
-            f"within {time.monotonic() - start:.1f}s; something else may be listening there"
-        ) from exc
+        found = read_private(secret_file(role.job_id, role.master_endpoint))
+    except (OSError, SecretError):
+        return None
+    return found if found is not None and challenge_of(raw, found) is not None else None
 
 
 def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
@@ -251,6 +280,12 @@ def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
                                                 "host": host or socket.gethostname()}))
     except Exception:  # noqa: BLE001 - the refusal that follows is what matters
         pass
+
+
+def _printable(value: object, limit: int) -> str:
+    """``value`` as one line of printable ASCII (a stranger wrote it: no newline, no terminal
+    escape, no forged log line), at most ``limit`` characters before escaping."""
+    return str(value)[:limit].encode("unicode_escape").decode("ascii")
 
 
 def _check_job(raw: dist.Store, secret: JobSecret, role: Role, host: str, port: int) -> str:
@@ -337,7 +372,8 @@ def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[st
                 logged += 1
                 try:
                     who = json.loads(raw.get(f"{KNOCK_KEY}/{n}").decode()[:512])
-                    said = f"{who.get('endpoint')!s:.80} (host {who.get('host')!s:.64}, pid {who.get('pid')!s:.12})"
+                    said = (f"{_printable(who.get('endpoint'), 80)} (host {_printable(who.get('host'), 64)}, "
+                            f"pid {_printable(who.get('pid'), 12)})")
                 except Exception:  # noqa: BLE001 - whatever a stranger wrote
                     said = "an unreadable address"
                 print(f"fleetlike.rendezvous: refused a process without this job's secret at "

