@@ -218,3 +218,33 @@ def test_a_deleted_marker_stalls_nobody_and_refusal_records_are_escaped(tmp_path
     assert len(refused) == 1 and "\\nfleetlike.launch: summary: job succeeded\\x1b[2J" in refused[0], log0
     assert not any(ln.startswith(("fleetlike.launch: summary", "forged")) for ln in log0.splitlines())
     assert "\x1b" not in log0
+
+
+def test_a_rendezvous_file_left_by_a_killed_run_is_replaced_whichever_node_starts_first(
+        tmp_path: Path, launchers: Launchers) -> None:
+    """Node 0's launcher is SIGKILLed after writing --rendezvous_file; in the next run node 1's
+    launcher starts first and finds that stale file (its store is gone): it must not take the
+    dead run's job id, so when node 0's new launcher replaces the file both meet and finish."""
+    import signal
+
+    rdzv, out = tmp_path / "rdzv", tmp_path / "out"
+    out.mkdir()
+
+    def node(ip: str, log: str):
+        return launchers.start("--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}", "--started_port=auto",
+                               f"--rendezvous_file={rdzv}", "--nproc_per_node=1", "--rendezvous_timeout=60",
+                               f"--log_dir={log}", str(WORKERS / "env_allreduce.py"), str(out))
+
+    killed = node("127.0.0.1", "log-killed")
+    wait_for(rdzv.exists, "the rendezvous file", killed)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.communicate(timeout=30)
+    assert rdzv.exists()  # stale: its store died with the launcher
+    second = node("127.0.0.2", "log1")
+    time.sleep(1.5)  # node 1 reads the stale file first
+    assert second.poll() is None
+    first = node("127.0.0.1", "log0")
+    for proc in (first, second):
+        code, _, said = finish(proc, timeout=60)
+        assert code == 0, said
+    assert sorted((out / f"sum.{r}").read_text() for r in range(2)) == ["3.0", "3.0"]
