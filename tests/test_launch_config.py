@@ -420,7 +420,7 @@ def test_auto_ports_are_held_from_their_choice_to_the_end_of_the_job(script: str
         # rank 0's port is a store of this job, already serving
         client = dist.TCPStore("127.0.0.1", ports[0], None, False, datetime.timedelta(seconds=5))
         assert read_job_id(client, JobSecret(config.job_secret)) == "jA"  # only with the secret
-        assert read_job_id(client, JobSecret("00" * 32)) is None
+        assert read_job_id(client, JobSecret("01" * 32)) is None
         env = worker_env(chosen, 1, base={"TORCHELASTIC_USE_AGENT_STORE": "False"})
         assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(f"127.0.0.1:{p}" for p in ports)
         assert env["PADDLE_CURRENT_ENDPOINT"] == f"127.0.0.1:{ports[1]}"

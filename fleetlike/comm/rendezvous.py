@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -148,7 +149,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     except SecretError as exc:
         raise RendezvousError(str(exc)) from None
     hosts = role.rank == 0 and not role.master_hosted
-    if secret is None and role.rank == 0:
+    made = secret is None and role.rank == 0
+    if made:
         secret = _make_private_secret(role)
     if hosts:
         assert secret is not None
@@ -191,6 +193,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     seal = (challenge, role.job_id, meeting)
     if role.rank == 0:
         _admit(store, raw, secret, seal, role, host, port, timeout, start)
+        if made:  # every rank read it before proving: nothing needs the file any more
+            _forget_private_secret(role)
     else:
         _prove(store, secret, seal, role, host, port, timeout, start)
     _meet(store, role, host, port, timeout, start)
@@ -319,6 +323,11 @@ def _make_private_secret(role: Role) -> JobSecret:
             f"({exc}); set {SECRET_ENV} to the same random value in every rank's environment"
         ) from None
     return secret
+
+
+def _forget_private_secret(role: Role) -> None:
+    with contextlib.suppress(OSError, SecretError):
+        os.unlink(secret_file(role.job_id, role.master_endpoint))
 
 
 def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> JobSecret:

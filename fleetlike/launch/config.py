@@ -585,10 +585,11 @@ def _heartbeat_timeout(text: str | None, *, elastic: bool) -> float:
 
 
 def _int_flag(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise LaunchInputError(f"{name}={text!r} is not an integer") from None
+    stripped = text.strip()
+    if not stripped.lstrip("+-").isascii() or not stripped.lstrip("+-").isdigit():
+        # int() also takes full-width and other Unicode digits ("６１７０")
+        raise LaunchInputError(f"{name}={text!r} is not an integer (ASCII digits 0-9)")
+    return int(stripped)
 
 
 def _with_cloud(
