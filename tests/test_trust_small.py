@@ -69,3 +69,25 @@ def test_an_all_zero_secret_is_refused() -> None:
 def test_unicode_digits_are_not_numbers(tmp_path: Path, flag: str) -> None:
     with pytest.raises(LaunchInputError, match="ASCII digits"):
         parse_config([flag, "train.py"], environ={})
+
+
+def test_values_sent_to_host_agents_are_not_on_their_command_lines(tmp_path: Path) -> None:
+    """``-np/-H`` with ``-x``: the forwarded variables (and FLEETLIKE_* ones) reach the workers
+    through the agent's standard input, never its command line (readable by every user)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_launch_run import WORKERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env(MY_TOKEN="tok-" + "7f3a" * 8, FLEETLIKE_CUSTOM="fl-" + "9c1d" * 8)
+    done = subprocess.run([sys.executable, "-m", "fleetlike.launch", "-np", "2", "-H", "localhost:2", "-x", "MY_TOKEN",
+                           sys.executable, str(WORKERS / "ancestors.py"), str(out), "MY_TOKEN"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((out / f"seen.{rank}").read_text())
+        assert seen["value"] == env["MY_TOKEN"] and seen["ancestors"] >= 2
+        assert not seen["on_a_command_line"], seen
