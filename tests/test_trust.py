@@ -233,7 +233,8 @@ def test_a_rendezvous_file_left_by_a_killed_run_is_replaced_whichever_node_start
     def node(ip: str, log: str):
         return launchers.start("--cluster_node_ips=127.0.0.1,127.0.0.2", f"--node_ip={ip}", "--started_port=auto",
                                f"--rendezvous_file={rdzv}", "--nproc_per_node=1", "--rendezvous_timeout=60",
-                               f"--log_dir={log}", str(WORKERS / "env_allreduce.py"), str(out))
+                               f"--log_dir={log}", str(WORKERS / "env_allreduce.py"), str(out),
+                               env=clean_env())  # no exported secret: node 0's file carries it
 
     killed = node("127.0.0.1", "log-killed")
     wait_for(rdzv.exists, "the rendezvous file", killed)
