@@ -91,3 +91,16 @@ def test_values_sent_to_host_agents_are_not_on_their_command_lines(tmp_path: Pat
         seen = json.loads((out / f"seen.{rank}").read_text())
         assert seen["value"] == env["MY_TOKEN"] and seen["ancestors"] >= 2
         assert not seen["on_a_command_line"], seen
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("fuse_grad_size_in_MB", 1e308, "fuse_grad_size_in_MB must be a number in (0, 1.07374e+09)"),
+    ("localsgd_configs", {"k_steps": 10**20}, "localsgd_configs.k_steps must be an int in [1, 2147483648]"),
+])
+def test_sizes_too_large_to_use_are_refused_by_name(field: str, value: object, said: str) -> None:
+    from fleetlike.config import DistributedStrategy
+    from fleetlike.config.fields import StrategyValueError
+
+    strategy = DistributedStrategy()
+    with pytest.raises(StrategyValueError, match=__import__("re").escape(said)):
+        setattr(strategy, field, value)
