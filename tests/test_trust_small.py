@@ -67,7 +67,7 @@ def test_an_all_zero_secret_is_refused() -> None:
 
 @pytest.mark.parametrize("flag", ["--started_port=６１７０", "--nproc_per_node=２", "--max_restarts=１"])
 def test_unicode_digits_are_not_numbers(tmp_path: Path, flag: str) -> None:
-    with pytest.raises(LaunchInputError, match="ASCII digits"):
+    with pytest.raises(LaunchInputError, match="not an integer in ASCII digits"):
         parse_config([flag, "train.py"], environ={})
 
 

@@ -585,11 +585,13 @@ def _heartbeat_timeout(text: str | None, *, elastic: bool) -> float:
 
 
 def _int_flag(name: str, text: str) -> int:
-    stripped = text.strip()
-    if not stripped.lstrip("+-").isascii() or not stripped.lstrip("+-").isdigit():
-        # int() also takes full-width and other Unicode digits ("６１７０")
-        raise LaunchInputError(f"{name}={text!r} is not an integer (ASCII digits 0-9)")
-    return int(stripped)
+    digits = text.strip().lstrip("+-")
+    if not digits.isascii() and digits.isdigit():  # int() takes full-width digits ("６１７０") too
+        raise LaunchInputError(f"{name}={text!r} is not an integer in ASCII digits 0-9")
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchInputError(f"{name}={text!r} is not an integer") from None
 
 
 def _with_cloud(

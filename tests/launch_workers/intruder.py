@@ -46,10 +46,12 @@ def flags_of(pid: int) -> dict:
     return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
 
 
-def sniff(seconds: float) -> str:
-    """The first ``fleetlike/<32 hex>/`` key prefix seen on the loopback within ``seconds``."""
+def sniff(seconds: float, port: int) -> str:
+    """The first ``fleetlike/<32 hex>/`` key prefix seen on the loopback within ``seconds``, in
+    TCP traffic to or from ``port`` (other jobs may run on the loopback meanwhile)."""
     import re
     import socket
+    import struct
     import time
 
     pattern = re.compile(rb"fleetlike/[0-9a-f]{32}/")
@@ -61,6 +63,12 @@ def sniff(seconds: float) -> str:
         try:
             frame = sock.recv(65536)
         except socket.timeout:
+            continue
+        ip = frame[14:]  # the loopback's frames carry an Ethernet header
+        if len(ip) < 40 or ip[0] >> 4 != 4 or ip[9] != 6:
+            continue
+        tcp = ip[(ip[0] & 0xF) * 4:]
+        if port not in struct.unpack("!HH", tcp[:4]):
             continue
         found = pattern.search(frame)
         if found:
@@ -94,7 +102,7 @@ def main() -> None:
         attempt(report, "join", join)
     elif mode == "sniff":
         endpoint, run_id = rest
-        prefix = sniff(20.0)
+        prefix = sniff(20.0, int(endpoint.rsplit(":", 1)[1]))
         report["prefix"] = prefix
         import base64
         import datetime
