@@ -107,21 +107,22 @@ def test_default_job_ids_are_random_without_a_shared_secret(script: str) -> None
     (["--ips=10.0.0.1,10.0.0.2", "--node_ip=10.0.0.2", "--started_port=7000"], "--node_ip=10.0.0.1"),
     (["--nnodes=1:2", "--rdzv_endpoint=127.0.0.1:5", "--node_ip=127.0.0.2"], "--node_ip=127.0.0.3"),
 ])
-def test_several_launchers_without_a_shared_secret_run_open_and_say_so(script: str, argv, other_node) -> None:
+def test_several_launchers_without_a_shared_secret_share_a_random_one_privately(script: str, argv, other_node) -> None:
     """Paddle's launch form (each node's launcher started on its own, nothing shared but the
-    flags) still runs: every node derives one secret and job id from the flags, and each
-    launcher warns that whoever knows them can join."""
+    flags) still runs, but its secret is never derived from the flags: each launcher makes a
+    random one, the store's host keeps its own and the others read it from this user's private
+    directory (`fleetlike.launch.homesecret`, test_trust.py); each launcher says so."""
     here = parse_config([*argv, script], environ={})
     there = parse_config([*argv[:-1], other_node, script] if "--nnodes" in argv[0] else
                          [argv[0], other_node, argv[2], script], environ={})
-    assert here.open_job and there.open_job
-    assert here.job_secret == there.job_secret and here.job_id == there.job_id
-    assert here.job_secret != parse_config([*argv, script], environ={"FLEETLIKE_JOB_SECRET": "77" * 32}).job_secret
-    warning = open_job_warning(here)
-    assert warning is not None and "no FLEETLIKE_JOB_SECRET is set" in warning
-    assert "export FLEETLIKE_JOB_SECRET with the same random value on every node" in warning
+    assert here.secret_at_home and there.secret_at_home
+    assert here.job_secret != there.job_secret  # random, not computable from the flags
+    assert here.job_secret != parse_config([*argv, script], environ={}).job_secret
+    note = open_job_warning(here)
+    assert note is not None and "no FLEETLIKE_JOB_SECRET is set" in note
+    assert "export FLEETLIKE_JOB_SECRET with the same random value on every node" in note
     shared = parse_config([*argv, script], environ={"FLEETLIKE_JOB_SECRET": "77" * 32})
-    assert not shared.open_job and open_job_warning(shared) is None
+    assert not shared.secret_at_home and open_job_warning(shared) is None
     assert shared.job_secret == "77" * 32
     assert open_job_warning(parse_config([script], environ={})) is None  # one node: its own secret
     with pytest.raises(LaunchInputError, match="at least 32 hexadecimal digits"):
@@ -419,7 +420,7 @@ def test_auto_ports_are_held_from_their_choice_to_the_end_of_the_job(script: str
         # rank 0's port is a store of this job, already serving
         client = dist.TCPStore("127.0.0.1", ports[0], None, False, datetime.timedelta(seconds=5))
         assert read_job_id(client, JobSecret(config.job_secret)) == "jA"  # only with the secret
-        assert read_job_id(client, JobSecret("00" * 32)) is None
+        assert read_job_id(client, JobSecret("01" * 32)) is None
         env = worker_env(chosen, 1, base={"TORCHELASTIC_USE_AGENT_STORE": "False"})
         assert env["PADDLE_TRAINER_ENDPOINTS"] == ",".join(f"127.0.0.1:{p}" for p in ports)
         assert env["PADDLE_CURRENT_ENDPOINT"] == f"127.0.0.1:{ports[1]}"

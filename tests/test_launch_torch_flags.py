@@ -36,9 +36,12 @@ def test_tiaccs_two_node_line_is_a_static_job_of_four_ranks(script: str) -> None
     assert node1.min_nodes == 0 and node1.training_script_args == ("--lr", "1")
     node0 = parse_config([*TORCH, "--node_rank=0", script])
     assert (node0.node_ip, node0.node_index) == ("127.0.0.1", 0)
-    # no shared secret: both derive the same open job from the flags they share, and say so
-    assert node0.open_job and node1.open_job
-    assert (node0.job_secret, node0.job_id) == (node1.job_secret, node1.job_id)
+    # no shared secret: nothing is derived from the flags (anyone can read them); node 0's
+    # launcher makes a random secret and the other reads it from the user's private folder
+    assert node0.secret_at_home and node1.secret_at_home
+    assert node0.job_secret != node1.job_secret
+    from fleetlike.launch.homesecret import meeting_point
+    assert meeting_point(node0) == ("127.0.0.1:29611", True) and meeting_point(node1) == ("127.0.0.1:29611", False)
     # after the meeting (the real addresses), the workers' environment is torchrun's and Paddle's
     met = node1.__class__(**{**node1.__dict__, "cluster_node_ips": ("127.0.0.1", "127.0.0.2")})
     env = worker_env(met, 1, base={})

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -44,6 +45,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
+from fleetlike.comm.signed_store import SignedStore
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -60,6 +62,9 @@ _MAX_KNOCKS_LOGGED = 20
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
 _HOSTED: dict[tuple[str, int], dist.TCPStore] = {}
+#: the signed key space of each (raw store, secret) in use (`job_store`), with the raw store
+_SIGNED: dict[tuple[int, str], tuple[dist.Store, SignedStore]] = {}
+_SIGNED_LOCK = threading.Lock()
 #: meetings so far per job id in this process
 _MEETINGS: dict[str, int] = {}
 
@@ -81,8 +86,17 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def job_store(raw: dist.Store, secret: JobSecret) -> dist.Store:
-    """The job's key space on ``raw``: readable only by holders of ``secret``."""
-    return dist.PrefixStore(secret.prefix, raw)
+    """The job's key space on ``raw``: under ``secret``'s prefix, every value signed with it
+    (`SignedStore`), so knowing the prefix (it crosses the network in clear) is not enough to
+    write a value a member would take."""
+    key = (id(raw), secret.prefix)
+    with _SIGNED_LOCK:
+        found = _SIGNED.get(key)
+        if found is None:
+            # torch keeps only the C++ half of a Python store it wraps (a PrefixStore over this
+            # one): the Python object must stay referenced for as long as ``raw`` may be used
+            found = _SIGNED[key] = (raw, SignedStore(dist.PrefixStore(secret.prefix, raw), secret))
+    return found[1]
 
 
 def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False) -> bool:
@@ -135,7 +149,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     except SecretError as exc:
         raise RendezvousError(str(exc)) from None
     hosts = role.rank == 0 and not role.master_hosted
-    if secret is None and role.rank == 0:
+    made = secret is None and role.rank == 0
+    if made:
         secret = _make_private_secret(role)
     if hosts:
         assert secret is not None
@@ -150,7 +165,7 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
                 "job using that port? Pick another --started_port / MASTER_PORT."
             ) from exc
-        _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start, secret)
         challenge = challenge_of(raw, secret) or ""
     else:
         try:
@@ -165,7 +180,7 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
         if role.rank == 0:  # on a store another launcher hosts (torchrun's): greet if it did not
             assert secret is not None
             greet(raw, secret, role.job_id, only_if_absent=True)
-        _hello(raw, role, host, port, timeout, start)
+        _hello(raw, role, host, port, timeout, start, secret)
         if secret is None:
             secret = _find_private_secret(role, raw, host, port)
         challenge = _check_job(raw, secret, role, host, port)
@@ -178,6 +193,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
     seal = (challenge, role.job_id, meeting)
     if role.rank == 0:
         _admit(store, raw, secret, seal, role, host, port, timeout, start)
+        if made:  # every rank read it before proving: nothing needs the file any more
+            _forget_private_secret(role)
     else:
         _prove(store, secret, seal, role, host, port, timeout, start)
     _meet(store, role, host, port, timeout, start)
@@ -220,14 +237,43 @@ def _listen(host: str, port: int) -> tuple[int, int]:
     return sock.detach(), bound  # the store owns the descriptor from here on
 
 
-def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float) -> None:
+def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, start: float,
+           secret: JobSecret | None = None) -> None:
+    """Wait until the store's host has greeted: the job's challenge under ``secret``'s prefix
+    (what a member needs: a stranger cannot delete it without the secret's prefix), or the
+    public marker (another job's store, or a rank that must still find its secret). A stranger
+    deleting the marker therefore stalls nobody who holds the secret."""
+    pause = 0.001
+    while True:
+        try:
+            if secret is not None and challenge_of(raw, secret) is not None:
+                return
+            if raw.check([JOB_KEY]):
+                return
+            if secret is None and _private_secret(role, raw) is not None:
+                return
+        except SecretError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises several types when the host is gone
+            raise RendezvousError(
+                f"rank {role.rank}: the store at {host}:{port} stopped answering while this rank "
+                f"waited for its greeting ({type(exc).__name__}); has rank 0 died?") from None
+        if time.monotonic() - start > timeout:
+            raise RendezvousError(
+                f"rank {role.rank}: the store at {host}:{port} never greeted this rank within "
+                f"{time.monotonic() - start:.1f}s: no fleetlike job is hosted there (something else "
+                "may be listening), or its host has not started")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _private_secret(role: Role, raw: dist.Store) -> JobSecret | None:
+    """The secret rank 0 left in this user's private directory, once the store greets with it."""
     try:
-        raw.wait([JOB_KEY], _td(max(timeout - (time.monotonic() - start), 1.0)))
-    except Exception as exc:  # noqa: BLE001
-        raise RendezvousError(
-            f"rank {role.rank}: the store at {host}:{port} never announced a fleetlike job "
-            f"within {time.monotonic() - start:.1f}s; something else may be listening there"
-        ) from exc
+        found = read_private(secret_file(role.job_id, role.master_endpoint))
+    except (OSError, SecretError):
+        return None
+    return found if found is not None and challenge_of(raw, found) is not None else None
 
 
 def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
@@ -238,6 +284,12 @@ def knock(raw: dist.Store, endpoint: str, host: str = "") -> None:
                                                 "host": host or socket.gethostname()}))
     except Exception:  # noqa: BLE001 - the refusal that follows is what matters
         pass
+
+
+def _printable(value: object, limit: int) -> str:
+    """``value`` as one line of printable ASCII (a stranger wrote it: no newline, no terminal
+    escape, no forged log line), at most ``limit`` characters before escaping."""
+    return str(value)[:limit].encode("unicode_escape").decode("ascii")
 
 
 def _check_job(raw: dist.Store, secret: JobSecret, role: Role, host: str, port: int) -> str:
@@ -271,6 +323,11 @@ def _make_private_secret(role: Role) -> JobSecret:
             f"({exc}); set {SECRET_ENV} to the same random value in every rank's environment"
         ) from None
     return secret
+
+
+def _forget_private_secret(role: Role) -> None:
+    with contextlib.suppress(OSError, SecretError):
+        os.unlink(secret_file(role.job_id, role.master_endpoint))
 
 
 def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> JobSecret:
@@ -324,7 +381,8 @@ def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[st
                 logged += 1
                 try:
                     who = json.loads(raw.get(f"{KNOCK_KEY}/{n}").decode()[:512])
-                    said = f"{who.get('endpoint')!s:.80} (host {who.get('host')!s:.64}, pid {who.get('pid')!s:.12})"
+                    said = (f"{_printable(who.get('endpoint'), 80)} (host {_printable(who.get('host'), 64)}, "
+                            f"pid {_printable(who.get('pid'), 12)})")
                 except Exception:  # noqa: BLE001 - whatever a stranger wrote
                     said = "an unreadable address"
                 print(f"fleetlike.rendezvous: refused a process without this job's secret at "

@@ -80,6 +80,12 @@ class JobSecret:
                 f"{len(text)} characters{'' if key or not text else ', not hex'}); make one with "
                 "python -c 'import secrets; print(secrets.token_hex(32))'"
             )
+        if key and not any(key):
+            raise SecretError(
+                f"{source}: the job secret is all zeros ({len(text)} hex digits): not a random value "
+                "(an unset placeholder?); make one with python -c 'import secrets; "
+                "print(secrets.token_hex(32))'"
+            )
         self._key = key
 
     def __repr__(self) -> str:

@@ -286,7 +286,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         "when slow ranks or a slow network dominate")),
     Section("localsgd_configs", requires="localsgd", note="local SGD schedule",
             check=_localsgd_check, fields=(
-        Field("k_steps", Int(min=1), 1, note=(
+        Field("k_steps", Int(min=1, max=1 << 31), 1, note=(
             "local steps between parameter averages: larger = less communication and lower "
             "accuracy; Fleet's experience is 2 or 4 with 'average', DiLoCo's is 50-500 with "
             "'nesterov'")),
@@ -377,7 +377,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         "larger batch with 1/k of the communication")),
     Section("gradient_merge_configs", requires="gradient_merge", note="gradient accumulation",
             fields=(
-        Field("k_steps", Int(min=1), 1, note=(
+        Field("k_steps", Int(min=1, max=1 << 31), 1, note=(
             "batches per update; adapt the learning rate to the k times larger batch")),
         Field("avg", Bool(), True, note=(
             "True averages the k gradients (one batch's scale), False sums them")),
@@ -401,7 +401,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         "2 across nodes, as Fleet suggests; more only with spare bandwidth and GPU memory")),
     Field("fuse_all_reduce_ops", Bool(), True, feature=True, note=(
         "pack gradients into buckets so one collective moves many tensors; keep it on")),
-    Field("fuse_grad_size_in_MB", Float(gt=0, keep_int=True), 32, requires="fuse_all_reduce_ops",
+    Field("fuse_grad_size_in_MB", Float(gt=0, lt=1 << 30, keep_int=True), 32, requires="fuse_all_reduce_ops",
           note=(
               "bucket size in MB: 32 suits most models; smaller buckets start communicating "
               "earlier in backward, larger ones amortise latency on slow links")),

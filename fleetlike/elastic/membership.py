@@ -139,7 +139,14 @@ def _member_secret(store: dist.Store, settings: ElasticSettings, host: str, port
             f"fleetlike.elastic: {SECRET_ENV} is not set; an elastic job's workers get the job's "
             "secret from their launcher (python -m fleetlike.launch --nnodes MIN:MAX ...), whose "
             "nodes share it through that variable")
-    store.wait([JOB_KEY], datetime.timedelta(seconds=timeout))
+    # the challenge under the secret's prefix is what counts: the public marker only says that
+    # some job is hosted there, and a stranger may delete it (that must stall nobody)
+    deadline = time.monotonic() + timeout
+    while challenge_of(store, secret) is None and not store.check([JOB_KEY]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fleetlike.elastic: the rendezvous store at {host}:{port} never greeted "
+                               f"this worker within {timeout:g}s: no fleetlike job is hosted there")
+        time.sleep(0.02)
     if challenge_of(store, secret) is None:
         knock(store, settings.endpoint, settings.node_ip)
         raise SecretMismatchError(

@@ -72,6 +72,8 @@ FORMAT = 3
 #: the layout before per-file versions (COMPLETE holds "ok"); still read
 LEGACY_FORMAT = 2
 COMPLETE = "COMPLETE"
+#: the largest COMPLETE read (a list of ~100k files): a bigger one is refused, never read whole
+_MAX_MARKER_BYTES = 16 << 20
 #: a leftover whose writer cannot be checked (another host, or a name without a pid) is removed
 #: only when nothing in it changed for this long: no save stalls that long between two writes
 STALE_AFTER_S = 6 * 3600.0
@@ -350,8 +352,14 @@ def resolve(dirname: str | os.PathLike[str]) -> Path:
     target = Path(dirname)
     if (target / COMPLETE).exists():
         return target
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.lstat().st_mtime)
     for old in reversed(olds):
+        info = old.lstat()
+        if old.is_symlink() or info.st_uid != os.getuid():
+            # in a shared (sticky) folder anyone may plant one: only this user's own are loaded
+            log.warning("checkpoint: ignoring %s (owned by uid %d%s, not this user's own save)", old,
+                        info.st_uid, ", a symbolic link" if old.is_symlink() else "")
+            continue
         if (old / COMPLETE).exists():
             return old
     if target.exists():
@@ -386,9 +394,16 @@ def verify(path: Path) -> int:
     Format 2 (written before checksums) is returned with a one-line notice."""
     marker = path / COMPLETE
     try:
-        raw = marker.read_bytes()
+        with open(marker, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > _MAX_MARKER_BYTES:
+                raise _damaged(marker, f"is {size} bytes, far more than a checkpoint's file list "
+                                       f"(at most {_MAX_MARKER_BYTES}): not written by a save")
+            raw = fh.read(_MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         raise _damaged(marker, "is missing") from None
+    except IsADirectoryError:
+        raise _damaged(marker, "is a directory, not the file a save writes") from None
     if raw.strip() == b"ok":
         log.warning("checkpoint %s is in format %d (written before per-file versions and checksums): "
                     "loading it unchecked; save it again to upgrade", path, LEGACY_FORMAT)

@@ -255,7 +255,13 @@ def resolve(rt: Runtime, ag: Agreement, own_key: int | None = None) -> None:
     lists = {i: table[i][2 : 2 + table[i][1]] for i in active}
     common = set(lists[active[0]]).intersection(*(set(lists[i]) for i in active[1:]))
     if common:
-        raise Reorder(next(k for k in lists[active[0]] if k in common), False)
+        choice = next(k for k in lists[active[0]] if k in common)
+        if all(lists[i] and lists[i][0] == choice for i in active):
+            # every rank already tries that name first, yet the rows differ: the same name on
+            # collectives of different kinds (allgather vs broadcast "n"); no order can match
+            # them, so the check raises the mismatch on every rank (reordering would loop forever)
+            return
+        raise Reorder(choice, False)
     leavers = [i for i in active if table[i][0]]
     if leavers:
         raise Reorder(None, me in leavers)

@@ -26,6 +26,7 @@ Example (what `hostrun` runs through ``ssh host2``)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -69,9 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--watch_stdin", action="store_true")
     p.add_argument("--secret_stdin", action="store_true")
+    p.add_argument("--env_stdin", action="store_true")
+    p.add_argument("--env_names", default="")
     opts = p.parse_args(own)
     if opts.secret_stdin:
         os.environ[SECRET_ENV] = _first_line()
+    if opts.env_stdin:  # the values of the forwarded variables, never on a command line
+        try:
+            handed = json.loads(_first_line() or "{}")
+        except ValueError:
+            p.error("--env_stdin: the second line of input is not the JSON the launcher writes")
+        os.environ.update({str(k): str(v) for k, v in handed.items()})
     if opts.chdir:
         os.chdir(opts.chdir)
     for item in opts.env:

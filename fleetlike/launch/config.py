@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import math
 import os
 import uuid
@@ -38,7 +37,6 @@ __all__ = [
     "parse_config",
     "default_job_id",
     "format_config",
-    "open_job_secret",
     "open_job_warning",
 ]
 
@@ -298,23 +296,17 @@ def default_job_id(
     return uuid.uuid4().hex[:12]
 
 
-def open_job_secret(cluster_node_ips: Sequence[str], started_port: str | None, rdzv_endpoint: str | None,
-                    nnodes: str | None) -> str:
-    """The secret of a several-node job whose launchers share nothing but their flags: every
-    node derives the same one, and so can anyone who knows the flags (see `open_job_warning`)."""
-    text = "\0".join(["fleetlike open job", ",".join(cluster_node_ips), str(started_port),
-                      str(rdzv_endpoint), str(nnodes)])
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def open_job_warning(config: LaunchConfig) -> str | None:
-    """The line every node's launcher prints when its job is open (`LaunchConfig.open_job`)."""
-    if not config.open_job:
+    """The line every launcher of several nodes prints when no `SECRET_ENV` was exported: the
+    secret is made by the launcher that hosts the store and shared through this user's private
+    directory (`fleetlike.launch.homesecret`); None for other jobs."""
+    if not config.secret_at_home:
         return None
-    return (f"warning: no {SECRET_ENV} is set, so this job's secret is derived from its flags: "
-            f"anyone who can reach {config.cluster_node_ips[0]} and knows them can join it. On a "
-            f"shared network, export {SECRET_ENV} with the same random value on every node (python "
-            "-c 'import secrets; print(secrets.token_hex(32))'), or use --started_port=auto with "
+    return (f"note: no {SECRET_ENV} is set, so the launcher that hosts this job's store made a random "
+            "secret and shares it through this user's private directory (~/.fleetlike/jobs, mode "
+            f"0700): launchers on machines that do not share it are refused. To share a secret "
+            f"instead, export {SECRET_ENV} with the same random value on every node (python -c "
+            "'import secrets; print(secrets.token_hex(32))'), or use --started_port=auto with "
             "--rendezvous_file (docs/security.md)")
 
 
@@ -372,9 +364,11 @@ class LaunchConfig:
     job_secret: str = dataclasses.field(default_factory=new_secret, repr=False)
     #: no ``--job_id`` and not node 0 of a ``--rendezvous_file`` meeting: the id is node 0's
     job_id_from_file: bool = False
-    #: several nodes met by fixed ports with no ``SECRET_ENV``: the secret comes from the flags
-    #: (`open_job_secret`), so anyone who knows them can join; `open_job_warning` says so
-    open_job: bool = False
+    #: several launchers and no ``SECRET_ENV``: the one that hosts the store makes the secret and
+    #: the others read it from this user's private directory (`fleetlike.launch.homesecret`)
+    secret_at_home: bool = False
+    #: ``--job_id`` or ``FLEETLIKE_JOB_ID`` given (else, with `secret_at_home`, the id is the secret's)
+    job_id_given: bool = False
 
     def __post_init__(self) -> None:
         ips = ",".join(self.cluster_node_ips)
@@ -612,6 +606,9 @@ def _heartbeat_timeout(text: str | None, *, elastic: bool) -> float:
 
 
 def _int_flag(name: str, text: str) -> int:
+    digits = text.strip().lstrip("+-")
+    if not digits.isascii() and digits.isdigit():  # int() takes full-width digits ("６１７０") too
+        raise LaunchInputError(f"{name}={text!r} is not an integer in ASCII digits 0-9")
     try:
         return int(text)
     except ValueError:
@@ -765,17 +762,11 @@ def parse_config(
     several = config.node_num > 1 or (config.max_nodes > 1 and config.host_discovery_script is None)
     if several and not config.meets_through_file and not secret_text:
         # Paddle's launch form starts each node's launcher on its own, and nothing but the flags is
-        # shared between them: the job still runs (the launch contract), its secret taken from the
-        # flags, so it keeps every node of this job together but cannot keep out whoever knows
-        # them. `open_job_warning` says so on every node.
-        # an elastic job's nodes name only themselves: its rendezvous endpoint is what they share
-        if static is not None:  # what every node's flags share: node 0's address and the job's size
-            secret = open_job_secret((static.master_addr,), str(static.master_port), None, f"static {static.nnodes}")
-        else:
-            secret = open_job_secret(() if nodes[0] else ips, args.started_port, args.rdzv_endpoint, args.nnodes)
+        # shared between them; anything derived from the flags anyone could derive, so the store's
+        # host makes the secret and the others read it from a private file (`homesecret.settle`)
         given_id = args.job_id is not None or bool(env.get(envvars.JOB_ID, "").strip())
-        config = dataclasses.replace(config, job_secret=secret, open_job=True,
-                                     job_id=config.job_id if given_id else JobSecret(secret).job_id())
+        config = dataclasses.replace(config, secret_at_home=True, job_id_given=given_id,
+                                     job_id=config.job_id if given_id else JobSecret(config.job_secret).job_id())
     return config
 
 

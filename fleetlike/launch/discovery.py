@@ -188,7 +188,7 @@ class HostDiscovery:
         command = agent_argv(node_launcher_args(self.config, host), cwd=self._cwd, env=self._env)
         argv = shell_argv(self.config.remote_shell, host) + [shlex.join(command)]
         try:
-            self._procs[host] = start_agent(argv, secret=self.config.job_secret)
+            self._procs[host] = start_agent(argv, secret=self.config.job_secret, handed=self._env)
         except OSError as exc:
             raise DiscoveryError(f"--remote_shell={self.config.remote_shell!r}: cannot start the "
                                  f"launcher of {host} ({exc.strerror})") from None

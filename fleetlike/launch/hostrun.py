@@ -151,7 +151,7 @@ def _run_gloo(job: HostsJob, stop: _StopRequest, secret: str) -> int:
                 argv = job.shell_argv(host.name) + [shlex.join(argv)]
             names.append(f"host {host.name} (node {k}, ranks {k * job.per_node}..{(k + 1) * job.per_node - 1})")
             try:
-                procs.append(start_agent(argv, stdin=subprocess.PIPE, secret=secret))
+                procs.append(start_agent(argv, stdin=subprocess.PIPE, secret=secret, handed=env))
             except OSError as exc:
                 print(f"{_PREFIX} cannot start the agent of host {host.name}: {exc}", file=sys.stderr, flush=True)
                 stop_agents(procs, agent_grace(job.kill_grace))

@@ -31,15 +31,17 @@ from fleetlike.launch.config import (
     parse_config,
 )
 from fleetlike.launch.elastic_agent import restart_loop
+from fleetlike.launch.homesecret import forget, settle
 from fleetlike.launch.env import omp_note, worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
-from fleetlike.launch.torch_flags import NodeMeetingError, meet_nodes
+from fleetlike.launch.torch_flags import NodeMeetingError, TorchNodes, meet_nodes
 from fleetlike.launch.workers import (
     Worker,
     close_logs,
     describe_exit,
     last_line,
+    log_problem,
     start_worker,
     stop_workers,
 )
@@ -96,6 +98,12 @@ def _first_failure(workers: Sequence[Worker]) -> tuple[Worker | None, bool]:
     return None, all_done
 
 
+def _greets_before_workers(config: LaunchConfig) -> bool:
+    """Several fixed-port nodes sharing their secret through the private folder (`settle`)."""
+    return (config.secret_at_home and not config.min_nodes and config.static_nodes is None
+            and config.node_num > 1 and not config.meets_through_file)
+
+
 def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit code."""
     hosted: HostedEndpoints | None = None
@@ -106,6 +114,22 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     stop.install()
     try:
         check_machine(config, visible_gpus=visible_gpus)
+        config = settle(config, stop.event)
+        if _greets_before_workers(config):
+            # Paddle's fixed-port form without an exported secret: the other nodes take the secret
+            # from node 0's greeting, which must not wait for a worker script that may never host
+            # fleetlike's store (a plain torch DDP script), so node 0's launcher greets at rank 0's
+            # endpoint until every node has met, then frees the port for rank 0
+            host, port = config.master_endpoint.rsplit(":", 1)
+            paddle = TorchNodes(nnodes=config.node_num, node_rank=config.node_index, master_addr=host,
+                                master_port=int(port), node_ip=config.node_ip, ips=config.cluster_node_ips,
+                                started_port=config.started_port)
+            try:
+                meet_nodes(paddle, config.nproc_per_node, config.job_secret, config.job_id,
+                           config.rendezvous_timeout, stop.event)
+            except NodeMeetingError as exc:
+                print(f"{_PREFIX} {exc}", file=sys.stderr, flush=True)
+                return 128 + stop.signum if stop.signum is not None else 1
         if config.static_nodes is not None and config.static_nodes.pending:
             try:  # torch's static form: learn the other nodes' addresses (`fleetlike.launch.torch_flags`)
                 ips = meet_nodes(config.static_nodes, config.nproc_per_node, config.job_secret, config.job_id,
@@ -131,6 +155,7 @@ def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
         return _run(config, stop)
     finally:
         stop.restore()
+        forget(config)
         if hosted is not None:
             hosted.close()
 
@@ -167,18 +192,36 @@ def _run(config: LaunchConfig, stop: _StopRequest, extra_env: dict[str, str] | N
         while True:
             if stop.signum is not None:
                 return _stopped_by_signal(workers, config, stop.signum)
+            unlogged = next((w for w in workers if w.log_error is not None), None)
+            if unlogged is not None:
+                print(f"{_PREFIX} rank {unlogged.rank}'s log file {unlogged.log_path} cannot be written "
+                      f"({unlogged.log_error}); stopping the job (free space there, or give another "
+                      "--log_dir)", file=sys.stderr, flush=True)
+                stop_workers(workers, grace=config.kill_grace)
+                if failed_out is not None:
+                    failed_out.append(unlogged)
+                return 1
             failed, all_done = _first_failure(workers)
             if failed is not None:
                 stop_workers([failed], grace=config.kill_grace)  # its children, and its log
                 code = failed.process.returncode
-                said = last_line(failed.log_path)
+                unwritable = log_problem(failed.log_path) if code > 0 else None
+                said = "" if unwritable else last_line(failed.log_path)
                 print(
                     f"{_PREFIX} rank {failed.rank} (local {failed.local_rank}) "
                     f"{describe_exit(code)}; log: {failed.log_path}"
-                    + (f"; last line: {said}" if said else ""),
+                    + (f"; last line: {said}" if said else "")
+                    + (f" (cannot be written: {unwritable}; free space there, or give another "
+                       "--log_dir)" if unwritable else ""),
                     file=sys.stderr,
                     flush=True,
                 )
+                if unwritable:
+                    stop_workers(workers, grace=config.kill_grace)
+                    close_logs(workers)
+                    if failed_out is not None:
+                        failed_out.append(failed)
+                    return code
                 again = replace(failed, respawn) if replace is not None else None
                 if again is not None:
                     workers[workers.index(failed)] = again

@@ -235,10 +235,7 @@ def _find_store(config: LaunchConfig, deadline: float, stop: threading.Event,
                     f"{config.cluster_node_ips[0]}: the store's host must be node 0; refusing a "
                     "file that would send this node elsewhere (forged, or written by another job)"
                 )
-            elif config.job_id_from_file:
-                config = dataclasses.replace(config, job_id=address.job_id, job_id_from_file=False)
-                continue
-            elif address.job_id != config.job_id:
+            elif not config.job_id_from_file and address.job_id != config.job_id:
                 problem = (
                     f"names job {address.job_id!r}, not this launcher's {config.job_id!r} (a file "
                     "of another job, or launchers started with different flags or --job_id)"
@@ -246,7 +243,11 @@ def _find_store(config: LaunchConfig, deadline: float, stop: threading.Event,
             elif address.token in refused:
                 pass  # the problem found then still stands
             else:
-                joined = dataclasses.replace(config, job_secret=address.secret)
+                # a file's job id is taken only with its live store: a file a killed run left
+                # behind must not bind this launcher to that run's id (node 0's new file would
+                # then look like another job's)
+                joined = dataclasses.replace(config, job_secret=address.secret, job_id=address.job_id,
+                                             job_id_from_file=False)
                 store, problem, final = _join(address, joined, deadline)
                 if store is not None:
                     return store, address

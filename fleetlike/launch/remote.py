@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,12 +44,13 @@ def agent_argv(launcher_args: Sequence[str], *, cwd: str, env: Mapping[str, str]
     """``python -m fleetlike.launch.agent --chdir CWD --watch_stdin --secret_stdin --env ... --
     LAUNCHER_ARGS``: the agent reads the job's secret from the first line of its input
     (`start_agent` writes it), so it never appears on a command line; ``env`` never carries it."""
-    argv = [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", cwd, "--watch_stdin", "--secret_stdin"]
-    for name, value in env.items():
-        if name == SECRET_ENV:
-            continue
-        argv += ["--env", f"{name}={value}"]
-    return argv + ["--", *launcher_args]
+    argv = [sys.executable, "-m", "fleetlike.launch.agent", "--chdir", cwd, "--watch_stdin", "--secret_stdin",
+            "--env_stdin"]
+    # the variables' values come on stdin after the secret (`start_agent`'s ``handed``): a
+    # command line is readable by every user of the node (/proc/PID/cmdline), and ``-x`` and
+    # FLEETLIKE_* values may be credentials; only their names are shown here
+    names = ",".join(name for name in env if name != SECRET_ENV)
+    return argv + (["--env_names", names] if names else []) + ["--", *launcher_args]
 
 
 def agent_grace(kill_grace: float) -> float:
@@ -58,16 +60,19 @@ def agent_grace(kill_grace: float) -> float:
 
 def start_agent(argv: Sequence[str], *, stdin: int | None = subprocess.PIPE,
                 stderr: int | None = None, secret: str | None = None,
-                env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+                env: Mapping[str, str] | None = None,
+                handed: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A child in its own session (so its group can be signalled) that dies with this process.
 
     ``secret``: written as the first line of the child's input (an agent started with
-    ``--secret_stdin``); the pipe then stays open, unwritten, as the stop cue."""
+    ``--secret_stdin``), ``handed`` (the variables of `agent_argv`'s ``env``) as the second, in
+    JSON; the pipe then stays open, unwritten, as the stop cue."""
     proc = subprocess.Popen(list(argv), stdin=stdin, stderr=stderr, start_new_session=True,
                             preexec_fn=_die_with_launcher, env=None if env is None else dict(env))
     if secret is not None and proc.stdin is not None:
         try:
-            proc.stdin.write(secret.encode() + b"\n")
+            given = {k: v for k, v in (handed or {}).items() if k != SECRET_ENV}
+            proc.stdin.write(secret.encode() + b"\n" + json.dumps(given).encode() + b"\n")
             proc.stdin.flush()
         except OSError:
             pass  # the agent is gone already: its exit is reported by whoever watches it

@@ -26,7 +26,7 @@ from typing import IO, TextIO, Union
 
 from fleetlike.launch.preload import PreloadedProcess, start_preloaded
 
-__all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit", "last_line"]
+__all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit", "last_line", "log_problem"]
 
 
 @dataclasses.dataclass
@@ -39,6 +39,9 @@ class Worker:
     process: Union[subprocess.Popen[bytes], PreloadedProcess]
     log_file: IO[bytes]
     tee: threading.Thread | None = None
+    #: why the echoed worker's log stopped taking its output (ENOSPC, EIO), set by its tee thread,
+    #: which keeps reading the pipe so the worker never blocks on it; the launcher ends the job
+    log_error: str | None = None
 
     def group_alive(self) -> bool:
         """True while any process of this worker's group exists (zombies count as gone)."""
@@ -67,17 +70,51 @@ def _group_has_live_member(pgid: int) -> bool:
     return False
 
 
-def _tee(source: IO[bytes], log_file: IO[bytes], console: TextIO, prefix: str) -> None:
-    """Copy the worker's output to its log file and, prefixed, to the launcher's console."""
+def _tee(source: IO[bytes], worker: Worker, console: TextIO, prefix: str) -> None:
+    """Copy the worker's output to its log file and, prefixed, to the launcher's console. A log
+    write that fails (a full disk, an I/O error) is recorded on ``worker`` (the launcher ends
+    the job, naming the log), and the pipe is still read to its end: a worker must never block
+    on a pipe nobody reads."""
     for line in iter(source.readline, b""):
-        log_file.write(line)
-        log_file.flush()
+        if worker.log_error is None:
+            try:
+                worker.log_file.write(line)
+                worker.log_file.flush()
+            except (OSError, ValueError) as exc:
+                worker.log_error = f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
         try:
             console.write(prefix + line.decode(errors="replace"))
             console.flush()
         except (OSError, ValueError):  # console closed: keep logging to the file
             pass
     source.close()
+
+
+def log_problem(path: str) -> str | None:
+    """Why ``path`` (a worker's log) cannot be written now (``No space left on device``), or None.
+    Asked after a worker failed: its own writes to the log may have been what failed."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        os.write(fd, b"\n")
+        os.fsync(fd)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    return None
+
+
+def _open_log(path: str) -> IO[bytes]:
+    """The worker's log, readable by its owner only (a log may quote what the job holds)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a log left by an earlier run keeps its mode otherwise
+    except OSError:
+        pass
+    return os.fdopen(fd, "wb")
 
 
 def start_worker(
@@ -92,7 +129,7 @@ def start_worker(
 ) -> Worker:
     """Start one worker in a new session; ``echo`` also copies its output to ``sys.stdout``.
     ``preload="torch"`` forks it from a preload server when it can (`fleetlike.launch.preload`)."""
-    log_file = open(log_path, "wb")
+    log_file = _open_log(log_path)
     try:
         process: subprocess.Popen[bytes] | PreloadedProcess | None = None
         if preload != "off":
@@ -115,7 +152,7 @@ def start_worker(
     if echo and process.stdout is not None:
         worker.tee = threading.Thread(
             target=_tee,
-            args=(process.stdout, log_file, sys.stdout, f"[rank {rank}] "),
+            args=(process.stdout, worker, sys.stdout, f"[rank {rank}] "),
             name=f"fleetlike-tee-{rank}",
             daemon=True,
         )

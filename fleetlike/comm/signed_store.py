@@ -1,0 +1,107 @@
+"""A job's key space whose every value carries an HMAC with the job's secret.
+
+The job's keys live under a prefix derived from the secret, but the prefix is no password: it
+crosses the network in clear with every store request, so whoever watches the wire learns it.
+So every value a member (or torch: gloo's connection details, the elastic rendezvous state,
+which torch unpickles) reads back is signed: `SignedStore.set` writes ``HMAC(key, value) +
+value``, `SignedStore.get` checks it and refuses a value a stranger wrote (`StoreTampered`,
+naming the key relative to the prefix) before anyone uses it. The HMAC binds the key, so a
+signed value cannot be moved to another key. Counters (``add``) are plain numbers, as TCPStore
+keeps them; what a member derives from one (the proof it reads next, the record it prints) is
+signed or escaped itself. Errors quote keys without the secret-derived prefix.
+
+Example:
+    >>> store = SignedStore(dist.PrefixStore(secret.prefix, raw), secret)
+    >>> store.set("hello", "world"); store.get("hello")
+    b'world'
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from fleetlike.comm.secret import JobSecret
+
+__all__ = ["SignedStore", "StoreTampered"]
+
+_TAG = 64  # hex digits of an HMAC-SHA256
+
+
+class StoreTampered(RuntimeError):
+    """A value in the job's key space was not written by a holder of the job's secret."""
+
+
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class SignedStore(dist.Store):
+    """``inner`` (the job's prefixed key space) with every value signed and checked."""
+
+    def __init__(self, inner: dist.Store, secret: JobSecret, *, where: str = "") -> None:
+        super().__init__()
+        self._inner = inner
+        self._secret = secret
+        self._where = where
+
+    def _sign(self, key: str, value: bytes) -> bytes:
+        return self._secret.mac("store", key, value).encode() + value
+
+    def _open(self, key: str, blob: bytes) -> bytes:
+        tag, value = blob[:_TAG], blob[_TAG:]
+        if len(blob) < _TAG or not self._secret.verify(tag, "store", key, value):
+            where = f" at {self._where}" if self._where else ""
+            raise StoreTampered(
+                f"the job's store{where}: the value of {key!r} ({len(blob)} bytes) is not signed "
+                "with this job's secret: a process without the secret wrote it (interference: "
+                "someone who saw the job's store traffic); it was refused unread")
+        return value
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, self._sign(key, _bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._inner.get(key))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        want = _bytes(expected)
+        raw = self._inner.compare_set(key, self._sign(key, want) if want else b"",
+                                      self._sign(key, _bytes(desired)))
+        return self._open(key, raw)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self._open(k, v) for k, v in zip(keys, self._inner.multi_get(keys))]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._inner.multi_set(keys, [self._sign(k, _bytes(v)) for k, v in zip(keys, values)])
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        try:
+            if timeout is None:
+                self._inner.wait(keys)
+            else:
+                self._inner.wait(keys, timeout)
+        except Exception as exc:  # noqa: BLE001 - torch's text lists the prefixed key names
+            missing = ", ".join(keys[:8]) + (", ..." if len(keys) > 8 else "")
+            raise dist.DistStoreError(
+                f"timed out waiting for the job's store keys [{missing}] ({type(exc).__name__})") from None
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)

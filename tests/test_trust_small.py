@@ -1,0 +1,106 @@
+"""Smaller doors of the trust boundary, each checked where it is decided (one process).
+
+A ``COMPLETE`` that is a directory or gigabytes long is refused by name without being read; a
+``.ckpt.old-*`` another user planted in a shared folder is never loaded; an all-zero secret is
+refused; ports and counts in Unicode digits are refused; the launchers' secret file is made
+0600 in a 0700 folder and removed by its maker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fleetlike.comm.secret import JobSecret, SecretError
+from fleetlike.fleet.checkpoint import CheckpointError, resolve
+from fleetlike.fleet.checkpoint_files import COMPLETE, atomic_dir, save_pt, verify
+from fleetlike.launch.config import LaunchInputError, parse_config
+
+
+def _save(target: Path) -> None:
+    with atomic_dir(target) as tmp:
+        save_pt({"w": torch.ones(2)}, tmp / "state.pt", "state")
+
+
+def test_a_complete_marker_that_is_a_directory_or_huge_is_refused_unread(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _save(ckpt)
+    assert verify(ckpt) >= 3
+    marker = ckpt / COMPLETE
+    marker.unlink()
+    marker.mkdir()
+    with pytest.raises(CheckpointError, match="is a directory"):
+        verify(ckpt)
+    marker.rmdir()
+    with open(marker, "wb") as fh:  # sparse: 2 GB that would be read whole
+        fh.truncate(2 << 30)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="far more than a checkpoint's file list"):
+        verify(ckpt)
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_an_old_checkpoint_planted_by_another_user_is_never_loaded(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # a sticky folder every user may write, like /tmp
+    planted = shared / ".ckpt.old-planted"
+    _save(planted)
+    os.chown(planted, 65534, 65534)
+    (shared / "ckpt").mkdir()  # an incomplete save: no COMPLETE
+    with pytest.raises(CheckpointError, match="is not a complete fleetlike checkpoint"):
+        resolve(shared / "ckpt")
+    os.chown(planted, os.getuid(), os.getgid())  # the user's own is the previous checkpoint
+    assert resolve(shared / "ckpt") == planted
+
+
+def test_an_all_zero_secret_is_refused() -> None:
+    with pytest.raises(SecretError, match="all zeros"):
+        JobSecret("00" * 32)
+    JobSecret("01" * 32)  # a value (not a good one) is the user's choice
+
+
+@pytest.mark.parametrize("flag", ["--started_port=６１７０", "--nproc_per_node=２", "--max_restarts=１"])
+def test_unicode_digits_are_not_numbers(tmp_path: Path, flag: str) -> None:
+    with pytest.raises(LaunchInputError, match="not an integer in ASCII digits"):
+        parse_config([flag, "train.py"], environ={})
+
+
+def test_values_sent_to_host_agents_are_not_on_their_command_lines(tmp_path: Path) -> None:
+    """``-np/-H`` with ``-x``: the forwarded variables (and FLEETLIKE_* ones) reach the workers
+    through the agent's standard input, never its command line (readable by every user)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_launch_run import WORKERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env(MY_TOKEN="tok-" + "7f3a" * 8, FLEETLIKE_CUSTOM="fl-" + "9c1d" * 8)
+    done = subprocess.run([sys.executable, "-m", "fleetlike.launch", "-np", "2", "-H", "localhost:2", "-x", "MY_TOKEN",
+                           sys.executable, str(WORKERS / "ancestors.py"), str(out), "MY_TOKEN"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((out / f"seen.{rank}").read_text())
+        assert seen["value"] == env["MY_TOKEN"] and seen["ancestors"] >= 2
+        assert not seen["on_a_command_line"], seen
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("fuse_grad_size_in_MB", 1e308, "fuse_grad_size_in_MB must be a number in (0, 1.07374e+09)"),
+    ("localsgd_configs", {"k_steps": 10**20}, "localsgd_configs.k_steps must be an int in [1, 2147483648]"),
+])
+def test_sizes_too_large_to_use_are_refused_by_name(field: str, value: object, said: str) -> None:
+    from fleetlike.config import DistributedStrategy
+    from fleetlike.config.fields import StrategyValueError
+
+    strategy = DistributedStrategy()
+    with pytest.raises(StrategyValueError, match=__import__("re").escape(said)):
+        setattr(strategy, field, value)
