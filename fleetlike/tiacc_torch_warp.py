@@ -2,14 +2,12 @@
 
 A script changes its import to ``from fleetlike import tiacc_torch_warp`` and keeps its calls,
 e.g. ``tiacc_torch_warp.MixedPrecision_TrainingPolicy(policy, start_step, hold_step, end_step,
-test_interval, test_step)`` (`fleetlike.strategies.amp_policy`).
-
-Example:
-    >>> from fleetlike import tiacc_torch_warp
-    >>> tiacc_torch_warp.MixedPrecision_TrainingPolicy(0, 10, None, 90).end_time
-    90.0
+test_interval, test_step)``. The module lives in `fleetlike.strategies.amp_policy`; this name is
+bound to the same module object.
 """
 
-from fleetlike.strategies.amp_policy import MixedPrecision_TrainingPolicy
+import sys
 
-__all__ = ["MixedPrecision_TrainingPolicy"]
+from fleetlike.strategies import amp_policy as _module
+
+sys.modules[__name__] = _module

@@ -59,11 +59,13 @@ ROOT = Path(fleetlike.__file__).resolve().parent
 
 #: old import paths kept at the root: module -> the face's module it is (the same object)
 SHIMS = {"auto": "fleetlike.ddp.auto", "cc": "fleetlike.horovod.light", "calc": "fleetlike.horovod.light_calc",
-         "mixed_precision": "fleetlike.fleet.mixed_precision", "role_maker": "fleetlike.fleet.role_maker"}
+         "mixed_precision": "fleetlike.fleet.mixed_precision", "role_maker": "fleetlike.fleet.role_maker",
+         "epl": "fleetlike.fleet.epl", "adaptfp16": "fleetlike.strategies.amp_policy",
+         "tiacc_torch_warp": "fleetlike.strategies.amp_policy"}
 #: the faces, each a package over the core
 FACES = ("ddp", "fleet", "horovod")
 #: what ``import fleetlike`` may load (at module level, transitively): the core and Fleet's face
-EAGER_LAYERS = {"config", "roles", "comm", "collectives", "program", "strategies", "fleet", "top"}
+EAGER_LAYERS = {"config", "roles", "comm", "collectives", "program", "tune", "strategies", "fleet", "top"}
 
 #: bottom up: (layer, module prefixes, the layers it may import or None for "every layer below")
 LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
@@ -72,8 +74,9 @@ LAYERS: list[tuple[str, tuple[str, ...], set[str] | None]] = [
     ("comm", ("fleetlike.comm",), None),
     ("collectives", ("fleetlike.collectives",), {"comm"}),
     ("program", ("fleetlike.program",), None),
-    ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles"}),
-    ("ddp", ("fleetlike.ddp",), {"config", "collectives", "comm", "roles", "strategies"}),
+    ("tune", ("fleetlike.tune",), {"config", "comm"}),
+    ("strategies", ("fleetlike.strategies",), {"config", "collectives", "program", "comm", "roles", "tune"}),
+    ("ddp", ("fleetlike.ddp",), {"config", "collectives", "comm", "roles", "strategies", "tune"}),
     ("pipeline", ("fleetlike.pipeline",), {"config", "collectives", "comm", "roles", "program", "strategies"}),
     ("fleet", ("fleetlike.fleet",), None),
     ("elastic", ("fleetlike.elastic",), None),
@@ -347,4 +350,5 @@ def test_import_fleetlike_loads_the_core_and_fleet_only() -> None:
     loaded = _loaded_by("fleetlike")
     assert {_layer(m) for m in loaded} <= EAGER_LAYERS, sorted(m for m in loaded if _layer(m) not in EAGER_LAYERS)
     # the other faces come on first use, by their documented names
-    assert set(fleetlike._LAZY) == {"calc", "cc", "init_process_group", "light_init", "mixed_precision", "role_maker"}
+    assert set(fleetlike._LAZY) == {"adaptfp16", "calc", "cc", "init_process_group", "io", "light_init",
+                                    "mixed_precision", "role_maker", "tiacc_torch_warp"}

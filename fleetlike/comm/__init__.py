@@ -30,6 +30,7 @@ from fleetlike.comm.rendezvous import (
     read_job_id,
 )
 from fleetlike.comm.secret import (
+    SECRET_DIR_ENV,
     SECRET_ENV,
     JobSecret,
     PayloadRefused,
@@ -37,8 +38,11 @@ from fleetlike.comm.secret import (
     dumps_signed,
     loads_signed,
     new_secret,
+    read_private,
+    secret_file,
     secret_from_env,
     set_current,
+    write_private,
 )
 from fleetlike.comm.single import SingleCommunicator
 from fleetlike.comm.stats import CommStats
@@ -50,7 +54,11 @@ __all__ = [
     "job_store",
     "knock",
     "read_job_id",
+    "SECRET_DIR_ENV",
     "SECRET_ENV",
+    "read_private",
+    "secret_file",
+    "write_private",
     "JobSecret",
     "PayloadRefused",
     "SecretError",

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -274,12 +274,15 @@ def _members(comm: Any, world_size: int) -> list[int]:
     return members
 
 
+#: called first by `shutdown`, while the world is still open (the timeline registers its writer)
+BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
 def shutdown() -> None:
     """Close what ``init`` opened (the fleet too when ``init`` started it). ``init`` may follow."""
     global _RUNTIME, _EXCLUDED, _OWNS_FLEET
-    from fleetlike.horovod.timeline import stop_timeline
-
-    stop_timeline()  # a recording timeline (HOROVOD_TIMELINE) is written before the world closes
+    for before in list(BEFORE_SHUTDOWN):  # a recording timeline is written before the world closes
+        before()
     with _INIT_LOCK:
         rt, owned = _RUNTIME, _OWNS_FLEET
         _RUNTIME, _EXCLUDED, _OWNS_FLEET = None, None, False

@@ -38,6 +38,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
     if _rt._RUNTIME is None:
         raise ValueError("Horovod has not been initialized; use hvd.init().")
+    if stop_timeline not in _rt.BEFORE_SHUTDOWN:  # HOROVOD_TIMELINE's file is written at hvd.shutdown()
+        _rt.BEFORE_SHUTDOWN.append(stop_timeline)
     if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
         raise ValueError(f"hvd.start_timeline(file_path={file_path!r}): give the path of the trace file to write")
     with _LOCK:

@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Any
 
-from fleetlike.comm.rendezvous import JOB_KEY, challenge_of
-from fleetlike.comm.secret import (
-    SECRET_DIR_ENV, SECRET_ENV, JobSecret, SecretError, read_private, secret_file, write_private,
+from fleetlike.comm import (
+    JOB_KEY, SECRET_DIR_ENV, SECRET_ENV, JobSecret, SecretError, challenge_of, read_private, secret_file,
+    write_private,
 )
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
 from fleetlike.roles import parse_endpoint
