@@ -24,7 +24,7 @@ __all__ = [
     "AUTOTUNE", "AUTOTUNE_LOG",
     "ALLREDUCE_STREAMS", "BACKEND", "BY_NAME", "CHECK_COLLECTIVES", "CUDA_VISIBLE_DEVICES", "DIVERGENCE_CHECK_N_STEPS",
     "DOWNSAMPLE_N_ELEMENTS", "ELASTIC_HEARTBEAT_TIMEOUT", "ELASTIC_LAST_CALL", "ELASTIC_MAX_WORKERS", "ELASTIC_MIN_WORKERS",
-    "ELASTIC_RUN_ID", "ELASTIC_STORE", "ENV_VARS", "EnvVar", "FUSION_MB", "GLIBC_TUNABLES", "GRADIENT_SCALE", "GROUP_RANK",
+    "ELASTIC_RUN_ID", "ELASTIC_STORE", "ENV_VARS", "EnvVar", "FILE_CACHE_DIR", "FUSION_MB", "GLIBC_TUNABLES", "GRADIENT_SCALE", "GROUP_RANK",
     "JOB_ID", "JOB_SECRET", "KNOB_NAMES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "NAN_CHECK", "NODE_IP", "NODE_IPS", "OMP_NUM_THREADS", "PADDLE_CURRENT_ENDPOINT", "PADDLE_NODE_NUM",
     "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINER_ID", "PERF_CHECK_N_STEPS",
@@ -55,6 +55,7 @@ ACCELERATE_HOROVOD = "FLEETLIKE_ACCELERATE_HOROVOD"
 JOB_ID = "FLEETLIKE_JOB_ID"
 JOB_SECRET = "FLEETLIKE_JOB_SECRET"
 SECRET_DIR = "FLEETLIKE_SECRET_DIR"
+FILE_CACHE_DIR = "FLEETLIKE_FILE_CACHE_DIR"
 NODE_IP = "FLEETLIKE_NODE_IP"
 NODE_IPS = "FLEETLIKE_NODE_IPS"
 MASTER_ADDR = "FLEETLIKE_MASTER_ADDR"
@@ -148,6 +149,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(JOB_SECRET, "launch.env, user", "comm.secret, launch.config",
            "the job's secret: the rendezvous admits only processes holding it"),
     EnvVar(SECRET_DIR, "user", "comm.secret", "where rank 0 hands a made-up secret to local ranks (0700)"),
+    EnvVar(FILE_CACHE_DIR, "user", "io.file_cache", "where get_file's disk cache of a dataset's files_path_list lives"),
     EnvVar(NODE_IP, "launch.env, launch.hostrun (-np/-H)", "roles.mpi, elastic.membership", "this node's address"),
     EnvVar(NODE_IPS, "launch.hostrun (-np/-H)", "roles", "every node's address, in node order"),
     EnvVar(MASTER_ADDR, "launch.hostrun (-np/-H) or user", "roles", "the rendezvous host (before MASTER_ADDR)"),

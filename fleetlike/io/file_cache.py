@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from fleetlike.config import envvars
 from fleetlike.io.store import DiskStore, LockPickling
 
 __all__ = ["FileCache", "ThrottledReader", "files_cache", "get_file", "read_chunks", "register_cache",
@@ -162,7 +163,7 @@ def files_cache(files: Sequence[str | os.PathLike[str]], cache_dir: str | os.Pat
     parents = {str(Path(f).resolve().parent) for f in files}
     source = Path(os.path.commonpath(sorted(parents)))
     if cache_dir is None:
-        base = os.environ.get("FLEETLIKE_FILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+        base = os.environ.get(envvars.FILE_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache",
                                                                           "fleetlike", "files")
         digest = hashlib.sha1(str(source).encode()).hexdigest()[:12]
         cache_dir = os.path.join(base, f"{source.name or 'root'}-{digest}")
