@@ -22,6 +22,9 @@ from fleetlike.config.fields import StrategyValueError
 from fleetlike.pipeline import balance, plan_stages, resolve_degrees
 from fleetlike.testing import run_ranks
 
+# its jobs fill both cores by themselves (see conftest)
+pytestmark = pytest.mark.alone
+
 TOL = 1e-5
 
 

@@ -19,6 +19,9 @@ WORKERS = Path(__file__).resolve().parent / "launch_workers"
 sys.path.insert(0, str(WORKERS))
 import epl_config  # noqa: E402 - the worker's model, data and Configs
 
+# its jobs fill both cores by themselves (see conftest)
+pytestmark = pytest.mark.alone
+
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()

@@ -29,6 +29,9 @@ import torch
 from examples_common import BIN, PY, clean_env, launcher, mpi_missing, mpiexec, run
 from helpers import run_job, run_jobs, side_by_side
 
+# its jobs fill both cores by themselves (see conftest)
+pytestmark = pytest.mark.alone
+
 WORKERS = Path(__file__).resolve().parent / "launch_workers"
 SEED = WORKERS / "seed_ddp.py"
 HVD = WORKERS / "hvd_unchanged.py"

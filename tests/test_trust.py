@@ -21,7 +21,7 @@ import pytest
 
 from test_launch_run import PY, WORKERS, Launchers, clean_env, finish
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]
 
 
 @pytest.fixture()

@@ -20,6 +20,9 @@ from fleetlike.fleet.checkpoint import CheckpointError, resolve
 from fleetlike.fleet.checkpoint_files import COMPLETE, atomic_dir, save_pt, verify
 from fleetlike.launch.config import LaunchInputError, parse_config
 
+# its jobs fill both cores by themselves (see conftest)
+pytestmark = pytest.mark.alone
+
 
 def _save(target: Path) -> None:
     with atomic_dir(target) as tmp:
