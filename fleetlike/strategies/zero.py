@@ -54,6 +54,7 @@ from fleetlike.comm.torch_group import torch_process_group
 from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
+from fleetlike.strategies.sharding import _mb  # one byte format for every stage's applied line
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
 __all__ = ["AllReduceScatter", "ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
@@ -161,11 +162,6 @@ def _offload_policy(cfg: Any, device: torch.device) -> tuple[OffloadPolicy, str 
         return OffloadPolicy(), (f"this job runs on the {device.type}: the parameter shards, gradients and "
                                  "optimizer state already live in host memory, so there is nothing to move")
     return CPUOffloadPolicy(pin_memory=True), None
-
-
-def _mb(x: float) -> str:
-    kb = x / 1024
-    return f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
 
 
 class ShardedParamsUnit(Unit):
