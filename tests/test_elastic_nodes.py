@@ -41,7 +41,7 @@ from test_launch_run import PY, ROOT, WORKERS, Launchers, alive, assert_all_gone
 pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]
 
 SCRIPT = str(WORKERS / "elastic_digits.py")
-LOCAL_SHELL = "env FLEETLIKE_TEST_HOST={host} sh -c"  # "runs on {host}": here, as --node_ip says
+LOCAL_SHELL = "env NODE_UNDER_TEST={host} sh -c"  # "runs on {host}": here, as --node_ip says
 #: node A and B of the link-cut job (`bench.netns`), and the rendezvous port inside A's fresh
 #: namespace (nothing else listens there)
 NETNS_A, NETNS_B, NETNS_PORT = "10.77.0.1", "10.77.0.2", 29411

@@ -9,12 +9,14 @@ not their source read) is in the table under that writer; the DDP knobs are the 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 
 import fleetlike
 from fleetlike.config import envvars
+from fleetlike.config.knobs import knob_options
 from fleetlike.ddp import knobs
 from fleetlike.launch import LaunchConfig, worker_env
 from fleetlike.launch.elastic_agent import _restart_env, elastic_env
@@ -75,10 +77,24 @@ def test_what_the_launcher_writes_is_in_the_table_under_its_name() -> None:
 def test_the_knobs_are_the_tables_knobs() -> None:
     assert tuple(k.name for k in knobs.KNOBS) == envvars.KNOB_NAMES
     assert knobs.KNOWN_ELSEWHERE == envvars.fleetlike_names() - set(envvars.KNOB_NAMES)
-    # fleetlike.auto accepts every name of the table and refuses any other FLEETLIKE_ name
+    # every name of the table is accepted; a near miss of one stops the job, naming it
     assert knobs.applied_knobs({name: "1" for name in knobs.KNOWN_ELSEWHERE}) == {}
-    with pytest.raises(knobs.KnobError, match="FLEETLIKE_ALLREDUCE_DTYP=.*not a fleetlike setting"):
+    with pytest.raises(knobs.KnobError, match="FLEETLIKE_ALLREDUCE_DTYP=.*not a fleetlike setting; did you mean "
+                                              "FLEETLIKE_ALLREDUCE_DTYPE"):
         knobs.applied_knobs({"FLEETLIKE_ALLREDUCE_DTYP": "fp16"})
+
+
+def test_other_names_of_the_families_are_warned_about_once_and_ignored() -> None:
+    """A script's own ``FLEETLIKE_CUSTOM`` or a vendor variable with no row is no typo of a knob:
+    it warns once per process and sets nothing, beside a knob that still acts."""
+    env = {"FLEETLIKE_CUSTOM_TOKEN": "x", "PERSEUS_SOMETHING_ELSE": "1", "FLEETLIKE_ALLREDUCE_STREAMS": "2"}
+    with pytest.warns(UserWarning) as seen:
+        assert knobs.applied_knobs(env) == {"FLEETLIKE_ALLREDUCE_STREAMS": "2"}
+    named = sorted(str(w.message).split()[0] for w in seen)
+    assert named == ["FLEETLIKE_CUSTOM_TOKEN", "PERSEUS_SOMETHING_ELSE"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert knob_options(env) == {"nccl_comm_num": 2}
 
 
 def test_both_launcher_forms_declare_the_shared_flags_once() -> None:

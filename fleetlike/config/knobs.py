@@ -11,8 +11,11 @@ environment has the last word, in every face alike.
 A vendor's variable acts with its documented meaning, units and range where fleetlike has the
 feature (``PERSEUS_ALLREDUCE_FUSION=16`` = buckets of 1/16 of the gradients, at most 16;
 ``TIACC_TRAINING_FUSION_THRESHOLD`` in bytes), and is refused with the reason and the
-fleetlike equivalent where it has not. Any other name with one of the four prefixes is a
-`KnobError` naming the nearest known one: a misspelt knob never silently does nothing.
+fleetlike equivalent where it has not. Another name with one of the four prefixes that is one
+slip away from a known one (``..._ALLREDUCE_STREMS``) is a `KnobError` naming it: a
+misspelt knob never silently does nothing. Any other such name (a script's own
+variable under the prefix, a vendor variable of a feature fleetlike has no table row for) is warned
+about once and left alone, as torch and Horovod leave names of their families they do not read.
 
 This module reads no environment itself: callers pass the mapping.
 
@@ -26,17 +29,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetlike.config import envvars
 
 __all__ = [
-    "KNOBS", "KNOWN_ELSEWHERE", "PREFIXES", "VENDOR_KNOBS", "Knob", "KnobError", "VendorKnob", "applied_knobs",
+    "KNOBS", "KNOWN_ELSEWHERE", "PREFIXES", "TYPO_RATIO", "VENDOR_KNOBS", "Knob", "KnobError", "VendorKnob", "applied_knobs",
     "apply_knobs", "knob_options", "vendor_names",
 ]
 
 #: the variable families fleetlike owns or reads: an unknown name with one of them is refused
+#: when it is a near miss of a known name, and warned about otherwise
 PREFIXES = ("FLEETLIKE_", "PERSEUS_", "TIACC_", "LIGHT_")
 
 #: ``FLEETLIKE_*`` variables other parts of fleetlike (and its launcher) read: not knobs, not
@@ -218,24 +223,42 @@ def vendor_names() -> tuple[str, ...]:
     return tuple(_VENDOR)
 
 
-def _unknown(name: str, value: str) -> KnobError:
-    known = [k.name for k in KNOBS] + list(_VENDOR) + sorted(KNOWN_ELSEWHERE)
-    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]}? " if near else ""
-    return KnobError(f"{name}={value!r} is not a fleetlike setting; {hint}the knobs are "
+#: how alike (difflib's ratio) an unknown name and a known one are when the unknown one is taken
+#: for a typo of it: one dropped, doubled or swapped letter in these names scores above 0.9,
+#: while two different words after a shared prefix (..._TEST_HOST beside
+#: ..._TEST_MARKER) stay near 0.75
+TYPO_RATIO = 0.9
+_WARNED: set[str] = set()
+
+
+def _known_names() -> list[str]:
+    return [k.name for k in KNOBS] + list(_VENDOR) + sorted(KNOWN_ELSEWHERE)
+
+
+def _misspelt(name: str, value: str, near: str) -> KnobError:
+    return KnobError(f"{name}={value!r} is not a fleetlike setting; did you mean {near}? the knobs are "
                      f"{', '.join(k.name for k in KNOBS)}, AIACC's and TI-ACC's {', '.join(_VENDOR)} (fleetlike also "
                      f"reads {', '.join(sorted(KNOWN_ELSEWHERE))}). Fix the name or unset it")
 
 
 def applied_knobs(environ: Mapping[str, str]) -> dict[str, str]:
     """The knobs (``FLEETLIKE_*`` and vendor) set in ``environ``, by name; `KnobError` for an
-    unknown name with one of the `PREFIXES`."""
+    unknown name with one of the `PREFIXES` that is a near miss of a known one (`TYPO_RATIO`);
+    a `UserWarning`, once per name and process, for any other unknown name, which is ignored."""
     found = {}
     for name, value in sorted(environ.items()):
         if not name.startswith(PREFIXES) or name in KNOWN_ELSEWHERE:
             continue
         if name not in _BY_NAME and name not in _VENDOR:
-            raise _unknown(name, value)
+            near = difflib.get_close_matches(name, _known_names(), n=1, cutoff=TYPO_RATIO)
+            if near:
+                raise _misspelt(name, value, near[0])
+            if name not in _WARNED:
+                _WARNED.add(name)
+                warnings.warn(f"{name} is not a variable fleetlike reads; it is ignored (the knobs are "
+                              f"{', '.join(k.name for k in KNOBS)} and AIACC's and TI-ACC's {', '.join(_VENDOR)})",
+                              UserWarning, stacklevel=2)
+            continue
         found[name] = value
     return found
 
