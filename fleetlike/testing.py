@@ -68,7 +68,9 @@ def preloaded_context() -> Any:
     """The multiprocessing context `run_ranks` starts its ranks from: a forkserver that has
     imported torch (``torch._dynamo`` included), numpy and ``fleetlike.comm``, so that a
     process a test starts and ends by itself (``ctx.Process(target=module_level_fn, ...)``)
-    starts in a fraction of a second instead of re-importing torch as a ``spawn`` start does."""
+    starts in a fraction of a second instead of re-importing torch as a ``spawn`` start does.
+    Its processes start with the forkserver's environment (the one of the first start in this
+    process), not the caller's of the moment: pass what a target needs as arguments."""
     return _context()
 
 
@@ -156,7 +158,12 @@ def make_world(role: Role, backend: str = "auto", timeout: float = 60.0) -> Any:
     return create_world(role, backend=backend, timeout=timeout)
 
 
-def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any, stacks: str) -> None:
+def _child(fn: Callable[..., Any], role: Role, args: tuple, kwargs: dict, q: Any, stacks: str,
+           environ: dict[str, str]) -> None:
+    # the caller's environment now, as a forked rank would see it: a forkserver's children
+    # inherit the server's, taken when the first job of the process started it
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
 
     torch.set_num_threads(1)
@@ -230,7 +237,7 @@ def _run_roles(
     stacks = tempfile.mkdtemp(prefix="fleetlike-stacks-")
     procs = []
     for role in roles:
-        p = ctx.Process(target=_child, args=(fn, role, args, kwargs, q, stacks), daemon=True)
+        p = ctx.Process(target=_child, args=(fn, role, args, kwargs, q, stacks, dict(os.environ)), daemon=True)
         p.start()
         procs.append(p)
     results: dict[int, Any] = {}

@@ -62,6 +62,11 @@ class _MachineShare:
         self.lock = open(os.path.join(folder, "machine"), "a")  # noqa: SIM115
         self.held: str | None = None
 
+    def default_port(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a test marked ``default_port`` runs: its job uses the launcher's and the
+        roles' default port (6170), as a user's first run does, so no two such tests run at once."""
+        return _flocked(os.path.join(os.path.dirname(self.lock.name), "default-port"))
+
     def take(self, path: str, alone: bool) -> None:
         if self.held == path:
             return
@@ -82,6 +87,13 @@ class _MachineShare:
 _SHARE: _MachineShare | None = None
 
 
+@contextlib.contextmanager
+def _flocked(path: str):  # type: ignore[no-untyped-def]
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files marked ``alone`` last (the sort is stable): under xdist they then start when the
     other worker has no file left to begin, so its wait for the lock costs nothing."""
@@ -95,8 +107,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
         return
     path = str(item.path)
     _SHARE.take(path, alone=item.get_closest_marker("alone") is not None)
+    port = _SHARE.default_port() if item.get_closest_marker("default_port") else contextlib.nullcontext()
     try:
-        yield
+        with port:
+            yield
     finally:  # the file's last test has run its module teardown too
         if nextitem is None or str(nextitem.path) != path:
             _SHARE.release()
@@ -141,3 +155,19 @@ def _fresh_singletons():  # type: ignore[no-untyped-def]
     yield
     fleet.shutdown()
     WATCHDOG.clear()
+
+
+@pytest.fixture(autouse=True)
+def _own_environment():  # type: ignore[no-untyped-def]
+    """Every test starts from the session's environment: a variable a test (or the code it runs
+    in this process, e.g. torchrun's variables a one-rank group exports) sets or removes is put
+    back after it, so the jobs later tests start (mpiexec, launchers) never inherit it."""
+    before = dict(os.environ)
+    yield
+    changed = [k for k in set(before) | set(os.environ)
+               if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"]  # pytest's own, per phase
+    for name in changed:
+        if name in before:
+            os.environ[name] = before[name]
+        else:
+            del os.environ[name]

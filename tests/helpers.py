@@ -126,6 +126,14 @@ def torchrun_module(*args: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
+# Plain torch DDP (no fleetlike in the script) runs as plain interpreters, never forked from the
+# preload server: torch 2.13's ProcessGroupGloo can deadlock when a DDP model is freed right after
+# its last step. The Reducer's destructor destroys the group with the GIL held and waits for the
+# gloo worker's lock; the worker, holding it, frees the last allreduce's copy of the thread-local
+# state, which holds the Python context backward stashes there, and that needs the GIL. Forked
+# from the server the pair of ranks hung in 2 of 12 runs; as plain interpreters in none of 16.
+
+
 def run_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float,
             preload: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``python ... script|-m module args`` to its end, in its own session, killing the whole

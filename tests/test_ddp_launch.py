@@ -51,8 +51,10 @@ def _free_run(n: int) -> int:
 
 
 def _pair(cmds: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> str:
-    """Start one process per command (a rank each), wait for all; their output."""
-    procs = run_jobs(cmds, cwd=cwd, envs=envs, timeout=120)
+    """Start one process per command (a rank each), wait for all; their output. Plain DDP's ranks
+    start as plain interpreters (tests/helpers.py says why)."""
+    plain = cmds[0][3].startswith("plain")
+    procs = run_jobs(cmds, cwd=cwd, envs=envs, timeout=120, preload=not plain)
     text = "".join(p.stdout for p in procs)
     assert all(p.returncode == 0 for p in procs), text
     return text

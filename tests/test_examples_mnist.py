@@ -64,6 +64,7 @@ def test_fleet_version_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.default_port
 @pytest.mark.timeout(90)
 def test_fleet_version_under_mpiexec(tmp_path: Path) -> None:
     missing = mpi_missing()

@@ -228,6 +228,7 @@ SEED_2_NODE = ["--cluster_node_ips=127.0.0.1,127.0.0.2", "--node_ip=127.0.0.1", 
          "argument --malloc_tuning: invalid choice: 'yes' (choose from 'on', 'off')"),
     ],
 )
+@pytest.mark.default_port
 def test_input_errors_exit_2_before_anything_starts(
     script: str, capsys: pytest.CaptureFixture[str], argv, visible, text
 ) -> None:

@@ -183,6 +183,7 @@ def _all_gone(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.default_port
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["--gloo", "--mpi"])
 def test_two_nodes_run_and_a_remote_failure_ends_both(mode: str, nodes: tuple[str, Path], tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ message that names the variable and the value."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -120,6 +121,32 @@ def test_paddle_cloud_without_variables_is_one_worker() -> None:
     assert m.is_first_worker() and m.role.selected_gpus == ()
     # empty values count as unset
     assert PaddleCloudRoleMaker(environ={"PADDLE_TRAINER_ID": ""}).worker_num() == 1
+
+
+@pytest.mark.default_port
+@pytest.mark.timeout(60)
+def test_a_plain_run_leaves_the_default_port_to_launched_jobs(tmp_path: Path) -> None:
+    """Two plain ``python train.py`` runs (no launcher's variables) that form torch's group
+    through fleetlike, at once, while a launched job holds 6170: each meets its world of one on a
+    port the OS picks."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "FLEETLIKE_", "OMPI_", "PMI_",
+                                                                       "SLURM_", "TORCHELASTIC"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["FLEETLIKE_SECRET_DIR"] = str(tmp_path)
+    code = ("import fleetlike, torch.distributed as dist; fleetlike.init_process_group();"
+            "print('ok', dist.get_world_size(), dist.get_rank())")
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # in use already: by another job, which serves as well
+            held.bind(("127.0.0.1", 6170))
+            held.listen(1)
+        runs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        ends = [r.communicate(timeout=50) for r in runs]
+    for r, (out, err) in zip(runs, ends):
+        assert r.returncode == 0 and out.strip() == "ok 1 0", err[-2000:]
 
 
 def test_paddle_cloud_refuses_parameter_server_mode() -> None:

@@ -74,6 +74,7 @@ def test_unicode_digits_are_not_numbers(tmp_path: Path, flag: str) -> None:
         parse_config([flag, "train.py"], environ={})
 
 
+@pytest.mark.default_port
 def test_values_sent_to_host_agents_are_not_on_their_command_lines(tmp_path: Path) -> None:
     """``-np/-H`` with ``-x``: the forwarded variables (and FLEETLIKE_* ones) reach the workers
     through the agent's standard input, never its command line (readable by every user)."""

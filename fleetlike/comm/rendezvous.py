@@ -158,7 +158,11 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
             with _LOCK:
                 raw = _HOSTED.get((host, port))
                 if raw is None:
-                    raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=port,
+                    # a plain ``python train.py`` (no launcher's variables) is a world nobody else
+                    # joins: its store takes a port the OS picks, so two such runs, or one left
+                    # open in a notebook, never hold the well-known port a launched job needs
+                    alone = role.world_size == 1 and role.source == "single"
+                    raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=0 if alone else port,
                                                              secret=secret)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(

@@ -1,7 +1,8 @@
 """torch.distributed's process group over a fleetlike world: what torch-built strategies run on.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``), which fleetlike's ZeRO stages 2 and 3 drive,
-issues its all-gathers and reduce-scatters through a torch ``ProcessGroup`` of a ``DeviceMesh``.
+issues its all-gathers and reduce-scatters through a torch ``ProcessGroup`` of a ``DeviceMesh``;
+``torch.distributed.pipelining`` sends a pipeline's activations between stages through one.
 fleetlike's gloo communicators are already torch's ``ProcessGroupGloo``, built on the job's
 store under a prefix only members holding the job secret can find; this module forms torch's
 default group the same way: ``init_process_group`` on a further prefix of that store
@@ -11,7 +12,7 @@ is chosen, and a process that does not hold the secret cannot join.
 Where the script already initialised torch.distributed (a DDP-style script, a test comparing
 with FSDP2), its default group is reused when it spans the same ranks, and refused with the
 reason when it does not. A group this module made is destroyed when the world closes
-(``fleet.shutdown``); one the script made is left alone.
+(``fleet.shutdown``), with every subgroup made on it; one the script made is left alone.
 
 Example:
     >>> pg = torch_process_group(groups.world, torch.device("cpu"))
@@ -42,15 +43,18 @@ class TorchGroupError(RuntimeError):
     """torch.distributed's default group cannot serve this fleetlike world."""
 
 
-def torch_process_group(world: Communicator, device: torch.device) -> Any:
+def torch_process_group(world: Communicator, device: torch.device, *, purpose: str = "stages 2 and 3",
+                        timeout: float | None = None) -> Any:
     """torch's default process group over ``world``'s ranks (collective on first use: every
-    rank of ``world`` calls it). Reuses an initialised default group of the same ranks."""
+    rank of ``world`` calls it). Reuses an initialised default group of the same ranks.
+    ``purpose`` names what runs on it in errors (ZeRO's stages, a pipeline's activations);
+    ``timeout``: seconds for torch's collectives (default the world's)."""
     if dist.is_initialized():
         size, rank = dist.get_world_size(), dist.get_rank()
         if (size, rank) != (world.size, world.rank):
             raise TorchGroupError(
                 f"torch.distributed is already initialised as rank {rank} of {size}, but this fleetlike "
-                f"world is rank {world.rank} of {world.size}; stages 2 and 3 run on torch's default group, "
+                f"world is rank {world.rank} of {world.size}; {purpose} run on torch's default group, "
                 "which must span the same ranks: destroy the script's group "
                 "(torch.distributed.destroy_process_group()) or initialise it over the same job"
             )
@@ -61,7 +65,7 @@ def torch_process_group(world: Communicator, device: torch.device) -> Any:
     if store is None:
         raise TorchGroupError(
             f"the fleetlike world runs on {world.backend!r}, which has no job store to form torch's process "
-            "group on; stages 2 and 3 need a gloo (CPU) or nccl (GPU) world: set FLEETLIKE_BACKEND=gloo or "
+            f"group on; {purpose} need a gloo (CPU) or nccl (GPU) world: set FLEETLIKE_BACKEND=gloo or "
             "nccl, or initialise torch.distributed yourself before the first step"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -69,12 +73,12 @@ def torch_process_group(world: Communicator, device: torch.device) -> Any:
         n = _FORMED[0]
         _FORMED[0] += 1
     prefixed = dist.PrefixStore(f"fleetlike/torch-pg/{n}/", store)
-    timeout = datetime.timedelta(seconds=float(getattr(world, "timeout", 300.0) or 300.0))
+    seconds = timeout if timeout is not None else float(getattr(world, "timeout", 300.0) or 300.0)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device
-    dist.init_process_group(backend, store=prefixed, rank=world.rank, world_size=world.size, timeout=timeout,
-                            **kwargs)
+    dist.init_process_group(backend, store=prefixed, rank=world.rank, world_size=world.size,
+                            timeout=datetime.timedelta(seconds=seconds), **kwargs)
     _OWNER[0] = world
     return dist.group.WORLD
 

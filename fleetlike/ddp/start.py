@@ -70,6 +70,8 @@ class FormedGroup:
 
 
 _FORMED: FormedGroup | None = None
+#: the torchrun variables `_export` set (they were unset before), taken back by `release_group`
+_EXPORTED: list[str] = []
 
 
 def formed() -> FormedGroup | None:
@@ -135,6 +137,8 @@ def release_group() -> None:
         if _FORMED is not None and dist.is_initialized():
             dist.destroy_process_group()
         _FORMED = None
+        while _EXPORTED:
+            os.environ.pop(_EXPORTED.pop(), None)
         dist.init_process_group = _ORIGINAL_INIT  # type: ignore[assignment]
         dist.distributed_c10d.init_process_group = _ORIGINAL_C10D_INIT  # type: ignore[assignment]
 
@@ -144,7 +148,9 @@ def _export(role: Role) -> None:
     local = role.node_ranks()
     for name, value in ((envvars.RANK, role.rank), (envvars.WORLD_SIZE, role.world_size),
                         (envvars.LOCAL_RANK, local.index(role.rank)), (envvars.LOCAL_WORLD_SIZE, len(local))):
-        os.environ.setdefault(name, str(value))
+        if name not in os.environ:
+            os.environ[name] = str(value)
+            _EXPORTED.append(name)
 
 
 def _backends(text: str) -> set[str]:

@@ -176,10 +176,6 @@ class Fleet:
         """Close the communicators (also done at exit). ``init`` may be called again after."""
         if self._ctx is not None:
             self._ctx.groups.close()
-        if self._hcg is not None:
-            from fleetlike.pipeline.topology import release_torch_world
-
-            release_torch_world()
         self._ctx = None
         self._models, self._optimizers, self._registered = [], [], {}
         self._pipelines, self._hcg = [], None

@@ -24,16 +24,14 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fleetlike.comm import CommGroups, Communicator
+from fleetlike.comm.torch_group import torch_process_group
 from fleetlike.roles import Role
 
-__all__ = ["HybridCommunicateGroup", "ParallelMode", "error_store", "release_torch_world", "resolve_degrees", "torch_world"]
-
-#: whether this module formed torch's default group (then `release_torch_world` destroys it)
-_FORMED = [False]
-
+__all__ = ["HybridCommunicateGroup", "ParallelMode", "error_store", "resolve_degrees"]
 
 class ParallelMode:
     """Paddle's ``ParallelMode`` values, as ``get_parallel_mode()`` answers them."""
@@ -60,38 +58,6 @@ def resolve_degrees(world_size: int, dp_degree: int, pp_degree: int) -> tuple[in
             f"has {world_size}. Fix: make dp_degree x pp_degree equal the world size (dp_degree=-1 "
             "takes every rank the pipeline leaves), or start that many ranks")
     return dp, pp_degree
-
-
-def torch_world(world: Communicator, role: Role, timeout: float) -> None:
-    """Form torch's default process group on the job's store if the script has not; check
-    rank and size where it has."""
-    if dist.is_initialized():
-        if dist.get_rank() != role.rank or dist.get_world_size() != role.world_size:
-            raise RuntimeError(
-                f"torch.distributed is already initialized as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, but fleet's job is rank {role.rank} of {role.world_size}; "
-                "a pipeline's stages would send to the wrong ranks. Fix: initialize torch.distributed "
-                "with the job's rank and size, or leave it to fleet")
-        return
-    store = getattr(world, "_store", None)
-    if store is None:
-        raise RuntimeError(
-            f"pipeline parallelism sends activations over torch.distributed, whose process group fleet "
-            f"forms on the job's store; the {world.backend!r} backend has none. Fix: use the gloo or "
-            "nccl backend (FLEETLIKE_BACKEND), or call torch.distributed.init_process_group with the "
-            "job's rank and size before fleet.distributed_model")
-    backend = "nccl" if world.backend == "nccl" else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore("fleetlike/pipeline/", store), rank=role.rank,
-                            world_size=role.world_size, timeout=datetime.timedelta(seconds=timeout))
-    _FORMED[0] = True
-
-
-def release_torch_world() -> None:
-    """Destroy torch's default group if `torch_world` formed it (``fleet.shutdown``): a later
-    ``fleet.init`` meets on a new store."""
-    if _FORMED[0] and dist.is_initialized():
-        dist.destroy_process_group()
-    _FORMED[0] = False
 
 
 def error_store(world: Communicator) -> Any:
@@ -122,8 +88,10 @@ class HybridCommunicateGroup:
         # torch's groups carry a pipeline's activations; a plain data-parallel job (a script
         # asking for its data slice) gets none, and torch's world is left to the script
         self._pipe_group: Any = None
-        if torch_groups:
-            torch_world(groups.world, role, timeout)
+        if torch_groups:  # formed on the job's store, destroyed with the world (fleet.shutdown)
+            device = torch.device("cuda", torch.cuda.current_device()) if groups.world.backend == "nccl" \
+                else torch.device("cpu")
+            torch_process_group(groups.world, device, purpose="a pipeline's activations", timeout=timeout)
             for j in range(self.dp_degree):  # every rank creates every pipeline's group, in order
                 pg = dist.new_group(self.pipe_ranks(j), timeout=datetime.timedelta(seconds=timeout))
                 if j == self.dp_rank:

@@ -43,7 +43,8 @@ def is_paddle(environ: _env.Environ) -> bool:
 
 
 def single_role(environ: _env.Environ, source: str = "single") -> Role:
-    """Rank 0 of 1, for a plain ``python train.py``, at 127.0.0.1:6170 unless the master says."""
+    """Rank 0 of 1, for a plain ``python train.py``, at 127.0.0.1:6170 unless the master says (its
+    store listens on a port the OS picks: nobody else joins it, `fleetlike.comm.rendezvous.connect`)."""
     port = _env.base_port(environ)
     host = _env.master_addr(environ) or "127.0.0.1"
     return Role.from_endpoints(
