@@ -122,7 +122,7 @@ def test_unmodified_ddp_script(tmp_path: Path) -> None:
     print("relative difference fp16", _rel(fp16, plain))
     assert 0 < _rel(fp16, plain) < 1e-1
 
-    plain4, _ = _two_nodes(tmp_path, "plain4")
+    plain4, _ = _two_nodes(tmp_path, "plain4", "--preload=off")  # plain torch DDP unforked: tests/helpers.py says why
     hier, log = _two_nodes(tmp_path, "hier", "--accelerate_ddp", FLEETLIKE_ALLREDUCE_MODE="hierarchical")
     assert "use_hierarchical_allreduce: applied: reduce_scatter: 2 ranks/node x 2 nodes" in log, log
     assert "--preload=torch" not in log, log  # forked, none started plainly
