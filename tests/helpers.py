@@ -132,6 +132,8 @@ def torchrun_module(*args: str, nproc: int = 2) -> list[str]:
 # gloo worker's lock; the worker, holding it, frees the last allreduce's copy of the thread-local
 # state, which holds the Python context backward stashes there, and that needs the GIL. Forked
 # from the server the pair of ranks hung in 2 of 12 runs; as plain interpreters in none of 16.
+# Ranks forked by `run_ranks` build their DDP references in `dp_common.torch_group`, which lets
+# gloo's workers go idle before the model frees the group.
 
 
 def run_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float,
