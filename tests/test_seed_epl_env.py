@@ -15,7 +15,7 @@ from test_seed_epl import ACTS, ELSEWHERE, REFUSED, _epl_run, _page_keys
 import fleetlike.epl as epl
 from fleetlike import DistributedStrategy
 from fleetlike.config.epl_env import EPL_ENV_KEYS, EplEnvError, apply_epl_env, epl_variable
-from fleetlike.roles.settings import env_settings, strategy_with_env
+from fleetlike.roles.settings import env_settings, strategy_with_env, with_epl_env
 from fleetlike.testing import run_ranks
 
 #: values of the large-model and data-input keys, as text and as the dict holds them
@@ -87,6 +87,8 @@ def test_precedence_dict_over_variable_fleetlike_environment_over_both(monkeypat
     assert strategy_with_env(config).amp is False and strategy_with_env(config.copy()).amp is False
     # a script's own DistributedStrategy: the environment has the last word, as for every knob
     assert strategy_with_env(DistributedStrategy(nccl_comm_num=2)).nccl_comm_num == 3
+    # what fleet.distributed_model judges init's strategy by before the first forward
+    assert with_epl_env(DistributedStrategy()).amp is True and with_epl_env(config).amp is False
     monkeypatch.setenv("FLEETLIKE_STRATEGY", '{"nccl_comm_num": 4}')
     assert strategy_with_env(config).nccl_comm_num == 4
     monkeypatch.setenv("PERSEUS_ALLREDUCE_STREAMS", "5")

@@ -44,7 +44,7 @@ from fleetlike.fleet.util import Util
 from fleetlike.fleet.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
-from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env
+from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env, with_epl_env
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.step import AppliedEntry
@@ -360,7 +360,7 @@ class Fleet:
         if explicit is not None:
             chosen = explicit
         else:  # init's strategy, judged at the first forward unless it pipelines (judged now)
-            chosen = ctx.strategy.copy()
+            chosen = with_epl_env(ctx.strategy)
             override = env_settings().strategy_override
             if override:
                 chosen.update_from_override(override)

@@ -28,7 +28,7 @@ from fleetlike.config import DistributedStrategy, envvars, rules
 from fleetlike.config.epl_env import EplConfig, apply_epl_env
 from fleetlike.config.knobs import apply_knobs, knob_options
 
-__all__ = ["EnvSettings", "env_settings", "every_from_env", "strategy_with_env"]
+__all__ = ["EnvSettings", "env_settings", "every_from_env", "strategy_with_env", "with_epl_env"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,19 @@ def every_from_env(environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
+def with_epl_env(strategy: DistributedStrategy | None = None,
+                 environ: Mapping[str, str] | None = None) -> DistributedStrategy:
+    """A copy of ``strategy`` (default: a fresh one) with EPL's ``EPL_*`` variables applied
+    (`fleetlike.config.epl_env`); an `EplConfig` read them when it was built, under its own
+    dict, and is copied as it is. The first layer of `strategy_with_env`, and what
+    ``fleet.distributed_model`` judges init's strategy by before the first forward."""
+    env = os.environ if environ is None else environ
+    chosen = DistributedStrategy() if strategy is None else strategy.copy()
+    if not isinstance(chosen, EplConfig):
+        apply_epl_env(chosen, env)
+    return chosen
+
+
 def strategy_with_env(strategy: DistributedStrategy | None = None,
                       environ: Mapping[str, str] | None = None) -> DistributedStrategy:
     """The strategy a face runs: a copy of ``strategy`` (default: a fresh one) with EPL's
@@ -93,9 +106,7 @@ def strategy_with_env(strategy: DistributedStrategy | None = None,
     (`fleetlike.config.knobs`), and the combination checked. The one path from the environment to
     a strategy: Fleet's faces (program and eager), Horovod's optimizer and the DDP hook all take it."""
     env = os.environ if environ is None else environ
-    chosen = DistributedStrategy() if strategy is None else strategy.copy()
-    if not isinstance(chosen, EplConfig):
-        apply_epl_env(chosen, env)
+    chosen = with_epl_env(strategy, env)
     override = env.get(envvars.STRATEGY)
     if override:
         chosen.update_from_override(override)
