@@ -49,8 +49,8 @@ def _hvd(role, environ, passes, micro=1, **kwargs):
                 _loss(model, _feed(step, m, role.rank)).backward()
             opt.step()
             opt.zero_grad()
-            reports.append(opt.slow_rank_report)
-        applied = [str(e) for e in opt.applied_strategy()]
+            reports.append(getattr(opt, "slow_rank_report", None))
+        applied = [str(e) for e in opt.applied_strategy()] if hasattr(opt, "reducer") else []
     finally:
         for k, v in old.items():
             if v is None:
@@ -69,6 +69,8 @@ def _runs(role, rendezvous):
             "gossip": _hvd(role, {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": str(N)}, 1),
             "perf": _hvd(role, {"FLEETLIKE_PERF_CHECK_N_STEPS": "2"}, 1),
             "plain": _hvd(role, {}, 1),
+            "adasum_acc": _hvd(role, {"PERSEUS_ACCUMULATE_N_STEPS": str(PASSES)}, 1, PASSES, op=hvd.Adasum),
+            "adasum_passes": _hvd(role, {}, PASSES, PASSES, op=hvd.Adasum),
         }
         try:
             _hvd(role, {"PERSEUS_ACCUMULATE_N_STEPS": "2"}, 3, 3)
@@ -130,4 +132,6 @@ def test_accumulate_perf_check_and_downsample_act_in_the_horovod_face(tmp_path):
         reports = out["perf"][2]
         assert reports[0] is None and reports[1] is not None and len(reports[1].step_times) == 2, reports
         assert reports[3] is not reports[1] and all(r is None for r in out["plain"][2])
+        assert max_diff(out["adasum_acc"][0], out["adasum_passes"][0]) <= 1e-6, rank
+        assert max_diff(out["adasum_acc"][0], out["accumulate"][0]) > 1e-6, rank  # Adasum is not the average
         assert "backward_passes_per_step=3" in out["conflict"] and "PERSEUS_ACCUMULATE_N_STEPS" in out["conflict"]
