@@ -76,6 +76,10 @@ def _runs(role, rendezvous):
             _hvd(role, {"PERSEUS_ACCUMULATE_N_STEPS": "2"}, 3, 3)
         except ValueError as err:
             out["conflict"] = str(err)
+        try:
+            _hvd(role, {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "2"}, 1, op=hvd.Adasum)
+        except ValueError as err:
+            out["adasum_gossip"] = str(err)
     finally:
         hvd.shutdown()
     with torch_group(role, rendezvous):  # DDP's no_sync: PASSES passes summed, averaged over ranks
@@ -134,4 +138,5 @@ def test_accumulate_perf_check_and_downsample_act_in_the_horovod_face(tmp_path):
         assert reports[3] is not reports[1] and all(r is None for r in out["plain"][2])
         assert max_diff(out["adasum_acc"][0], out["adasum_passes"][0]) <= 1e-6, rank
         assert max_diff(out["adasum_acc"][0], out["accumulate"][0]) > 1e-6, rank  # Adasum is not the average
+        assert "no gradient buckets to down-sample" in out["adasum_gossip"]
         assert "backward_passes_per_step=3" in out["conflict"] and "PERSEUS_ACCUMULATE_N_STEPS" in out["conflict"]
