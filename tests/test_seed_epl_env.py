@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from helpers import max_diff
 from test_seed_epl import ACTS, ELSEWHERE, REFUSED, _epl_run, _page_keys
@@ -129,3 +130,17 @@ def test_keys_through_the_environment_train_as_through_the_dict_on_2_ranks(tmp_p
         assert max_diff(got["env"], results[0]["env"]) == 0.0, rank  # ranks agree
         assert max_diff(got["dict_over_env"], got["plain"]) <= 1e-6, rank  # the dict's "mean" won
         assert max_diff(got["env"], got["plain"]) > 1e-4, rank  # the variables acted (sum is not mean)
+
+
+def test_visible_devices_from_the_environment_reach_fleet_init(monkeypatch):
+    """EPL's scheduler-set ``cluster.run_visible_devices`` through its variable, with no strategy
+    given to ``fleet.init``: the ids are used (here refused: this process trains on the CPU)."""
+    from fleetlike import fleet
+    from fleetlike.roles import UserDefinedRoleMaker
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for processes without CUDA; a GPU run uses the ids")
+    monkeypatch.setenv("EPL_CLUSTER_RUN_VISIBLE_DEVICES", "0")
+    with pytest.raises(ValueError, match="names GPUs, but this process trains on the CPU"):
+        fleet.init(role_maker=UserDefinedRoleMaker(0, ["127.0.0.1:6170"]))
+    assert not fleet.initialized

@@ -139,8 +139,9 @@ class Fleet:
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
-        if strategy is not None and strategy.visible_devices:
-            role = _visible(role, strategy.visible_devices, backend or env.backend)
+        devices = with_epl_env(strategy).visible_devices  # EPL_CLUSTER_RUN_VISIBLE_DEVICES too
+        if devices:
+            role = _visible(role, devices, backend or env.backend)
         device = _device_for(role, env, backend)
         use_device(device)  # once, here: every later CUDA call of this rank lands on its GPU
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
