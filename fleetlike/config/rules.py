@@ -211,12 +211,13 @@ FACE_OPTIONS: dict[str, FaceOptions] = {
         "merge), or train without pipeline"),
     "horovod": FaceOptions(
         "hvd.DistributedOptimizer",
-        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf", "auto_tune"}),
+        frozenset({"use_hierarchical_allreduce", "fuse_all_reduce_ops", "fp16_allreduce", "check_nan_inf", "auto_tune",
+                   "gradient_merge", "gossip", "slow_rank_check"}),
         "it averages gradients in buckets and nothing else (plus fuse_grad_size_in_MB, fuse_grad_max_buckets, "
-        "nccl_comm_num, the hierarchical settings, the NaN/Inf check of each bucket and the online tuner)",
+        "nccl_comm_num, the hierarchical settings, the NaN/Inf check of each bucket, the online tuner, gradient "
+        "merge as backward_passes_per_step, gossip and the slow-rank check)",
         "turn those off for the Horovod face, or use fleet.distributed_model / fleet.distributed_optimizer, "
-        "which apply every option (backward_passes_per_step is Horovod's gradient merge; hvd.SyncBatchNorm "
-        "its sync BN)"),
+        "which apply every option (hvd.SyncBatchNorm is its sync BN)"),
 }
 
 

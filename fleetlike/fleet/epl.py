@@ -20,25 +20,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from fleetlike.config import DistributedStrategy
+from fleetlike.config.epl_env import EplConfig
 from fleetlike.fleet import fleet
 
 __all__ = ["Config", "init"]
 
 
-class Config(DistributedStrategy):
+class Config(EplConfig):
     """EPL's ``Config(param_dict=None)``: a `DistributedStrategy` from EPL's dotted keys (or any
-    key `DistributedStrategy.update` takes); an unknown key raises with the nearest name."""
+    key `DistributedStrategy.update` takes) over the defaults the ``EPL_*`` variables set
+    (`fleetlike.config.epl_env`); an unknown key raises with the nearest name."""
 
     __slots__ = ()
-
-    def __init__(self, param_dict: Mapping[str, Any] | None = None) -> None:
-        super().__init__()
-        if param_dict is not None:
-            self.update(param_dict)
 
 
 def init(config: DistributedStrategy | None = None, **kwargs: Any) -> None:

@@ -44,7 +44,7 @@ from fleetlike.fleet.util import Util
 from fleetlike.fleet.mixed_precision import DecoratedOptimizer
 from fleetlike.program import Executor, Program
 from fleetlike.roles import Role, RoleMaker, as_role
-from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env
+from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env, with_epl_env
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
 from fleetlike.strategies.step import AppliedEntry
@@ -139,8 +139,9 @@ class Fleet:
         if strategy is not None and not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"fleet.init: strategy must be a DistributedStrategy, got {type(strategy).__name__}")
         role = as_role(role_maker)
-        if strategy is not None and strategy.visible_devices:
-            role = _visible(role, strategy.visible_devices, backend or env.backend)
+        devices = with_epl_env(strategy).visible_devices  # EPL_CLUSTER_RUN_VISIBLE_DEVICES too
+        if devices:
+            role = _visible(role, devices, backend or env.backend)
         device = _device_for(role, env, backend)
         use_device(device)  # once, here: every later CUDA call of this rank lands on its GPU
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -360,7 +361,7 @@ class Fleet:
         if explicit is not None:
             chosen = explicit
         else:  # init's strategy, judged at the first forward unless it pipelines (judged now)
-            chosen = ctx.strategy.copy()
+            chosen = with_epl_env(ctx.strategy)
             override = env_settings().strategy_override
             if override:
                 chosen.update_from_override(override)

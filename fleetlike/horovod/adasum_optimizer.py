@@ -29,6 +29,7 @@ from fleetlike.horovod.collectives import grouped_allreduce_
 from fleetlike.horovod.ops import Compression, Compressor, ReduceOp
 from fleetlike.horovod.optimizer import _TOO_MANY, _ZERO_GRAD_ERROR, HorovodWrapper, named_parameter_map
 from fleetlike.horovod.runtime import runtime
+from fleetlike.horovod.strategy_units import passes_per_step
 
 __all__ = ["AdasumOptimizer"]
 
@@ -43,7 +44,16 @@ class AdasumOptimizer(HorovodWrapper):
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         for dtype in {p.dtype for p in params}:
             check_adasum(rt.comm.size, dtype)
-        super().__init__(optimizer, fleet.effective_strategy(None, "hvd.DistributedOptimizer"), fleet.context())
+        chosen = fleet.effective_strategy(None, "hvd.DistributedOptimizer")
+        on = [n for n in ("gossip", "slow_rank_check") if getattr(chosen, n)]
+        if on:
+            raise ValueError(f"strategy.{' and '.join(on)} (FLEETLIKE_/PERSEUS_DOWNSAMPLE_N_ELEMENTS, "
+                             "..._PERF_CHECK_N_STEPS) with hvd.DistributedOptimizer(op=hvd.Adasum): Adasum combines "
+                             "the updates inside step(), there are no gradient buckets to down-sample or time. Fix: "
+                             "unset them for this job, or use op=hvd.Average")
+        # AIACC's accumulate knob (gradient_merge) is Horovod's backward_passes_per_step here too
+        backward_passes_per_step = passes_per_step(chosen, backward_passes_per_step)
+        super().__init__(optimizer, chosen, fleet.context())
         self._names = named_parameter_map(optimizer, named_parameters)
         self.compression = compression
         self.op = ReduceOp.ADASUM

@@ -60,6 +60,7 @@ from fleetlike.collectives import (
     Accumulation,
     Bucket,
     CompressedAllReduce,
+    DownsampledAllReduce,
     FlatAllReduce,
     GradReducer,
     ScaledAllReduce,
@@ -76,6 +77,7 @@ from fleetlike.horovod.negotiate import ACTIVE, JOINED, Kind, check, descriptor
 from fleetlike.horovod.ops import OP_NAMES, OPS, Compression, Compressor, ReduceOp
 from fleetlike.horovod.order import agree_in_order
 from fleetlike.horovod.runtime import Runtime, runtime
+from fleetlike.horovod.strategy_units import StepTimer, passes_per_step
 from fleetlike.roles.settings import every_from_env
 from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.strategies.step import AppliedEntry
@@ -187,6 +189,12 @@ class HorovodOptimizer(HorovodWrapper):
             chosen = tuned
         # a switch this face cannot apply (local SGD, sharding, AMP, ...) raises, never dropped
         rules.refuse_unhonoured(chosen, "horovod")
+        if chosen.gossip and chosen.auto_tune:
+            raise ValueError("strategy.gossip with auto_tune on hvd.DistributedOptimizer: the tuner lays the "
+                             "buckets out anew, and gossip's residuals belong to the old buckets. Fix: turn one "
+                             "of them off (FLEETLIKE_DOWNSAMPLE_N_ELEMENTS=1 or FLEETLIKE_AUTOTUNE=0)")
+        # AIACC's accumulate knob (gradient_merge) is Horovod's backward_passes_per_step here
+        backward_passes_per_step = passes_per_step(chosen, backward_passes_per_step)
         wire = _wire(compression)
         if wire is not None:
             chosen.fp16_allreduce = True
@@ -239,6 +247,11 @@ class HorovodOptimizer(HorovodWrapper):
                              + (f"of <= {s.fuse_grad_size_in_MB:g} MB" if s.fuse_all_reduce_ops else "(one per gradient)")
                              + f" over {s.nccl_comm_num} communicator(s)")]
         rows += [AppliedEntry(*n) for n in [*self.notes, *self._env_notes]]
+        if s.gradient_merge:
+            rows.append(AppliedEntry("gradient_merge", True, f"the sum of {self.backward_passes_per_step} backward "
+                                     "passes per reduction (Horovod's backward_passes_per_step)"))
+        if self._timer is not None:
+            rows.append(AppliedEntry("slow_rank_check", True, self._timer.describe()))
         if self.tuner is not None:
             rows.append(AppliedEntry("auto_tune", True, self.tuner.summary()))
         return rows
@@ -258,6 +271,9 @@ class HorovodOptimizer(HorovodWrapper):
         own = self.agree and not chosen.use_hierarchical_allreduce and not rt.comm.check_collectives
         rings = rt.optimizer_rings(self._join_id, chosen.nccl_comm_num) if own else None
         collective, self.notes = gradient_collective(chosen, rt.optimizer_groups(), rt.role, rings=rings)
+        old_gossip = getattr(self, "_gossip", None)
+        #: gossip's collective (strategy.gossip, FLEETLIKE_/PERSEUS_DOWNSAMPLE_N_ELEMENTS), its residuals
+        self._gossip = collective if isinstance(collective, DownsampledAllReduce) else None
         n = rt.comm.size
         #: no agreement per reduction: the first bucket carries the ranks' active flags
         self._flagged = own and _single_stage(collective)
@@ -288,6 +304,11 @@ class HorovodOptimizer(HorovodWrapper):
                                     check_nan_inf=bool(chosen.check_nan_inf))
         self.reducer.sparse = self._sparse  # kept across a rebind
         self._flag_view: torch.Tensor | None = None
+        if self._gossip is not None and old_gossip is not None and old_gossip.sampler.n == self._gossip.sampler.n:
+            self._gossip.sampler = old_gossip.sampler  # a re-formed world keeps the buckets and their residuals
+        #: the slow-rank check (strategy.slow_rank_check, FLEETLIKE_/PERSEUS_PERF_CHECK_N_STEPS)
+        self._timer = (StepTimer(chosen, rt.role, rt.optimizer_groups().extra("hvd slow-rank check", 0, rt.comm.rank))
+                       if chosen.slow_rank_check else None)
         self._one_hot: torch.Tensor | None = None
         self._views = {id(p): (b, b.views[j]) for b in self.reducer.buckets for j, p in enumerate(b.params)}
         self._numel = sum(p.numel() for p in params)
@@ -325,6 +346,13 @@ class HorovodOptimizer(HorovodWrapper):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: communicate every ``passes`` backward passes."""
         self.backward_passes_per_step = passes
+
+    @property
+    def slow_rank_report(self) -> Any:
+        """The slow-rank check's last `fleetlike.strategies.health.SlowRankReport` (every rank's
+        mean step time and data wait, the slow ranks); None before its first window closes or
+        without ``slow_rank_check`` (``FLEETLIKE_PERF_CHECK_N_STEPS`` / ``PERSEUS_PERF_CHECK_N_STEPS``)."""
+        return self._timer.report if self._timer is not None else None
 
     # ------------------------------------------------------------------ the reducer's gate
 
@@ -470,6 +498,8 @@ class HorovodOptimizer(HorovodWrapper):
     def synchronize(self) -> bool:  # type: ignore[override]
         """Finish reducing the gradients (reducing them now if no backward did)."""
         with self._hvd_lock:
+            if self._timer is not None:
+                self._timer.sync_begins(self.reducer.wait_seconds)
             if self._communicated:
                 self.reducer.finalize()  # already waited at the end of the backward: a no-op
             else:
@@ -499,6 +529,8 @@ class HorovodOptimizer(HorovodWrapper):
         result = self.inner_optimizer.step(closure)
         if not (self._joiners or self._rt.joined_seen):  # a joined rank no longer steps: no check
             self._guard.tick()
+            if self._timer is not None:
+                self._timer.step_done(self.reducer.wait_seconds)
             if self.tuner is not None and not self.tuner.done:
                 self.tuner.step_done()
         return result

@@ -25,9 +25,10 @@ import os
 from collections.abc import Mapping
 
 from fleetlike.config import DistributedStrategy, envvars, rules
+from fleetlike.config.epl_env import EplConfig, apply_epl_env
 from fleetlike.config.knobs import apply_knobs, knob_options
 
-__all__ = ["EnvSettings", "env_settings", "every_from_env", "strategy_with_env"]
+__all__ = ["EnvSettings", "env_settings", "every_from_env", "strategy_with_env", "with_epl_env"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EnvSettings:
     #: the strategy options the knobs set (``FLEETLIKE_*``, ``PERSEUS_*``, ``TIACC_*``,
     #: ``LIGHT_*``; `fleetlike.config.knobs`), checked when the settings are read
     knob_options: dict = dataclasses.field(default_factory=dict)
+    #: the ``EPL_*`` variables set, by name (`fleetlike.config.epl_env`)
+    epl_variables: dict = dataclasses.field(default_factory=dict)
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -53,6 +56,9 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         )
     return EnvSettings(
         knob_options=knob_options(env),  # a bad, refused or misspelt knob stops the job here
+        # and so does a bad or misspelt EPL_* variable (checked on a fresh strategy here; applied by
+        # strategy_with_env)
+        epl_variables=apply_epl_env(DistributedStrategy(), env),
         divergence_every=every_from_env(env),
         strategy_override=env.get(envvars.STRATEGY) or None,
         backend=env.get(envvars.BACKEND) or None,
@@ -79,14 +85,28 @@ def every_from_env(environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
-def strategy_with_env(strategy: DistributedStrategy | None = None,
-                      environ: Mapping[str, str] | None = None) -> DistributedStrategy:
-    """The strategy a face runs: a copy of ``strategy`` (default: a fresh one) with
-    ``FLEETLIKE_STRATEGY`` applied, then every knob of the environment (`fleetlike.config.knobs`),
-    and the combination checked. The one path from the environment to a strategy: Fleet's
-    faces (program and eager), Horovod's optimizer and the DDP hook all take it."""
+def with_epl_env(strategy: DistributedStrategy | None = None,
+                 environ: Mapping[str, str] | None = None) -> DistributedStrategy:
+    """A copy of ``strategy`` (default: a fresh one) with EPL's ``EPL_*`` variables applied
+    (`fleetlike.config.epl_env`); an `EplConfig` read them when it was built, under its own
+    dict, and is copied as it is. The first layer of `strategy_with_env`, and what
+    ``fleet.distributed_model`` judges init's strategy by before the first forward."""
     env = os.environ if environ is None else environ
     chosen = DistributedStrategy() if strategy is None else strategy.copy()
+    if not isinstance(chosen, EplConfig):
+        apply_epl_env(chosen, env)
+    return chosen
+
+
+def strategy_with_env(strategy: DistributedStrategy | None = None,
+                      environ: Mapping[str, str] | None = None) -> DistributedStrategy:
+    """The strategy a face runs: a copy of ``strategy`` (default: a fresh one) with EPL's
+    ``EPL_*`` variables applied (`fleetlike.config.epl_env`; an `EplConfig` read them when it was
+    built, under its own dict), then ``FLEETLIKE_STRATEGY``, then every knob of the environment
+    (`fleetlike.config.knobs`), and the combination checked. The one path from the environment to
+    a strategy: Fleet's faces (program and eager), Horovod's optimizer and the DDP hook all take it."""
+    env = os.environ if environ is None else environ
+    chosen = with_epl_env(strategy, env)
     override = env.get(envvars.STRATEGY)
     if override:
         chosen.update_from_override(override)
