@@ -28,7 +28,7 @@ __all__ = [
     "JOB_ID", "JOB_SECRET", "KNOB_NAMES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "NAN_CHECK", "NODE_IP", "NODE_IPS", "OMP_NUM_THREADS", "PADDLE_CURRENT_ENDPOINT", "PADDLE_NODE_NUM",
     "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINER_ID", "PERF_CHECK_N_STEPS",
-    "PRELOAD", "PRELOAD_SOCKET", "PROGRESS_DIR", "PYTHONPATH", "RANK", "RESTART_COUNT", "SECRET_DIR", "SELECTED_GPUS", "STRATEGY",
+    "PRELOAD", "PRELOAD_SOCKET", "PROCESS_TAG", "PROGRESS_DIR", "PYTHONPATH", "RANK", "RESTART_COUNT", "SECRET_DIR", "SELECTED_GPUS", "STRATEGY",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCH_MASTER_ADDR",
     "TORCH_MASTER_PORT", "WORLD_SIZE", "by_writer", "fleetlike_names", "table",
 ]
@@ -61,6 +61,7 @@ NODE_IPS = "FLEETLIKE_NODE_IPS"
 MASTER_ADDR = "FLEETLIKE_MASTER_ADDR"
 MASTER_PORT = "FLEETLIKE_MASTER_PORT"
 PROGRESS_DIR = "FLEETLIKE_PROGRESS_DIR"
+PROCESS_TAG = "FLEETLIKE_PROCESS_TAG"
 PRELOAD = "FLEETLIKE_PRELOAD"
 PRELOAD_SOCKET = "FLEETLIKE_PRELOAD_SOCKET"
 RESTART_COUNT = "FLEETLIKE_RESTART_COUNT"
@@ -157,6 +158,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     # restarts and elastic jobs
     EnvVar(PRELOAD, "user, tests", "launch.config", "--preload's default: torch forks workers from a preloaded interpreter, off starts each plainly"),
     EnvVar(PRELOAD_SOCKET, "user, testing", "launch.preload", "a shared preload server's unix socket (same user, mode 0600)"),
+    EnvVar(PROCESS_TAG, "launch.workers", "launch.family",
+           "a random value per worker start: the launcher stops every process carrying it (setsid children too)"),
     EnvVar(PROGRESS_DIR, "launch.elastic_agent", "elastic.state", "where a worker marks its first progress"),
     EnvVar(RESTART_COUNT, "launch.elastic_agent", "user", "the worker's generation (0 at the first start)"),
     EnvVar(ELASTIC_STORE, "launch.elastic_agent", "elastic.membership", "host:port of the elastic rendezvous store"),
