@@ -3,7 +3,7 @@ start, and how a stopped node is reported.
 
 A worker's child that calls ``setsid`` (and that child's own child) is gone when the job ends,
 however it ends: the workers finish, one fails, the launcher is stopped by SIGTERM or killed
-with SIGKILL.
+with SIGKILL. A ``--nproc_per_node`` far beyond the machine starts nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from test_launch_run import WORKERS, Launchers, alive, finish
+from fleetlike.config import envvars
+from test_launch_run import WORKERS, Launchers, alive, clean_env, finish
 from test_trust import launchers  # noqa: F401 - the fixture
 
 # its jobs fill both cores by themselves (see conftest)
@@ -52,3 +53,32 @@ def test_a_setsid_child_of_a_worker_does_not_outlive_the_job(tmp_path: Path, lau
     for pid in left.values():
         os.kill(pid, signal.SIGKILL)
     assert left == {}
+
+
+def test_a_worker_count_beyond_the_bound_starts_nothing(tmp_path: Path, launchers: Launchers) -> None:
+    """``--nproc_per_node=1000`` on a small machine: one line naming the flag, the value, the bound
+    and the way past it, exit code 2, no worker and no port. The variable moves the bound both ways."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = [str(WORKERS / "behave.py"), str(out), "--ok"]
+    cpus = len(os.sched_getaffinity(0))
+    bound = max(8, 4 * cpus)
+    proc = launchers.start("--nproc_per_node=1000", "--started_port=auto", *script)
+    code, stdout, stderr = finish(proc, timeout=30)
+    assert code == 2 and stdout == ""
+    assert stderr == (
+        f"fleetlike.launch: error: --nproc_per_node=1000 would start 1000 workers on this node; the bound "
+        f"is {bound} (4 per usable CPU, {cpus} CPUs, at least 8); give at most {bound}, or set "
+        "FLEETLIKE_MAX_NPROC_PER_NODE=1000 to start them anyway\n")
+    assert list(out.iterdir()) == [] and not (tmp_path / "log").exists()
+
+    env = clean_env(FLEETLIKE_JOB_SECRET=launchers.secret, FLEETLIKE_MAX_NPROC_PER_NODE="2")
+    code, _, stderr = finish(launchers.start("--nproc_per_node=3", "--started_port=auto", *script, env=env), timeout=30)
+    assert code == 2 and "the bound is 2 (FLEETLIKE_MAX_NPROC_PER_NODE=2)" in stderr
+    assert list(out.iterdir()) == []
+    code, _, stderr = finish(launchers.start("--nproc_per_node=2", "--started_port=auto", *script, env=env), timeout=60)
+    assert code == 0, stderr
+    assert sorted(p.name for p in out.iterdir()) == ["pid.0", "pid.1"]
+    env[envvars.MAX_NPROC_PER_NODE] = "２"
+    code, _, stderr = finish(launchers.start("--nproc_per_node=2", *script, env=env), timeout=30)
+    assert code == 2 and "FLEETLIKE_MAX_NPROC_PER_NODE='２' is not a positive integer in ASCII digits" in stderr
