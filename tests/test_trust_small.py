@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +108,48 @@ def test_sizes_too_large_to_use_are_refused_by_name(field: str, value: object, s
     strategy = DistributedStrategy()
     with pytest.raises(StrategyValueError, match=__import__("re").escape(said)):
         setattr(strategy, field, value)
+
+
+def test_a_symlink_out_of_the_data_root_is_refused_naming_where_it_points(tmp_path: Path) -> None:
+    """A link inside the root that points out of it (another user's files, ``/etc``) is refused,
+    even with ``on_error="skip"``; links that stay inside, and a root that is itself a link, work."""
+    from PIL import Image
+
+    from fleetlike.io import DataRootError, ImageFolder, ImageListDataset, ToTensor
+    from test_io_datasets import make_images, write_list
+
+    root, private = tmp_path / "root", tmp_path / "private"
+    root.mkdir()
+    private.mkdir()
+    entries = make_images(root, n=3)
+    Image.new("RGB", (4, 4), (9, 9, 9)).save(private / "secret.jpg")
+    (root / "class_0" / "leak.jpg").symlink_to(private / "secret.jpg")
+    (root / "class_1" / "alias.jpg").symlink_to(root / entries[0][0])  # stays inside: fine
+    (root / "class_9").symlink_to(private, target_is_directory=True)
+    listed = [*entries, ("class_1/alias.jpg", 1), ("class_0/leak.jpg", 0), ("class_9/secret.jpg", 2)]
+    for on_error in ("raise", "skip"):
+        ds = ImageListDataset(root, write_list(tmp_path / "l.txt", listed), transform=ToTensor(), on_error=on_error)
+        assert torch.equal(ds[3][0], ds[0][0])
+        for index, name in ((4, "class_0/leak.jpg"), (5, "class_9/secret.jpg")):
+            with pytest.raises(DataRootError) as caught:
+                ds[index]
+            assert str(caught.value) == (
+                f"{str(root / name)!r} resolves to {str(private / 'secret.jpg')!r}, outside the data root "
+                f"{str(root)!r} (a symbolic link points out of it); put the files inside the root, or give the "
+                "folder that holds them as the root")
+    folder = ImageFolder(root)
+    refused = [p for i, (p, _) in enumerate(folder.samples) if _raises(folder, i)]
+    assert sorted(refused) == ["class_0/leak.jpg", "class_9/secret.jpg"]
+    link_root = tmp_path / "link-root"
+    link_root.symlink_to(root, target_is_directory=True)
+    assert ImageListDataset(link_root, write_list(tmp_path / "m.txt", entries))[0][1] == entries[0][1]
+
+
+def _raises(dataset: Any, index: int) -> bool:
+    from fleetlike.io import DataRootError
+
+    try:
+        dataset[index]
+    except DataRootError:
+        return True
+    return False
