@@ -3,7 +3,9 @@
 A ``COMPLETE`` that is a directory or gigabytes long is refused by name without being read; a
 ``.ckpt.old-*`` another user planted in a shared folder is never loaded; an all-zero secret is
 refused; ports and counts in Unicode digits are refused; the launchers' secret file is made
-0600 in a 0700 folder and removed by its maker.
+0600 in a 0700 folder and removed by its maker; an image linked from outside the data root is
+refused; a checkpoint path that is a symbolic link is written through (another user's is not
+followed); a checkpoint folder every user may write (0777) is refused.
 """
 
 from __future__ import annotations
@@ -153,3 +155,75 @@ def _raises(dataset: Any, index: int) -> bool:
     except DataRootError:
         return True
     return False
+
+
+def _value(path: Path) -> float:
+    from fleetlike.fleet.checkpoint_files import load_pt
+
+    found = resolve(path)
+    return float(load_pt(found / "state.pt", "state", verify(found))["w"][0])
+
+
+def _save_value(target: Path, value: float) -> None:
+    with atomic_dir(target) as tmp:
+        save_pt({"w": torch.full((2,), value)}, tmp / "state.pt", "state")
+
+
+def test_a_checkpoint_path_that_is_a_symlink_is_written_through(tmp_path: Path) -> None:
+    """``run/ckpt -> disk/ckpt``: each save replaces ``disk/ckpt`` atomically, the link stays a
+    link, nothing is left beside either, and a load through the link reads the newest save."""
+    run, disk = tmp_path / "run", tmp_path / "disk"
+    run.mkdir()
+    disk.mkdir()
+    link = run / "ckpt"
+    link.symlink_to(disk / "ckpt", target_is_directory=True)  # dangling until the first save
+    for value in (1.0, 2.0, 3.0):
+        _save_value(link, value)
+        assert link.is_symlink() and os.readlink(link) == str(disk / "ckpt")
+        assert (disk / "ckpt").is_dir() and not (disk / "ckpt").is_symlink()
+        assert sorted(p.name for p in run.iterdir()) == ["ckpt"]
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt"]
+        assert resolve(link) == disk / "ckpt" and _value(link) == value
+    # a save cut short beside the target: the load through the link falls back to the previous one
+    (disk / "ckpt").rename(disk / ".ckpt.old-host-1-cafe")
+    (disk / "ckpt").mkdir()
+    assert _value(link) == 3.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link owned by another user needs root")
+def test_another_users_link_is_not_followed(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    mine = tmp_path / "mine"
+    _save_value(mine, 5.0)
+    planted = shared / "ckpt"
+    planted.symlink_to(mine, target_is_directory=True)
+    os.lchown(planted, 65534, 65534)
+    for act in (lambda: _save_value(planted, 6.0), lambda: resolve(planted)):
+        with pytest.raises(CheckpointError, match=r"is a symbolic link owned by uid 65534, not by this user"):
+            act()
+    assert _value(mine) == 5.0
+
+
+def test_a_checkpoint_folder_every_user_may_write_is_refused(tmp_path: Path) -> None:
+    """Mode 0777 without the sticky bit: save and load both refuse, naming the folder, its mode
+    and the fix; 1777 (sticky, like /tmp) and 0770 (a team's group) are accepted."""
+    folder = tmp_path / "open"
+    folder.mkdir()
+    _save_value(folder / "ckpt", 1.0)
+    os.chmod(folder, 0o777)
+    expected = (f"checkpoint {folder / 'ckpt'}: its folder {folder} may be written by every user (mode 777, "
+                "without the sticky bit), so anyone could replace the checkpoint with their own, which a load "
+                f"would then take for this job's; run chmod o-w {folder} (or chmod +t), or keep checkpoints in a "
+                "folder of your own")
+    for act in (lambda: _save_value(folder / "ckpt", 2.0), lambda: resolve(folder / "ckpt")):
+        with pytest.raises(CheckpointError) as caught:
+            act()
+        assert str(caught.value) == expected
+    for mode in (0o1777, 0o770):
+        os.chmod(folder, mode)
+        assert _value(folder / "ckpt") == 1.0
+        _save_value(folder / "ckpt", 2.0)
+        assert _value(folder / "ckpt") == 2.0
+        _save_value(folder / "ckpt", 1.0)
