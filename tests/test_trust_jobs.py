@@ -3,12 +3,14 @@ start, and how a stopped node is reported.
 
 A worker's child that calls ``setsid`` (and that child's own child) is gone when the job ends,
 however it ends: the workers finish, one fails, the launcher is stopped by SIGTERM or killed
-with SIGKILL. A ``--nproc_per_node`` far beyond the machine starts nothing.
+with SIGKILL. A ``--nproc_per_node`` far beyond the machine starts nothing. An elastic node
+stopped with SIGSTOP is reported as having stopped answering, never by the code it ended with.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 
 from fleetlike.config import envvars
 from test_launch_run import WORKERS, Launchers, alive, clean_env, finish
-from test_trust import launchers  # noqa: F401 - the fixture
+from test_trust import free_port, launchers  # noqa: F401 - the fixture
 
 # its jobs fill both cores by themselves (see conftest)
 pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
@@ -82,3 +84,36 @@ def test_a_worker_count_beyond_the_bound_starts_nothing(tmp_path: Path, launcher
     env[envvars.MAX_NPROC_PER_NODE] = "２"
     code, _, stderr = finish(launchers.start("--nproc_per_node=2", *script, env=env), timeout=30)
     assert code == 2 and "FLEETLIKE_MAX_NPROC_PER_NODE='２' is not a positive integer in ASCII digits" in stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_node_lost_to_sigstop_is_summarised_as_stopped_never_by_its_later_exit(tmp_path: Path,
+                                                                              launchers: Launchers) -> None:
+    """Node B (its launcher and workers) is stopped with SIGSTOP in a 4-rank elastic world; A's
+    workers go on without it; B is continued while A still trains. A's summary says B was lost
+    because its launcher stopped answering, and for how long, never the code B ended with later."""
+    from test_elastic_nodes import progress, start, summary, wait_until, worker_logs
+
+    out = tmp_path / "out-stop"
+    out.mkdir()
+    port = free_port()
+    a = start(launchers, port, "127.0.0.1", out, 3, 0.05, "eager")
+    b = start(launchers, port, "127.0.0.2", out, 3, 0.05, "eager")
+    wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
+    on_b = [int(p.name.split(".")[1]) for p in out.glob("node.*") if p.read_text() == "127.0.0.2"]
+    assert len(on_b) == 2
+    stopped = [b.pid, *on_b]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until("the world without B", lambda: progress(out)[1] == 2, a)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    logs = tmp_path / f"log-127.0.0.1-{out.name}"
+    code, _, stderr = finish(a, timeout=150, logs=logs)
+    assert code == 0, stderr + worker_logs(logs)
+    line = summary(stderr)
+    assert re.search(r"nodes lost: node 127\.0\.0\.2 lost at commit \d+ \(its launcher stopped answering for "
+                     r"\d+ s: stopped \(SIGSTOP\), paused or cut off, then answered again\)", line), line
+    assert "code 0" not in line
