@@ -227,3 +227,41 @@ def test_a_checkpoint_folder_every_user_may_write_is_refused(tmp_path: Path) -> 
         _save_value(folder / "ckpt", 2.0)
         assert _value(folder / "ckpt") == 2.0
         _save_value(folder / "ckpt", 1.0)
+
+
+def test_what_a_holder_of_the_key_prefix_can_do_with_counters() -> None:
+    """Counters are plain numbers: whoever learned the prefix (without the secret) can move one,
+    and a member's count follows; the record it writes where a count points is refused; a count
+    moved past the records makes the reader wait for one that never comes, until the store's
+    timeout. A launcher's summary of the nodes then says the store was lost, and names nothing
+    the stranger wrote."""
+    import datetime
+    import json
+    import secrets
+
+    import torch.distributed as dist
+
+    from fleetlike.comm import JobSecret, job_store
+    from fleetlike.comm.signed_store import StoreTampered
+    from fleetlike.launch.nodewatch import EVENTS_KEY, NodeWatch
+
+    secret = JobSecret(secrets.token_hex(32))
+    second = datetime.timedelta(seconds=1)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, second)
+    member = job_store(server, secret)
+    stranger = dist.PrefixStore(secret.prefix, dist.TCPStore("127.0.0.1", server.port, None, False, second))
+    assert member.add("counter", 1) == 1
+    assert stranger.add("counter", 5) == 6 and member.add("counter", 0) == 6
+    endpoint = f"127.0.0.1:{server.port}"
+    watch = NodeWatch(endpoint, "127.0.0.1", store=server, timeout=1.0, secret=secret)
+    assert watch.summary() == "nodes lost: -; nodes joined: -"
+    stranger.add(EVENTS_KEY, 1)  # past the records: none at EVENTS_KEY/1
+    started = time.monotonic()
+    said = watch.summary()
+    assert said.startswith(f"nodes: unknown (the rendezvous store at {endpoint} was lost: ") and secret.prefix not in said
+    assert time.monotonic() - started < 5
+    stranger.set(f"{EVENTS_KEY}/1", json.dumps({"commit": 1, "nodes_lost": ["10.6.6.6"], "nodes_joined": []}))
+    with pytest.raises(StoreTampered, match=f"the value of '{EVENTS_KEY}/1' .* is not signed with this job's secret"):
+        member.get(f"{EVENTS_KEY}/1")
+    fresh = NodeWatch(endpoint, "127.0.0.1", store=server, timeout=1.0, secret=secret)
+    assert "StoreTampered" in fresh.summary() and "10.6.6.6" not in fresh.summary()
