@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "launch_workers" / "preload_probe.py"
 #: differ from run to run whatever the start: ports, the job's id, the agent's folders
 _PER_RUN = ("PADDLE_TRAINER_ENDPOINTS", "PADDLE_CURRENT_ENDPOINT", "MASTER_PORT", "FLEETLIKE_JOB_ID",
-            "FLEETLIKE_PROGRESS_DIR")
+            "FLEETLIKE_PROGRESS_DIR", "FLEETLIKE_PROCESS_TAG")
 
 
 def _run(tmp: Path, mode: str) -> tuple[int, list[str], dict[str, dict], str]:

@@ -8,7 +8,9 @@ value``, `SignedStore.get` checks it and refuses a value a stranger wrote (`Stor
 naming the key relative to the prefix) before anyone uses it. The HMAC binds the key, so a
 signed value cannot be moved to another key. Counters (``add``) are plain numbers, as TCPStore
 keeps them; what a member derives from one (the proof it reads next, the record it prints) is
-signed or escaped itself. Errors quote keys without the secret-derived prefix.
+signed or escaped itself; a holder of the prefix can still move a counter, and a member that
+then reads a record the count promises waits for it until the store's timeout. Errors (a wait,
+a read that timed out) quote keys without the secret-derived prefix.
 
 Example:
     >>> store = SignedStore(dist.PrefixStore(secret.prefix, raw), secret)
@@ -62,11 +64,30 @@ class SignedStore(dist.Store):
                 "someone who saw the job's store traffic); it was refused unread")
         return value
 
+    def _scrubbed(self, exc: Exception) -> Exception:
+        """``exc`` without the secret-derived prefix: torch's store errors quote the full key
+        names (``wait timeout after 1000ms, keys: /fleetlike/<prefix>/...``), and they reach
+        logs and summaries."""
+        prefix = self._secret.prefix
+        text = str(exc)
+        if prefix not in text:
+            return exc
+        text = text.replace("/" + prefix, "").replace(prefix, "")
+        try:
+            clean = type(exc)(text)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments
+            clean = dist.DistStoreError(text)
+        return clean
+
     def set(self, key: str, value: Any) -> None:
         self._inner.set(key, self._sign(key, _bytes(value)))
 
     def get(self, key: str) -> bytes:
-        return self._open(key, self._inner.get(key))
+        try:
+            blob = self._inner.get(key)
+        except Exception as exc:  # noqa: BLE001 - re-raised without the prefix
+            raise self._scrubbed(exc) from None
+        return self._open(key, blob)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         want = _bytes(expected)
@@ -75,7 +96,11 @@ class SignedStore(dist.Store):
         return self._open(key, raw)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self._open(k, v) for k, v in zip(keys, self._inner.multi_get(keys))]
+        try:
+            blobs = self._inner.multi_get(keys)
+        except Exception as exc:  # noqa: BLE001 - re-raised without the prefix
+            raise self._scrubbed(exc) from None
+        return [self._open(k, v) for k, v in zip(keys, blobs)]
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._inner.multi_set(keys, [self._sign(k, _bytes(v)) for k, v in zip(keys, values)])

@@ -38,6 +38,7 @@ from fleetlike.fleet.checkpoint_files import (
     LEGACY_FORMAT,
     CheckpointError,
     atomic_dir,
+    checkpoint_path,
     commit,
     explain_write_error,
     full_disk_errno,
@@ -118,7 +119,7 @@ def _write_replicated(tmp: Path, state: TrainingState, models: list[dict[str, An
 def save_training(dirname: str | os.PathLike[str], state: TrainingState) -> None:
     """Write ``state``; under ``strategy.sharding`` every rank must call it (each writes its shard)."""
     if _sharding_units(state):
-        _save_sharded(Path(dirname), state)
+        _save_sharded(checkpoint_path(dirname), state)
         return
     with atomic_dir(dirname) as tmp:
         _write_replicated(tmp, state)

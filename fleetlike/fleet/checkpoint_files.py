@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 import zipfile
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ __all__ = [
     "LEGACY_FORMAT",
     "CheckpointError",
     "atomic_dir",
+    "checkpoint_path",
     "commit",
     "explain_write_error",
     "full_disk_errno",
@@ -112,6 +114,55 @@ def _damaged(path: Path, cause: str) -> CheckpointError:
         f"{path} {cause}. The checkpoint {path.parent} is damaged and nothing was loaded from it "
         "(the job's state is unchanged): load an earlier checkpoint, or copy this one again from its source"
     )
+
+
+# ------------------------------------------------------------------ where a checkpoint lives
+
+
+def checkpoint_path(dirname: str | os.PathLike[str]) -> Path:
+    """Where the checkpoint ``dirname`` really is, after two checks a save and a load both make.
+
+    A ``dirname`` that is a symbolic link (``ckpt -> /big/disk/run1/ckpt``: the checkpoints kept
+    on another disk) is followed: the save goes to where it points, replacing that directory
+    atomically beside it, and the link stays as it was, as ``cp`` or an editor writes through a
+    link. Renaming the link itself aside would leave the target stale and the link kept as a
+    ``.ckpt.old-*`` forever. A link another user owns is not followed (in a shared folder anyone
+    may create one, pointing at this user's files): `CheckpointError`.
+
+    The folder that holds the checkpoint must not be writable by others without the sticky bit
+    (mode ``0777``, not ``1777``): anyone could then rename the checkpoint away and put their own
+    in its place, which the next load would take for this job's. `CheckpointError` names the
+    folder, its mode and the fix. Group-writable folders (a team's) are the group's choice.
+
+    Example:
+        >>> checkpoint_path("ckpt")            # ckpt -> /big/disk/run1/ckpt
+        PosixPath('/big/disk/run1/ckpt')
+    """
+    target = Path(dirname)
+    if target.is_symlink():
+        owner = target.lstat().st_uid
+        if owner != os.getuid():
+            raise CheckpointError(
+                f"{target} is a symbolic link owned by uid {owner}, not by this user (uid {os.getuid()}); "
+                "a checkpoint is never saved or loaded through another user's link (it could point at "
+                "your files, or at a checkpoint of theirs). Remove it, or give the path it points to")
+        try:
+            target = target.resolve(strict=False)
+        except (OSError, RuntimeError) as exc:  # a loop of links
+            raise CheckpointError(f"{dirname} is a symbolic link that cannot be followed ({exc}); "
+                                  "point it at a directory, or give that directory's path") from None
+    folder = target.parent
+    try:
+        mode = folder.stat().st_mode
+    except OSError:
+        return target  # not there yet: a save creates it (with this user's umask)
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        raise CheckpointError(
+            f"checkpoint {target}: its folder {folder} may be written by every user (mode {mode & 0o7777:o}, "
+            "without the sticky bit), so anyone could replace the checkpoint with their own, which a "
+            f"load would then take for this job's; run chmod o-w {folder} (or chmod +t), or keep "
+            "checkpoints in a folder of your own")
+    return target
 
 
 # ------------------------------------------------------------------ writing
@@ -328,8 +379,9 @@ def explain_write_error(exc: BaseException, target: Path) -> BaseException:
 
 @contextlib.contextmanager
 def atomic_dir(dirname: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary directory; on success it is sealed and replaces ``dirname`` atomically."""
-    target = Path(dirname)
+    """Yield a temporary directory; on success it is sealed and replaces ``dirname`` atomically
+    (where it points, when it is a symbolic link: `checkpoint_path`)."""
+    target = checkpoint_path(dirname)
     tag = make_tag()
     tmp = temporary(target, tag)
     try:
@@ -348,8 +400,9 @@ def atomic_dir(dirname: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def resolve(dirname: str | os.PathLike[str]) -> Path:
-    """The complete checkpoint to load for ``dirname`` (the previous one if a save was cut)."""
-    target = Path(dirname)
+    """The complete checkpoint to load for ``dirname`` (the previous one if a save was cut;
+    where it points when it is a symbolic link: `checkpoint_path`)."""
+    target = checkpoint_path(dirname)
     if (target / COMPLETE).exists():
         return target
     olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.lstat().st_mtime)

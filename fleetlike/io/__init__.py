@@ -63,7 +63,7 @@ Example:
 
 from fleetlike.io.cached import CachedDataset, CacheType, sample_bytes
 from fleetlike.io.decode import Decoder, DecoderName, available_decoders
-from fleetlike.io.datasets import IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
+from fleetlike.io.datasets import DataRootError, IMAGE_EXTENSIONS, ImageFolder, ImageListDataset, ImageReadError, OnError, read_image_list
 from fleetlike.io.file_cache import FileCache, ThrottledReader, files_cache, get_file, read_chunks, set_file_cache
 from fleetlike.io.light_dataset import LightDataset
 from fleetlike.io.loader import DistributedDataLoader, Skipped, get_data_loader, get_dataloader, to_device
@@ -92,6 +92,7 @@ __all__ = [
     "CenterCrop",
     "Compose",
     "ConvertImageDtype",
+    "DataRootError",
     "Decoder",
     "DecoderName",
     "DistributedDataLoader",

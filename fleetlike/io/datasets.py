@@ -11,7 +11,8 @@ runs after the cache (random augmentation stays random), or before it with
 
 Bad input is named where it is: a list line that does not parse (file, line number, the line),
 a label that is not an int or is outside ``[0, num_classes)``, a missing or undecodable image
-(path and index). ``on_error="skip"`` returns a `Skipped` for an unreadable image instead;
+(path and index), an image whose path resolves outside the data root (a symlink pointing
+elsewhere: `DataRootError`, never skipped, naming the path and where it points). ``on_error="skip"`` returns a `Skipped` for an unreadable image instead;
 `get_data_loader` leaves it out of the batch and reports the count at the end of the pass.
 
 Example:
@@ -36,13 +37,32 @@ from fleetlike.io.decode import Decoder, DecoderName
 from fleetlike.io.loader import Skipped
 from fleetlike.io.pillow import pil
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolder", "ImageListDataset", "ImageReadError", "OnError", "read_image_list"]
+__all__ = ["DataRootError", "IMAGE_EXTENSIONS", "ImageFolder", "ImageListDataset", "ImageReadError", "OnError", "inside_root",
+           "read_image_list"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class ImageReadError(OSError):
     """An image that is missing or does not decode (names the path and the sample index)."""
+
+
+class DataRootError(ValueError):
+    """A sample's path resolves outside the data root (through a symlink). The list's own paths
+    are kept inside the root (no absolute path, no ``..``); a link inside the root that points
+    elsewhere would reach the same files (another user's, ``/etc``), so it is refused as well,
+    whatever ``on_error`` says: it is not an unreadable image but a root that is not what it
+    seems. A root that is itself a link is followed (the check is against where it points)."""
+
+
+def inside_root(root: Path, path: Path) -> Path:
+    """``path`` resolved, or `DataRootError` when that is outside ``root`` (resolved)."""
+    real, base = path.resolve(), root.resolve()
+    if real != base and base not in real.parents:
+        raise DataRootError(
+            f"{str(path)!r} resolves to {str(real)!r}, outside the data root {str(base)!r} (a symbolic link "
+            "points out of it); put the files inside the root, or give the folder that holds them as the root")
+    return real
 
 
 class OnError(str, enum.Enum):
@@ -111,6 +131,7 @@ class _Images(Dataset[Any]):
                  on_error: OnError | str, file_cache: ByteSource | None, mode: str,
                  cache: dict[str, Any]) -> None:
         self.root = Path(root)
+        self._real_root = self.root.resolve()
         self.samples = samples
         self.transform, self.target_transform = transform, target_transform
         self.on_error = parse_choice(OnError, on_error, what="on_error", noun="error policy")
@@ -137,6 +158,7 @@ class _Images(Dataset[Any]):
     def load(self, index: int) -> Any:
         """The decoded PIL image of sample ``index`` (no transform); raises `ImageReadError`."""
         path = self.path(index)
+        inside_root(self._real_root, path)
         Image = pil()
         try:
             data = self.file_cache.read_bytes(path) if self.file_cache is not None else path.read_bytes()

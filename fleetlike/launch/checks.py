@@ -14,13 +14,23 @@ import socket
 from collections.abc import Sequence
 
 from fleetlike.comm import JobSecret
+from fleetlike.config import envvars
 from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
 from fleetlike.launch.env import torch_master_port
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 
 __all__ = [
-    "cuda_device_count", "check_machine", "check_ports", "check_rendezvous_file", "host_ports"
+    "cuda_device_count", "check_machine", "check_ports", "check_rendezvous_file", "check_worker_count",
+    "host_ports", "worker_bound",
 ]
+
+#: Workers per usable CPU a node may start without `envvars.MAX_NPROC_PER_NODE`: CPU jobs on a
+#: few cores oversubscribe a little (gloo ranks mostly wait); a typo (``1000`` for ``10``) or a
+#: flag copied from another machine starts hundreds of interpreters, each importing torch, and
+#: the machine is lost to swap before the first worker fails.
+WORKERS_PER_CPU = 4
+#: The bound never goes below this, so a small machine still runs an 8-rank test job.
+MIN_WORKER_BOUND = 8
 
 
 def cuda_device_count() -> int:
@@ -82,6 +92,40 @@ def check_ports(node_ip: str, ports: Sequence[int], what: str | None = None) -> 
                     f"cannot bind {node_ip}:{port} (for {use}): {exc.strerror}; "
                     "choose another --started_port"
                 ) from None
+
+
+def worker_bound(environ: dict[str, str] | None = None) -> tuple[int, str]:
+    """(the most workers one node starts, and where that number comes from).
+
+    ``4 x`` the CPUs this process may run on (at least 8), or `envvars.MAX_NPROC_PER_NODE`.
+    """
+    env = os.environ if environ is None else environ
+    given = env.get(envvars.MAX_NPROC_PER_NODE)
+    if given is not None:
+        text = given.strip()
+        if not (text.isascii() and text.isdigit()) or int(text) < 1:
+            raise LaunchInputError(
+                f"{envvars.MAX_NPROC_PER_NODE}={given!r} is not a positive integer in ASCII digits; "
+                "give the most workers this node may start, e.g. 64")
+        return int(text), f"{envvars.MAX_NPROC_PER_NODE}={text}"
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    bound = max(MIN_WORKER_BOUND, WORKERS_PER_CPU * cpus)
+    return bound, f"{WORKERS_PER_CPU} per usable CPU, {cpus} CPUs, at least {MIN_WORKER_BOUND}"
+
+
+def check_worker_count(config: LaunchConfig, environ: dict[str, str] | None = None) -> None:
+    """Refuse a ``--nproc_per_node`` beyond `worker_bound` (GPU jobs: one worker per selected
+    GPU, which exist, is always allowed)."""
+    bound, why = worker_bound(environ)
+    bound = max(bound, len(config.selected_gpus))
+    if config.nproc_per_node > bound:
+        raise LaunchInputError(
+            f"--nproc_per_node={config.nproc_per_node} would start {config.nproc_per_node} workers on "
+            f"this node; the bound is {bound} ({why}); give at most {bound}, or set "
+            f"{envvars.MAX_NPROC_PER_NODE}={config.nproc_per_node} to start them anyway")
 
 
 def check_machine(config: LaunchConfig, *, visible_gpus: int | None = None) -> None:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-from fleetlike.launch.checks import check_machine, cuda_device_count, host_ports
+from fleetlike.launch.checks import check_machine, check_worker_count, cuda_device_count, host_ports
 from fleetlike.launch.config import (
     LaunchConfig,
     LaunchInputError,
@@ -106,6 +106,7 @@ def _greets_before_workers(config: LaunchConfig) -> bool:
 
 def launch(config: LaunchConfig, *, visible_gpus: int | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit code."""
+    check_worker_count(config)  # before binding a port per worker
     hosted: HostedEndpoints | None = None
     if config.auto_ports:
         # held until every worker is gone, so no other process can take the ports meanwhile

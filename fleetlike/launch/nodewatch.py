@@ -14,7 +14,9 @@ worker that failed and was restarted, each launcher
 
 At the end, `NodeWatch.summary` joins the two: for every node a re-formation lost, why (its
 launcher stopped answering / ended with a code / still answers, so its workers left), and at
-which commit. A store that cannot be reached (this node's link is cut) ends the watch quietly:
+which commit. A launcher that stood still for `MISSED` periods and then answered again (it was
+stopped with SIGSTOP and continued, or its link came back) is reported as having stopped
+answering, for how long: that is why its node was lost, whatever code it ended with later. A store that cannot be reached (this node's link is cut) ends the watch quietly:
 the summary then says the store was lost.
 
 Example::
@@ -88,6 +90,10 @@ class NodeWatch(threading.Thread):
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._seen: dict[str, tuple[str, float]] = {}  # guarded by _lock: ip -> (beat, when it changed)
+        #: guarded by _lock: ip -> the longest time its beat stood still past `MISSED` periods
+        #: (stopped by SIGSTOP, paused, cut off) before it moved again or said done
+        self._silent: dict[str, float] = {}
+        self._last_look: float | None = None
         self._store_lost: str | None = None  # guarded by _lock
         self._beat = 0
 
@@ -116,13 +122,23 @@ class NodeWatch(threading.Thread):
         beats = self._store.multi_get([BEAT_PREFIX + ip for ip in ips])
         now = time.monotonic()
         with self._lock:
+            # a gap is the other launcher's only if this watch itself looked on time (on a loaded
+            # machine this thread may be the one that stood still)
+            on_time = self._last_look is not None and now - self._last_look < PERIOD * 2
+            self._last_look = now
             for ip, beat in zip(ips, beats):
                 text = beat.decode()
-                if self._seen.get(ip, ("", 0.0))[0] != text:
+                seen, since = self._seen.get(ip, ("", now))
+                if seen != text:
+                    if seen and on_time and now - since > PERIOD * MISSED:
+                        self._silent[ip] = max(self._silent.get(ip, 0.0), now - since)
                     self._seen[ip] = (text, now)
 
     def _why(self, ip: str, now: float) -> str:
         beat, since = self._seen.get(ip, ("", now))
+        if ip in self._silent:  # lost while it stood still: how it ended later is not why
+            return (f"its launcher stopped answering for {self._silent[ip]:.0f} s: stopped (SIGSTOP), "
+                    "paused or cut off, then answered again")
         if " done " in beat:
             return f"its launcher ended with code {beat.rsplit(' ', 1)[1]}"
         if now - since > PERIOD * MISSED:

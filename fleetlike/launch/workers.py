@@ -9,6 +9,10 @@ A launcher killed with SIGKILL cannot stop anything. Its workers die with it
 A small guard process (`_Guard`, the standard library only) holds the other end of a pipe from
 the launcher and the list of the workers' process groups; when the pipe closes without the
 groups having been stopped (the launcher is gone, however it ended), it kills those groups.
+
+A child that calls ``setsid`` leaves its worker's group; the launcher finds it by the tag every
+worker's environment carries (`fleetlike.launch.family`, which says why a tag rather than a
+subreaper or a cgroup) and stops it with the worker, as the guard does when the launcher died.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, TextIO, Union
 
+from fleetlike.launch.family import TAG_VARIABLE, alive, new_tag, signal_tagged, tagged
 from fleetlike.launch.preload import PreloadedProcess, start_preloaded
 
 __all__ = ["Worker", "start_worker", "stop_workers", "close_logs", "describe_exit", "last_line", "log_problem"]
@@ -42,6 +47,8 @@ class Worker:
     #: why the echoed worker's log stopped taking its output (ENOSPC, EIO), set by its tee thread,
     #: which keeps reading the pipe so the worker never blocks on it; the launcher ends the job
     log_error: str | None = None
+    #: the value of `TAG_VARIABLE` this start's processes carry, wherever they went
+    tag: str = ""
 
     def group_alive(self) -> bool:
         """True while any process of this worker's group exists (zombies count as gone)."""
@@ -130,6 +137,8 @@ def start_worker(
     """Start one worker in a new session; ``echo`` also copies its output to ``sys.stdout``.
     ``preload="torch"`` forks it from a preload server when it can (`fleetlike.launch.preload`)."""
     log_file = _open_log(log_path)
+    tag = new_tag()
+    env = {**env, TAG_VARIABLE: tag}
     try:
         process: subprocess.Popen[bytes] | PreloadedProcess | None = None
         if preload != "off":
@@ -147,8 +156,8 @@ def start_worker(
     except BaseException:
         log_file.close()
         raise
-    _Guard.shared().watch(process.pid)
-    worker = Worker(local_rank, rank, log_path, process, log_file)
+    _Guard.shared().watch(process.pid, tag)
+    worker = Worker(local_rank, rank, log_path, process, log_file, tag=tag)
     if echo and process.stdout is not None:
         worker.tee = threading.Thread(
             target=_tee,
@@ -170,17 +179,21 @@ def _signal_group(worker: Worker, sig: int) -> None:
 def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int = signal.SIGTERM) -> None:
     """Stop every worker's whole process group: ``first_signal``, then SIGKILL after ``grace``.
 
-    Groups of workers that already exited are signalled too, because their children may live on.
+    Groups of workers that already exited are signalled too, because their children may live on,
+    and so is every process carrying a stopped worker's tag (a child that left the group).
     Returns once every leader is reaped and every group is gone (or after SIGKILL had its say).
     """
+    tags = {w.tag for w in workers if w.tag}
     for worker in workers:
         _signal_group(worker, first_signal)
+    strays = signal_tagged(tags, first_signal)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(w.group_alive() for w in workers):
+    while time.monotonic() < deadline and (any(w.group_alive() for w in workers) or alive(strays)):
         time.sleep(0.05)
     for worker in workers:
         if worker.group_alive():
             _signal_group(worker, signal.SIGKILL)
+    signal_tagged(tags, signal.SIGKILL)  # also any started while the first signal was handled
     for worker in workers:
         try:
             worker.process.wait(timeout=5)
@@ -190,25 +203,39 @@ def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int =
                 "after SIGKILL",
                 file=sys.stderr,
             )
+    signal_tagged(tags, signal.SIGKILL)  # children a dying worker started at the last moment
     for worker in workers:
-        if not worker.group_alive():
-            _Guard.shared().forget(worker.process.pid)
+        if not worker.group_alive() and not tagged({worker.tag}):
+            _Guard.shared().forget(worker.process.pid, worker.tag)
     close_logs(workers)
 
 
 _GUARD_CODE = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-groups = set()
+groups = {}
 for line in sys.stdin:
-    word = line.strip()
-    if word.startswith("-"):
-        groups.discard(int(word[1:]))
-    elif word:
-        groups.add(int(word))
+    words = line.split()
+    if len(words) != 2:
+        continue
+    if words[0].startswith("-"):
+        groups.pop(int(words[0][1:]), None)
+    else:
+        groups[int(words[0])] = words[1]
 for group in groups:
     try:
         os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+wanted = {("%s=%s" % (sys.argv[1], tag)).encode() for tag in groups.values()}
+me, uid = os.getpid(), os.getuid()
+for name in os.listdir("/proc") if wanted else ():
+    try:
+        if not name.isdigit() or int(name) == me or os.stat("/proc/" + name).st_uid != uid:
+            continue
+        with open("/proc/%s/environ" % name, "rb") as fh:
+            if wanted.intersection(fh.read().split(b"\\0")):
+                os.kill(int(name), signal.SIGKILL)
     except OSError:
         pass
 """
@@ -224,7 +251,7 @@ class _Guard:
         # its own session: a signal to the launcher's group (Ctrl-C) does not reach it; no
         # PDEATHSIG: it must outlive the launcher to do its work
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-S", "-c", _GUARD_CODE], stdin=subprocess.PIPE,
+            [sys.executable, "-S", "-c", _GUARD_CODE, TAG_VARIABLE], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     @classmethod
@@ -244,11 +271,11 @@ class _Guard:
             except OSError:
                 self._proc = None  # it died: the launcher's own stop logic still covers the rest
 
-    def watch(self, group: int) -> None:
-        self._say(str(group))
+    def watch(self, group: int, tag: str) -> None:
+        self._say(f"{group} {tag}")
 
-    def forget(self, group: int) -> None:
-        self._say(f"-{group}")
+    def forget(self, group: int, tag: str) -> None:
+        self._say(f"-{group} {tag}")
 
 
 def _die_with_launcher() -> None:
