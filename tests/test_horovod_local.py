@@ -137,9 +137,14 @@ def test_bad_arguments_name_the_field_and_the_fix(one: Any) -> None:
     # strategy switches this face cannot apply raise instead of being dropped
     from fleetlike import DistributedStrategy
 
-    for switch in ("localsgd", "sharding", "amp", "gradient_merge"):
+    for switch in ("localsgd", "sharding", "amp"):
         with pytest.raises(ValueError, match=f"also turns on {switch}. Fix: turn those off"):
             hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(**{switch: True}))
+    # gradient merge is Horovod's own accumulation: a backward_passes_per_step that disagrees is refused
+    merge = DistributedStrategy(gradient_merge=True, gradient_merge_configs={"k_steps": 2})
+    assert hvd.DistributedOptimizer(sgd, strategy=merge).backward_passes_per_step == 2
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd, strategy=merge, backward_passes_per_step=3)
     hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(check_nan_inf=True))  # the face applies it
     hvd.DistributedOptimizer(sgd, strategy=DistributedStrategy(use_hierarchical_allreduce=True, nccl_comm_num=2))
     with pytest.raises(ValueError, match="invalid params of type"):

@@ -240,3 +240,25 @@ def test_an_accelerated_worker_forks_with_the_site_first_on_its_path(tmp_path: P
     assert seen["preloaded"] == seen["plain"]
     assert seen["plain"]["auto"] is True and seen["plain"]["path"][1] == ACCELERATE_SITE
     assert seen["plain"]["user_site_runs"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_stopped_as_it_starts_leaves_the_server_serving(tmp_path: Path) -> None:
+    """SIGTERM to workers in their first moments (a launcher stopping a job that is still
+    starting): each ends by that signal, and the shared server keeps its socket and starts the
+    next worker."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "GLIBC_TUNABLES": tuned_glibc_tunables(os.environ.get("GLIBC_TUNABLES"))}
+    log = open(tmp_path / "log", "wb")  # noqa: SIM115 - closed below
+    with preload_server(env) as path, log:
+        env[SOCKET_ENV] = path
+        codes = []
+        for rank in range(40):
+            proc = start_preloaded([sys.executable, "-u", str(script)], env, stdout=log.fileno(), rank=rank)
+            assert proc is not None, f"start {rank} was refused: the server lost its socket"
+            proc.terminate()
+            codes.append(proc.wait(timeout=30))
+        assert os.path.exists(path)
+        assert set(codes) == {-signal.SIGTERM}, codes

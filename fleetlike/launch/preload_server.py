@@ -55,6 +55,8 @@ _NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_",
                      "OPENBLAS_", "TORCH_", "PYTORCH_", "LC_")
 _MESSAGE_BYTES = 1 << 20
+#: the signals that stop a server (and, reset to their defaults, a worker)
+_STOPS = {signal.SIGTERM, signal.SIGINT}
 
 
 def startup_env(env: Mapping[str, str], flags: Sequence[str] = ()) -> dict[str, str]:
@@ -205,10 +207,15 @@ def _serve(conns: list[socket.socket], listener: socket.socket | None, base_path
             ready_r, ready_w = os.pipe()
             sys.stdout.flush()
             sys.stderr.flush()
+            # a SIGTERM or SIGINT sent to the child before it drops the server's handlers would run
+            # the server's shutdown in it (removing the shared socket): held until the child's own
+            # handlers are in place, then delivered to those
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
             pid = os.fork()
             if pid == 0:
                 os.close(ready_r)
                 _settle_child(fds, ready_w)
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
                 for fd in (wake_r, wake_w):
                     os.close(fd)
                 for c in conns:
@@ -216,6 +223,7 @@ def _serve(conns: list[socket.socket], listener: socket.socket | None, base_path
                 if listener is not None:
                     listener.close()
                 return _Child(request, base_path)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             os.close(ready_w)
             for fd in fds:
                 os.close(fd)
@@ -462,11 +470,15 @@ def serve_forever(path: str, listener: socket.socket | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    server = os.getpid()
     try:
         child = _serve([], listener, base_path, startup)
     except SystemExit:
+        if os.getpid() != server:  # a child ending before it became a worker owns none of this
+            raise
         listener.close()
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         _kill_children()
         raise
     if child is not None:
