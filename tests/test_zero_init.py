@@ -1,7 +1,7 @@
 """Sharded construction for stages 2 and 3, on 2 and 3 real ranks over gloo: a model built inside
 ``fleet.sharded_init()`` and one built under ``torch.device("meta")`` gather
 (``fleet.full_state_dict``) to exactly the model built whole under the same seed, train to
-exactly what the whole-built model trains to at the same stage, and each rank holds about
+exactly what the whole-built model trains to at the same stage (eager and program style), and each rank holds about
 1/world of the parameters while the model is built (the pieces' bytes, and the peak RSS of the
 construction above the rank's baseline against building it whole, glibc's mmap threshold fixed);
 the errors: a meta module without ``reset_parameters``, a write into an already-cut module, ranks
@@ -14,7 +14,7 @@ import ctypes
 import pytest
 import torch
 
-from fleetlike import DistributedStrategy, fleet
+from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.strategies.sharded_init import ShardedInitError, pending_bytes, sharded_init
 from fleetlike.testing import run_ranks
 from zero_common import BLOCKS, DIM, SEQ, VOCAB, Block, TinyLM, batch, loss_fn, make_opt
@@ -73,6 +73,18 @@ def _equal_ranks(role) -> dict:
             with torch.device("meta"):
                 meta = MetaLM()
             out[("meta", stage)] = _train(meta, stage, role)
+        for lazy in (False, True):  # the program style
+            if lazy:
+                with fleet.sharded_init():
+                    model = TinyLM()
+            else:
+                model = TinyLM()
+            fleet.distributed_optimizer(make_opt("adamw", model.parameters()), _stage(3)).minimize(loss_fn, model)
+            exe = Executor()
+            exe.run(fleet.startup_program)
+            for step in range(TRAIN):
+                exe.run(fleet.main_program, feed=batch(step, role.rank, role.world_size))
+            out[("program", lazy)] = fleet.full_state_dict(model)
         with fleet.sharded_init():
             lazy = TinyLM()
         try:
@@ -118,6 +130,7 @@ def test_sharded_construction_equals_the_whole_build(world):
             assert _same(trained, res[("meta_whole", stage)]), (r, stage)
             # dim 0 over the ranks: within a row of each parameter of 1/world
             assert abs(res[("held", stage)] - n_bytes / world) < 0.1 * n_bytes / world, res[("held", stage)]
+        assert _same(res[("program", True)], res[("program", False)]), r
         assert sum(ranks[q][("held", 3)] for q in range(world)) == n_bytes
         assert "sharding_configs.stage 2 or 3" in res["dp_error"] and "stage=1" in res["dp_error"]
         assert "module (root) (TinyLM) holds ['pos', 'seen']" in res["meta_error"] and "reset_parameters" in res["meta_error"]
