@@ -33,6 +33,7 @@ import argparse
 import ctypes
 import gc
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     save_json(out.with_suffix(".json"), payload)
     _plot(out.with_suffix(".png"), rows, f"ZeRO stages, {args.world} ranks on gloo: {model}")
-    command = "python -m bench.zero " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.zero " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = (
         f"## {args.section}\n\n"
         f"`{command.strip()}` ({args.world} ranks on gloo, {model}; load average "
