@@ -12,12 +12,16 @@ Memory, per rank, each trainer alone in its own world: the peak RSS (``VmHWM``) 
 rank's RSS after ``fleet.init`` (glibc's mmap threshold fixed at 128 KiB with ``mallopt``, so
 freed blocks go back to the system; building the model whole is included), in bytes per parameter, against each stage's model (fp32 AdamW:
 16 for data parallel, 4 + 4 + 8/N for stage 1, 4 + 12/N for stage 2, 16/N + the largest block
-for stage 3).
+for stage 3). Then, memory only, the model never whole on a rank: stage 3 with the model built
+inside ``fleet.sharded_init()``, and torch's FSDP2 with it built on the meta device (``to_empty``,
+then each Linear's ``reset_parameters`` on its shards, torch's documented way).
 
 Usage (from the repository root)::
 
     python -m bench.zero                       # 2 ranks, about 2 minutes
     python -m bench.zero --no-docs --out /tmp/zero
+    python -m bench.zero --layers 12 --width 2048 --rounds 3 --steps 2 \\
+        --section "ZeRO stages at 50M parameters" --out docs/benchmarks/zero_50m
 
 Writes ``docs/benchmarks/zero.json`` and ``.png`` and (re)writes the "## ZeRO stages 2 and 3"
 section of ``docs/BENCHMARKS.md``.
@@ -29,6 +33,7 @@ import argparse
 import ctypes
 import gc
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +47,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: bytes per parameter of fp32 AdamW under each kind, on ``n`` ranks (plus, for stage 3 and FSDP2,
 #: the largest block at full size)
 MODEL = {"dp": lambda n: 16.0, "stage1": lambda n: 8 + 8 / n, "stage2": lambda n: 4 + 12 / n,
-         "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n}
+         "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n, "stage3_init": lambda n: 16 / n,
+         "fsdp2_meta": lambda n: 16 / n}
+#: memory only: stage 3 with the model built inside ``fleet.sharded_init()`` (never whole), and
+#: torch's FSDP2 with the model built on the meta device (``fully_shard``, ``to_empty``, each
+#: Linear's ``reset_parameters`` on its shards: torch's documented way)
+SHARDED_KINDS = ("stage3_init", "fsdp2_meta")
 
 
 def _model(layers: int, width: int) -> Any:
@@ -65,17 +75,29 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
     g = torch.Generator().manual_seed(role.rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
-    model = _model(args.layers, args.width)
-    if kind == "fsdp2":
+    if kind == "stage3_init":
+        with fleet.sharded_init():
+            model = _model(args.layers, args.width)
+    elif kind == "fsdp2_meta":
+        with torch.device("meta"):
+            model = _model(args.layers, args.width)
+    else:
+        model = _model(args.layers, args.width)
+    if kind.startswith("fsdp2"):
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
+        if kind == "fsdp2_meta":
+            model.to_empty(device="cpu")
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    layer.reset_parameters()
         wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         options: dict[str, Any] = {"fuse_grad_size_in_MB": 25}
         if kind != "dp":
-            options.update(sharding=True, sharding_configs={"sharding_degree": 0, "stage": int(kind[-1])})
+            options.update(sharding=True, sharding_configs={"sharding_degree": 0, "stage": int(kind[5])})
         wrapped = fleet.distributed_model(model)
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           DistributedStrategy.from_dict(options))
@@ -109,7 +131,7 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> float:
     from fleetlike import DistributedStrategy, fleet
 
     fleet.init(role, timeout=300)
-    if kind == "fsdp2":  # torch's default group on the job's store, as stages 2 and 3 form it
+    if kind.startswith("fsdp2"):  # torch's default group on the job's store, as stages 2 and 3 form it
         from fleetlike.comm.torch_group import torch_process_group
 
         torch_process_group(fleet.context().world, fleet.device())
@@ -164,13 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "zero"))
+    parser.add_argument("--section", default="ZeRO stages 2 and 3",
+                        help="the docs/BENCHMARKS.md section (re)written, e.g. one per model size")
     args = parser.parse_args(argv)
 
     from fleetlike.testing import run_ranks
 
     load = os.getloadavg()
     ranks = run_ranks(_time, args.world, args, timeout=1200)
-    rss = {kind: run_ranks(_rss, args.world, kind, args, timeout=600) for kind in KINDS}
+    rss = {kind: run_ranks(_rss, args.world, kind, args, timeout=600) for kind in KINDS + SHARDED_KINDS}
     n_params = args.layers * (args.width * args.width + args.width)
     block = (args.width * args.width + args.width) * 4
     rows = []
@@ -180,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kind": kind, "ms": t * 1e3, "steps_per_s": 1 / t, "bytes_per_param": per,
                      "model_bytes_per_param": MODEL[kind](args.world)
                      + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
+    built = [{"kind": kind, "bytes_per_param": max(rss[kind]) / n_params,
+              "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS]
     by = {r["kind"]: r for r in rows}
     ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
     ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
@@ -187,29 +213,36 @@ def main(argv: list[str] | None = None) -> int:
             Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
             Column("model_bytes_per_param", "model B/param", "{:.2f}")]
     table = format_table(cols, rows)
+    built_cols = [Column("kind", "built as shards"), Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
+                  Column("model_bytes_per_param", "model B/param", "{:.2f}")]
     verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
                "(target >= 0.95)")
     print(table)
+    print(format_table(built_cols, built))
     print(verdict)
     print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     model = (f"{args.layers} x Linear({args.width}, {args.width}), {n_params / 1e6:.1f}M parameters, AdamW, "
              f"batch {args.batch}/rank")
     payload = {"info": run_info("bench.zero", argv if argv is not None else sys.argv[1:]), "load_average": load,
-               "world": args.world, "model": model, "rows": rows, "ratio_stage3_fsdp2": ratio3,
+               "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "ratio_stage3_fsdp2": ratio3,
                "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "times": ranks}
     out = Path(args.out)
     save_json(out.with_suffix(".json"), payload)
     _plot(out.with_suffix(".png"), rows, f"ZeRO stages, {args.world} ranks on gloo: {model}")
-    command = "python -m bench.zero " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.zero " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = (
-        "## ZeRO stages 2 and 3\n\n"
+        f"## {args.section}\n\n"
         f"`{command.strip()}` ({args.world} ranks on gloo, {model}; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run; the machine is shared)\n\n"
         + format_table(cols, rows, markdown=True) + "\n\n" + verdict + ".\n\n"
-        "![zero](benchmarks/zero.png)\n"
+        "The model never whole on a rank (stage 3 built inside `fleet.sharded_init()`; torch's FSDP2 built on "
+        "the meta device, then `to_empty` and each Linear's `reset_parameters` on its shards), peak RSS "
+        "above the rank's baseline, building included:\n\n"
+        + format_table(built_cols, built, markdown=True) + "\n\n"
+        f"![zero](benchmarks/{out.name}.png)\n"
     )
     if not args.no_docs:
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", "## ZeRO stages 2 and 3", section)
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", f"## {args.section}", section)
     return 0
 
 

@@ -47,6 +47,7 @@ from fleetlike.roles import Role, RoleMaker, as_role
 from fleetlike.roles.settings import EnvSettings, env_settings, strategy_with_env, with_epl_env
 from fleetlike.strategies.amp import AmpUnit, autocast as amp_autocast
 from fleetlike.strategies.engine import Engine, build_engine
+from fleetlike.strategies.sharded_init import sharded_init
 from fleetlike.strategies.step import AppliedEntry
 from fleetlike.strategies.zero import full_state_dict
 
@@ -375,7 +376,9 @@ class Fleet:
         if loss_fn is not None:
             raise ValueError("fleet.distributed_model(loss_fn=...) is for a pipelined model (strategy.pipeline); "
                              "a data-parallel model computes its loss in the script: loss_fn(model(x), y)")
-        broadcast_coalesced(ctx.world, [p.data for p in model.parameters()] + list(model.buffers()))
+        # a model built as shards (sharded_init, the meta device) is checked, not broadcast, at stage 2/3
+        broadcast_coalesced(ctx.world, [p.data for p in model.parameters() if not p.is_meta]
+                            + [b for b in model.buffers() if not b.is_meta])
         me = weakref.ref(self)
 
         def engine_for(wrapped: DistributedModel) -> Engine:
@@ -387,6 +390,21 @@ class Fleet:
         wrapped = DistributedModel(model, engine_for, ctx.role.rank)
         self._models.append(wrapped)
         return wrapped
+
+    def sharded_init(self) -> contextlib.AbstractContextManager[Any]:
+        """A block inside which every ``torch.nn.Module`` built keeps only this rank's shard of its
+        parameters (DeepSpeed's ``zero.Init``, Paddle's ``LazyGuard``), for sharding stages 2 and 3:
+        the model is never whole on one rank, and its values are those of building it whole under
+        the same seed (`fleetlike.strategies.sharded_init`). A model built under
+        ``torch.device("meta")`` is materialised the same way at its first step.
+
+        Example:
+            >>> with fleet.sharded_init():
+            ...     net = TransformerLM()
+            >>> model = fleet.distributed_model(net)   # strategy.sharding, sharding_configs.stage 3
+        """
+        ctx = self._context("fleet.sharded_init")
+        return sharded_init(ctx.world.rank, ctx.world.size)
 
     def _overlaps(self, model: DistributedModel, opt: DistributedOptimizer) -> bool:
         return bool({id(p) for p in model.module.parameters()} & opt.param_ids())

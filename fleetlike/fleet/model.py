@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fleetlike.strategies.engine import Engine
+from fleetlike.strategies.sharded_init import is_lazy
 from fleetlike.strategies.zero import full_state_dict
 
 __all__ = ["DistributedModel"]
@@ -84,6 +85,8 @@ class DistributedModel(torch.nn.Module):
         """The module's parameters and buffers at full size under its own names, as plain
         tensors (what ``fleet.full_state_dict`` returns): sharded ones (stages 2 and 3) are
         gathered, so every rank must call it; with ``rank0_only`` other ranks get ``{}``."""
+        if self._engine is None and is_lazy(self.module):
+            self.engine  # noqa: B018 - a model built as shards is materialised with its engine
         return full_state_dict(self.module, rank0_only, self.rank)
     def train_batch(self, *args: Any, **kwargs: Any) -> Any:
         """Paddle's pipeline call: refused with the reason (this model is not pipelined)."""

@@ -84,7 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
     p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gossip,gradient_merge")
-    p.add_argument("--memory", default=None, help="memory per rank, e.g. 2GiB; larger candidates are marked")
+    p.add_argument("--memory", "--memory-per-rank", "--memory_per_rank", dest="memory", default=None,
+                   help="memory per rank, e.g. 4GiB; larger candidates are marked, and the table says why each "
+                        "candidate not recommended was not")
+    p.add_argument("--host_link", default=None,
+                   help="the host-device link as latency_us,MB/s: prices sharding_stage3_offload (GPU jobs)")
     p.add_argument("--threads", type=int, default=None, help="torch threads while timing compute (as the workers use)")
     p.add_argument("--save", default=None, help="write the recommended DistributedStrategy JSON here")
     p.add_argument("--json", default=None, help="write the whole table as JSON here")
@@ -147,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
                      OptimizerKind.parse(args.optimizer).factory(args.lr), name=args.model,
                      compute_seconds=args.compute_seconds, amp_compute_seconds=args.amp_compute_seconds)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    host = parse_rate(args.host_link, "host_link") if args.host_link else None
     result = plan(spec, cluster, links, space=space, allow=allow, memory_limit=memory, only=only,
-                  progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
+                  progress=lambda line: print("  " + line, file=sys.stderr, flush=True), host_link=host)
     scales = sorted(r.trace.compute_scale for r in result.rows if r.trace.compute_scale is not None)
     compute = (f"compute x{scales[len(scales) // 2]:.2f} (median over traces, from --compute_seconds)" if scales
                else f"compute x{links.compute_scale:.2f}")
@@ -161,7 +166,10 @@ def run(args: argparse.Namespace) -> int:
         if args.save:
             best.candidate.strategy().save(args.save)
             print(f"recommended {best.name}: saved to {args.save}")
-        if args.show:
+        if args.show and best.derived:
+            print(f"{best.name} is derived from {best.derived}'s trace (FSDP2's collectives are not traced): "
+                  "no program listing to annotate")
+        elif args.show:
             print(annotate(best.trace.program, best.trace, links))
     return 0
 

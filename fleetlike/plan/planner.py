@@ -24,9 +24,10 @@ from fleetlike.plan.memory import MemoryBreakdown
 from fleetlike.plan.space import Candidate, MathChange, SpaceName, candidates
 from fleetlike.plan.spec import Cluster, ModelSpec
 from fleetlike.plan.trace import Trace, trace
+from fleetlike.plan.zero import ZERO_CANDIDATES, host_bytes, layout_of, options, zero_memory, zero_step
 from fleetlike.program import Program
 
-__all__ = ["PlanResult", "PlanRow", "annotate", "format_table", "plan"]
+__all__ = ["PlanResult", "PlanRow", "annotate", "format_table", "plan", "why_not"]
 
 
 @dataclasses.dataclass
@@ -40,6 +41,10 @@ class PlanRow:
     fits: bool
     allowed: bool
     trace: Trace = dataclasses.field(repr=False)
+    #: for a candidate derived from another's trace (stages 2 and 3, `fleetlike.plan.zero`):
+    #: what it was derived from, and a note for the table (offload's host memory)
+    derived: str = ""
+    note: str = ""
 
     @property
     def name(self) -> str:
@@ -52,7 +57,7 @@ class PlanRow:
                 "comm_s": self.cost.comm, "samples_per_s": self.samples_per_s,
                 "intra_bytes_per_step": self.cost.intra_bytes, "inter_bytes_per_step": self.cost.inter_bytes,
                 "memory": self.memory.as_dict(), "fits": self.fits, "allowed": self.allowed,
-                "period": self.trace.period}
+                "period": self.trace.period, "derived_from": self.derived or None}
 
 
 @dataclasses.dataclass
@@ -74,21 +79,25 @@ class PlanResult:
 
 def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | str = SpaceName.BASIC,
          allow: Iterable[MathChange] = (), memory_limit: int | None = None,
-         only: Iterable[str] | None = None, progress: Callable[[str], None] | None = None) -> PlanResult:
+         only: Iterable[str] | None = None, progress: Callable[[str], None] | None = None,
+         host_link: tuple[float, float] | None = None) -> PlanResult:
     """Predict every candidate of ``space`` (or the names in ``only``); see the module docstring.
 
     ``memory_limit``: bytes per rank; candidates whose predicted peak exceeds it are marked and
-    never recommended."""
+    never recommended. Sharding stages 2 and 3 (and offload, priced over ``host_link``) are
+    derived from the data-parallel trace (`fleetlike.plan.zero`)."""
     allowed = set(allow)
     cands = candidates(space, cluster)
+    zero_names = list(ZERO_CANDIDATES)
     if only is not None:
         wanted = list(only)
         names = {c.name: c for c in cands}
-        unknown = [w for w in wanted if w not in names]
+        unknown = [w for w in wanted if w not in names and w not in ZERO_CANDIDATES]
         if unknown:
             raise ValueError(f"strategies {unknown} are not in the {space} space on {cluster}; "
-                             f"choose from {', '.join(names)}")
-        cands = [names[w] for w in wanted]
+                             f"choose from {', '.join([*names, *ZERO_CANDIDATES])}")
+        cands = [names[w] for w in wanted if w in names]
+        zero_names = [w for w in wanted if w in ZERO_CANDIDATES]
     rows = []
     skipped: list[tuple[str, str]] = []
     for cand in cands:
@@ -105,6 +114,8 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
                             fits, all(m in allowed for m in cand.changes_math), t))
         if progress is not None:
             progress(f"{cand.name}: {cost.seconds * 1e3:.1f} ms/step, peak {t.memory.peak / 2**20:.1f} MiB")
+    if zero_names:
+        rows += _zero_rows(spec, cluster, links, rows, zero_names, memory_limit, host_link, skipped, progress)
     ok = [r for r in rows if r.fits and r.allowed]
     best = min(ok, key=lambda r: r.cost.seconds) if ok else None
     why = ""
@@ -112,6 +123,56 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
         why = ("no candidate fits the memory limit" if not any(r.fits for r in rows)
                else "every candidate that fits changes the training math; pass --allow")
     return PlanResult(rows, best, cluster, links, memory_limit, why, skipped)
+
+
+def _zero_rows(spec: ModelSpec, cluster: Cluster, links: Links, rows: list[PlanRow], names: list[str],
+               memory_limit: int | None, host_link: tuple[float, float] | None, skipped: list[tuple[str, str]],
+               progress: Callable[[str], None] | None) -> list[PlanRow]:
+    """Stages 2 and 3 (and offload) from the data-parallel trace (`fleetlike.plan.zero`)."""
+    if cluster.world_size < 2:
+        skipped.extend((n, "one rank: there is nothing to shard") for n in names)
+        return []
+    base = next((r for r in rows if r.name == "dp"), None)
+    if base is None:
+        t = trace(spec, Candidate("dp", {}, ()).strategy(), cluster)
+        base = PlanRow(Candidate("dp", {}, ()), step_time(t, links), t.memory, 0.0, True, True, t)
+    layout = layout_of(spec)
+    out = []
+    for name in names:
+        stage, offload = ZERO_CANDIDATES[name]
+        if offload and host_link is None:
+            skipped.append((name, "not predicted: give the host-device link (--host_link latency_us,MB/s) to price "
+                                  "moving the shards; on a CPU-only job offload changes nothing (it is stage 3)"))
+            continue
+        mem = zero_memory(base.memory, layout, cluster.world_size, stage, offload)
+        cost = zero_step(base.trace, base.cost, layout, links, stage, host_link if offload else None)
+        note = f"host {_mib(host_bytes(base.memory, cluster.world_size))} MiB" if offload else ""
+        out.append(PlanRow(Candidate(name, options(stage, offload), ()), cost, mem,
+                           cluster.world_size * spec.batch_size / cost.seconds,
+                           memory_limit is None or mem.peak <= memory_limit, True, base.trace, derived="dp", note=note))
+        if progress is not None:
+            progress(f"{name}: {cost.seconds * 1e3:.1f} ms/step, peak {mem.peak / 2**20:.1f} MiB (from dp's trace)")
+    return out
+
+
+def why_not(result: PlanResult) -> list[str]:
+    """One line per candidate that was not recommended, saying why."""
+    best = result.recommended
+    lines = []
+    for r in sorted(result.rows, key=lambda r: r.cost.seconds):
+        if r is best:
+            continue
+        if not r.fits:
+            limit = result.memory_limit or 0
+            lines.append(f"{r.name}: does not fit: needs {_mib(r.memory.peak)} MiB per rank, over the "
+                         f"{_mib(limit)} MiB limit")
+        elif not r.allowed:
+            lines.append(f"{r.name}: changes the training math ({', '.join(m.value for m in r.candidate.changes_math)})"
+                         ", not allowed (--allow)")
+        elif best is not None:
+            lines.append(f"{r.name}: fits ({_mib(r.memory.peak)} MiB), but {r.cost.seconds * 1e3:.1f} ms/step is slower "
+                         f"than {best.name}'s {best.cost.seconds * 1e3:.1f}")
+    return lines
 
 
 def _mib(n: float) -> str:
@@ -132,6 +193,10 @@ def format_table(result: PlanResult) -> str:
             notes.append("!mem")
         if r.candidate.changes_math:
             notes.append("changes math" + ("" if r.allowed else " (not allowed)"))
+        if r.derived:
+            notes.append(f"from {r.derived}'s trace")
+        if r.note:
+            notes.append(r.note)
         lines.append(f"{r.name:<24} {r.cost.seconds * 1e3:>9.1f} {r.samples_per_s:>10.1f} "
                      f"{_mib(r.cost.intra_bytes):>10} {_mib(r.cost.inter_bytes):>10} {_mib(r.memory.peak):>9}  "
                      + ", ".join(notes))
@@ -139,6 +204,12 @@ def format_table(result: PlanResult) -> str:
         lines.append(f"{name:<24} skipped: {why}")
     if result.recommended is None:
         lines.append(f"no recommendation: {result.why_none}")
+    else:
+        lines.append(f"recommended: {result.recommended.name}, the fastest that fits"
+                     + ("" if result.memory_limit is None else f" {_mib(result.memory_limit)} MiB per rank"))
+    reasons = why_not(result)
+    if reasons:
+        lines += ["why not the others:", *("  " + r for r in reasons)]
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ from fleetlike.strategies.recompute import RecomputeUnit
 from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
+from fleetlike.strategies.sharded_init import ShardedInitError, is_lazy
 from fleetlike.strategies.zero import ShardedParamsUnit
 from fleetlike.tune import requested
 
@@ -71,6 +72,12 @@ def build_engine(ctx: StepContext) -> Engine:
         ctx.record("data_parallel", False, "replaced by local SGD (parameters averaged, not gradients)")
         if s.check_nan_inf:
             ctx.record("check_nan_inf", False, "local SGD communicates parameters, not gradients")
+    elif not (s.sharding and int(s.sharding_configs["stage"]) >= 2) and is_lazy(ctx.model):
+        raise ShardedInitError(
+            "the model was built as shards (fleet.sharded_init() or the meta device), which only sharding "
+            f"stages 2 and 3 can train (strategy.sharding={bool(s.sharding)}, "
+            f"sharding_configs.stage={s.sharding_configs['stage']}); set strategy.sharding = True with "
+            "sharding_configs.stage 2 or 3, or build the model whole")
     elif s.sharding and int(s.sharding_configs["stage"]) >= 2:
         comm = ShardedParamsUnit(ctx, amp=amp is not None and amp.scaler.dynamic)
     elif s.sharding:

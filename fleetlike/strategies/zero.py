@@ -54,6 +54,7 @@ from fleetlike.comm.torch_group import torch_process_group
 from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
+from fleetlike.strategies.sharded_init import is_lazy, materialize, take_pending
 from fleetlike.strategies.sharding import _mb  # one byte format for every stage's applied line
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
@@ -189,9 +190,13 @@ class ShardedParamsUnit(Unit):
             raise ValueError("strategy.sharding stage 2/3 shards the model itself, but it already holds "
                              "fully_shard modules; pass the plain model")
         check_same_model(world, model)
+        #: built as shards (fleet.sharded_init or the meta device): this rank's pieces, by name
+        self.lazy = is_lazy(model)
+        pending = take_pending(model, world) if self.lazy else None
         # every rank shards rank 0's values (the eager style broadcast them already; the
-        # program style's startup cannot broadcast shards, so it happens here, once, whole)
-        broadcast_coalesced(world, [p.data for p in model.parameters()] + list(model.buffers()))
+        # program style's startup cannot broadcast shards, so it happens here, once, whole);
+        # a model built as shards was checked to hold the same values on every rank instead
+        broadcast_coalesced(world, ([] if self.lazy else [p.data for p in model.parameters()]) + list(model.buffers()))
         self.names = {id(p): n for n, p in model.named_parameters()}
         before = {n: p for n, p in model.named_parameters()}
         full_bytes = sum(p.numel() * p.element_size() for p in before.values())
@@ -204,6 +209,8 @@ class ShardedParamsUnit(Unit):
         for name in reversed(self.blocks):  # innermost first, as FSDP2 wants
             fully_shard(modules[name], mesh=self.mesh, reshard_after_forward=reshard, offload_policy=offload)
         fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard, offload_policy=offload)
+        if pending is not None:  # only now are this rank's shards allocated, and filled from its pieces
+            materialize(model, world, ctx.device, pending)
         self.fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.via_allreduce = ctx.device.type != "cuda" and torch.distributed.get_backend(pg) == "gloo"
@@ -232,6 +239,8 @@ class ShardedParamsUnit(Unit):
                f" (largest {_mb(largest)}), the rest with the root")
             + ("; each block gathered for its forward and again for its backward, freed after" if self.stage == 3 else
                "; parameters gathered for the forward and kept to the end of the backward")
+            + ("; built as shards (sharded construction or the meta device): no rank held the model whole"
+               if self.lazy else "")
             + f"; gradients reduce-scattered per block during backward, {cfg['gradients_reduce_method']}"
             + ("; on gloo as an allreduce of which each rank keeps its chunk (gloo's reduce_scatter is slower)"
                if self.via_allreduce else "")
@@ -412,6 +421,9 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False, rank: int 
     """``model.state_dict()`` with every shard gathered to its full tensor (collective over the
     shards' ranks when any is sharded); plain tensors, detached copies. With ``rank0_only``
     ranks other than 0 return ``{}``, keeping no gathered tensor longer than its gather."""
+    if is_lazy(model):
+        raise ValueError("full_state_dict: the model was built as shards (fleet.sharded_init() or the meta device) "
+                         "and is not materialised yet; wrap it with fleet.distributed_model and pass the wrapped model")
     keep = not rank0_only or rank == 0
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():

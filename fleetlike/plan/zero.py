@@ -1,0 +1,142 @@
+"""Sharding stages 2 and 3 and offload in the planner, predicted from the data-parallel trace.
+
+Stages 2 and 3 run on torch's FSDP2 over torch's own process group, which the planner's dry
+communicators cannot stand in for, so they are not traced: each is derived from the traced
+data-parallel step of the same model and the model's own layout (which modules FSDP2 shards as
+units, `fleetlike.strategies.zero.shard_blocks`). With ``N`` ranks, ``P`` the parameter bytes,
+``G`` the gradient bytes, ``S`` the optimizer state's bytes (all three of the whole model, from
+the trace), ``A`` the activations of one forward, ``B`` the largest unit's parameter bytes and
+``R`` the root's own (the parameters in no block, gathered for the whole step):
+
+========================  =================================  ======================================
+candidate                 kept between steps                 peak during a step
+========================  =================================  ======================================
+``sharding_stage2``       ``(P + G + S) / N``                kept + ``P`` (the full parameters, from
+                                                             the forward to the end of backward)
+                                                             + ``A`` + ``T2 * (P / N + B)``
+``sharding_stage3``       ``(P + G + S) / N``                kept + ``R`` + ``A`` + ``T3 * (P / N + B)``
+``sharding_stage3_        on the device: nothing; in host    on the device: ``R`` + ``A`` + ``T3 * B``
+offload``                 memory ``(P + G + S) / N``
+========================  =================================  ======================================
+
+``T2``, ``T3`` (`TRANSIENT`) are the step's temporaries in units of a parameter shard plus the
+largest unit: the update's whole-shard temporaries (torch's multi-tensor AdamW), each reduced
+gradient shard before it is added to the kept one, the unit gathered and the next prefetched,
+its unsharded gradients and their reduce buffer. They are measured, not derived: fitted to the
+peak RSS of 2 gloo ranks training two shapes (6 x Linear(1024) and 24 x Linear(512), AdamW), and
+checked against another shape on 3 ranks (tests/test_plan_zero.py: within 20 %; 12 x Linear(768)
+on 3 ranks reads 1.15x the predicted stage 3 peak: some of the temporaries scale with the whole
+model rather than the shard).
+
+Step time: the traced compute with the update cut to ``1/N`` (each rank steps its shard), plus,
+not overlapped (on the CPU FSDP2's collectives block the compute: docs/large_models.md), each
+unit's gradients reduce-scattered (priced as the cheaper of the link's reduce-scatter and
+allreduce: on gloo fleetlike runs it as an allreduce) and its parameters all-gathered (twice at
+stage 3: for the forward and again for the backward). Offload adds, over the host link
+(``host_link``, a ``(latency s, bytes/s)`` pair), the parameter shards moved in for each gather
+and the gradient shards moved out; without a host link it is not predicted (a CPU-only job has
+nothing to move: offload changes nothing there).
+
+Example:
+    >>> t = trace(spec, DistributedStrategy(), Cluster(1, 2))      # the data-parallel step
+    >>> zero_memory(t.memory, layout_of(spec), 2, stage=3, offload=False).peak
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fleetlike.plan.cost import Links, StepCost, group_kind
+from fleetlike.plan.memory import MemoryBreakdown
+from fleetlike.plan.spec import Cluster, ModelSpec
+from fleetlike.plan.trace import Trace
+from fleetlike.strategies.zero import shard_blocks
+
+__all__ = ["TRANSIENT", "ZERO_CANDIDATES", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
+           "zero_step"]
+
+#: a step's temporaries at each stage, in parameter shards plus largest units (see the module docstring)
+TRANSIENT = {2: 1.5, 3: 2.5}
+#: the derived candidates: name -> (stage, offload)
+ZERO_CANDIDATES: dict[str, tuple[int, bool]] = {
+    "sharding_stage2": (2, False),
+    "sharding_stage3": (3, False),
+    "sharding_stage3_offload": (3, True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroLayout:
+    """The model as FSDP2 shards it: each unit's parameter bytes (blocks, then the root's own)."""
+
+    blocks: tuple[int, ...]
+    root: int
+
+    @property
+    def largest(self) -> int:
+        return max((*self.blocks, self.root))
+
+
+def layout_of(spec: ModelSpec) -> ZeroLayout:
+    """Build the model once and measure its units (no communication)."""
+    model = spec.builder(spec.batch_size)[0]
+    modules = dict(model.named_modules())
+
+    def nbytes(m: Any) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    blocks = tuple(nbytes(modules[b]) for b in shard_blocks(model))
+    return ZeroLayout(blocks, nbytes(model) - sum(blocks))
+
+
+def options(stage: int, offload: bool) -> dict[str, Any]:
+    """The strategy options of a derived candidate."""
+    cfg: dict[str, Any] = {"sharding_degree": 0, "stage": stage}
+    if offload:
+        cfg.update(optimize_offload=True, offload_params=True)
+    return {"sharding": True, "sharding_configs": cfg}
+
+
+def zero_memory(base: MemoryBreakdown, layout: ZeroLayout, world: int, stage: int, offload: bool) -> MemoryBreakdown:
+    """Per-rank bytes of a stage 2 / 3 (offload) step, from the data-parallel breakdown ``base``
+    (see the module docstring). The device's share is what is returned; under offload the kept
+    shards are in host memory (`host_bytes`)."""
+    kept_p, kept_g, kept_s = (0, 0, 0) if offload else (-(-base.params // world), -(-base.grads // world),
+                                                        -(-base.optimizer // world))
+    shard = 0 if offload else -(-base.params // world)
+    during = (base.params if stage == 2 else layout.root) + int(TRANSIENT[stage] * (shard + layout.largest))
+    return MemoryBreakdown(kept_p, kept_g, kept_s, during, base.activations, base.amp_copies, 0, False)
+
+
+def host_bytes(base: MemoryBreakdown, world: int) -> int:
+    """Host memory per rank under offload: the parameter and gradient shards and the optimizer state."""
+    return -(-(base.params + base.grads + base.optimizer) // world)
+
+
+def zero_step(trace: Trace, cost: StepCost, layout: ZeroLayout, links: Links, stage: int,
+              host_link: tuple[float, float] | None) -> StepCost:
+    """Predicted seconds of a stage 2 / 3 step from the data-parallel ``trace`` and its ``cost``."""
+    cluster: Cluster = trace.cluster
+    world = cluster.world_size
+    scale = trace.compute_scale if trace.compute_scale is not None else links.compute_scale
+    times = [dict(s.times) for s in trace.steps]
+    update = sum(t.get("optimizer_update", 0.0) for t in times) / len(times) * scale
+    compute = cost.compute - update + update / world
+    kind = group_kind(tuple(range(world)), cluster)
+    units = [*layout.blocks, layout.root] if layout.root else list(layout.blocks)
+    comm = 0.0
+    for nbytes in units:
+        reduce = min(links.cost(kind, "reduce_scatter", nbytes), links.cost(kind, "all_reduce", nbytes))
+        comm += reduce + (2 if stage == 3 else 1) * links.cost(kind, "all_gather", nbytes)
+    if host_link is not None:
+        lat, rate = host_link
+        shard = sum(units) / world
+        moves = (2 if stage == 3 else 1) * len(units) + len(units)  # shards in per gather, gradients out
+        comm += moves * lat + ((2 if stage == 3 else 1) * shard + shard) / rate
+    per_rank = sum(units) * (world - 1) / world  # what each rank sends of one gather (ring)
+    gathers = 2 if stage == 3 else 1
+    sent = per_rank * (gathers + 1)
+    intra, inter = (sent, 0.0) if kind == "intra" else (0.0, sent)
+    seconds = compute + comm
+    return StepCost(seconds, compute, comm, comm, intra, inter, [seconds], {})

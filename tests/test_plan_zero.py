@@ -1,0 +1,121 @@
+"""The planner's sharding stages 2 and 3 against real ranks: the predicted bytes a rank keeps
+between steps equal the tensors a stage 2 / 3 rank holds (parameter, gradient and AdamW shards),
+and the predicted peak is within ``PEAK_TOLERANCE`` of the peak RSS measured on 2 and 3 gloo ranks
+(above the RSS after the first step, glibc's mmap threshold fixed, so building the model whole
+is not counted); with ``--memory-per-rank`` the CLI recommends the fastest candidate that fits
+and says why each other one was not, and offload is priced only with a host link."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fleetlike import DistributedStrategy, fleet
+from fleetlike.plan import Cluster, Links, ModelSpec, plan
+from fleetlike.plan.cli import main as plan_main
+from fleetlike.plan.spec import OptimizerKind
+from fleetlike.testing import run_ranks
+
+#: measured peak / predicted peak lies within 1 +- this (the step's temporaries are a measured
+#: figure, `fleetlike.plan.zero.TRANSIENT`, fitted to "wide" and "deep" on 2 ranks; "mid" on 3
+#: ranks was not fitted: measured 1.11x the prediction at stage 2, 1.15x at stage 3)
+PEAK_TOLERANCE = 0.2
+SHAPES = {"wide": (6, 1024), "deep": (24, 512), "mid": (12, 768)}
+BATCH = 8
+
+
+def build(batch_size: int, layers: int = 6, width: int = 1024):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                  for _ in range(layers)])
+    x = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(1))
+    return model, lambda m, feed: F.mse_loss(m(feed["x"]), feed["x"].flip(1)), {"x": x}
+
+
+def build_small(batch_size: int):
+    return build(batch_size, 8, 256)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def _measure(role, shape: str, stage: int) -> tuple[int, int]:
+    """(tensor bytes held between steps, peak RSS of steps 2 to 4 above the RSS after fleet.init);
+    one stage per job (the fleet keeps the models it wrapped)."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD: freed blocks go back to the system
+    with fleet.session(role, timeout=60):
+        base = _status("VmRSS")
+        net, loss_fn, feed = build(BATCH, *SHAPES[shape])
+        model = fleet.distributed_model(net)
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), DistributedStrategy.from_dict(
+            {"sharding": True, "sharding_configs": {"sharding_degree": 0, "stage": stage}}))
+        for step in range(4):
+            if step == 1:  # built, sharded, optimizer state made: from here on, the steps' own peak
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model, feed).backward()
+            opt.step()
+        peak = _status("VmHWM") - base
+
+        def own(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        held = sum(own(p) + own(p.grad) for p in net.parameters())
+        held += sum(own(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+        return held, peak
+
+
+def _predicted(shape: str, world: int) -> dict:
+    spec = ModelSpec(lambda batch: build(batch, *SHAPES[shape]), BATCH, OptimizerKind.ADAMW.factory(1e-3))
+    cluster = Cluster(1, world)
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster)
+    result = plan(spec, cluster, links, only=["sharding_stage2", "sharding_stage3"])
+    return {r.name: r.memory for r in result.rows}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape,world", [("wide", 2), ("mid", 3)])
+def test_predicted_memory_of_stages_2_and_3_matches_real_ranks(shape, world):
+    predicted = _predicted(shape, world)
+    for stage in (2, 3):
+        mem = predicted[f"sharding_stage{stage}"]
+        kept = mem.params + mem.grads + mem.optimizer
+        for held, peak in run_ranks(_measure, world, shape, stage, timeout=120):
+            assert abs(held - kept) <= 0.01 * kept, (shape, stage, held, kept)  # uneven shards: within a row
+            print(f"{shape} on {world} ranks, stage {stage}: measured peak {peak / 2**20:.1f} MiB, predicted "
+                  f"{mem.peak / 2**20:.1f} MiB ({peak / mem.peak:.3f}x)")
+            assert abs(peak / mem.peak - 1) <= PEAK_TOLERANCE, (shape, stage, peak, mem.peak, peak / mem.peak)
+
+
+def test_cli_recommends_the_fastest_that_fits_and_says_why_not_the_others(capsys, tmp_path):
+    args = ["--model", "test_plan_zero:build_small", "--batch_size", "8", "--cluster", "1x4", "--optimizer", "adamw",
+            "--intra", "50,1000", "--inter", "100,100", "--json", str(tmp_path / "t.json"),
+            "--only", "dp,sharding,sharding_stage2,sharding_stage3"]
+    assert plan_main([*args[:-1], args[-1] + ",sharding_stage3_offload", "--memory-per-rank", "4GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "give the host-device link (--host_link" in text  # offload is priced over a host link only
+    rows = {r["name"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    fastest = min(rows, key=lambda n: rows[n]["step_s"])
+    assert f"recommended: {fastest}, the fastest that fits 4096.0 MiB per rank" in text
+    assert all(f"{n}: fits (" in text and "is slower than" in text for n in rows if n != fastest)
+    assert rows["sharding_stage3"]["derived_from"] == "dp"
+    # a limit only stage 3 fits under (on 4 ranks): recommended, the others named as over it
+    s3 = rows["sharding_stage3"]["memory"]["peak"]
+    assert s3 < min(r["memory"]["peak"] for n, r in rows.items() if n != "sharding_stage3")
+    assert plan_main([*args, "--memory-per-rank", str(s3)]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: sharding_stage3" in text
+    for name in ("dp", "sharding", "sharding_stage2"):
+        assert f"{name}: does not fit: needs" in text
+    assert plan_main([*args[:-1], "sharding_stage3,sharding_stage3_offload", "--host_link", "10,12000"]) == 0
+    off = {r["name"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert off["sharding_stage3_offload"]["memory"]["peak"] < off["sharding_stage3"]["memory"]["peak"]
+    assert off["sharding_stage3_offload"]["step_s"] > off["sharding_stage3"]["step_s"]
