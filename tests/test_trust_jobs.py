@@ -86,6 +86,7 @@ def test_a_worker_count_beyond_the_bound_starts_nothing(tmp_path: Path, launcher
     assert code == 2 and "FLEETLIKE_MAX_NPROC_PER_NODE='２' is not a positive integer in ASCII digits" in stderr
 
 
+@pytest.mark.slow  # two elastic launchers and a heartbeat timeout: half a minute
 @pytest.mark.timeout(300)
 def test_a_node_lost_to_sigstop_is_summarised_as_stopped_never_by_its_later_exit(tmp_path: Path,
                                                                               launchers: Launchers) -> None:
