@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
+from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_figure, save_json
 
 __all__ = ["KINDS", "main"]
 
@@ -171,9 +171,7 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     b.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ from fleetlike.program import Op, StepState
 from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
-__all__ = ["ShardingUnit", "check_num_apply_group", "whole_update_reason"]
+__all__ = ["ShardingUnit", "check_degree", "check_num_apply_group", "whole_update_reason"]
 
 #: optimizers that cannot step a partition: they need every parameter in one closure
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
@@ -98,6 +98,17 @@ def _mb(x: float) -> str:
     return f"{kb:.1f}KiB" if kb < 1024 else f"{kb / 1024:.2f}MiB"
 
 
+
+def check_degree(cfg: Any, world_size: int, what: str) -> None:
+    """Every stage shards over the whole world: ``sharding_configs.sharding_degree`` must be 0
+    (the world size) or the world size; ``what`` names what is sharded, for the message."""
+    degree = int(cfg["sharding_degree"])
+    if degree not in (0, world_size):
+        raise ValueError(
+            f"strategy.sharding_configs.sharding_degree={degree}, but this job has {world_size} ranks; "
+            f"fleetlike shards {what} over every rank: set it to {world_size}, or 0 for whatever the world "
+            "size is")
+
 class ShardingUnit(Unit):
     """ZeRO stage 1 in both styles (see the module docstring)."""
 
@@ -110,14 +121,8 @@ class ShardingUnit(Unit):
         s = ctx.strategy
         cfg = s.sharding_configs
         world = ctx.groups.world
-        degree = int(cfg["sharding_degree"])
-        if degree not in (0, world.size):
-            raise ValueError(
-                f"strategy.sharding_configs.sharding_degree={degree}, but this job has {world.size} ranks; "
-                f"fleetlike shards the optimizer state over every rank (Paddle checks sharding_degree x "
-                f"dp_degree == world size, and there is no dp_degree here): set it to {world.size}, or 0 "
-                "for whatever the world size is"
-            )
+        check_degree(cfg, world.size, "the optimizer state (Paddle checks sharding_degree x dp_degree == world "
+                                      "size, and there is no dp_degree here)")
         self.ctx = ctx
         self.rank = world.rank
         self.clip_norm = float(cfg["clip_norm"])

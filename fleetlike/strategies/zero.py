@@ -55,7 +55,7 @@ from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
 from fleetlike.strategies.sharded_init import is_lazy, materialize, take_pending
-from fleetlike.strategies.sharding import _mb  # one byte format for every stage's applied line
+from fleetlike.strategies.sharding import _mb, check_degree  # one byte format and degree rule for every stage
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
 __all__ = ["AllReduceScatter", "ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
@@ -175,11 +175,7 @@ class ShardedParamsUnit(Unit):
         s = ctx.strategy
         cfg = s.sharding_configs
         world = ctx.groups.world
-        degree = int(cfg["sharding_degree"])
-        if degree not in (0, world.size):
-            raise ValueError(
-                f"strategy.sharding_configs.sharding_degree={degree}, but this job has {world.size} ranks; "
-                f"fleetlike shards over every rank: set it to {world.size}, or 0 for whatever the world size is")
+        check_degree(cfg, world.size, "parameters, gradients and optimizer state")
         self.ctx = ctx
         self.stage = int(cfg["stage"])
         self.clip_norm = float(cfg["clip_norm"])
