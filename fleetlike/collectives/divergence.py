@@ -95,16 +95,17 @@ class DivergenceGuard:
         self.checks += 1
         if self.comm.size == 1:
             return
-        mine = checksums(self.tensors)
+        mine = checksums(self.tensors).to(self.comm.device)
         both = torch.cat([mine, -mine])
         self.comm.all_reduce(both, ReduceOp.MAX)
         n = mine.numel()
+        both, mine = both.cpu(), mine.cpu()
         hi, lo = both[:n], -both[n:]
         differ = (hi != lo).nonzero()
         if differ.numel() == 0:
             return
         first = int(differ[0])
-        values = self.comm.all_gather_flat(mine[first: first + 1]).tolist()
+        values = self.comm.all_gather_flat(mine[first: first + 1].to(self.comm.device)).tolist()
         holders: dict[int, list[int]] = {}
         for r, v in enumerate(values):
             holders.setdefault(int(v), []).append(r)

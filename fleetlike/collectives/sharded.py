@@ -305,7 +305,7 @@ def two_level_positions(world: Communicator, intra: Communicator, inter: Communi
     """Each rank's segment position for the two-level form: ``j * K + g`` for rank ``(inter
     rank g, intra rank j)``, agreed by one small all-gather (node grouping need not be by
     consecutive ranks)."""
-    mine = torch.tensor([intra.rank * inter.size + inter.rank], dtype=torch.int64)
+    mine = torch.tensor([intra.rank * inter.size + inter.rank], dtype=torch.int64, device=world.device)
     return [int(v) for v in world.all_gather_flat(mine, agreed=True)]
 
 

@@ -67,6 +67,8 @@ __all__ = [
     "divide_",
 ]
 
+_CPU = torch.device("cpu")
+
 
 class Communicator(abc.ABC):
     """A group of ranks that run collectives together. See the module docstring for the grid.
@@ -129,6 +131,13 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors this communicator moves, and so where a caller makes the
+        small values the ranks agree on (flags, counts, norms, checksums): the CPU here, the
+        rank's GPU on NCCL."""
+        return _CPU
 
     # ----------------------------------------------------------------- backend primitives
     # Each starts the operation on contiguous tensors and returns a Work. Buffers given are

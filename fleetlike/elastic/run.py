@@ -140,16 +140,16 @@ def _check_hosts() -> None:
     """At a commit: raise `HostsUpdatedInterrupt` on every rank when any rank sees joiners."""
     waiting = 1 if membership().waiting() > 0 else 0
     world = fleet.context().world
-    if int(world.all_reduce(torch.tensor([waiting]), op=ReduceOp.MAX).item()):
+    if int(world.all_reduce(torch.tensor([waiting], device=world.device), op=ReduceOp.MAX).item()):
         raise HostsUpdatedInterrupt("workers are waiting to join; re-forming the world")
 
 
 def _survivor(state: State) -> int:
     """The rank whose commit every rank takes: the most commits, the lowest rank among them."""
     world = fleet.context().world
-    most = int(world.all_reduce(torch.tensor([state.commits]), op=ReduceOp.MAX).item())
+    most = int(world.all_reduce(torch.tensor([state.commits], device=world.device), op=ReduceOp.MAX).item())
     mine = world.rank if state.commits == most else world.size
-    return int(world.all_reduce(torch.tensor([mine]), op=ReduceOp.MIN).item())
+    return int(world.all_reduce(torch.tensor([mine], device=world.device), op=ReduceOp.MIN).item())
 
 
 def _reform(cause: str, started: float) -> dict[str, Any]:

@@ -87,11 +87,11 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
     if world.size == 1:
         return obj
     data = dumps_signed(obj, "elastic.sync", root) if world.rank == root else b""
-    size = world.broadcast(torch.tensor([len(data)], dtype=torch.int64), root)
+    size = world.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=world.device), root)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if world.rank == root \
         else torch.empty(int(size.item()), dtype=torch.uint8)
-    buf = world.broadcast(buf, root)
-    return obj if world.rank == root else loads_signed(buf.numpy().tobytes(), "elastic.sync", root)
+    buf = world.broadcast(buf.to(world.device), root)
+    return obj if world.rank == root else loads_signed(buf.cpu().numpy().tobytes(), "elastic.sync", root)
 
 
 def _clone(value: Any) -> Any:

@@ -149,7 +149,7 @@ def _sharding_units(state: TrainingState) -> list[Any]:
 
 def _agree(world: Any, failed: bool) -> bool:
     """True on every rank when any rank failed (one small MAX allreduce; also a barrier)."""
-    flag = torch.tensor([1.0 if failed else 0.0])
+    flag = torch.tensor([1.0 if failed else 0.0], device=world.device)
     world.all_reduce(flag, "max", agreed=True)
     return bool(flag.item())
 
@@ -161,6 +161,7 @@ def _agree_on_writes(world: Any, error: BaseException | None, target: Path) -> N
     codes = torch.zeros(world.size)
     if error is not None:  # 1 + errno of a full disk, or 1
         codes[world.rank] = 1.0 + full_disk_errno(error)
+    codes = codes.to(world.device)
     world.all_reduce(codes, "max", agreed=True)
     failed = [(r, int(c) - 1) for r, c in enumerate(codes.tolist()) if c > 0]
     if error is not None:
@@ -183,7 +184,7 @@ def _broadcast_tag(world: Any) -> str:
     if world.rank == 0:
         raw = make_tag().encode()
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    buf = world.broadcast(buf, 0, agreed=True)
+    buf = world.broadcast(buf.to(world.device), 0, agreed=True)
     return bytes(buf.tolist()).rstrip(b"\0").decode()
 
 

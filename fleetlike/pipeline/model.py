@@ -258,12 +258,13 @@ class PipelineModel(torch.nn.Module):
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean micro-batch loss, broadcast to the pipeline's ranks."""
-        value = torch.zeros((), dtype=torch.float32)
+        comm = self.hcg.pp_comm
+        value = torch.zeros((), dtype=torch.float32, device=comm.device)
         if losses:
-            value = torch.stack([loss.detach().float().cpu() for loss in losses]).mean()
+            value = torch.stack([loss.detach().float().to(comm.device) for loss in losses]).mean()
         if self.hcg.pp_degree > 1:
-            self.hcg.pp_comm.broadcast(value, root=self.hcg.pp_degree - 1)
-        return value
+            comm.broadcast(value, root=self.hcg.pp_degree - 1)
+        return value.cpu()
 
     @torch.no_grad()
     def eval_batch(self, data: Any, compute_loss: bool = True) -> Any:

@@ -126,7 +126,7 @@ def compute_slowdown(world: Communicator, work: Callable[[], float], window: flo
     Collective over ``world``; every rank gets the figures."""
     world.barrier()
     solo = statistics.median([work() for _ in range(6)][1:]) if world.rank == 0 else 0.0
-    span = torch.tensor([max(window, 6 * solo), solo], dtype=torch.float64)
+    span = torch.tensor([max(window, 6 * solo), solo], dtype=torch.float64, device=world.device)
     world.broadcast(span, 0, agreed=True)
     together = compute_together(world, work, float(span[0]))
     alone = float(span[1])
@@ -144,7 +144,7 @@ def compute_together(world: Communicator, work: Callable[[], float], window: flo
     runs = [work()]
     while time.monotonic() < deadline or len(runs) < 3:
         runs.append(work())
-    mine = torch.tensor([statistics.median(runs[1:]) / world.size], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(runs[1:]) / world.size], dtype=torch.float64, device=world.device)
     world.all_reduce(mine, "sum", agreed=True)
     return float(mine[0])
 

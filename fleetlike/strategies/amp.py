@@ -142,7 +142,7 @@ class LossScaler:
 
 def unscale_and_check(grads: Sequence[torch.Tensor], scale: float, world: Communicator) -> bool:
     """Divide ``grads`` by ``scale`` in place; True when any rank has a non-finite gradient."""
-    flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    flag = torch.zeros(1, dtype=torch.float32, device=world.device)
     inv = 1.0 / scale
     for g in grads:
         if scale != 1.0:

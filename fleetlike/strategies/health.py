@@ -130,7 +130,7 @@ class SlowRankWindow:
         data = DATA_WAIT.take() / runs
         mean = self.busy / runs + data
         self.busy, self.runs = 0.0, 0
-        both = comm.all_gather_flat(torch.tensor([mean, data], dtype=torch.float64)).tolist()
+        both = comm.all_gather_flat(torch.tensor([mean, data], dtype=torch.float64, device=comm.device)).tolist()
         times, waits = [float(t) for t in both[0::2]], [float(w) for w in both[1::2]]
         slow = [(r, self.hosts[r], times[r]) for r in slow_ranks(times, self.factor)]
         if slow and self.rank == 0:

@@ -269,8 +269,8 @@ def replay_meta(model: torch.nn.Module, rank: int, world: int) -> None:
 
 def _agree(world: Any, names: list[str], sums: list[int]) -> None:
     """Raise on every rank unless every rank's whole parameters had the same checksums."""
-    mine = torch.tensor(sums or [0], dtype=torch.int64)
-    every = world.all_gather_flat(mine, agreed=True).view(world.size, -1)
+    mine = torch.tensor(sums or [0], dtype=torch.int64, device=world.device)
+    every = world.all_gather_flat(mine, agreed=True).view(world.size, -1).cpu()
     differ = (every != every[0]).any(0).nonzero()
     if differ.numel():
         i = int(differ[0])

@@ -267,10 +267,11 @@ class ShardingUnit(Unit):
         if st.accumulate or st.skip_update:
             return
         grads = self._owned_grads()
-        sq = torch.zeros(1, dtype=torch.float64)
+        world = self.ctx.groups.world
+        sq = torch.zeros(1, dtype=torch.float64, device=world.device)
         for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        self.ctx.groups.world.all_reduce(sq, "sum", agreed=True)
+            sq += g.detach().double().pow(2).sum().to(sq.device)
+        world.all_reduce(sq, "sum", agreed=True)
         norm = math.sqrt(float(sq.item()))
         st.info["grad_norm"] = norm
         _scale(grads, self.clip_norm, norm)

@@ -113,7 +113,7 @@ def check_same_model(world: Any, model: torch.nn.Module) -> None:
     """Raise `ShardMismatchError` on every rank when the ranks' parameter names, shapes or
     dtypes differ (collective: two small all-gathers)."""
     sig = _signature(model)
-    count = torch.tensor([len(sig)], dtype=torch.int64)
+    count = torch.tensor([len(sig)], dtype=torch.int64, device=world.device)
     counts = [int(c) for c in world.all_gather_flat(count, agreed=True)]
     if len(set(counts)) > 1:
         raise ShardMismatchError(
@@ -122,8 +122,8 @@ def check_same_model(world: Any, model: torch.nn.Module) -> None:
             "into one piece per rank, so every rank must build the same model: build it from the same code "
             "and configuration on every rank")
     digest = torch.tensor([int.from_bytes(hashlib.sha1(s.encode()).digest()[:7], "little") for s in sig] or [0],
-                          dtype=torch.int64)
-    every = world.all_gather_flat(digest, agreed=True).view(world.size, -1)
+                          dtype=torch.int64, device=world.device)
+    every = world.all_gather_flat(digest, agreed=True).view(world.size, -1).cpu()
     differ = (every != every[0]).any(0).nonzero()
     if differ.numel():
         i = int(differ[0])
@@ -323,9 +323,9 @@ class ShardedParamsUnit(Unit):
         if st.accumulate or st.skip_update:
             return
         grads = self._shards()
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.world.device)
         for g in grads:
-            sq += g.detach().double().pow(2).sum().cpu()
+            sq += g.detach().double().pow(2).sum().to(sq.device)
         self.world.all_reduce(sq, "sum", agreed=True)
         norm = math.sqrt(float(sq.item()))
         st.info["grad_norm"] = norm
@@ -336,7 +336,7 @@ class ShardedParamsUnit(Unit):
     def _check_finite(self, st: StepState) -> None:
         if st.accumulate or st.skip_update:
             return
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=self.world.device)
         for g in self._shards():
             if not bool(torch.isfinite(g).all()):
                 bad.fill_(1)

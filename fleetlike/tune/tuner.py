@@ -150,7 +150,7 @@ class OnlineTuner:
     # ------------------------------------------------------------------ one trial ends
 
     def _end_trial(self) -> None:
-        times = torch.tensor(self._times, dtype=torch.float64)
+        times = torch.tensor(self._times, dtype=torch.float64, device=self.world.device)
         self.world.all_reduce(times, "max")  # each step as long as its slowest rank made it
         trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup)
         if not self._warmed:
@@ -220,8 +220,9 @@ class OnlineTuner:
     def _agree(self, mine: Setting | None) -> Setting | None:
         """Rank 0's decision, broadcast; a rank that decided otherwise raises (never diverges)."""
         code = torch.tensor(_encode(mine), dtype=torch.float64)
-        root = code.clone()
+        root = code.to(self.world.device)
         self.world.broadcast(root, 0)
+        root = root.cpu()
         if not torch.equal(root, code):
             raise RuntimeError(
                 f"auto_tune: rank {self.world.rank} chose {mine.label() if mine else 'to stop'} but rank 0 "
