@@ -134,6 +134,11 @@ def torchrun_module(*args: str, nproc: int = 2) -> list[str]:
 # from the server the pair of ranks hung in 2 of 12 runs; as plain interpreters in none of 16.
 # Ranks forked by `run_ranks` build their DDP references in `dp_common.torch_group`, which lets
 # gloo's workers go idle before the model frees the group.
+# The same free, when the worker asks for the GIL after the interpreter began finalising, aborts
+# the process instead ("terminate called without an active exception", 1 of 40 runs of two
+# plain DDP ranks, under torchrun too): plain scripts in tests/launch_workers sleep a moment
+# before they exit; fleetlike does the same at exit wherever it made a gloo group
+# (`fleetlike.comm.gloo.settle_at_exit`).
 
 
 def run_job(cmd: Sequence[str], *, cwd: Path | str, env: Mapping[str, str], timeout: float,

@@ -114,3 +114,22 @@ def test_stats_count_calls_and_bytes():
     assert calls == {"all_reduce": 1, "all_gather": 1}
     assert nbytes == {"all_reduce": 4000, "all_gather": 160}
     assert wire == 4000 + 80  # ring: 2(n-1)/n * 4000 and (n-1)/n * 160 for n = 2
+
+
+def _exit_handlers(role):
+    import atexit
+
+    before = atexit._ncallbacks()
+    worlds = [make_world(role) for _ in range(2)]
+    after = atexit._ncallbacks()
+    for w in worlds:
+        w.close()
+    return after - before
+
+
+@pytest.mark.timeout(60)
+def test_a_process_with_gloo_groups_settles_them_once_at_exit():
+    """torch's gloo workers can need the GIL after the interpreter began finalising (the process
+    then aborts): the first gloo group a process makes registers one exit handler that hands
+    them the GIL, however many groups follow."""
+    assert run_ranks(_exit_handlers, 2, timeout=50) == [1, 1]

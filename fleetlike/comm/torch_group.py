@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fleetlike.comm.base import Communicator
+from fleetlike.comm.gloo import settle_at_exit
 
 __all__ = ["TorchGroupError", "owned_torch_group", "release_torch_group", "torch_process_group"]
 
@@ -79,6 +80,7 @@ def torch_process_group(world: Communicator, device: torch.device, *, purpose: s
         kwargs["device_id"] = device
     dist.init_process_group(backend, store=prefixed, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(seconds=seconds), **kwargs)
+    settle_at_exit()
     _OWNER[0] = world
     return dist.group.WORLD
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fleetlike.comm import DEFAULT_TIMEOUT
+from fleetlike.comm.gloo import settle_at_exit
 from fleetlike.comm.mpi import mpi_available
 from fleetlike.comm.rendezvous import connect
 from fleetlike.config import envvars
@@ -122,6 +123,7 @@ def form_group(backend: str | None = None, *, timeout: float | None = None) -> F
         store = connect(role, timeout=limit)
         _ORIGINAL_INIT(chosen, store=dist.PrefixStore("torch.distributed/", store), rank=role.rank,
                        world_size=role.world_size, timeout=datetime.timedelta(seconds=limit))
+        settle_at_exit()
         _export(role)
         _FORMED = FormedGroup(role, chosen, False)
         dist.init_process_group = _answer  # type: ignore[assignment]
