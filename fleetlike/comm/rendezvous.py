@@ -9,7 +9,10 @@ writes a random challenge and the job id under the prefix: finding them tells a 
 that the host holds its secret (two jobs that share a port refuse each other with a message
 instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
 rank then proves it holds the secret (an HMAC of the challenge, its rank and endpoint) and rank 0
-gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. A process with another secret
+gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. The
+challenge is also the run's nonce that every signed value carries (`SignedStore`), and each
+proof and seat carry the joiner's own random value, so nothing recorded in an earlier run of a
+job with the same secret (same key names) verifies in this one. A process with another secret
 (or none) is refused with a message on its side and a line in rank 0's log naming the address it
 gave; the job goes on.
 
