@@ -11,7 +11,9 @@ counter a stranger moved or a proof slot it filled.
 from __future__ import annotations
 
 import datetime
+import json
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from fleetlike.comm import JobSecret, job_store
 from fleetlike.comm.rendezvous import greet
 from fleetlike.comm.signed_store import StoreTampered
 
-from test_launch_run import WORKERS, Launchers, finish
+from test_launch_run import PY, WORKERS, Launchers, clean_env, finish
 from test_trust import free_port, launchers, wait_for  # noqa: F401 - launchers is a fixture
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.alone]
@@ -115,3 +117,61 @@ def test_torch_rendezvous_state_captured_in_one_run_is_refused_in_the_next(
     log = (tmp_path / "log2" / "workerlog.0").read_text()
     assert f"the value of '{key}'" in log and "captured in an earlier run" in log, log[-3000:]
     assert list(out2.iterdir()) == []  # no world was formed from the first run's state
+
+
+def _ranks(tmp_path: Path, secret: str, spoil) -> tuple[list[dict], str]:
+    """Two ranks meeting through the rendezvous: rank 0 starts at once, rank 1 when ``spoil``
+    (the stranger's move, given a raw client and the job's key space as the wire shows it) is
+    done. The ranks' reports and rank 0's output."""
+    from helpers import preload_env, run_jobs
+
+    port = free_port()
+    endpoints = f"127.0.0.1:{port},127.0.0.1:{free_port()}"
+    go, env = tmp_path / "go", {**clean_env(FLEETLIKE_JOB_SECRET=secret), **preload_env()}
+    cmds = [[PY, str(WORKERS / "admit_rank.py"), str(r), endpoints, "jobx", str(go if r else tmp_path / "now"),
+             str(tmp_path / f"rank{r}.json")] for r in (0, 1)]
+    (tmp_path / "now").touch()
+    spoiler = threading.Thread(target=_after_greeting, args=(port, JobSecret(secret), spoil, go), daemon=True)
+    spoiler.start()
+    done = run_jobs(cmds, cwd=tmp_path, envs=[env, env], timeout=90)
+    spoiler.join(10)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)], done[0].stdout
+
+
+def _after_greeting(port: int, secret: JobSecret, spoil, go: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not _greeted(port, secret) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    raw = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+    try:
+        spoil(raw, secret.prefix + "/job/jobx/0//")  # the meeting's key space, as the wire shows it
+    finally:
+        go.touch()
+
+
+def test_a_moved_counter_and_a_forged_proof_do_not_stall_admission(tmp_path: Path) -> None:
+    """A holder of the key prefix moves the proofs' counter by a million (slots nobody writes)
+    and fills the next slot with a proof it cannot sign, before rank 1 arrives: rank 0 drops
+    that proof with a line in its log, waits for none of the empty slots, and seats rank 1."""
+    def spoil(raw: dist.TCPStore, space: str) -> None:
+        assert raw.add(space + "proofs", 1_000_000) == 1_000_000
+        raw.set(space + "proof/1000000", json.dumps({"rank": 1, "endpoint": "10.6.6.6:1", "fresh": "0",
+                                                    "tag": "0" * 64}))
+
+    reports, said = _ranks(tmp_path, secrets.token_hex(32), spoil)
+    assert reports[0]["ok"] and reports[1]["ok"], reports
+    assert reports[0]["other"] == "from rank 1" and reports[1]["other"] == "from rank 0"
+    assert reports[0]["seconds"] < 15, reports
+    assert "rank 0 dropped proof 1000000: it is not a proof signed with this job's secret" in said, said[-2000:]
+
+
+def test_a_counter_made_a_non_number_is_a_clear_error_within_seconds(tmp_path: Path) -> None:
+    """A counter overwritten with text makes the store drop the connection of whoever counts
+    next: both ranks stop within seconds, naming the counter and the interference, rather than
+    waiting for the rendezvous timeout."""
+    reports, _ = _ranks(tmp_path, secrets.token_hex(32),
+                        lambda raw, space: raw.set(space + "proofs", "not a number"))
+    for report in reports:
+        assert not report["ok"], reports
+        assert "the job's counter 'proofs'" in report["error"] and "interference" in report["error"], report
+        assert report["seconds"] < 10, reports
