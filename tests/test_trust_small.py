@@ -243,12 +243,14 @@ def test_what_a_holder_of_the_key_prefix_can_do_with_counters() -> None:
     import torch.distributed as dist
 
     from fleetlike.comm import JobSecret, job_store
+    from fleetlike.comm.rendezvous import greet
     from fleetlike.comm.signed_store import StoreTampered
     from fleetlike.launch.nodewatch import EVENTS_KEY, NodeWatch
 
     secret = JobSecret(secrets.token_hex(32))
     second = datetime.timedelta(seconds=1)
     server = dist.TCPStore("127.0.0.1", 0, None, True, second)
+    greet(server, secret, "job")
     member = job_store(server, secret)
     stranger = dist.PrefixStore(secret.prefix, dist.TCPStore("127.0.0.1", server.port, None, False, second))
     assert member.add("counter", 1) == 1

@@ -9,7 +9,10 @@ writes a random challenge and the job id under the prefix: finding them tells a 
 that the host holds its secret (two jobs that share a port refuse each other with a message
 instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
 rank then proves it holds the secret (an HMAC of the challenge, its rank and endpoint) and rank 0
-gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. A process with another secret
+gives it its seat only then, signing the seat so the joiner knows rank 0 holds the secret too. The
+challenge is also the run's nonce that every signed value carries (`SignedStore`), and each
+proof and seat carry the joiner's own random value, so nothing recorded in an earlier run of a
+job with the same secret (same key names) verifies in this one. A process with another secret
 (or none) is refused with a message on its side and a line in rank 0's log naming the address it
 gave; the job goes on.
 
@@ -45,7 +48,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
-from fleetlike.comm.signed_store import SignedStore
+from fleetlike.comm.signed_store import SignedStore, StoreTampered
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -58,6 +61,8 @@ JOB_KEY = "fleetlike/job"
 #: Where a process refused for want of the secret leaves its address for rank 0's log.
 KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
+#: proof slots rank 0 watches beyond 4 per rank (a stranger may move the counter by millions)
+_PROOF_WINDOW = 64
 
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
@@ -356,25 +361,48 @@ def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> J
 
 def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[str, str, int],
            role: Role, host: str, port: int, timeout: float, start: float) -> None:
-    """Rank 0: check each joiner's proof and give it its seat; log the processes refused."""
+    """Rank 0: check each joiner's proof and give it its seat; log the processes refused.
+
+    A holder of the key prefix (it crosses the wire in clear) may move the proofs' counter or
+    write where a proof should be; neither stops the job: a slot counted but never written is
+    not waited for (rank 0 only looks at slots whose proof is there), a value that is not a
+    signed proof is logged and dropped, and only the latest `_PROOF_WINDOW` slots are watched,
+    so a counter moved by millions costs nothing."""
     waiting = set(range(1, role.world_size))
+    window = _PROOF_WINDOW + 4 * role.world_size
+    pending: set[int] = set()  # slots counted whose proof has not been read yet
     proofs = knocks = 0
     logged = 0
     pause = 0.001
     while waiting:
         moved = False
-        count = int(store.add("proofs", 0))
-        for n in range(proofs + 1, count + 1):
-            proof = json.loads(store.get(f"proof/{n}").decode())
-            rank, endpoint, tag = int(proof["rank"]), str(proof["endpoint"]), str(proof["tag"])
-            if rank in waiting and secret.verify(tag, "join", *seal, rank, endpoint):
-                store.set(f"seat/{rank}", secret.mac("seat", *seal, rank, endpoint))
+        count = _count(store, "proofs", role, host, port)
+        if count > proofs:
+            pending.update(range(max(proofs + 1, count - window + 1), count + 1))
+            if len(pending) > window:  # keep the latest: joiners count after any stranger
+                pending = set(sorted(pending)[-window:])
+            proofs, moved = count, True
+        for n in sorted(pending):
+            if not store.check([f"proof/{n}"]):
+                continue
+            pending.discard(n)
+            moved = True
+            try:
+                proof = json.loads(store.get(f"proof/{n}").decode())
+                rank, endpoint = int(proof["rank"]), str(proof["endpoint"])
+                tag, fresh = str(proof["tag"]), str(proof["fresh"])
+            except (StoreTampered, ValueError, KeyError, TypeError, AttributeError) as exc:
+                print(f"fleetlike.rendezvous: rank 0 dropped proof {n}: it is not a proof signed with "
+                      f"this job's secret for this run ({type(exc).__name__}); the job goes on",
+                      file=sys.stderr, flush=True)
+                continue
+            if rank in waiting and secret.verify(tag, "join", *seal, rank, endpoint, fresh):
+                store.set(f"seat/{rank}", secret.mac("seat", *seal, rank, endpoint, fresh))
                 waiting.discard(rank)
             else:
-                print(f"fleetlike.rendezvous: rank 0 refused a claim to rank {rank} from {endpoint}: "
-                      "that rank is seated already, or its proof does not verify", file=sys.stderr,
-                      flush=True)
-        proofs, moved = count, count > proofs or moved
+                print(f"fleetlike.rendezvous: rank 0 refused a claim to rank {_printable(rank, 12)} from "
+                      f"{_printable(endpoint, 80)}: that rank is seated already, or its proof does not "
+                      "verify", file=sys.stderr, flush=True)
         # never ``add`` on a public key: a stranger may have made it a non-number, and the
         # store's server drops the connection of a client that adds to one
         count = knocks
@@ -405,13 +433,32 @@ def _admit(store: dist.Store, raw: dist.Store, secret: JobSecret, seal: tuple[st
         time.sleep(pause)
 
 
+def _count(store: dist.Store, key: str, role: Role, host: str, port: int, amount: int = 0) -> int:
+    """``store.add(key, amount)``, or a clear error when a stranger made the counter a
+    non-number (the store's server then drops this process's connection: nothing more can be
+    read from it)."""
+    try:
+        return int(store.add(key, amount))
+    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError / DistStoreError
+        raise RendezvousError(
+            f"rank {role.rank}: the job's counter {key!r} at the rendezvous store {host}:{port} "
+            f"cannot be read ({type(exc).__name__}): a process without the secret overwrote it with "
+            "something that is not a number (interference: someone who saw the job's store "
+            "traffic), and the store dropped this connection; run the job on a network that only "
+            "its nodes reach"
+        ) from None
+
+
 def _prove(store: dist.Store, secret: JobSecret, seal: tuple[str, str, int], role: Role, host: str,
            port: int, timeout: float, start: float) -> None:
     """A joining rank: prove the secret, wait for rank 0's signed seat."""
     endpoint = role.current_endpoint
-    n = store.add("proofs", 1)
-    store.set(f"proof/{n}", json.dumps({"rank": role.rank, "endpoint": endpoint,
-                                        "tag": secret.mac("join", *seal, role.rank, endpoint)}))
+    # this rank's own random value, bound into its proof and into the seat rank 0 signs back:
+    # a seat captured in an earlier run (same secret, same keys) never verifies here
+    fresh = _random.token_hex(16)
+    n = _count(store, "proofs", role, host, port, 1)
+    store.set(f"proof/{n}", json.dumps({"rank": role.rank, "endpoint": endpoint, "fresh": fresh,
+                                        "tag": secret.mac("join", *seal, role.rank, endpoint, fresh)}))
     try:
         store.wait([f"seat/{role.rank}"], _td(max(timeout - (time.monotonic() - start), 1.0)))
     except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
@@ -421,7 +468,7 @@ def _prove(store: dist.Store, secret: JobSecret, seal: tuple[str, str, int], rol
             "running, and is another process already rank "
             f"{role.rank}?"
         ) from exc
-    if not secret.verify(store.get(f"seat/{role.rank}"), "seat", *seal, role.rank, endpoint):
+    if not secret.verify(store.get(f"seat/{role.rank}"), "seat", *seal, role.rank, endpoint, fresh):
         raise SecretMismatchError(
             f"rank {role.rank}: the seat given at {host}:{port} is not signed with this job's "
             "secret (another process claimed this rank); refusing to join"

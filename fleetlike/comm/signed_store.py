@@ -3,10 +3,14 @@
 The job's keys live under a prefix derived from the secret, but the prefix is no password: it
 crosses the network in clear with every store request, so whoever watches the wire learns it.
 So every value a member (or torch: gloo's connection details, the elastic rendezvous state,
-which torch unpickles) reads back is signed: `SignedStore.set` writes ``HMAC(key, value) +
+which torch unpickles) reads back is signed: `SignedStore.set` writes ``HMAC(run nonce, key, value) +
 value``, `SignedStore.get` checks it and refuses a value a stranger wrote (`StoreTampered`,
 naming the key relative to the prefix) before anyone uses it. The HMAC binds the key, so a
-signed value cannot be moved to another key. Counters (``add``) are plain numbers, as TCPStore
+signed value cannot be moved to another key, and the run: the nonce is the random challenge
+the store's host writes when it creates the store (`NONCE_KEY`, the one value signed without
+it), which every member reads once, before its first signed value. A job that exports the same
+secret for every run uses the same key names every run, so without the nonce a value captured
+off the wire in one run would verify when written back at its key in the next. Counters (``add``) are plain numbers, as TCPStore
 keeps them; what a member derives from one (the proof it reads next, the record it prints) is
 signed or escaped itself; a holder of the prefix can still move a counter, and a member that
 then reads a record the count promises waits for it until the store's timeout. Errors (a wait,
@@ -27,9 +31,11 @@ import torch.distributed as dist
 
 from fleetlike.comm.secret import JobSecret
 
-__all__ = ["SignedStore", "StoreTampered"]
+__all__ = ["NONCE_KEY", "SignedStore", "StoreTampered"]
 
 _TAG = 64  # hex digits of an HMAC-SHA256
+#: The run's nonce: the challenge the store's host writes once, when it creates the store.
+NONCE_KEY = "challenge"
 
 
 class StoreTampered(RuntimeError):
@@ -50,18 +56,42 @@ class SignedStore(dist.Store):
         self._inner = inner
         self._secret = secret
         self._where = where
+        self._nonce: bytes | None = None
+
+    def _parts(self, key: str, value: bytes) -> tuple[Any, ...]:
+        if key == NONCE_KEY:
+            return ("store", key, value)
+        return ("store", self._run_nonce(), key, value)
+
+    def _run_nonce(self) -> bytes:
+        """The run's nonce (read once, then kept: no cost per value after the first)."""
+        nonce = self._nonce
+        if nonce is None:
+            if not self._inner.check([NONCE_KEY]):
+                raise StoreTampered(
+                    f"the job's store{self._at()}: it holds no greeting ({NONCE_KEY!r}), which its host "
+                    "writes when it creates the store: the host has not greeted yet, or a process "
+                    "without the secret deleted it; no value can be signed or checked for this run")
+            nonce = self._nonce = self._open(NONCE_KEY, self._inner.get(NONCE_KEY))
+        return nonce
+
+    def _at(self) -> str:
+        return f" at {self._where}" if self._where else ""
 
     def _sign(self, key: str, value: bytes) -> bytes:
-        return self._secret.mac("store", key, value).encode() + value
+        signed = self._secret.mac(*self._parts(key, value)).encode() + value
+        if key == NONCE_KEY:
+            self._nonce = value  # the host writes it: its own values carry it from here on
+        return signed
 
     def _open(self, key: str, blob: bytes) -> bytes:
         tag, value = blob[:_TAG], blob[_TAG:]
-        if len(blob) < _TAG or not self._secret.verify(tag, "store", key, value):
-            where = f" at {self._where}" if self._where else ""
+        if len(blob) < _TAG or not self._secret.verify(tag, *self._parts(key, value)):
             raise StoreTampered(
-                f"the job's store{where}: the value of {key!r} ({len(blob)} bytes) is not signed "
-                "with this job's secret: a process without the secret wrote it (interference: "
-                "someone who saw the job's store traffic); it was refused unread")
+                f"the job's store{self._at()}: the value of {key!r} ({len(blob)} bytes) is not signed "
+                "with this job's secret for this run: a process without the secret wrote it, or it "
+                "was captured in an earlier run of the job and written back (interference: someone "
+                "who saw the job's store traffic); it was refused unread")
         return value
 
     def _scrubbed(self, exc: Exception) -> Exception:
@@ -93,7 +123,12 @@ class SignedStore(dist.Store):
         want = _bytes(expected)
         raw = self._inner.compare_set(key, self._sign(key, want) if want else b"",
                                       self._sign(key, _bytes(desired)))
-        return self._open(key, raw)
+        if key == NONCE_KEY:
+            self._nonce = None  # another host's greeting may stand: the value read back decides
+        value = self._open(key, raw)
+        if key == NONCE_KEY:
+            self._nonce = value
+        return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         try:
