@@ -238,7 +238,7 @@ def _horovod_job(role, tmp, env):
         out = {"params": [p.detach().clone() for p in model.parameters()],
                "applied": [str(e) for e in opt.applied_strategy()],
                "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
-               "buckets": len(opt.reducer.buckets)}
+               "trials": [t.setting for t in tuner.trials] if tuner else None, "buckets": len(opt.reducer.buckets)}
         return out
     finally:
         hvd.shutdown()
@@ -272,6 +272,21 @@ def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     assert any(line.startswith("use_hierarchical_allreduce: NOT applied (one node") for line in f0["applied"])
     for got, want in zip(a["params"], f0["params"]):
         assert torch.equal(got, want)
+
+
+def test_a_knob_written_out_at_its_default_is_never_tuned_in_fleet_and_horovod(tmp_path):
+    # Fleet: fuse_grad_size_in_MB = 32 (the default) written in the script
+    a, b = run_ranks(_fleet_job, 2, "eager", {**TUNE, "fuse_grad_size_in_MB": 32}, timeout=120)
+    assert a["done"] and a["chosen"] == b["chosen"] and a["trials"]
+    assert {t[0].bucket_mb for t in a["trials"]} == {32.0}
+    assert any("bucket_mb (fuse_grad_size_in_MB=32 set explicitly)" in line for line in a["applied"])
+    # Horovod: HOROVOD_FUSION_THRESHOLD exported at Horovod's default (64 MiB) beside HOROVOD_AUTOTUNE=1
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_FUSION_THRESHOLD": str(64 << 20), "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
+    h, g = run_ranks(_horovod_job, 2, str(tmp_path), env, timeout=120)
+    assert h["done"] and h["chosen"] == g["chosen"] and h["trials"]
+    assert {t.bucket_mb for t in h["trials"]} == {64.0}
+    assert any(f"bucket_mb (HOROVOD_FUSION_THRESHOLD={64 << 20} set explicitly)" in line for line in h["applied"])
 
 
 def _ddp_model(seed):

@@ -229,7 +229,8 @@ class HorovodOptimizer(HorovodWrapper):
             ok, _ = two_level_possible(chosen, groups, rt.role)
             self.tuner = OnlineTuner(agree, chosen, param_bytes=[p.numel() * p.element_size() for p in self._params],
                                      two_level_ok=ok and self._groups_arg is None, apply=self._retune,
-                                     fixed=henv.fixed if self._groups_arg is None else (*henv.fixed, "bucket_mb"),
+                                     fixed=henv.fixed_by if self._groups_arg is None else
+                                     {**henv.fixed_by, "bucket_mb": "one bucket per group of the groups argument"},
                                      log_path=henv.autotune_log or log_path())
 
     def _retune(self, setting: Setting) -> None:

@@ -12,8 +12,8 @@ Example:
 """
 
 from fleetlike.tune.request import AUTOTUNE, AUTOTUNE_LOG, log_path, requested
-from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, knob_values
+from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, fixed_reasons, knob_values
 from fleetlike.tune.tuner import LOG_COLUMNS, OnlineTuner, Trial
 
 __all__ = ["AUTOTUNE", "AUTOTUNE_LOG", "AllreduceMode", "Knob", "LOG_COLUMNS", "OnlineTuner", "Setting", "Trial",
-           "fixed_knobs", "knob_values", "log_path", "requested"]
+           "fixed_knobs", "fixed_reasons", "knob_values", "log_path", "requested"]

@@ -34,14 +34,14 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from fleetlike.comm import Communicator
 from fleetlike.config import DistributedStrategy
-from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, knob_values, same_buckets
+from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_reasons, knob_values, same_buckets
 
 __all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial"]
 
@@ -76,10 +76,10 @@ class OnlineTuner:
     """See the module docstring. ``apply(setting)`` switches the job's communication (called on
     every rank at the same step, between steps); ``param_bytes`` are the gradient sizes in
     parameter order (to skip bucket sizes that give the same buckets); ``fixed`` names knobs a
-    face fixed explicitly (Horovod's variables)."""
+    face fixed explicitly (Horovod's variables), or maps each to why."""
 
     def __init__(self, world: Communicator, strategy: DistributedStrategy, *, param_bytes: Sequence[int],
-                 two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] = (),
+                 two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] | Mapping[str, str] = (),
                  log_path: str | os.PathLike[str] | None = None, cycle_time_ms: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter,
                  bucket_count: Callable[[Setting], int] | None = None) -> None:
@@ -95,7 +95,9 @@ class OnlineTuner:
         self._warmed = False
         self.param_bytes = list(param_bytes)
         self.grad_bytes = sum(self.param_bytes)
-        self.fixed = fixed_knobs(strategy, fixed)
+        #: each knob left alone, and why (the user set it, the face fixes it, ...)
+        self.fixed_why = fixed_reasons(strategy, fixed)
+        self.fixed = set(self.fixed_why)
         self.values = knob_values(strategy, param_bytes=self.param_bytes, two_level_ok=two_level_ok,
                                   fixed=self.fixed)
         self.start = Setting.of(strategy)
@@ -235,20 +237,24 @@ class OnlineTuner:
     def summary(self) -> str:
         """What was chosen and why, for ``fleet.applied_strategy()``."""
         if not self.values:
-            return ("nothing to tune: every knob is fixed (set away from its default, in auto_tune_configs.fixed, "
-                    "or by the face), or has one possible value on this job")
+            return (f"nothing to tune: every knob is fixed or has one possible value on this job; fixed knobs: "
+                    f"{self.fixed_text()}")
         if not self.done:
             return (f"tuning: trial {len(self.trials) + 1}, now {self.current.label()}"
                     + (f"; best so far {self.best.setting.label()} at {self.best.steps_per_s:.2f} steps/s"
-                       if self.best else ""))
+                       if self.best else "") + f"; fixed knobs: {self.fixed_text()}")
         assert self.best is not None
         first = self.trials[0]
         gain = self.best.steps_per_s / first.steps_per_s
-        fixed = ", ".join(sorted(k.value for k in self.fixed)) or "none"
         return (f"chose {self.best.setting.label()}: {self.best.steps_per_s:.2f} steps/s (median of the slowest "
                 f"rank's step times), {gain:.2f}x the start ({first.setting.label()}, "
                 f"{first.steps_per_s:.2f} steps/s); {len(self.trials)} trials in {self.tuning_steps} steps "
-                f"({self.tuning_seconds:.2f} s); fixed knobs: {fixed}")
+                f"({self.tuning_seconds:.2f} s); fixed knobs: {self.fixed_text()}")
+
+    def fixed_text(self) -> str:
+        """The knobs left alone and why, for the applied list."""
+        return "; ".join(f"{k.value} ({why})" for k, why in sorted(self.fixed_why.items(), key=lambda kv: kv[0].value)) \
+            or "none"
 
     def rows(self) -> list[dict[str, object]]:
         """The trial log's rows (the best last, again, as Horovod's log ends)."""
