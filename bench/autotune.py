@@ -1,7 +1,8 @@
 """The online tuner against every fixed setting of its grid, side by side in one job per cell.
 
 Cells: models (``mlp``: 3 x Linear(512, 512), ~3 MB; ``convnet``, ``mlp50m`` of
-`bench.plan_models`) x links (``loopback``: 2 ranks on this machine; ``1gbit``, ``100mbit``: 2
+`bench.plan_models`; ``resnet``: the ResNet example's ResNet18, small-image stem, 3x32x32, 10
+classes, 45 MB) x links (``loopback``: 2 ranks on this machine; ``1gbit``, ``100mbit``: 2
 network namespaces x 2 ranks joined by a rate-limited veth, `bench.netns`, root only). In each
 cell one job builds one model per fixed setting of the tuner's grid (bucket size x communicators
 x allreduce mode where two levels can form; settings that give the same buckets are run once)
@@ -32,7 +33,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "docs" / "benchmarks"
-BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16}
+BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16, "resnet": 16}
 GRID_MB = (32, 1, 4, 64)  # the default first: a size giving its buckets again is not run twice
 PER_NODE = 2
 
@@ -44,6 +45,15 @@ def _build(model: str) -> Any:
 
     from bench import plan_models
 
+    if model == "resnet":  # the ResNet example's network and digits recipe: ResNet18, 3x32x32, 10 classes
+        sys.path.insert(0, str(ROOT / "examples" / "resnet"))
+        from models import get_model
+
+        torch.manual_seed(1234)
+        g = torch.Generator().manual_seed(7)
+        feed = {"x": torch.randn(BATCH[model], 3, 32, 32, generator=g),
+                "y": torch.randint(0, 10, (BATCH[model],), generator=g)}
+        return get_model("ResNet18", 10, True), lambda m, f: F.cross_entropy(m(f["x"]), f["y"]), feed
     if model != "mlp":
         return getattr(plan_models, model)(BATCH[model])
     torch.manual_seed(1234)
