@@ -10,6 +10,7 @@ bitwise), in Fleet's eager and program styles and in a Horovod script driven by 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -221,7 +222,10 @@ def test_every_rank_takes_the_same_decision_when_one_rank_measures_differently()
         assert torch.equal(got, want)
 
 
-def _horovod_job(role, tmp, env):
+@contextlib.contextmanager
+def horovod_script(role, env):
+    """A Horovod script's setup under ``env`` (its launch line): ``(hvd, model, optimizer, step)``,
+    ``step(i)`` one training step on batch ``i``; shut down and the variables removed after."""
     os.environ.update(env)
     import fleetlike.horovod as hvd
 
@@ -230,20 +234,27 @@ def _horovod_job(role, tmp, env):
         model = make_model(100 + hvd.rank())
         opt = hvd.DistributedOptimizer(make_opt("adam", model), named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        for i in range(STEPS):
+
+        def step(i):
             opt.zero_grad()
             loss_fn(model, batch(i, hvd.rank())).backward()
             opt.step()
-        tuner = opt.tuner
-        out = {"params": [p.detach().clone() for p in model.parameters()],
-               "applied": [str(e) for e in opt.applied_strategy()],
-               "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
-               "trials": [t.setting for t in tuner.trials] if tuner else None, "buckets": len(opt.reducer.buckets)}
-        return out
+        yield hvd, model, opt, step
     finally:
         hvd.shutdown()
         for k in env:
             os.environ.pop(k, None)
+
+
+def _horovod_job(role, tmp, env):
+    with horovod_script(role, env) as (hvd, model, opt, step):
+        for i in range(STEPS):
+            step(i)
+        tuner = opt.tuner
+        return {"params": [p.detach().clone() for p in model.parameters()],
+                "applied": [str(e) for e in opt.applied_strategy()],
+                "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
+                "trials": [t.setting for t in tuner.trials] if tuner else None, "buckets": len(opt.reducer.buckets)}
 
 
 def test_horovod_script_tunes_from_its_launch_line(tmp_path):

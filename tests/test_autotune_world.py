@@ -17,13 +17,12 @@ Both run on 2 real gloo ranks with Horovod's variables (``HOROVOD_AUTOTUNE=1``, 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import torch
 
-from dp_common import batch, loss_fn, make_model, make_opt
 from fleetlike.testing import run_ranks
+from test_autotune import horovod_script
 from fleetlike.tune import REFORMED, Setting
 
 ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
@@ -37,19 +36,10 @@ def _fixed_env(setting: Setting) -> dict:
 
 
 def _join_job(role, env):
-    os.environ.update(env)
-    import fleetlike.horovod as hvd
-
-    hvd.init(role_maker=role)
-    try:
-        model = make_model(100 + hvd.rank())
-        opt = hvd.DistributedOptimizer(make_opt("adam", model), named_parameters=model.named_parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    with horovod_script(role, env) as (hvd, model, opt, step):
         for epoch in range(EPOCHS):
             for i in range(COMMON + 2 * hvd.rank()):
-                opt.zero_grad()
-                loss_fn(model, batch(epoch * 100 + i, hvd.rank())).backward()
-                opt.step()
+                step(epoch * 100 + i)
                 if i >= COMMON:
                     time.sleep(0.5)  # the other rank has joined: a gap no measured step may span
             hvd.join()
@@ -57,10 +47,6 @@ def _join_job(role, env):
         return {"params": [p.detach().clone() for p in model.parameters()],
                 "chosen": t.current if t else None, "done": t.done if t else None,
                 "trials": [(x.setting, x.step_times) for x in t.trials] if t else None}
-    finally:
-        hvd.shutdown()
-        for k in env:
-            os.environ.pop(k, None)
 
 
 def test_join_while_tuning_pauses_the_clock_on_every_rank():
@@ -77,21 +63,9 @@ BEFORE, AFTER = 12, 10
 
 
 def _reform_job(role, env, reform):
-    os.environ.update(env)
-    import fleetlike.horovod as hvd
     from fleetlike.horovod import runtime as hvd_runtime
 
-    hvd.init(role_maker=role)
-    try:
-        model = make_model(100 + hvd.rank())
-        opt = hvd.DistributedOptimizer(make_opt("adam", model), named_parameters=model.named_parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-
-        def step(i):
-            opt.zero_grad()
-            loss_fn(model, batch(i, hvd.rank())).backward()
-            opt.step()
-
+    with horovod_script(role, env) as (hvd, model, opt, step):
         for i in range(BEFORE):
             step(i)
         out = {}
@@ -109,10 +83,6 @@ def _reform_job(role, env, reform):
                    chosen=t.current if t else None, stopped=t.stopped if t else None,
                    setting=Setting.of(opt.user_defined_strategy), applied=[str(e) for e in opt.applied_strategy()])
         return out
-    finally:
-        hvd.shutdown()
-        for k in env:
-            os.environ.pop(k, None)
 
 
 def test_a_world_reformed_while_tuning_keeps_the_agreed_setting_on_every_rank():
