@@ -361,3 +361,26 @@ def test_trials_last_seconds_per_trial_at_the_first_trials_speed():
     for _ in range(11):
         clock.step()
     assert len(t.trials) == 1 and len(t.trials[0].step_times) == 10 and t.trials[0].setting == t.start
+
+
+def test_a_pause_keeps_the_gap_out_of_every_trial_and_stop_ends_the_search(tmp_path):
+    from fleetlike.tune import REFORMED, agreed_after_reform
+
+    t, clock, _ = _tuner(lambda st: 0.01, log_path=tmp_path / "log.csv")
+    world = SingleCommunicator()
+    assert agreed_after_reform(t, world) is None  # no step yet: a new world tunes afresh
+    for _ in range(6):  # the first step, the warm-up trial's 3, then the start's unmeasured one and 1 measured
+        clock.step()
+    t.pause()  # hvd.join: steps ran that nobody ticked
+    clock.t += 100.0
+    for _ in range(5):
+        clock.step()
+    assert t.trials and max(x for tr in t.trials for x in tr.step_times) < 1.0
+    assert not t.done and agreed_after_reform(t, world) == t.current
+    t.stop(t.current, REFORMED)
+    assert t.done and t.stopped == REFORMED and t.summary().startswith(f"stopped with {t.current.label()}: ")
+    steps, trials = t.steps, len(t.trials)
+    clock.step()  # no more trials after a stop
+    assert t.steps == steps + 1 and len(t.trials) == trials
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert len(rows) == len(t.trials) and all(r["best"] == "0" for r in rows)  # nothing was chosen
