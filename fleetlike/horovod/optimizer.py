@@ -245,20 +245,17 @@ class HorovodOptimizer(HorovodWrapper):
             self.user_defined_strategy = setting.applied_to(self.user_defined_strategy)
             self._rebuild(self._rt)
 
-    def _follow_tuner(self, rt: Runtime) -> None:
-        """The world re-formed: tune afresh where no rank had begun, else every rank keeps the
-        setting the running ranks agreed on and tuning stops (`fleetlike.tune.reform`)."""
+    def _follow_tuner(self, rt: Runtime) -> Setting | None:
+        """The world re-formed (before the buckets are built on it): None where no rank had begun
+        tuning (tune afresh), else the setting every rank now runs, the one the running ranks
+        agreed on (`fleetlike.tune.reform`), written into the strategy so the buckets follow it."""
         assert self.tuner is not None
         agree = rt.optimizer_groups().extra("hvd autotune", 0, rt.comm.rank)
         assert agree is not None
         kept = agreed_after_reform(self.tuner, agree)
-        if kept is None:
-            self.tuner = self._new_tuner(rt)
-            return
-        if kept != Setting.of(self.user_defined_strategy):
-            self._retune(kept)
-        if not self.tuner.done or self.tuner.current != kept:
-            self.tuner.stop(kept, REFORMED)
+        if kept is not None:
+            self.user_defined_strategy = kept.applied_to(self.user_defined_strategy)
+        return kept
 
     def applied_strategy(self) -> list[AppliedEntry]:
         """What this optimizer applies (the Horovod face's ``fleet.applied_strategy()``): its
@@ -348,9 +345,12 @@ class HorovodOptimizer(HorovodWrapper):
         communicators, buckets and hooks are built anew on ``rt``; the tuner follows
         (`_follow_tuner`)."""
         with self._hvd_lock:
-            self._rebuild(rt)
-            if self.tuner is not None:
-                self._follow_tuner(rt)
+            kept = self._follow_tuner(rt) if self.tuner is not None else None
+            self._rebuild(rt)  # every rank with the same setting: the agreed one, or its own untouched start
+            if self.tuner is not None and kept is None:
+                self.tuner = self._new_tuner(rt)
+            elif self.tuner is not None and kept is not None and (not self.tuner.done or self.tuner.current != kept):
+                self.tuner.stop(kept, REFORMED)
 
     def _rebuild(self, rt: Runtime) -> None:
         with self._hvd_lock:
