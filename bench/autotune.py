@@ -1,14 +1,17 @@
 """The online tuner against every fixed setting of its grid, side by side in one job per cell.
 
 Cells: models (``mlp``: 3 x Linear(512, 512), ~3 MB; ``convnet``, ``mlp50m`` of
-`bench.plan_models`) x links (``loopback``: 2 ranks on this machine; ``1gbit``, ``100mbit``: 2
+`bench.plan_models`; ``resnet``: the ResNet example's ResNet18, small-image stem, 3x32x32, 10
+classes, 45 MB) x links (``loopback``: 2 ranks on this machine; ``1gbit``, ``100mbit``: 2
 network namespaces x 2 ranks joined by a rate-limited veth, `bench.netns`, root only). In each
 cell one job builds one model per fixed setting of the tuner's grid (bucket size x communicators
 x allreduce mode where two levels can form; settings that give the same buckets are run once)
 and one with ``strategy.auto_tune``. The tuned one first tunes (its steps and wall time are the
 tuning cost), then every model is timed in rounds, the order rotated each round, each figure
 the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
-default (flat, 32 MB, one communicator). Each rank's CPU seconds over the rounds are recorded:
+default (flat, 32 MB, one communicator); "tuned / same fixed" is the tuned model against the fixed
+model of its chosen setting (one setting measured twice: the noise floor), "round spread" the
+largest (max - min) / median of a model's rounds. Each rank's CPU seconds over the rounds are recorded:
 with 4 ranks on 2 cores the figures are bounded by the cores, not the link (``cpu_share``: CPU
 seconds of all ranks / (wall x cores)).
 
@@ -32,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "docs" / "benchmarks"
-BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16}
+BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16, "resnet": 16}
 GRID_MB = (32, 1, 4, 64)  # the default first: a size giving its buckets again is not run twice
 PER_NODE = 2
 
@@ -44,6 +47,15 @@ def _build(model: str) -> Any:
 
     from bench import plan_models
 
+    if model == "resnet":  # the ResNet example's network and digits recipe: ResNet18, 3x32x32, 10 classes
+        sys.path.insert(0, str(ROOT / "examples" / "resnet"))
+        from models import get_model
+
+        torch.manual_seed(1234)
+        g = torch.Generator().manual_seed(7)
+        feed = {"x": torch.randn(BATCH[model], 3, 32, 32, generator=g),
+                "y": torch.randint(0, 10, (BATCH[model],), generator=g)}
+        return get_model("ResNet18", 10, True), lambda m, f: F.cross_entropy(m(f["x"]), f["y"]), feed
     if model != "mlp":
         return getattr(plan_models, model)(BATCH[model])
     torch.manual_seed(1234)
@@ -203,11 +215,15 @@ def summarise(link: str, model: str, got: dict[str, Any]) -> dict[str, Any]:
     tuned_sps, best_sps, default_sps = 1 / med["tuned"], 1 / fixed[best], 1 / fixed[default]
     tuning = got["tuning"]
     cost = tuning["seconds"] - tuning["steps"] * med["tuned"]
+    # the chosen setting run as a fixed model of the same job: how far apart one setting measures
+    same = tuning["chosen"].rsplit(" ", 1)[0]
+    same_ratio = tuned_sps * fixed[same] if same in fixed else float("nan")
+    spread = max((max(v) - min(v)) / statistics.median(v) for v in got["times"].values())
     return {"link": link, "model": model, "ranks": got["ranks"], "tuned_steps_per_s": tuned_sps,
             "chosen": tuning["chosen"], "best_fixed": best, "best_fixed_steps_per_s": best_sps,
             "default_steps_per_s": default_sps, "tuned_vs_best": tuned_sps / best_sps,
             "tuned_vs_default": tuned_sps / default_sps, "best_vs_default": best_sps / default_sps,
-            "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
+            "tuned_vs_same_fixed": same_ratio, "round_spread": spread, "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
             "cpu_share": got["cpu_seconds_all_ranks"] / (got["wall_seconds"] * (os.cpu_count() or 1)),
             "fixed_steps_per_s": {n: 1 / t for n, t in fixed.items()}, "trials": tuning["trials"]}
 
@@ -261,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("best_fixed", "best fixed"), Column("best_fixed_steps_per_s", "best steps/s", "{:.2f}"),
             Column("default_steps_per_s", "default steps/s", "{:.2f}"), Column("tuned_vs_best", "tuned/best", "{:.2f}"),
             Column("tuned_vs_default", "tuned/default", "{:.2f}"), Column("best_vs_default", "best/default", "{:.2f}"),
+            Column("tuned_vs_same_fixed", "tuned/same fixed", "{:.2f}"), Column("round_spread", "round spread", "{:.2f}"),
             Column("tuning_steps", "tuning steps"), Column("tuning_seconds", "tuning s", "{:.1f}"),
             Column("tuning_cost_seconds", "cost s", "{:.1f}"), Column("cpu_share", "cpu share", "{:.2f}")]
     print(format_table(cols, rows))

@@ -10,6 +10,7 @@ bitwise), in Fleet's eager and program styles and in a Horovod script driven by 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -221,7 +222,10 @@ def test_every_rank_takes_the_same_decision_when_one_rank_measures_differently()
         assert torch.equal(got, want)
 
 
-def _horovod_job(role, tmp, env):
+@contextlib.contextmanager
+def horovod_script(role, env):
+    """A Horovod script's setup under ``env`` (its launch line): ``(hvd, model, optimizer, step)``,
+    ``step(i)`` one training step on batch ``i``; shut down and the variables removed after."""
     os.environ.update(env)
     import fleetlike.horovod as hvd
 
@@ -230,20 +234,27 @@ def _horovod_job(role, tmp, env):
         model = make_model(100 + hvd.rank())
         opt = hvd.DistributedOptimizer(make_opt("adam", model), named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        for i in range(STEPS):
+
+        def step(i):
             opt.zero_grad()
             loss_fn(model, batch(i, hvd.rank())).backward()
             opt.step()
-        tuner = opt.tuner
-        out = {"params": [p.detach().clone() for p in model.parameters()],
-               "applied": [str(e) for e in opt.applied_strategy()],
-               "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
-               "buckets": len(opt.reducer.buckets)}
-        return out
+        yield hvd, model, opt, step
     finally:
         hvd.shutdown()
         for k in env:
             os.environ.pop(k, None)
+
+
+def _horovod_job(role, tmp, env):
+    with horovod_script(role, env) as (hvd, model, opt, step):
+        for i in range(STEPS):
+            step(i)
+        tuner = opt.tuner
+        return {"params": [p.detach().clone() for p in model.parameters()],
+                "applied": [str(e) for e in opt.applied_strategy()],
+                "chosen": tuner.current if tuner else None, "done": tuner.done if tuner else None,
+                "trials": [t.setting for t in tuner.trials] if tuner else None, "buckets": len(opt.reducer.buckets)}
 
 
 def test_horovod_script_tunes_from_its_launch_line(tmp_path):
@@ -272,6 +283,21 @@ def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     assert any(line.startswith("use_hierarchical_allreduce: NOT applied (one node") for line in f0["applied"])
     for got, want in zip(a["params"], f0["params"]):
         assert torch.equal(got, want)
+
+
+def test_a_knob_written_out_at_its_default_is_never_tuned_in_fleet_and_horovod(tmp_path):
+    # Fleet: fuse_grad_size_in_MB = 32 (the default) written in the script
+    a, b = run_ranks(_fleet_job, 2, "eager", {**TUNE, "fuse_grad_size_in_MB": 32}, timeout=120)
+    assert a["done"] and a["chosen"] == b["chosen"] and a["trials"]
+    assert {t[0].bucket_mb for t in a["trials"]} == {32.0}
+    assert any("bucket_mb (fuse_grad_size_in_MB=32 set explicitly)" in line for line in a["applied"])
+    # Horovod: HOROVOD_FUSION_THRESHOLD exported at Horovod's default (64 MiB) beside HOROVOD_AUTOTUNE=1
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_FUSION_THRESHOLD": str(64 << 20), "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
+    h, g = run_ranks(_horovod_job, 2, str(tmp_path), env, timeout=120)
+    assert h["done"] and h["chosen"] == g["chosen"] and h["trials"]
+    assert {t.bucket_mb for t in h["trials"]} == {64.0}
+    assert any(f"bucket_mb (HOROVOD_FUSION_THRESHOLD={64 << 20} set explicitly)" in line for line in h["applied"])
 
 
 def _ddp_model(seed):
@@ -335,3 +361,26 @@ def test_trials_last_seconds_per_trial_at_the_first_trials_speed():
     for _ in range(11):
         clock.step()
     assert len(t.trials) == 1 and len(t.trials[0].step_times) == 10 and t.trials[0].setting == t.start
+
+
+def test_a_pause_keeps_the_gap_out_of_every_trial_and_stop_ends_the_search(tmp_path):
+    from fleetlike.tune import REFORMED, agreed_after_reform
+
+    t, clock, _ = _tuner(lambda st: 0.01, log_path=tmp_path / "log.csv")
+    world = SingleCommunicator()
+    assert agreed_after_reform(t, world) is None  # no step yet: a new world tunes afresh
+    for _ in range(6):  # the first step, the warm-up trial's 3, then the start's unmeasured one and 1 measured
+        clock.step()
+    t.pause()  # hvd.join: steps ran that nobody ticked
+    clock.t += 100.0
+    for _ in range(5):
+        clock.step()
+    assert t.trials and max(x for tr in t.trials for x in tr.step_times) < 1.0
+    assert not t.done and agreed_after_reform(t, world) == t.current
+    t.stop(t.current, REFORMED)
+    assert t.done and t.stopped == REFORMED and t.summary().startswith(f"stopped with {t.current.label()}: ")
+    steps, trials = t.steps, len(t.trials)
+    clock.step()  # no more trials after a stop
+    assert t.steps == steps + 1 and len(t.trials) == trials
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert len(rows) == len(t.trials) and all(r["best"] == "0" for r in rows)  # nothing was chosen

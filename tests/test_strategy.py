@@ -66,7 +66,7 @@ PADDLE_DEFAULTS: dict[str, Any] = {
     "fp16_allreduce": False,
     "fp16_allreduce_configs": {"dtype": "float16", "mode": "all", "grad_scale": 1.0},
     "auto_tune": False,
-    "auto_tune_configs": {"warmup_steps": 1, "steps_per_trial": 5, "seconds_per_trial": 0.5, "min_gain": 0.05, "allow_16bit_wire": False,
+    "auto_tune_configs": {"warmup_steps": 1, "steps_per_trial": 5, "seconds_per_trial": 0.5, "min_gain": 0.02, "allow_16bit_wire": False,
                           "fixed": []},
     "gossip": False,
     "gossip_configs": {"downsample_n_elements": 4},

@@ -33,7 +33,7 @@ import copy as _copy
 import difflib
 import os
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from fleetlike.config.epl_keys import LossScale, Refused
@@ -155,9 +155,10 @@ def apply_epl_env(strategy: DistributedStrategy, environ: Mapping[str, str],
     return applied
 
 
-def _rebuild(cls: type[EplConfig], values: dict[str, Any]) -> EplConfig:
+def _rebuild(cls: type[EplConfig], values: dict[str, Any], explicit: Iterable[str] = ()) -> EplConfig:
     clone = object.__new__(cls)
     object.__setattr__(clone, "_values", values)
+    object.__setattr__(clone, "_explicit", set(explicit))
     return clone
 
 
@@ -182,7 +183,7 @@ class EplConfig(DistributedStrategy):
             self.update(param_dict)
 
     def copy(self) -> EplConfig:
-        return _rebuild(type(self), _copy.deepcopy(self._values))
+        return _rebuild(type(self), _copy.deepcopy(self._values), self._explicit)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # type: ignore[override]
-        return (_rebuild, (type(self), _copy.deepcopy(self._values)))
+        return (_rebuild, (type(self), _copy.deepcopy(self._values), self.explicit_options()))

@@ -427,7 +427,7 @@ ENTRIES: tuple[Field | Section, ...] = (
     Field("auto_tune", Bool(), False, feature=True, note=(
         "try gradient-communication settings during the first steps (allreduce mode, bucket size, "
         "communicators, 16-bit wire where allowed), measure each one's steps/s on every rank and "
-        "keep the fastest; options set away from their default are never tuned; "
+        "keep the fastest; an option the user set (even to its default: explicit_options()) is never tuned; "
         "the FLEETLIKE_AUTOTUNE / HOROVOD_AUTOTUNE variables turn it on too")),
     Section("auto_tune_configs", requires="auto_tune", note="online tuning of gradient communication",
             fields=(
@@ -440,14 +440,14 @@ ENTRIES: tuple[Field | Section, ...] = (
         Field("seconds_per_trial", Float(ge=0), 0.5, note=(
             "and at least this long (steps counted from the first trial's speed, the same on every "
             "rank); 0 = steps_per_trial steps only")),
-        Field("min_gain", Float(ge=0), 0.05, note=(
+        Field("min_gain", Float(ge=0), 0.02, note=(
             "a candidate replaces the best so far only when faster by this fraction (noise guard)")),
         Field("allow_16bit_wire", Bool(), False, note=(
             "let the tuner try float16 and bfloat16 gradients on the wire (changes the numerics); "
             "off: the wire dtype is never tuned")),
         Field("fixed", StrList("tuned knob names"), (), note=(
-            "knobs never tuned even at their default: allreduce_mode, bucket_mb, comm_num, "
-            "wire_dtype (a knob set away from its default is never tuned anyway)")),
+            "knobs never tuned even when not set: allreduce_mode, bucket_mb, comm_num, "
+            "wire_dtype (a knob whose option the user set is never tuned anyway)")),
     )),
     Field("gossip", Bool(), False, feature=True, note=(
         "gossip (down-sampling) compression, AIACC's PERSEUS_DOWNSAMPLE_N_ELEMENTS: each step "

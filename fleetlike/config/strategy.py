@@ -68,6 +68,9 @@ _SCALARS: dict[str, Field] = {e.name: e for e in ENTRIES if isinstance(e, Field)
 _SECTIONS: dict[str, Section] = {e.name: e for e in ENTRIES if isinstance(e, Section)}
 _ALIASES = {a.name: a for a in ALIASES}
 _ATTRS = frozenset([*_SCALARS, *_SECTIONS, *_ALIASES])
+#: every canonical dotted path, in display order
+_PATHS: tuple[str, ...] = tuple(
+    p for e in ENTRIES for p in ([e.name] if isinstance(e, Field) else [f"{e.name}.{f.name}" for f in e.fields]))
 
 
 class InactiveSetting(NamedTuple):
@@ -153,8 +156,10 @@ class DistributedStrategy:
         s = DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"})
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_explicit")
     _values: dict[str, Any]
+    #: canonical paths ("amp", "amp_configs.dtype") the user assigned, even to their default
+    _explicit: set[str]
 
     def __init__(self, **options: Any) -> None:
         values: dict[str, Any] = {}
@@ -164,6 +169,7 @@ class DistributedStrategy:
             else:
                 values[entry.name] = {f.name: f.default for f in entry.fields}
         object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_explicit", set())
         if options:
             self.update(options)
 
@@ -245,12 +251,14 @@ class DistributedStrategy:
             if "." not in path:
                 self._values[path] = value
         self._values.update(merged_sections)
+        self._explicit.update(staged)
 
     def reset(self, name: str | None = None) -> None:
         """Restore the default of ``name`` (an option, a section, ``"section.key"`` or an alias
         with a target), or of every option when ``name`` is None."""
         if name is None:
             object.__setattr__(self, "_values", DistributedStrategy()._values)
+            self._explicit.clear()
             return
         alias = _ALIASES.get(name)
         target = alias.target if alias is not None else name
@@ -264,6 +272,36 @@ class DistributedStrategy:
             paths = [u.path for u in _expand(target, None)]
         fresh = DistributedStrategy()
         self._apply([_Update(p, fresh._get(p), p, p) for p in paths])
+        self._explicit.difference_update(paths)  # back to the default: free again (the tuner's)
+
+    # ------------------------------------------------------------------ what the user set
+
+    def explicit_options(self) -> list[str]:
+        """The options assigned since the strategy was made, even to their default value, as
+        canonical dotted paths in display order (``update``, attribute and section writes,
+        ``from_dict``, ``FLEETLIKE_STRATEGY`` and the environment knobs all count; `reset`
+        frees an option again). The online tuner never changes one of these.
+
+        Example:
+            >>> s = DistributedStrategy(fuse_grad_size_in_MB=32)   # the default, written out
+            >>> s.explicit_options(), s == DistributedStrategy()
+            (['fuse_grad_size_in_MB'], True)
+        """
+        return [p for p in _PATHS if p in self._explicit]
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether ``name`` (an option, ``"section.key"``, a whole section or a 1.x alias) was
+        assigned; a section counts when any of its keys was."""
+        alias = _ALIASES.get(name)
+        if alias is not None:
+            paths = [alias.target] if alias.target is not None else list(alias.touches)
+        else:
+            paths = [name]
+        for path in paths:
+            if path not in _SCALARS and path not in _SECTIONS and path.partition(".")[0] not in _SECTIONS:
+                raise unknown_key(name, known_names(), "DistributedStrategy")
+        return any(p in self._explicit or (p in _SECTIONS and any(e.startswith(p + ".") for e in self._explicit))
+                   for p in paths)
 
     # ------------------------------------------------------------------------ round trips
 
@@ -292,10 +330,18 @@ class DistributedStrategy:
         return out
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> DistributedStrategy:
-        """A strategy from defaults updated by ``options`` (any form `update` accepts)."""
+    def from_dict(cls, options: Mapping[str, Any], explicit: Iterable[str] | None = None) -> DistributedStrategy:
+        """A strategy from defaults updated by ``options`` (any form `update` accepts). Every
+        option given counts as set by the user (`explicit_options`), unless ``explicit`` names
+        the ones that do (canonical dotted paths, as `explicit_options` returns them)."""
         strategy = cls()
         strategy.update(options)
+        if explicit is not None:
+            names = set(explicit)
+            bad = sorted(names - set(_PATHS))
+            if bad:
+                raise unknown_key(bad[0], known_names(), "DistributedStrategy")
+            object.__setattr__(strategy, "_explicit", names)
         return strategy
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -354,6 +400,7 @@ class DistributedStrategy:
         """An independent strategy with equal values."""
         clone = DistributedStrategy()
         object.__setattr__(clone, "_values", _copy.deepcopy(self._values))
+        object.__setattr__(clone, "_explicit", set(self._explicit))
         return clone
 
     def __copy__(self) -> DistributedStrategy:
@@ -362,8 +409,9 @@ class DistributedStrategy:
     def __deepcopy__(self, memo: dict[int, Any]) -> DistributedStrategy:
         return self.copy()
 
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        return (DistributedStrategy.from_dict, (self.to_dict(),))
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any], list[str]]]:
+        # the values as to_dict gives them, and which of them the user set (not all of them)
+        return (_restore, (self.to_dict(), self.explicit_options()))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.to_dict(non_default_only=True).items())
@@ -471,6 +519,11 @@ class DistributedStrategy:
     def options_markdown(cls) -> str:
         """Documentation table generated from the registry."""
         return render_markdown()
+
+
+def _restore(options: dict[str, Any], explicit: list[str]) -> DistributedStrategy:
+    """Unpickle: `__reduce__`'s values, with only the options the user set counted as set."""
+    return DistributedStrategy.from_dict(options, explicit=explicit)
 
 
 def _parse_json(text: str, source: str) -> Mapping[str, Any]:

@@ -305,6 +305,7 @@ class FleetHookState:
         """Everything but the communicators, threads and lock (as torch's PowerSGDState)."""
         return {
             "strategy": self.strategy.to_dict(),
+            "explicit": self.strategy.explicit_options(),  # what the user set (the tuner leaves it)
             "passes": self.passes,
             "names": None,
             "gossip": self.sampler.state_dict() if self.sampler is not None else None,
@@ -312,7 +313,7 @@ class FleetHookState:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(DistributedStrategy.from_dict(state["strategy"]))  # type: ignore[misc]
+        self.__init__(DistributedStrategy.from_dict(state["strategy"], state.get("explicit")))  # type: ignore[misc]
         self.accumulation.resume(int(state["passes"]))
         self._param_sizes = dict(state["param_sizes"])
         if state["gossip"] is not None and self.sampler is not None:

@@ -43,7 +43,7 @@ class HookTuning:
         #: DDP's buckets in a pass (learnt from the bucket indices the hook sees)
         self.buckets = 1
         self.tuner = OnlineTuner(agree, strategy, param_bytes=param_bytes or [1], two_level_ok=ok, apply=self._apply,
-                                 fixed=("bucket_mb",), log_path=log_path(), bucket_count=lambda _: self.buckets)
+                                 fixed={"bucket_mb": "DDP lays out its own buckets"}, log_path=log_path(), bucket_count=lambda _: self.buckets)
 
     @staticmethod
     def _key(s: Setting) -> tuple[Any, int, str]:

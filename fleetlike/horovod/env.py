@@ -89,6 +89,13 @@ class HorovodEnv:
     #: (variable, value) of every variable that acted, for the optimizer's applied list
     seen: tuple[tuple[str, str], ...]
 
+    @property
+    def fixed_by(self) -> dict[str, str]:
+        """Each knob in ``fixed`` and the variable that set it, as the tuner reports it."""
+        var = {"bucket_mb": FUSION_THRESHOLD, "allreduce_mode": HIERARCHICAL_ALLREDUCE}
+        values = dict(self.seen)
+        return {k: f"{var[k]}={values.get(var[k], '')} set explicitly" for k in self.fixed}
+
     def apply(self, s: DistributedStrategy) -> DistributedStrategy:
         """A copy of ``s`` with the variables' settings (and ``auto_tune`` when asked)."""
         out = s.copy()

@@ -84,7 +84,7 @@ from fleetlike.strategies.step import AppliedEntry
 from fleetlike.strategies.topology import two_level_possible
 from fleetlike.horovod import env as hvd_env
 from fleetlike.horovod import timeline
-from fleetlike.tune import OnlineTuner, Setting, log_path, requested
+from fleetlike.tune import REFORMED, OnlineTuner, Setting, agreed_after_reform, log_path, requested
 
 __all__ = ["HorovodOptimizer", "OutsideSetOptimizer", "named_parameter_map"]
 
@@ -222,22 +222,40 @@ class HorovodOptimizer(HorovodWrapper):
         #: the online tuner (strategy.auto_tune, HOROVOD_AUTOTUNE=1, FLEETLIKE_AUTOTUNE=1), ticked by step()
         self.tuner: OnlineTuner | None = None
         self._env_notes = [("horovod_env", True, f"{k}={v}") for k, v in henv.seen]
+        self._henv, self._tuned = henv, chosen
         if chosen.auto_tune:
-            groups = rt.optimizer_groups()
-            agree = groups.extra("hvd autotune", 0, rt.comm.rank)
-            assert agree is not None  # every rank takes part
-            ok, _ = two_level_possible(chosen, groups, rt.role)
-            self.tuner = OnlineTuner(agree, chosen, param_bytes=[p.numel() * p.element_size() for p in self._params],
-                                     two_level_ok=ok and self._groups_arg is None, apply=self._retune,
-                                     fixed=henv.fixed if self._groups_arg is None else (*henv.fixed, "bucket_mb"),
-                                     log_path=henv.autotune_log or log_path())
+            self.tuner = self._new_tuner(rt)
+
+    def _new_tuner(self, rt: Runtime) -> OnlineTuner:
+        groups = rt.optimizer_groups()
+        agree = groups.extra("hvd autotune", 0, rt.comm.rank)
+        assert agree is not None  # every rank takes part
+        ok, _ = two_level_possible(self._tuned, groups, rt.role)
+        fixed = self._henv.fixed_by
+        if self._groups_arg is not None:
+            fixed = {**fixed, "bucket_mb": "one bucket per group of the groups argument"}
+        return OnlineTuner(agree, self._tuned, param_bytes=[p.numel() * p.element_size() for p in self._params],
+                           two_level_ok=ok and self._groups_arg is None, apply=self._retune, fixed=fixed,
+                           log_path=self._henv.autotune_log or log_path())
 
     def _retune(self, setting: Setting) -> None:
         """The tuner's switch, between steps on every rank: the buckets and communicators are
         built anew for ``setting`` (the gradients are kept), as for a re-formed world."""
         with self._hvd_lock:
             self.user_defined_strategy = setting.applied_to(self.user_defined_strategy)
-            self.rebind(self._rt)
+            self._rebuild(self._rt)
+
+    def _follow_tuner(self, rt: Runtime) -> Setting | None:
+        """The world re-formed (before the buckets are built on it): None where no rank had begun
+        tuning (tune afresh), else the setting every rank now runs, the one the running ranks
+        agreed on (`fleetlike.tune.reform`), written into the strategy so the buckets follow it."""
+        assert self.tuner is not None
+        agree = rt.optimizer_groups().extra("hvd autotune", 0, rt.comm.rank)
+        assert agree is not None
+        kept = agreed_after_reform(self.tuner, agree)
+        if kept is not None:
+            self.user_defined_strategy = kept.applied_to(self.user_defined_strategy)
+        return kept
 
     def applied_strategy(self) -> list[AppliedEntry]:
         """What this optimizer applies (the Horovod face's ``fleet.applied_strategy()``): its
@@ -324,7 +342,17 @@ class HorovodOptimizer(HorovodWrapper):
 
     def rebind(self, rt: Runtime) -> None:
         """Follow a re-formed world (an elastic job): the gradients in the buckets are kept, the
-        communicators, buckets and hooks are built anew on ``rt``."""
+        communicators, buckets and hooks are built anew on ``rt``; the tuner follows
+        (`_follow_tuner`)."""
+        with self._hvd_lock:
+            kept = self._follow_tuner(rt) if self.tuner is not None else None
+            self._rebuild(rt)  # every rank with the same setting: the agreed one, or its own untouched start
+            if self.tuner is not None and kept is None:
+                self.tuner = self._new_tuner(rt)
+            elif self.tuner is not None and kept is not None and (not self.tuner.done or self.tuner.current != kept):
+                self.tuner.stop(kept, REFORMED)
+
+    def _rebuild(self, rt: Runtime) -> None:
         with self._hvd_lock:
             grads = {id(p): p.grad.detach().clone() for p in self._params if p.grad is not None}
             self._detach()
@@ -416,8 +444,11 @@ class HorovodOptimizer(HorovodWrapper):
         return self._flagged and not self._joiners
 
     def end_join(self) -> None:
-        """Every rank has joined: reductions go back to running without agreement."""
+        """Every rank has joined: reductions go back to running without agreement (and the
+        tuner, which no rank ticked during the join, restarts its clock)."""
         self._joiners = False
+        if self.tuner is not None:
+            self.tuner.pause()
 
     def _reduce_now(self) -> None:
         """Reduce the current gradients outside a backward (Horovod's "missing" parameters)."""

@@ -12,8 +12,9 @@ Example:
 """
 
 from fleetlike.tune.request import AUTOTUNE, AUTOTUNE_LOG, log_path, requested
-from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, knob_values
+from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, fixed_reasons, knob_values
 from fleetlike.tune.tuner import LOG_COLUMNS, OnlineTuner, Trial
+from fleetlike.tune.reform import REFORMED, agreed_after_reform
 
-__all__ = ["AUTOTUNE", "AUTOTUNE_LOG", "AllreduceMode", "Knob", "LOG_COLUMNS", "OnlineTuner", "Setting", "Trial",
-           "fixed_knobs", "knob_values", "log_path", "requested"]
+__all__ = ["AUTOTUNE", "AUTOTUNE_LOG", "AllreduceMode", "Knob", "LOG_COLUMNS", "OnlineTuner", "REFORMED", "Setting",
+           "Trial", "agreed_after_reform", "fixed_knobs", "fixed_reasons", "knob_values", "log_path", "requested"]

@@ -3,7 +3,8 @@
 A `Setting` is one point: the allreduce mode (flat, or two-level where the topology allows),
 the bucket size, the number of communicators and the wire dtype. `knob_values` lists, for one
 job, the values worth trying for each knob that is free: a knob the user set away from its
-default (``strategy.fuse_grad_size_in_MB = 8``, ``HOROVOD_FUSION_THRESHOLD``) or named in
+default or to it (``strategy.fuse_grad_size_in_MB = 32`` written out, ``HOROVOD_FUSION_THRESHOLD``:
+`DistributedStrategy.explicit_options`) or named in
 ``auto_tune_configs.fixed`` keeps one value, the wire dtype is tried only where
 ``auto_tune_configs.allow_16bit_wire`` lets 16-bit gradients change the numerics, and bucket
 sizes that give the same buckets for this model are tried once.
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from fleetlike.config import DistributedStrategy
 
-__all__ = ["AllreduceMode", "BUCKET_LADDER_MB", "Knob", "Setting", "WIRE_DTYPES", "fixed_knobs", "knob_values",
-           "same_buckets"]
+__all__ = ["AllreduceMode", "BUCKET_LADDER_MB", "KNOB_OPTIONS", "Knob", "Setting", "WIRE_DTYPES", "fixed_knobs",
+           "fixed_reasons", "knob_values", "same_buckets"]
 
 #: bucket sizes tried (MiB): Horovod's autotuner searches 0 to 64 MB, fleetlike's default is 32
 BUCKET_LADDER_MB: tuple[float, ...] = (0.25, 1, 4, 16, 32, 64)
@@ -89,28 +90,55 @@ class Setting:
 
 
 _DEFAULTS = DistributedStrategy()
+#: the strategy options behind each knob: one the user set (even to its default) fixes the knob
+KNOB_OPTIONS: dict[Knob, tuple[str, ...]] = {
+    Knob.ALLREDUCE_MODE: ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks"),
+    Knob.BUCKET_MB: ("fuse_grad_size_in_MB", "fuse_grad_max_buckets"),
+    Knob.COMM_NUM: ("nccl_comm_num",),
+    Knob.WIRE_DTYPE: ("fp16_allreduce",),  # a dtype set alone narrows the 16-bit trial to it
+}
 
 
-def fixed_knobs(s: DistributedStrategy, also: Iterable[str] = ()) -> set[Knob]:
-    """The knobs the tuner leaves alone: set away from their default, named in
-    ``auto_tune_configs.fixed``, or in ``also`` (a face's own explicit settings)."""
-    names = [*s.auto_tune_configs["fixed"], *also]
+def fixed_reasons(s: DistributedStrategy, also: Iterable[str] | Mapping[str, str] = ()) -> dict[Knob, str]:
+    """The knobs the tuner leaves alone, each with why: an option behind it set by the user
+    (`DistributedStrategy.explicit_options`, even to its default value) or away from its
+    default, the knob named in ``auto_tune_configs.fixed``, or in ``also`` (a face's own
+    explicit settings: name, or name -> why), and the 16-bit wire unless allowed."""
+    given = dict(also) if isinstance(also, Mapping) else {n: "fixed by this face" for n in also}
+    names = [*s.auto_tune_configs["fixed"], *given]
     known = {k.value for k in Knob}
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"auto_tune_configs.fixed={list(s.auto_tune_configs['fixed'])!r} names {bad}, which the "
                          f"tuner does not know. Fix: use some of {sorted(known)}")
-    fixed = {Knob(n) for n in names}
-    if (s.use_hierarchical_allreduce != _DEFAULTS.use_hierarchical_allreduce
-            or s.hierarchical_allreduce_inter_nranks != _DEFAULTS.hierarchical_allreduce_inter_nranks):
-        fixed.add(Knob.ALLREDUCE_MODE)
-    if s.fuse_grad_size_in_MB != _DEFAULTS.fuse_grad_size_in_MB or not s.fuse_all_reduce_ops:
-        fixed.add(Knob.BUCKET_MB)
-    if s.nccl_comm_num != _DEFAULTS.nccl_comm_num:
-        fixed.add(Knob.COMM_NUM)
-    if s.fp16_allreduce or not s.auto_tune_configs["allow_16bit_wire"]:
-        fixed.add(Knob.WIRE_DTYPE)
-    return fixed
+    why: dict[Knob, str] = {Knob(n): "named in auto_tune_configs.fixed" for n in s.auto_tune_configs["fixed"]}
+    why.update({Knob(n): w for n, w in given.items()})
+    for knob, options in KNOB_OPTIONS.items():
+        if knob in why:
+            continue
+        set_ = [o for o in options if s.is_explicit(o)]
+        changed = [o for o in options if _value(s, o) != _value(_DEFAULTS, o)]
+        if set_:
+            why[knob] = f"{set_[0]}={_value(s, set_[0])!r} set explicitly"
+        elif changed:
+            why[knob] = f"{changed[0]}={_value(s, changed[0])!r} away from its default"
+    if Knob.BUCKET_MB not in why and not s.fuse_all_reduce_ops:
+        why[Knob.BUCKET_MB] = "fuse_all_reduce_ops=False: one bucket per gradient"
+    if Knob.WIRE_DTYPE not in why and not s.auto_tune_configs["allow_16bit_wire"]:
+        why[Knob.WIRE_DTYPE] = "auto_tune_configs.allow_16bit_wire is False (16-bit would change the numerics)"
+    return why
+
+
+def fixed_knobs(s: DistributedStrategy, also: Iterable[str] | Mapping[str, str] = ()) -> set[Knob]:
+    """The knobs the tuner leaves alone (`fixed_reasons` without the reasons)."""
+    return set(fixed_reasons(s, also))
+
+
+def _value(s: DistributedStrategy, path: str) -> object:
+    head, dot, tail = path.partition(".")
+    value = getattr(s, head)
+    value = value[tail] if dot else value
+    return getattr(value, "value", value)
 
 
 def same_buckets(param_bytes: Sequence[int], cap_mb: float) -> tuple[int, ...]:
@@ -152,5 +180,8 @@ def knob_values(s: DistributedStrategy, *, param_bytes: Sequence[int], two_level
     if Knob.ALLREDUCE_MODE not in fixed and two_level_ok:
         out[Knob.ALLREDUCE_MODE] = [start.mode, *[m for m in AllreduceMode if m is not start.mode]]
     if Knob.WIRE_DTYPE not in fixed:
-        out[Knob.WIRE_DTYPE] = [start.wire, *[w for w in WIRE_DTYPES if w != start.wire]]
+        wires = [w for w in WIRE_DTYPES if w != start.wire]
+        if s.is_explicit("fp16_allreduce_configs.dtype"):  # the user's 16-bit format, or none
+            wires = [w for w in wires if w in ("native", str(s.fp16_allreduce_configs["dtype"]))]
+        out[Knob.WIRE_DTYPE] = [start.wire, *wires]
     return out

@@ -34,16 +34,16 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from fleetlike.comm import Communicator
 from fleetlike.config import DistributedStrategy
-from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_knobs, knob_values, same_buckets
+from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_reasons, knob_values, same_buckets
 
-__all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial"]
+__all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial", "decode", "encode"]
 
 #: the trial log's columns: Horovod's autotune log, then fleetlike's
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold",
@@ -76,10 +76,10 @@ class OnlineTuner:
     """See the module docstring. ``apply(setting)`` switches the job's communication (called on
     every rank at the same step, between steps); ``param_bytes`` are the gradient sizes in
     parameter order (to skip bucket sizes that give the same buckets); ``fixed`` names knobs a
-    face fixed explicitly (Horovod's variables)."""
+    face fixed explicitly (Horovod's variables), or maps each to why."""
 
     def __init__(self, world: Communicator, strategy: DistributedStrategy, *, param_bytes: Sequence[int],
-                 two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] = (),
+                 two_level_ok: bool, apply: Callable[[Setting], None], fixed: Iterable[str] | Mapping[str, str] = (),
                  log_path: str | os.PathLike[str] | None = None, cycle_time_ms: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter,
                  bucket_count: Callable[[Setting], int] | None = None) -> None:
@@ -95,7 +95,9 @@ class OnlineTuner:
         self._warmed = False
         self.param_bytes = list(param_bytes)
         self.grad_bytes = sum(self.param_bytes)
-        self.fixed = fixed_knobs(strategy, fixed)
+        #: each knob left alone, and why (the user set it, the face fixes it, ...)
+        self.fixed_why = fixed_reasons(strategy, fixed)
+        self.fixed = set(self.fixed_why)
         self.values = knob_values(strategy, param_bytes=self.param_bytes, two_level_ok=two_level_ok,
                                   fixed=self.fixed)
         self.start = Setting.of(strategy)
@@ -121,6 +123,9 @@ class OnlineTuner:
         self.tuning_seconds = 0.0
         self.steps = 0
         self.done = not self._knobs
+        #: why tuning ended before its search did (the world re-formed), else None
+        self.stopped: str | None = None
+        self._paused = False
 
     # ------------------------------------------------------------------ the per-step call
 
@@ -135,6 +140,11 @@ class OnlineTuner:
             self._last = self._began = now
             self.tuning_steps = 1
             return
+        if self._paused:  # the steps since the pause were not ticked: this one starts a new interval
+            self._paused = False
+            self._last = now
+            self.tuning_steps += 1
+            return
         dt, self._last = now - self._last, now
         self.tuning_steps += 1
         self._since_switch += 1
@@ -146,6 +156,22 @@ class OnlineTuner:
         self._last = self.clock()  # the switch itself is counted in tuning_seconds, not in a trial
         assert self._began is not None
         self.tuning_seconds = self._last - self._began
+
+    def pause(self) -> None:
+        """Steps ran without `step_done` (``hvd.join``: a joined rank stops stepping and the
+        others stop ticking): the next `step_done` only restarts the clock, so no measured step
+        spans the gap. Called on every rank at the same point (the join's end)."""
+        if not self.done and self._last is not None:
+            self._paused = True
+
+    def stop(self, setting: Setting, why: str) -> None:
+        """End tuning now with ``setting`` (which the caller has applied on every rank, agreed),
+        e.g. when the world re-formed under it: no more trials, no more collectives."""
+        self.done = True
+        self.current = setting
+        self.stopped = why
+        self._pending, self._knobs, self._times, self._challenger = [], [], [], None
+        self._write_log()
 
     # ------------------------------------------------------------------ one trial ends
 
@@ -219,7 +245,7 @@ class OnlineTuner:
 
     def _agree(self, mine: Setting | None) -> Setting | None:
         """Rank 0's decision, broadcast; a rank that decided otherwise raises (never diverges)."""
-        code = torch.tensor(_encode(mine), dtype=torch.float64)
+        code = torch.tensor(encode(mine), dtype=torch.float64)
         root = code.to(self.world.device)
         self.world.broadcast(root, 0)
         root = root.cpu()
@@ -235,25 +261,32 @@ class OnlineTuner:
     def summary(self) -> str:
         """What was chosen and why, for ``fleet.applied_strategy()``."""
         if not self.values:
-            return ("nothing to tune: every knob is fixed (set away from its default, in auto_tune_configs.fixed, "
-                    "or by the face), or has one possible value on this job")
+            return (f"nothing to tune: every knob is fixed or has one possible value on this job; fixed knobs: "
+                    f"{self.fixed_text()}")
+        if self.stopped is not None:
+            return (f"stopped with {self.current.label()}: {self.stopped}; {len(self.trials)} trials in "
+                    f"{self.tuning_steps} steps; fixed knobs: {self.fixed_text()}")
         if not self.done:
             return (f"tuning: trial {len(self.trials) + 1}, now {self.current.label()}"
                     + (f"; best so far {self.best.setting.label()} at {self.best.steps_per_s:.2f} steps/s"
-                       if self.best else ""))
+                       if self.best else "") + f"; fixed knobs: {self.fixed_text()}")
         assert self.best is not None
         first = self.trials[0]
         gain = self.best.steps_per_s / first.steps_per_s
-        fixed = ", ".join(sorted(k.value for k in self.fixed)) or "none"
         return (f"chose {self.best.setting.label()}: {self.best.steps_per_s:.2f} steps/s (median of the slowest "
                 f"rank's step times), {gain:.2f}x the start ({first.setting.label()}, "
                 f"{first.steps_per_s:.2f} steps/s); {len(self.trials)} trials in {self.tuning_steps} steps "
-                f"({self.tuning_seconds:.2f} s); fixed knobs: {fixed}")
+                f"({self.tuning_seconds:.2f} s); fixed knobs: {self.fixed_text()}")
+
+    def fixed_text(self) -> str:
+        """The knobs left alone and why, for the applied list."""
+        return "; ".join(f"{k.value} ({why})" for k, why in sorted(self.fixed_why.items(), key=lambda kv: kv[0].value)) \
+            or "none"
 
     def rows(self) -> list[dict[str, object]]:
         """The trial log's rows (the best last, again, as Horovod's log ends)."""
         out = [self._row(t, False) for t in self.trials]
-        if self.done and self.best is not None:
+        if self.done and self.best is not None and self.stopped is None:  # a stopped search chose nothing
             out.append(self._row(self.best, True))
         return out
 
@@ -275,13 +308,20 @@ class OnlineTuner:
             w.writerows(self.rows())
 
 
-def _encode(s: Setting | None) -> list[float]:
+def encode(s: Setting | None) -> list[float]:
+    """A setting (None: stop) as numbers, for a broadcast."""
     if s is None:
         return [1.0, 0.0, 0.0, 0.0, 0.0]
     return [0.0, float(_MODES.index(s.mode)), s.bucket_mb, float(s.comm_num), float(_WIRES.index(s.wire))]
 
 
-def _decode(code: list[float]) -> str:
+def decode(code: list[float]) -> Setting | None:
+    """`encode`'s inverse."""
     if code[0]:
-        return "to stop"
-    return Setting(_MODES[int(code[1])], code[2], int(code[3]), _WIRES[int(code[4])]).label()
+        return None
+    return Setting(_MODES[int(code[1])], code[2], int(code[3]), _WIRES[int(code[4])])
+
+
+def _decode(code: list[float]) -> str:
+    s = decode(code)
+    return "to stop" if s is None else s.label()
