@@ -195,11 +195,14 @@ def _timed_blocks(model: torch.nn.Module, example: Any, reps: int) -> list[tuple
         if i > 0 and isinstance(x, torch.Tensor):
             src = x.detach().clone().requires_grad_(x.is_floating_point())
         times = []
+        on_gpu = isinstance(src, torch.Tensor) and src.is_cuda
         for rep in range(reps + 1):
             t0 = time.perf_counter()
             y = block(src)
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 y.float().sum().backward()
+            if on_gpu:  # the kernels, not their launch
+                torch.cuda.synchronize(src.device)
             if rep:  # the first call allocates
                 times.append(time.perf_counter() - t0)
         block.zero_grad(set_to_none=True)
