@@ -8,9 +8,15 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 - steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
   schedule + ``opt.step()`` on the same split and the same process group, interleaved rep by rep
   (`bench._common.interleaved_timings`), median of ``--reps``; the ratio fleetlike / torch;
-- idle fraction of a stage: 1 - (the time the stage computed inside ``--reps`` real steps: its
-  forwards, and each backward from its output's gradient arriving to its first block's weight
-  gradient, and the optimizer's update) / (the steps' time): the pipeline bubble, beside (p-1)/(m+p-1);
+- where a stage's time goes inside ``--reps`` real steps, from the kernel's schedstat of its
+  thread: idle = asleep in a receive, waiting for a neighbour (the pipeline bubble, beside
+  (p-1)/(m+p-1) and beside the bubble at the stages' measured compute, ``sum(t) + (m-1) max(t)``
+  for per-micro-batch stage times ``t``: unequal stages idle the faster one every micro-batch);
+  waiting for a core = runnable but not running (the cores are shared with the other rank's
+  gloo threads and with other processes); not computing = 1 - (its forwards, and each backward
+  from its output's gradient arriving to its first block's weight gradient, and the optimizer's
+  update) / (the steps' time), the earlier definition of idle, which also counts the waits for a
+  core, the schedule's own work and the loss;
 - the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
   process on one thread, sends counted free) beside the measured steps/s;
 - point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
@@ -32,6 +38,7 @@ of ``docs/BENCHMARKS.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -43,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
+from fleetlike.plan.pipeline import pipeline_step_seconds
 
 __all__ = ["ActivationMeter", "main"]
 
@@ -162,24 +170,41 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         del out
         # the stage's busy time inside real steps: its forwards, and each backward from the
         # output's gradient arriving to the first block's weight gradient (the last computed)
-        busy, steps = _busy_time(model, opt, fleet_step, reps)
+        spent = _busy_time(model, opt, fleet_step, reps)
         step = median(times["fleetlike"])
+        total = spent["total"]
         rows.append({"schedule": mode, "m": m, "stage": hcg.stage_id, "fleetlike_steps_s": 1 / step,
                      "torch_steps_s": 1 / median(times["torch"]), "ratio": median(times["torch"]) / step,
-                     "idle": 1 - busy / steps, "bubble": 1 / (m + 1),
+                     "idle": spent["blocked"] / total, "runnable": spent["runnable"] / total,
+                     "not_computing": 1 - (spent["compute"] + spent["update"]) / total,
+                     "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
     return rows
 
 
-def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> tuple[float, float]:
-    """(seconds the stage computed -- forwards, backwards, the optimizer's update --, seconds
-    the steps took) over ``reps`` steps."""
+def _thread_sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far;
+    NaN where the kernel keeps no schedstat."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+
+
+def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
+    """Where ``reps`` steps' time went on this stage's thread: ``total``; ``compute`` (its
+    forwards, and each backward from the output's gradient arriving to the first block's weight
+    gradient, the last computed); ``update`` (the optimizer's); ``on_cpu`` and ``runnable`` (the
+    kernel's schedstat: on a core, and ready but waiting for one -- other processes' share of
+    the cores); ``blocked`` = the rest: asleep in a receive, waiting for a neighbour."""
     stage = model.stage
     plain = stage._run
     first = next(stage.parameters())
-    busy, pending = [0.0], [0.0]
+    busy, update, pending = [0.0], [0.0], [0.0]
 
     def timed(x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -197,22 +222,26 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> tuple[float, float
         try:
             return _plain(*args, **kwargs)
         finally:
-            busy[0] += time.perf_counter() - t0
+            update[0] += time.perf_counter() - t0
 
     handle = first.register_post_accumulate_grad_hook(done)
     stage._run = timed
     opt.step = timed_step
     try:
         model.hcg.get_pipe_parallel_group().barrier()
+        cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
             step()
         total = time.perf_counter() - t0
+        cpu1, wait1 = _thread_sched()
     finally:
         stage._run = plain
         del opt.step
         handle.remove()
-    return busy[0], total
+    on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
+    return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
+            "blocked": total - on_cpu - runnable}
 
 
 def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
@@ -287,9 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["predicted_steps_s"] = 1 / predicted[(r["schedule"], r["m"])]
         r["predicted_ratio"] = r["predicted_steps_s"] / r["fleetlike_steps_s"]
+        # the bubble at the stages' measured compute: unequal stages leave the faster one idle
+        # (the slowest stage's time - its own) every micro-batch, beyond (p-1)/(m+p-1)
+        per_micro = [q["compute_s"] / q["m"] for q in rows if (q["schedule"], q["m"]) == (r["schedule"], r["m"])]
+        r["bubble_measured_stages"] = 1 - r["compute_s"] / pipeline_step_seconds(per_micro, r["m"])
     cols = [Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
             Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
             Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
+            Column("bubble_measured_stages", "bubble, measured stages", "{:.2f}"),
+            Column("runnable", "waiting for a core", "{:.2f}"), Column("not_computing", "not computing", "{:.2f}"),
             Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
             Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
     print(format_table(cols, rows))
@@ -301,14 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows, "p2p": p2p})
     _plot(rows, Path(args.out).with_suffix(".png"))
     if not args.no_docs:
+        load = os.getloadavg()[0]
         section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
                    f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
-                   "the same split, interleaved; idle = 1 - (the stage's forward and backward time inside the steps) / (the steps' time); peak "
-                   "activations = the most saved-for-backward bytes a stage holds, in micro-batches' worth). A step "
-                   "ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times "
-                   "torch's step without the wait for stage 0's tail, which its next step pays; fleetlike's returns "
-                   "the loss to stage 0 first). The 2 cores are shared with other jobs: ratios move by about 0.1 "
-                   "between runs.\n\n"
+                   f"the same split, interleaved; {run_info('bench.pipeline', argv)['date']}, load average {load:.1f} at the "
+                   "end). A step ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s "
+                   "(stage 1 times torch's step without the wait for stage 0's tail, which its next step pays).\n\n"
+                   "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
+                   "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
+                   "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: the faster "
+                   "stage also idles the slower one's surplus every micro-batch; stage 1 computes each block's input "
+                   "gradient, stage 0's first block needs none); *waiting for a core* = runnable but not running (2 "
+                   "cores shared by the 2 ranks, their gloo threads and other jobs); *not computing* = 1 - (forward, "
+                   "backward and update time) / (step time), which adds the waits for a core, the schedule's own work "
+                   "and the loss to the idle. Compute times are wall clock, so a wait for a core inside a forward counts "
+                   "as compute: under load the stage balance moves from run to run.\n\n"
                    + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
                    "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
                    "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
@@ -330,7 +372,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         first = [r for r in rows if r["schedule"] == mode and r["stage"] == 0]
         ms = [r["m"] for r in first]
         axes[0].plot(ms, [r["ratio"] for r in first], marker=marker, label=mode)
-        axes[1].plot(ms, [r["idle"] for r in first], marker=marker, label=f"{mode} measured")
+        axes[1].plot(ms, [r["idle"] for r in first], marker=marker, label=f"{mode} idle")
+        axes[1].plot(ms, [r["bubble_measured_stages"] for r in first], marker=marker, ls=":",
+                     label=f"{mode} bubble at measured stages")
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})
     axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")

@@ -221,6 +221,109 @@ def test_split_points_by_measured_time_balance_unequal_blocks():
     assert points == ["1"], points  # the first block computes three times what the four others do
 
 
+class _Heavy(torch.nn.Module):
+    """No parameters, yet the most compute of the model: ``times`` products with a fixed matrix
+    (a buffer, as a positional table or a frozen projection is)."""
+
+    def __init__(self, width: int, times: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(width, width) / width ** 0.5)
+        self.times = times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+WIDE, ROWS = 256, 64
+
+
+def _heavy_net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.Tanh()) for _ in range(7)]
+    blocks.insert(1, _Heavy(WIDE, 10))
+    return torch.nn.Sequential(*blocks)
+
+
+def _heavy_batch():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(pc.MICRO * ROWS, WIDE, generator=g), torch.randn(pc.MICRO * ROWS, WIDE, generator=g)
+
+
+def _by_time(role):
+    from fleetlike import fleet
+
+    found = {}
+    fleet.init(role)
+    x, y = _heavy_batch()
+    timed = pc.strategy("1F1B", 2)
+    timed.pipeline_configs["balance"] = "time"
+    pointed = pc.strategy("1F1B", 2)
+    pointed.pipeline_configs["balance"], pointed.pipeline_configs["split_points"] = "time", ["3"]
+    for name, call in (
+        ("no_example", lambda: fleet.distributed_model(_heavy_net(), timed, loss_fn=F.mse_loss)),
+        ("with_points", lambda: fleet.distributed_model(_heavy_net(), pointed, loss_fn=F.mse_loss,
+                                                        example_input=x[:ROWS])),
+        ("params", lambda: fleet.distributed_model(_heavy_net(), pc.strategy("1F1B", 2), loss_fn=F.mse_loss,
+                                                   example_input=x[:ROWS])),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            found[name] = str(exc)
+    model = fleet.distributed_model(_heavy_net(), timed, loss_fn=F.mse_loss, example_input=x[:ROWS])
+    found["plan"] = [model.plan.names(s) for s in range(2)]
+    found["applied"] = " ".join(str(e) for e in fleet.applied_strategy())
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    found["loss"] = float(model.train_batch((x, y), opt))
+    fleet.shutdown()
+    return found
+
+
+def _slowest_stage(net: torch.nn.Sequential, plan: list[list[str]], x: torch.Tensor) -> float:
+    """The slowest stage's forward + backward seconds, each stage run as one module on the
+    previous stage's output (median of 5)."""
+    import statistics
+
+    slowest = 0.0
+    for s, names in enumerate(plan):
+        stage = torch.nn.Sequential(*[net.get_submodule(n) for n in names])
+        src = x.clone().requires_grad_(s > 0)
+        times = []
+        for rep in range(6):
+            t0 = time.perf_counter()
+            stage(src).sum().backward()
+            if rep:
+                times.append(time.perf_counter() - t0)
+        slowest = max(slowest, statistics.median(times))
+        with torch.no_grad():
+            x = stage(x)
+    return slowest
+
+
+def test_balance_by_time_splits_where_rank_0_measured_and_every_rank_agrees():
+    results = run_ranks(_by_time, 2, timeout=120)
+    plans = [r["plan"] for r in results]
+    assert plans[0] == plans[1], plans  # rank 0's times, broadcast: one split
+    by_params = [plan_stages(_heavy_net(), 2).names(s) for s in range(2)]
+    assert by_params[1][0] == "4"  # the parameter-free block weighs nothing: 3 and 4 Linear blocks
+    assert plans[0][1][0] != "4", plans  # the block's time moves the split forward
+    torch.set_num_threads(1)  # as a rank runs
+    x, y = _heavy_batch()
+    net = _heavy_net()
+    timed_s, params_s = _slowest_stage(net, plans[0], x[:ROWS]), _slowest_stage(net, by_params, x[:ROWS])
+    assert timed_s < 0.9 * params_s, (plans[0], timed_s, by_params, params_s)
+    with torch.no_grad():
+        want = F.mse_loss(net(x), y).item()  # the unsplit model's loss on the batch
+    for r in results:
+        assert r["loss"] == pytest.approx(want, rel=1e-5), (r["loss"], want)
+        assert "balanced by measured time" in r["applied"], r["applied"]
+        assert "no micro-batch was given" in r["no_example"] and "example_input=" in r["no_example"], r
+        assert "split_points ['3'] and pipeline_configs.balance='time' both choose" in r["with_points"], r
+        assert "example_input=...) is read only to time the blocks" in r["params"], r
+
+
 def _errors(role):
     from fleetlike import fleet
     from fleetlike.pipeline import PipelineStageError

@@ -51,3 +51,14 @@ def test_shapes_are_ranked_with_link_costs():
     small = rank_shapes(pc.make_net(), torch.cat([x, x]), torch.cat([y, y]), F.cross_entropy, world=4,
                         micro_batches=4, memory_limit=min(r.peak_bytes for r in rows))
     assert all(r.peak_bytes == min(q.peak_bytes for q in rows) for r in small)
+
+
+def test_shapes_are_listed_for_each_micro_batch_count_with_their_bubble():
+    x, y = pc.global_batch(0)
+    rows = rank_shapes(pc.make_net(), x, y, F.cross_entropy, world=2, micro_batches=(2, 4, 8), reps=1)
+    got = {(r.dp, r.pp, r.schedule, r.micro_batches) for r in rows}
+    assert got == {(2, 1, "FThenB", 2), *((1, 2, mode, m) for m in (2, 4, 8) for mode in ("1F1B", "FThenB"))}
+    for r in rows:
+        assert r.bubble == pytest.approx((r.pp - 1) / (r.micro_batches + r.pp - 1))
+    table = format_pipeline_table(rows)
+    assert "dp1 x pp2 1F1B m=8" in table and "dp1 x pp2 FThenB m=2" in table

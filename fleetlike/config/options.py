@@ -42,6 +42,7 @@ __all__ = [
     "AmpPolicy",
     "OuterOptimizer",
     "PipelineSchedule",
+    "PipelineBalance",
     "EplPipelineStrategy",
     "REDUCE_METHOD",
     "ReduceMethod",
@@ -145,6 +146,15 @@ class PipelineSchedule(_StrEnum):
 
     ONE_F_ONE_B = "1F1B"
     F_THEN_B = "FThenB"
+
+
+class PipelineBalance(_StrEnum):
+    """``pipeline_configs.balance``: what the automatic split (no split points) makes equal
+    across stages: parameters, or the blocks' forward + backward time measured on an example
+    micro-batch."""
+
+    PARAMS = "params"
+    TIME = "time"
 
 
 class EplPipelineStrategy(_StrEnum):
@@ -523,7 +533,11 @@ ENTRIES: tuple[Field | Section, ...] = (
             "(GPipe) runs every forward first and holds accumulate_steps of them")),
         Field("split_points", StrList("module names"), (), note=(
             "names (model.named_modules()) of the modules that begin stages 2..p, in forward "
-            "order; empty = balance the model's blocks by parameter count")),
+            "order; empty = balance the model's blocks (pipeline_configs.balance)")),
+        Field("balance", Choice(PipelineBalance), PipelineBalance.PARAMS, note=(
+            "without split points: 'params' gives each stage an equal share of the parameters; "
+            "'time' an equal share of the blocks' forward + backward time, measured on rank 0 on "
+            "fleet.distributed_model's example_input (one micro-batch) and broadcast")),
     )),
     Section("hybrid_configs", note="how the ranks divide: dp_degree x pp_degree = world size",
             check=_hybrid_check, fields=(

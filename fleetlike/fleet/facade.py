@@ -343,7 +343,8 @@ class Fleet:
     # ------------------------------------------------------------------ eager style
 
     def distributed_model(
-        self, model: torch.nn.Module, strategy: DistributedStrategy | None = None, loss_fn: Any = None
+        self, model: torch.nn.Module, strategy: DistributedStrategy | None = None, loss_fn: Any = None,
+        example_input: Any = None,
     ) -> Any:
         """Broadcast rank 0's parameters and buffers; return the model wrapped for training.
 
@@ -352,7 +353,8 @@ class Fleet:
         forward (see `DistributedModel`). Two models (a GAN's) each get their own engine.
         Under ``strategy.pipeline`` the model is split into stages and this rank's stage is
         returned as a `fleetlike.pipeline.PipelineModel` (``loss_fn(output, labels)``: one
-        micro-batch's mean loss; train with ``model.train_batch((x, y), opt)``)."""
+        micro-batch's mean loss; train with ``model.train_batch((x, y), opt)``; ``example_input``:
+        one micro-batch of inputs, timed block by block under ``pipeline_configs.balance="time"``)."""
         ctx = self._context("fleet.distributed_model")
         if isinstance(model, DistributedModel):
             raise TypeError("fleet.distributed_model got a model it already wrapped; wrap the plain module once")
@@ -370,9 +372,12 @@ class Fleet:
             chosen = explicit or self._strategy(None, "fleet.distributed_model")
             from fleetlike.fleet.pipelined import build_pipeline
 
-            pipelined, self._hcg = build_pipeline(ctx, model, chosen, loss_fn, self._hcg)
+            pipelined, self._hcg = build_pipeline(ctx, model, chosen, loss_fn, self._hcg, example_input)
             self._pipelines.append(pipelined)
             return pipelined
+        if example_input is not None:
+            raise ValueError("fleet.distributed_model(example_input=...) times a pipelined model's blocks "
+                             "(strategy.pipeline with pipeline_configs.balance='time'). Fix: drop example_input")
         if loss_fn is not None:
             raise ValueError("fleet.distributed_model(loss_fn=...) is for a pipelined model (strategy.pipeline); "
                              "a data-parallel model computes its loss in the script: loss_fn(model(x), y)")

@@ -17,7 +17,7 @@ import torch
 
 from fleetlike.config import DistributedStrategy, rules
 from fleetlike.fleet.context import FleetContext
-from fleetlike.pipeline import HybridCommunicateGroup, PipelineModel, plan_stages, resolve_degrees
+from fleetlike.pipeline import HybridCommunicateGroup, PipelineModel, agreed_block_seconds, plan_stages, resolve_degrees
 from fleetlike.pipeline.checkpoint import load_stage, save_stage
 from fleetlike.pipeline.topology import error_store
 
@@ -34,15 +34,25 @@ def hybrid_group(ctx: FleetContext, strategy: DistributedStrategy) -> HybridComm
 
 
 def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: DistributedStrategy, loss_fn: Any,
-                   hcg: HybridCommunicateGroup | None) -> tuple[PipelineModel, HybridCommunicateGroup]:
+                   hcg: HybridCommunicateGroup | None, example_input: Any = None) -> tuple[PipelineModel, HybridCommunicateGroup]:
     """``model`` split by ``strategy`` into this rank's stage; errors come before any group
-    is formed, the same on every rank."""
+    is formed, the same on every rank. Under ``pipeline_configs.balance = "time"`` rank 0 times
+    each block on ``example_input`` (one micro-batch) and every rank splits by its times."""
     rules.refuse_unhonoured(strategy, "pipeline")
     cfg = strategy.hybrid_configs
     _, pp = resolve_degrees(ctx.role.world_size, int(cfg["dp_degree"]), int(cfg["pp_degree"]))
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"fleet.distributed_model: loss_fn must be callable (output, labels) -> loss, got {loss_fn!r}")
-    plan = plan_stages(model, pp, tuple(strategy.pipeline_configs["split_points"]))
+    points = tuple(strategy.pipeline_configs["split_points"])
+    by_time = str(strategy.pipeline_configs["balance"]) == "time"
+    if example_input is not None and not by_time:
+        raise ValueError(
+            "fleet.distributed_model(example_input=...) is read only to time the blocks, under "
+            "pipeline_configs.balance='time' (now 'params'). Fix: set balance='time', or drop example_input")
+    if by_time and points:
+        plan_stages(model, pp, points, seconds=[])  # the clear error, before any measurement
+    seconds = agreed_block_seconds(ctx.world, model, example_input) if by_time else None
+    plan = plan_stages(model, pp, points, seconds=seconds)
     if hcg is None or hcg.pp_degree != pp or hcg.get_pipe_parallel_process_group() is None:
         hcg = hybrid_group(ctx, strategy)
     wrapped = PipelineModel(model, plan, hcg, strategy, loss_fn, ctx.device, error_store(ctx.world))

@@ -16,8 +16,8 @@ Example:
 
 from fleetlike.pipeline.failure import FailureGuard, PipelineStageError
 from fleetlike.pipeline.model import PipelineModel, StageModule
-from fleetlike.pipeline.split import (StagePlan, balance, block_seconds, plan_stages, sequence_blocks,
-                                      split_points_by_time)
+from fleetlike.pipeline.split import (StagePlan, agreed_block_seconds, balance, block_seconds, plan_stages,
+                                      sequence_blocks, split_points_by_time)
 from fleetlike.pipeline.topology import HybridCommunicateGroup, ParallelMode, resolve_degrees
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "PipelineStageError",
     "StageModule",
     "StagePlan",
+    "agreed_block_seconds",
     "balance",
     "block_seconds",
     "plan_stages",

@@ -257,13 +257,17 @@ class PipelineModel(torch.nn.Module):
             work.wait()
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean micro-batch loss, broadcast to the pipeline's ranks."""
-        comm = self.hcg.pp_comm
-        value = torch.zeros((), dtype=torch.float32, device=comm.device)
+        """The last stage's mean micro-batch loss, broadcast to the pipeline's ranks.
+
+        One message on the pipeline's own process group (on the stages' device, as the
+        activations travel): the first stage ends the step last, so the loss is waiting for it;
+        a fleetlike communicator's broadcast would first agree the size, a round trip on the
+        first stage's critical path every step."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:
-            value = torch.stack([loss.detach().float().to(comm.device) for loss in losses]).mean()
+            value = torch.stack([loss.detach().float().to(self.device) for loss in losses]).mean()
         if self.hcg.pp_degree > 1:
-            comm.broadcast(value, root=self.hcg.pp_degree - 1)
+            dist.broadcast(value, group_src=self.hcg.pp_degree - 1, group=self.hcg.get_pipe_parallel_process_group())
         return value.cpu()
 
     @torch.no_grad()

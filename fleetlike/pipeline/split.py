@@ -10,9 +10,11 @@ Without split points the blocks are balanced: the contiguous division into ``p``
 largest stage holds the fewest parameters (a block without parameters, an activation, weighs
 as much as one parameter, so it still goes somewhere sensible).
 
-Where blocks of equal size cost different time (an attention block beside an embedding),
-`split_points_by_time` measures each block's forward and backward on an example micro-batch and
-returns the split points that balance the measured time, to pass as
+Where blocks of equal size cost different time (an attention block beside an embedding, a
+block without parameters that still computes), ``pipeline_configs.balance = "time"`` balances
+the measured time instead: `agreed_block_seconds` times each block's forward and backward on an
+example micro-batch on rank 0 and broadcasts the times, so every rank divides the model the same
+way. `split_points_by_time` gives the same split points in one process, to pass as
 ``pipeline_configs.split_points``.
 
 Example:
@@ -26,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["StagePlan", "balance", "block_seconds", "plan_stages", "sequence_blocks", "split_points_by_time"]
+__all__ = ["StagePlan", "agreed_block_seconds", "balance", "block_seconds", "plan_stages", "sequence_blocks",
+           "split_points_by_time"]
 
 Block = tuple[str, torch.nn.Module]
 
@@ -109,10 +113,17 @@ def balance(weights: list[int], parts: int) -> list[int]:
     return starts[::-1]
 
 
-def plan_stages(model: torch.nn.Module, num_stages: int, split_points: tuple[str, ...] | list[str] = ()) -> StagePlan:
+def plan_stages(model: torch.nn.Module, num_stages: int, split_points: tuple[str, ...] | list[str] = (),
+                seconds: Sequence[float] | None = None) -> StagePlan:
     """Divide ``model`` into ``num_stages`` stages; ValueError for split points of the wrong
-    count or out of forward order, or fewer blocks than stages."""
+    count or out of forward order, or fewer blocks than stages. Without split points the blocks
+    are balanced by parameter count, or by ``seconds`` (each block's measured time, in
+    forward order) when given."""
     points = list(split_points)
+    if points and seconds is not None:
+        raise ValueError(
+            f"pipeline_configs.split_points {points} and pipeline_configs.balance='time' both choose the "
+            "split. Fix: give split points (balance='params'), or none to balance by measured time")
     blocks = sequence_blocks(model, points)
     names = [n for n, _ in blocks]
     if points:
@@ -135,9 +146,25 @@ def plan_stages(model: torch.nn.Module, num_stages: int, split_points: tuple[str
                 f"the model has {len(blocks)} block(s) {names}, fewer than the {num_stages} pipeline "
                 "stages. Fix: lower hybrid_configs.pp_degree, or give the model more blocks (an "
                 "nn.Sequential of its layers)")
-        weights = [max(1, sum(p.numel() for p in m.parameters())) for _, m in blocks]
-        starts = balance(weights, num_stages)
-        how = "balanced by parameter count"
+        if seconds is not None:
+            if len(seconds) != len(blocks):
+                raise ValueError(f"{len(seconds)} block times for the model's {len(blocks)} blocks {names}")
+            weights = [max(1, round(t * 1e6)) for t in seconds]  # microseconds
+            starts = balance(weights, num_stages)
+            bounds = [*starts, len(blocks)]
+            per_stage = [sum(seconds[a:b]) * 1e3 for a, b in zip(bounds, bounds[1:])]
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                if not any(True for _, m in blocks[a:b] for _ in m.parameters()):
+                    raise ValueError(
+                        f"pipeline_configs.balance='time' gives stage {s} only the blocks {names[a:b]}, which "
+                        "have no parameters, so its rank's optimizer would have nothing to update. Fix: "
+                        "split points that give every stage a block with parameters, or balance='params'")
+            how = ("balanced by measured time (forward + backward of each block on the example micro-batch, "
+                   f"rank 0's; ms per stage {[round(t, 2) for t in per_stage]})")
+        else:
+            weights = [max(1, sum(p.numel() for p in m.parameters())) for _, m in blocks]
+            starts = balance(weights, num_stages)
+            how = "balanced by parameter count"
     bounds = [*starts, len(blocks)]
     stages = tuple(tuple(blocks[a:b]) for a, b in zip(bounds, bounds[1:]))
     return StagePlan(stages, how)
@@ -145,18 +172,39 @@ def plan_stages(model: torch.nn.Module, num_stages: int, split_points: tuple[str
 
 def block_seconds(model: torch.nn.Module, example: Any, reps: int = 3) -> list[tuple[str, float]]:
     """Each block's forward + backward seconds on ``example`` (one micro-batch of the model's
-    input), the median of ``reps``, in forward order; each block gets the previous block's output."""
+    input), the median of ``reps`` after one untimed call, in forward order; each block gets the
+    previous block's output, needing its gradient as in the pipeline (the first block's input
+    needs none: its backward computes no input gradient). The model's buffers (running
+    statistics) and the random state are as they were before."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        return _timed_blocks(model, example, reps)
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _timed_blocks(model: torch.nn.Module, example: Any, reps: int) -> list[tuple[str, float]]:
     out = []
     x = example
-    for name, block in sequence_blocks(model):
-        src = x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+    for i, (name, block) in enumerate(sequence_blocks(model)):
+        src = x
+        if i > 0 and isinstance(x, torch.Tensor):
+            src = x.detach().clone().requires_grad_(x.is_floating_point())
         times = []
-        for _ in range(reps):
+        on_gpu = isinstance(src, torch.Tensor) and src.is_cuda
+        for rep in range(reps + 1):
             t0 = time.perf_counter()
             y = block(src)
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 y.float().sum().backward()
-            times.append(time.perf_counter() - t0)
+            if on_gpu:  # the kernels, not their launch
+                torch.cuda.synchronize(src.device)
+            if rep:  # the first call allocates
+                times.append(time.perf_counter() - t0)
         block.zero_grad(set_to_none=True)
         out.append((name, statistics.median(times)))
         with torch.no_grad():
@@ -167,8 +215,23 @@ def block_seconds(model: torch.nn.Module, example: Any, reps: int = 3) -> list[t
 def split_points_by_time(model: torch.nn.Module, example: Any, num_stages: int, reps: int = 3) -> list[str]:
     """The ``num_stages - 1`` split points whose stages take the most equal measured time
     (`block_seconds` on ``example``), for ``pipeline_configs.split_points``."""
-    timed = block_seconds(model, example, reps)
-    if len(timed) < num_stages:
-        raise ValueError(f"the model has {len(timed)} block(s), fewer than the {num_stages} stages")
-    weights = [max(1, round(seconds * 1e6)) for _, seconds in timed]  # microseconds
-    return [timed[i][0] for i in balance(weights, num_stages)[1:]]
+    plan = plan_stages(model, num_stages, seconds=[t for _, t in block_seconds(model, example, reps)])
+    return [blocks[0][0] for blocks in plan.stages[1:]]
+
+
+def agreed_block_seconds(comm: Any, model: torch.nn.Module, example: Any, reps: int = 3) -> list[float]:
+    """Each block's forward + backward seconds (`block_seconds`), measured on rank 0 of ``comm``
+    and broadcast: timings differ from rank to rank, and ranks that balanced their own would
+    split the model differently (collective: every rank of ``comm`` calls it)."""
+    if example is None:
+        raise ValueError(
+            "pipeline_configs.balance='time' times each block on one micro-batch, and no micro-batch was given. "
+            "Fix: fleet.distributed_model(model, loss_fn=..., example_input=x[:micro_batch_rows]), or "
+            "balance='params'")
+    n = len(sequence_blocks(model))
+    times = torch.zeros(n, dtype=torch.float64)
+    if comm.rank == 0:
+        times = torch.tensor([seconds for _, seconds in block_seconds(model, example, reps)], dtype=torch.float64)
+    shared = times.to(comm.device)
+    comm.broadcast(shared, root=0)
+    return shared.cpu().tolist()

@@ -174,26 +174,30 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
 
 
 def rank_shapes(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_fn: LossFn, *, world: int,
-                micro_batches: int, schedules: Sequence[str] = ("1F1B", "FThenB"), links: Links | None = None,
-                cluster: Cluster | None = None, memory_limit: int | None = None,
+                micro_batches: int | Sequence[int], schedules: Sequence[str] = ("1F1B", "FThenB"),
+                links: Links | None = None, cluster: Cluster | None = None, memory_limit: int | None = None,
                 **kwargs: Any) -> list[PipelinePrediction]:
-    """Every ``dp x pp = world`` shape (``pp = 1`` is plain data parallel) under each schedule,
-    fastest first; shapes over ``memory_limit`` bytes per rank are left out. ``(x, y)`` is one
-    pipeline's batch at ``dp = 1``; a shape with ``dp`` pipelines gets ``1/dp`` of it."""
+    """Every ``dp x pp = world`` shape (``pp = 1`` is plain data parallel) under each schedule
+    and each micro-batch count of ``micro_batches`` (one, or several to weigh the bubble
+    ``(p-1)/(m+p-1)`` against smaller micro-batches), fastest first; shapes over
+    ``memory_limit`` bytes per rank, and counts that do not divide a shape's rows, are left out.
+    ``(x, y)`` is one pipeline's batch at ``dp = 1``; a shape with ``dp`` pipelines gets ``1/dp`` of it."""
+    counts = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
     out = []
     for pp in [d for d in range(1, world + 1) if world % d == 0 and d <= len(model)]:
         dp = world // pp
         rows = x.shape[0] // dp
-        if rows % micro_batches:
-            continue
-        for schedule in schedules if pp > 1 else ("FThenB",):
-            if schedule == "1F1B" and micro_batches < pp:
+        for m in counts if pp > 1 else counts[:1]:  # one stage: the micro-batches change nothing
+            if rows % m:
                 continue
-            pred = predict_pipeline(model, x[:rows], y[:rows] if isinstance(y, torch.Tensor) else y, loss_fn, pp=pp,
-                                    micro_batches=micro_batches, schedule=schedule, dp=dp, links=links, cluster=cluster,
-                                    **kwargs)
-            if memory_limit is None or pred.peak_bytes <= memory_limit:
-                out.append(pred)
+            for schedule in schedules if pp > 1 else ("FThenB",):
+                if schedule == "1F1B" and m < pp:
+                    continue
+                pred = predict_pipeline(model, x[:rows], y[:rows] if isinstance(y, torch.Tensor) else y, loss_fn,
+                                        pp=pp, micro_batches=m, schedule=schedule, dp=dp, links=links,
+                                        cluster=cluster, **kwargs)
+                if memory_limit is None or pred.peak_bytes <= memory_limit:
+                    out.append(pred)
     return sorted(out, key=lambda p: p.step_s)
 
 
