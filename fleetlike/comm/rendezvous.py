@@ -169,6 +169,8 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
                     alone = role.world_size == 1 and role.source == "single"
                     raw = _HOSTED[(host, port)] = host_store(host, role.job_id, timeout, port=0 if alone else port,
                                                              secret=secret)
+                else:  # a later world of this process on its store, perhaps under a new secret
+                    greet(raw, secret, role.job_id, only_if_absent=True)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for bind errors
             raise RendezvousError(
                 f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc}. Is another "
