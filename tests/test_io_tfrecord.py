@@ -28,7 +28,7 @@ from fleetlike.io import IndexTFRDataset, RecordError, build_index, get_data_loa
 from fleetlike.io import records
 from fleetlike.io.datasets import ImageReadError
 from fleetlike.io.decode import Decoder
-from fleetlike.io.example import Feature, Kind, decode_example, encode_example
+from fleetlike.io.example import ExampleError, Feature, Kind, decode_example, encode_example
 from fleetlike.io.loader import Skipped
 from fleetlike.io.tools import image_list, img2tfrecord
 from fleetlike.testing import run_ranks
@@ -89,6 +89,26 @@ def test_example_encoding_is_protobufs():
     assert back["empty"] == Feature(Kind.INT64, []) and back["names"].values == [b"a", b""]
     with pytest.raises(ValueError, match="'e'.*empty list"):
         encode_example({"e": []})
+
+
+def test_example_decoding_skips_unknown_fields_and_names_malformed_bytes():
+    ours = encode_example({"image/encoded": bytes(range(200)), "image/class/label": 300})
+    # field 20 (a two-byte key) beside the features, as a newer writer might add: protobuf keeps it,
+    # the decoder skips it
+    extended = ours + bytes([(20 << 3) | 2, 0x01, 3]) + b"abc"
+    theirs = example_pb2.Example()
+    theirs.ParseFromString(extended)
+    assert theirs.features.feature["image/class/label"].int64_list.value == [300]
+    assert decode_example(extended) == decode_example(ours)
+    assert decode_example(ours)["image/encoded"].values == [bytes(range(200))]
+    with pytest.raises(ExampleError, match="run past the end"):
+        decode_example(ours[:-1])
+    with pytest.raises(ExampleError, match="varint runs past the end"):
+        decode_example(b"\x0a")  # field 1, length-delimited, and no length
+    with pytest.raises(ExampleError, match="varint runs past the end"):
+        decode_example(b"\x0a\x80")  # a length whose continuation byte is missing
+    with pytest.raises(ExampleError, match="wire type 3"):
+        decode_example(b"\x0b")
 
 
 # ----------------------------------------------------------------------------------- tools + dataset

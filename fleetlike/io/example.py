@@ -131,7 +131,11 @@ def _fields(data: memoryview, start: int, end: int) -> list[tuple[int, int, Any]
     out = []
     pos = start
     while pos < end:
-        key, pos = _read_varint(data, pos, end)
+        key = data[pos]
+        if key < 0x80:  # one-byte key (field numbers below 16): no call, once per field of every record
+            pos += 1
+        else:
+            key, pos = _read_varint(data, pos, end)
         number, wire = key >> 3, key & 7
         if wire == 0:
             value, pos = _read_varint(data, pos, end)
@@ -140,7 +144,10 @@ def _fields(data: memoryview, start: int, end: int) -> list[tuple[int, int, Any]
                 raise ExampleError("a 64-bit field runs past the end of its message")
             value, pos = struct.unpack_from("<Q", data, pos)[0], pos + 8
         elif wire == 2:
-            length, pos = _read_varint(data, pos, end)
+            if pos < end and data[pos] < 0x80:  # a length below 128 (names, labels, small lists)
+                length, pos = data[pos], pos + 1
+            else:
+                length, pos = _read_varint(data, pos, end)
             if pos + length > end:
                 raise ExampleError(f"field {number}: {length} bytes run past the end of its message")
             value, pos = (pos, pos + length), pos + length
