@@ -9,24 +9,32 @@ the trace), ``A`` the activations of one forward, ``B`` the largest unit's param
 ``R`` the root's own (the parameters in no block, gathered for the whole step):
 
 ========================  =================================  ======================================
-candidate                 kept between steps                 peak during a step
+candidate                 kept between steps                 held from the forward to the end of
+                                                             the backward (``gathered``)
 ========================  =================================  ======================================
-``sharding_stage2``       ``(P + G + S) / N``                kept + ``P`` (the full parameters, from
-                                                             the forward to the end of backward)
-                                                             + ``A`` + ``T2 * (P / N + B)``
-``sharding_stage3``       ``(P + G + S) / N``                kept + ``R`` + ``A`` + ``T3 * (P / N + B)``
-``sharding_stage3_        on the device: nothing; in host    on the device: ``R`` + ``A`` + ``T3 * B``
+``sharding_stage2``       ``(P + G + S) / N``                ``P + 2B + B/N``
+``sharding_stage3``       ``(P + G + S) / N``                ``R + 3B + B/N``
+``sharding_stage3_        on the device: nothing; in host    on the device: ``R + 3B + B/N``
 offload``                 memory ``(P + G + S) / N``
 ========================  =================================  ======================================
 
-``T2``, ``T3`` (`TRANSIENT`) are the step's temporaries in units of a parameter shard plus the
-largest unit: the update's whole-shard temporaries (torch's multi-tensor AdamW), each reduced
-gradient shard before it is added to the kept one, the unit gathered and the next prefetched,
-its unsharded gradients and their reduce buffer. They are measured, not derived: fitted to the
-peak RSS of 2 gloo ranks training two shapes (6 x Linear(1024) and 24 x Linear(512), AdamW), and
-checked against another shape on 3 ranks (tests/test_plan_zero.py: within 20 %; 12 x Linear(768)
-on 3 ranks reads 1.15x the predicted stage 3 peak: some of the temporaries scale with the whole
-model rather than the shard).
+The peak is the kept bytes plus the larger of ``gathered + A`` (the forward and backward) and
+the update's temporaries on the shards (`fleetlike.plan.temporaries`: the data-parallel
+figure over ``N``, since each parameter is stepped as its ``1/N`` dim-0 shard). ``gathered``
+is derived from how FSDP2 runs on one stream (CPU, torch 2.13), not fitted:
+
+* stage 2 keeps every unit's parameters gathered from its forward to its backward (``P``);
+  while a unit's forward gathers it, the flat all-gather output (``B``) and the copy of this
+  rank's shard sent (``B/N``) exist beside the parameters copied out of it; in its backward the
+  unit's unsharded gradients (``B``) are copied into the reduce input (``B``) beside the
+  reduced shard (``B/N``): ``P + 2B + B/N`` at worst;
+* stage 3 holds the root's parameters (``R``) for the whole step and two units at a time: the
+  current one and the next, prefetched (``2B``); the unit being gathered also has its flat
+  all-gather output (``B``, copied out into its parameters) and, in the backward, the unit's
+  gradients (``B``) meet the reduce input (``B``) after the unit's own parameters are freed:
+  ``R + 3B + B/N`` at worst. (The reduce input is released as soon as this rank's chunk is
+  copied out, `fleetlike.strategies.zero.AllReduceScatter`; FSDP2 alone holds it until the next
+  unit's reduce, one ``B`` more.)
 
 Step time: the traced compute with the update cut to ``1/N`` (each rank steps its shard), plus,
 not overlapped (on the CPU FSDP2's collectives block the compute: docs/large_models.md), each
@@ -53,11 +61,9 @@ from fleetlike.plan.spec import Cluster, ModelSpec
 from fleetlike.plan.trace import Trace
 from fleetlike.strategies.zero import shard_blocks
 
-__all__ = ["TRANSIENT", "ZERO_CANDIDATES", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
+__all__ = ["ZERO_CANDIDATES", "gathered_bytes", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
            "zero_step"]
 
-#: a step's temporaries at each stage, in parameter shards plus largest units (see the module docstring)
-TRANSIENT = {2: 1.5, 3: 2.5}
 #: the derived candidates: name -> (stage, offload)
 ZERO_CANDIDATES: dict[str, tuple[int, bool]] = {
     "sharding_stage2": (2, False),
@@ -104,9 +110,18 @@ def zero_memory(base: MemoryBreakdown, layout: ZeroLayout, world: int, stage: in
     shards are in host memory (`host_bytes`)."""
     kept_p, kept_g, kept_s = (0, 0, 0) if offload else (-(-base.params // world), -(-base.grads // world),
                                                         -(-base.optimizer // world))
-    shard = 0 if offload else -(-base.params // world)
-    during = (base.params if stage == 2 else layout.root) + int(TRANSIENT[stage] * (shard + layout.largest))
-    return MemoryBreakdown(kept_p, kept_g, kept_s, during, base.activations, base.amp_copies, 0, False)
+    update = 0 if offload else -(-base.update // world)  # offload steps the shards in host memory
+    return MemoryBreakdown(kept_p, kept_g, kept_s, 0, base.activations, base.amp_copies, 0, False, update,
+                           gathered_bytes(base.params, layout, world, stage))
+
+
+def gathered_bytes(params: int, layout: ZeroLayout, world: int, stage: int) -> int:
+    """Bytes a stage 2 / 3 rank holds from the forward to the end of the backward beyond what it
+    keeps: the parameters gathered and the collectives' buffers (see the module docstring)."""
+    b = layout.largest
+    if stage == 2:
+        return params + 2 * b + -(-b // world)
+    return layout.root + 3 * b + -(-b // world)
 
 
 def host_bytes(base: MemoryBreakdown, world: int) -> int:
