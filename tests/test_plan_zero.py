@@ -130,3 +130,18 @@ def test_cli_recommends_the_fastest_that_fits_and_says_why_not_the_others(capsys
     off = {r["name"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
     assert off["sharding_stage3_offload"]["memory"]["peak"] < off["sharding_stage3"]["memory"]["peak"]
     assert off["sharding_stage3_offload"]["step_s"] > off["sharding_stage3"]["step_s"]
+
+
+def test_offload_prices_the_update_on_the_host_at_the_traced_speed():
+    """Under offload the shards' update runs on the host's CPU: a device 10x faster (compute
+    scale 0.1) speeds every other op but not that update."""
+    spec = ModelSpec(build_small, BATCH, OptimizerKind.ADAMW.factory(1e-3))
+    cluster = Cluster(1, 2)
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster, compute_scale=0.1)
+    result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"], host_link=(10e-6, 12e9))
+    rows = {r.name: r for r in result.rows}
+    steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
+    traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
+    assert traced > 0
+    extra = rows["sharding_stage3_offload"].cost.compute - rows["sharding_stage3"].cost.compute
+    assert extra == pytest.approx(traced / 2 * (1 - 0.1), rel=1e-6)

@@ -42,7 +42,9 @@ unit's gradients reduce-scattered (priced as the cheaper of the link's reduce-sc
 allreduce: on gloo fleetlike runs it as an allreduce) and its parameters all-gathered (twice at
 stage 3: for the forward and again for the backward). Offload adds, over the host link
 (``host_link``, a ``(latency s, bytes/s)`` pair), the parameter shards moved in for each gather
-and the gradient shards moved out; without a host link it is not predicted (a CPU-only job has
+and the gradient shards moved out, and its update (the optimizer on the shards) runs on the
+host's CPU: priced at the traced seconds (the planner traces on a CPU), not scaled by the
+device's compute scale; without a host link it is not predicted (a CPU-only job has
 nothing to move: offload changes nothing there).
 
 Example:
@@ -136,8 +138,11 @@ def zero_step(trace: Trace, cost: StepCost, layout: ZeroLayout, links: Links, st
     world = cluster.world_size
     scale = trace.compute_scale if trace.compute_scale is not None else links.compute_scale
     times = [dict(s.times) for s in trace.steps]
-    update = sum(t.get("optimizer_update", 0.0) for t in times) / len(times) * scale
-    compute = cost.compute - update + update / world
+    traced_update = sum(t.get("optimizer_update", 0.0) for t in times) / len(times)
+    update = traced_update * scale
+    # each rank steps its shard; under offload on the host's CPU, priced at the traced (CPU) speed
+    # rather than the device's: the device's compute scale does not apply to it
+    compute = cost.compute - update + (traced_update if host_link is not None else update) / world
     kind = group_kind(tuple(range(world)), cluster)
     units = [*layout.blocks, layout.root] if layout.root else list(layout.blocks)
     comm = 0.0
