@@ -13,8 +13,8 @@ candidate                 kept between steps                 held from the forwa
                                                              the backward (``gathered``)
 ========================  =================================  ======================================
 ``sharding_stage2``       ``(P + G + S) / N``                ``P + 2B + B/N``
-``sharding_stage3``       ``(P + G + S) / N``                ``R + 3B + B/N``
-``sharding_stage3_        on the device: nothing; in host    on the device: ``R + 3B + B/N``
+``sharding_stage3``       ``(P + G + S) / N``                ``R + 2B + B/N``
+``sharding_stage3_        on the device: nothing; in host    on the device: ``R + 2B + B/N``
 offload``                 memory ``(P + G + S) / N``
 ========================  =================================  ======================================
 
@@ -24,17 +24,21 @@ figure over ``N``, since each parameter is stepped as its ``1/N`` dim-0 shard). 
 is derived from how FSDP2 runs on one stream (CPU, torch 2.13), not fitted:
 
 * stage 2 keeps every unit's parameters gathered from its forward to its backward (``P``);
-  while a unit's forward gathers it, the flat all-gather output (``B``) and the copy of this
-  rank's shard sent (``B/N``) exist beside the parameters copied out of it; in its backward the
-  unit's unsharded gradients (``B``) are copied into the reduce input (``B``) beside the
-  reduced shard (``B/N``): ``P + 2B + B/N`` at worst;
-* stage 3 holds the root's parameters (``R``) for the whole step and two units at a time: the
-  current one and the next, prefetched (``2B``); the unit being gathered also has its flat
-  all-gather output (``B``, copied out into its parameters) and, in the backward, the unit's
-  gradients (``B``) meet the reduce input (``B``) after the unit's own parameters are freed:
-  ``R + 3B + B/N`` at worst. (The reduce input is released as soon as this rank's chunk is
-  copied out, `fleetlike.strategies.zero.AllReduceScatter`; FSDP2 alone holds it until the next
-  unit's reduce, one ``B`` more.)
+  beside them, at worst, two of the largest unit: while a unit is gathered, its all-gather
+  buffer beside the parameters copied out of it, and in its backward, its unsharded gradients
+  beside the reduce input they are copied into; plus the reduced shard or the shard sent
+  (``B/N``): ``P + 2B + B/N``;
+* stage 3 holds the root's parameters (``R``) for the whole step and, at worst, two of the
+  largest unit: the one computing and the next, prefetched, or in the backward the gradients of
+  the one just computed beside its reduce input, its parameters already freed; plus ``B/N``:
+  ``R + 2B + B/N``. The reduce input is released as soon as this rank's chunk is copied out
+  (`fleetlike.strategies.zero.AllReduceScatter`); FSDP2 alone holds it until the next unit's
+  reduce, one ``B`` more.
+
+Measured per phase on 2 gloo ranks (the RSS's peak of each forward, backward and update): the
+rise over the level before it is two of the largest unit at both stages (6 x Linear(1024):
+1.3 bytes per parameter, units of 0.67; 12 x Linear(1024) before the reduce input was released:
+three at stage 3).
 
 Step time: the traced compute with the update cut to ``1/N`` (each rank steps its shard), plus,
 not overlapped (on the CPU FSDP2's collectives block the compute: docs/large_models.md), each
@@ -121,9 +125,7 @@ def gathered_bytes(params: int, layout: ZeroLayout, world: int, stage: int) -> i
     """Bytes a stage 2 / 3 rank holds from the forward to the end of the backward beyond what it
     keeps: the parameters gathered and the collectives' buffers (see the module docstring)."""
     b = layout.largest
-    if stage == 2:
-        return params + 2 * b + -(-b // world)
-    return layout.root + 3 * b + -(-b // world)
+    return (params if stage == 2 else layout.root) + 2 * b + -(-b // world)
 
 
 def host_bytes(base: MemoryBreakdown, world: int) -> int:
