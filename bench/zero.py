@@ -3,7 +3,8 @@
 Each of the ``--world`` rank processes builds the same model (``--layers`` x
 ``Linear(--width, --width)`` with ReLU between, AdamW) from one seed, once per trainer: fleetlike
 data parallel, stage 1, stage 2, stage 3 (eager loop), and torch's own ``fully_shard`` on every
-Linear and the root (the default group stages 2 and 3 formed on the job's store). After warm-up
+Linear and the root, as its default (``fsdp2``) and with ``reshard_after_forward=False``
+(``fsdp2_stage2``, its ZeRO-2 setting) (the default group stages 2 and 3 formed on the job's store). After warm-up
 it alternates timed segments of ``--steps`` steps, rotating which goes first, and reports the
 median seconds per step over ``--rounds``, and the ratios the targets name (stage 3 / FSDP2
 steps per second, stage 2 / stage 1).
@@ -22,6 +23,11 @@ Usage (from the repository root)::
     python -m bench.zero --no-docs --out /tmp/zero
     python -m bench.zero --layers 12 --width 2048 --rounds 3 --steps 2 \\
         --section "ZeRO stages at 50M parameters" --out docs/benchmarks/zero_50m
+    python -m bench.zero --memory-only --layers 48 --width 2048 --steps 3 \
+        --section "ZeRO stages at 200M parameters (memory)" --out docs/benchmarks/zero_200m
+
+``--memory-only`` skips the timed run, which holds every trainer's model in one process at once
+(at 200M parameters more than the machine's memory); the memory runs hold one each.
 
 Writes ``docs/benchmarks/zero.json`` and ``.png`` and (re)writes the "## ZeRO stages 2 and 3"
 section of ``docs/BENCHMARKS.md``.
@@ -42,12 +48,12 @@ from bench._common import Column, format_table, interleaved_timings, median, rep
 
 __all__ = ["KINDS", "main"]
 
-KINDS = ("dp", "stage1", "stage2", "stage3", "fsdp2")
+KINDS = ("dp", "stage1", "stage2", "stage3", "fsdp2", "fsdp2_stage2")
 ROOT = Path(__file__).resolve().parent.parent
 #: bytes per parameter of fp32 AdamW under each kind, on ``n`` ranks (plus, for stage 3 and FSDP2,
 #: the largest block at full size)
 MODEL = {"dp": lambda n: 16.0, "stage1": lambda n: 8 + 8 / n, "stage2": lambda n: 4 + 12 / n,
-         "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n, "stage3_init": lambda n: 16 / n,
+         "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n, "fsdp2_stage2": lambda n: 4 + 12 / n, "stage3_init": lambda n: 16 / n,
          "fsdp2_meta": lambda n: 16 / n}
 #: memory only: stage 3 with the model built inside ``fleet.sharded_init()`` (never whole), and
 #: torch's FSDP2 with the model built on the meta device (``fully_shard``, ``to_empty``, each
@@ -84,10 +90,11 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
     else:
         model = _model(args.layers, args.width)
     if kind.startswith("fsdp2"):
+        reshard = kind != "fsdp2_stage2"  # FSDP2's own ZeRO-2: gathered from the forward to the backward
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
         if kind == "fsdp2_meta":
             model.to_empty(device="cpu")
             for layer in model:
@@ -107,7 +114,20 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
         F.mse_loss(wrapped(x), y).backward()
         opt.step()
 
+    step.held = lambda: _held(model, opt)  # type: ignore[attr-defined]
     return step
+
+
+def _held(model: Any, opt: Any) -> int:
+    """Bytes of this rank's own pieces of the parameters, gradients and optimizer state."""
+    import torch
+
+    def own(t: Any) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = sum(own(p) + (own(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    return params + sum(own(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
 
 
 def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -118,7 +138,7 @@ def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     # torch's default group on the job's store, as stages 2 and 3 form it: FSDP2 runs on it too
     torch_process_group(fleet.context().world, fleet.device())
-    steps = {k: _trainer(role, k, args) for k in ("dp", "stage1", "stage2", "stage3", "fsdp2")}
+    steps = {k: _trainer(role, k, args) for k in KINDS}
     times = interleaved_timings(steps, reps=args.rounds, inner=args.steps, sync=fleet.util.barrier, warmup=2)
     del steps
     gc.collect()
@@ -126,7 +146,7 @@ def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {k: median(v) for k, v in times.items()}
 
 
-def _rss(role: Any, kind: str, args: argparse.Namespace) -> float:
+def _rss(role: Any, kind: str, args: argparse.Namespace) -> tuple[float, int]:
     ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD: freed blocks go back to the system
     from fleetlike import DistributedStrategy, fleet
 
@@ -141,10 +161,11 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> float:
     for _ in range(args.steps):
         step()
     peak = _status("VmHWM")  # the process's peak RSS: building the model whole included
+    held = step.held()  # type: ignore[attr-defined]
     del step
     gc.collect()
     fleet.shutdown()
-    return float(peak - base)
+    return float(peak - base), held
 
 
 def _status(field: str) -> int:
@@ -152,6 +173,22 @@ def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+def _bounds(by: dict[str, dict[str, Any]], world: int, block: float) -> list[dict[str, Any]]:
+    """The memory targets of stages 2 and 3, each against its bytes-per-parameter bound and
+    FSDP2's figure at the same setting (its ``reshard_after_forward=False`` for stage 2, the
+    default for stage 3): stage 2 at most (4 + 12/N) + 10 %, stage 3 at most 16/N + 10 % + the
+    largest block at full size (``block``, in bytes per parameter of the whole model)."""
+    out = []
+    for kind, bound, ref in (("stage2", 1.1 * (4 + 12 / world), "fsdp2_stage2"),
+                             ("stage3", 1.1 * 16 / world + block, "fsdp2")):
+        got, fsdp2 = by[kind]["bytes_per_param"], by[ref]["bytes_per_param"]
+        met = got <= bound and got <= fsdp2
+        out.append({"kind": kind, "measured": got, "bound": bound, "fsdp2_kind": ref, "fsdp2": fsdp2, "met": met,
+                    "text": f"{kind} {got:.2f} B/param against its bound {bound:.2f} and {ref}'s {fsdp2:.2f}: "
+                            + ("met" if met else "NOT met")})
+    return out
 
 
 def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
@@ -162,9 +199,9 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["kind"] for r in rows]
-    a.bar(names, [r["ms"] for r in rows], color="#47c")
+    a.bar(names, [r["ms"] or 0.0 for r in rows], color="#47c")
     a.set_ylabel("ms / step (median)")
-    a.set_title("step time")
+    a.set_title("step time" if any(r["ms"] for r in rows) else "step time (not timed: --memory-only)")
     b.bar(names, [r["bytes_per_param"] for r in rows], color="#2a7", label="measured")
     b.plot(names, [r["model_bytes_per_param"] for r in rows], "k_", markersize=30, label="model")
     b.set_ylabel("peak RSS above baseline, bytes / parameter")
@@ -182,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure memory only (no timed run, which holds every trainer's model at once)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "zero"))
     parser.add_argument("--section", default="ZeRO stages 2 and 3",
@@ -191,30 +230,41 @@ def main(argv: list[str] | None = None) -> int:
     from fleetlike.testing import run_ranks
 
     load = os.getloadavg()
-    ranks = run_ranks(_time, args.world, args, timeout=1200)
-    rss = {kind: run_ranks(_rss, args.world, kind, args, timeout=600) for kind in KINDS + SHARDED_KINDS}
+    ranks = None if args.memory_only else run_ranks(_time, args.world, args, timeout=1200)
+    measured = {kind: run_ranks(_rss, args.world, kind, args, timeout=900) for kind in KINDS + SHARDED_KINDS}
+    rss = {kind: [r[0] for r in v] for kind, v in measured.items()}
+    held = {kind: [r[1] for r in v] for kind, v in measured.items()}
     n_params = args.layers * (args.width * args.width + args.width)
     block = (args.width * args.width + args.width) * 4
     rows = []
     for kind in KINDS:
-        t = median([r[kind] for r in ranks])
+        t = median([r[kind] for r in ranks]) if ranks else None
         per = max(rss[kind]) / n_params
-        rows.append({"kind": kind, "ms": t * 1e3, "steps_per_s": 1 / t, "bytes_per_param": per,
+        rows.append({"kind": kind, "ms": t * 1e3 if t else None, "steps_per_s": 1 / t if t else None,
+                     "bytes_per_param": per, "held_bytes_per_param": max(held[kind]) / n_params,
                      "model_bytes_per_param": MODEL[kind](args.world)
                      + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
     built = [{"kind": kind, "bytes_per_param": max(rss[kind]) / n_params,
+              "held_bytes_per_param": max(held[kind]) / n_params,
               "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS]
     by = {r["kind"]: r for r in rows}
-    ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
-    ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
+    bounds = _bounds(by, args.world, block / n_params)
     cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
             Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
+            Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
             Column("model_bytes_per_param", "model B/param", "{:.2f}")]
     table = format_table(cols, rows)
     built_cols = [Column("kind", "built as shards"), Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
+                  Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
                   Column("model_bytes_per_param", "model B/param", "{:.2f}")]
-    verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
-               "(target >= 0.95)")
+    ratio3 = ratio2 = None
+    verdict = ""
+    if ranks:
+        ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
+        ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
+        verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
+                   "(target >= 0.95). ")
+    verdict += "; ".join(b["text"] for b in bounds)
     print(table)
     print(format_table(built_cols, built))
     print(verdict)
@@ -222,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     model = (f"{args.layers} x Linear({args.width}, {args.width}), {n_params / 1e6:.1f}M parameters, AdamW, "
              f"batch {args.batch}/rank")
     payload = {"info": run_info("bench.zero", argv if argv is not None else sys.argv[1:]), "load_average": load,
-               "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "ratio_stage3_fsdp2": ratio3,
-               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "times": ranks}
+               "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "bounds": bounds, "ratio_stage3_fsdp2": ratio3,
+               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "held_bytes": held,
+               "times": ranks}
     out = Path(args.out)
     save_json(out.with_suffix(".json"), payload)
     _plot(out.with_suffix(".png"), rows, f"ZeRO stages, {args.world} ranks on gloo: {model}")

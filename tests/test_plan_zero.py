@@ -1,9 +1,14 @@
-"""The planner's sharding stages 2 and 3 against real ranks: the predicted bytes a rank keeps
-between steps equal the tensors a stage 2 / 3 rank holds (parameter, gradient and AdamW shards),
-and the predicted peak is within ``PEAK_TOLERANCE`` of the peak RSS measured on 2 and 3 gloo ranks
-(above the RSS after the first step, glibc's mmap threshold fixed, so building the model whole
-is not counted); with ``--memory-per-rank`` the CLI recommends the fastest candidate that fits
-and says why each other one was not, and offload is priced only with a host link."""
+"""The planner's memory model against real ranks, for data parallel and sharding stages 1, 2 and
+3: the predicted bytes a rank keeps between steps equal the tensors it holds (parameters,
+gradients and AdamW state, or their shards), and the measured peak over the predicted one is
+within ``PEAK_RANGE`` on 2 and 3 gloo ranks. Measured peak: the tensors held
+plus how far the RSS rises above its level after the first step during three more steps
+(glibc's mmap threshold fixed, so freed blocks leave the RSS): the first step has built and
+sharded the model, made the optimizer state and paged in the runtime's own code and buffers
+(about 30 MiB per process, the same for every model), so what rises after it is the step's
+temporaries: the gathered parameters, the collectives' buffers, the update's temporaries. With
+``--memory-per-rank`` the CLI recommends the fastest candidate that fits and says why each other
+one was not, and offload is priced only with a host link."""
 
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from fleetlike.plan.cli import main as plan_main
 from fleetlike.plan.spec import OptimizerKind
 from fleetlike.testing import run_ranks
 
-#: measured peak / predicted peak lies within 1 +- this (the step's temporaries are a measured
-#: figure, `fleetlike.plan.zero.TRANSIENT`, fitted to "wide" and "deep" on 2 ranks; "mid" on 3
-#: ranks was not fitted: measured 1.11x the prediction at stage 2, 1.15x at stage 3)
-PEAK_TOLERANCE = 0.2
+#: measured peak / predicted peak lies within these; nothing is fitted: the temporaries are
+#: derived from the optimizer (`fleetlike.plan.temporaries`) and from FSDP2's order of gathers
+#: and reduces (`fleetlike.plan.zero`), which count the worst moment of each, so predictions
+#: lean high (measured: data parallel and stage 1 1.00x on "wide"; stage 2 0.83x on "wide",
+#: 0.86x on "mid"; stage 3 0.97x and 1.00-1.02x)
+PEAK_RANGE = (0.8, 1.1)
 SHAPES = {"wide": (6, 1024), "deep": (24, 512), "mid": (12, 768)}
 BATCH = 8
 
@@ -46,53 +53,59 @@ def _status(field: str) -> int:
 
 
 def _measure(role, shape: str, stage: int) -> tuple[int, int]:
-    """(tensor bytes held between steps, peak RSS of steps 2 to 4 above the RSS after fleet.init);
-    one stage per job (the fleet keeps the models it wrapped)."""
+    """(tensor bytes held between steps, measured peak: those plus the RSS's rise above its level
+    after the first step during three more); stage 0 is data parallel; one kind per job (the
+    fleet keeps the models it wrapped)."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 131072)  # M_MMAP_THRESHOLD: freed blocks go back to the system
     with fleet.session(role, timeout=60):
-        base = _status("VmRSS")
         net, loss_fn, feed = build(BATCH, *SHAPES[shape])
         model = fleet.distributed_model(net)
-        opt = fleet.distributed_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), DistributedStrategy.from_dict(
-            {"sharding": True, "sharding_configs": {"sharding_degree": 0, "stage": stage}}))
-        for step in range(4):
-            if step == 1:  # built, sharded, optimizer state made: from here on, the steps' own peak
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            opt.zero_grad(set_to_none=False)
-            loss_fn(model, feed).backward()
-            opt.step()
-        peak = _status("VmHWM") - base
+        options = {"sharding": True, "sharding_configs": {"sharding_degree": 0, "stage": stage}} if stage else {}
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                          DistributedStrategy.from_dict(options))
 
         def own(t: torch.Tensor) -> int:
             t = t.to_local() if hasattr(t, "to_local") else t
             return t.numel() * t.element_size()
 
+        for step in range(4):
+            if step == 1:  # built, sharded, optimizer state made: from here on, the steps' own peak
+                steady = _status("VmRSS")
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model, feed).backward()
+            opt.step()
+        rise = _status("VmHWM") - steady
         held = sum(own(p) + own(p.grad) for p in net.parameters())
         held += sum(own(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
-        return held, peak
+        return held, held + rise
 
 
 def _predicted(shape: str, world: int) -> dict:
     spec = ModelSpec(lambda batch: build(batch, *SHAPES[shape]), BATCH, OptimizerKind.ADAMW.factory(1e-3))
     cluster = Cluster(1, world)
     links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster)
-    result = plan(spec, cluster, links, only=["sharding_stage2", "sharding_stage3"])
+    result = plan(spec, cluster, links, only=["dp", "sharding", "sharding_stage2", "sharding_stage3"])
     return {r.name: r.memory for r in result.rows}
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape,world", [("wide", 2), ("mid", 3)])
-def test_predicted_memory_of_stages_2_and_3_matches_real_ranks(shape, world):
+#: the planner's candidate of each kind measured (0: data parallel)
+CANDIDATE = {0: "dp", 1: "sharding", 2: "sharding_stage2", 3: "sharding_stage3"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape,world,stages", [("wide", 2, (0, 1, 2, 3)), ("mid", 3, (2, 3))])
+def test_predicted_memory_matches_real_ranks(shape, world, stages):
     predicted = _predicted(shape, world)
-    for stage in (2, 3):
-        mem = predicted[f"sharding_stage{stage}"]
+    for stage in stages:
+        mem = predicted[CANDIDATE[stage]]
         kept = mem.params + mem.grads + mem.optimizer
         for held, peak in run_ranks(_measure, world, shape, stage, timeout=120):
             assert abs(held - kept) <= 0.01 * kept, (shape, stage, held, kept)  # uneven shards: within a row
-            print(f"{shape} on {world} ranks, stage {stage}: measured peak {peak / 2**20:.1f} MiB, predicted "
+            print(f"{shape} on {world} ranks, {CANDIDATE[stage]}: measured peak {peak / 2**20:.1f} MiB, predicted "
                   f"{mem.peak / 2**20:.1f} MiB ({peak / mem.peak:.3f}x)")
-            assert abs(peak / mem.peak - 1) <= PEAK_TOLERANCE, (shape, stage, peak, mem.peak, peak / mem.peak)
+            assert PEAK_RANGE[0] <= peak / mem.peak <= PEAK_RANGE[1], (shape, stage, peak, mem.peak, peak / mem.peak)
 
 
 def test_cli_recommends_the_fastest_that_fits_and_says_why_not_the_others(capsys, tmp_path):
@@ -119,3 +132,18 @@ def test_cli_recommends_the_fastest_that_fits_and_says_why_not_the_others(capsys
     off = {r["name"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
     assert off["sharding_stage3_offload"]["memory"]["peak"] < off["sharding_stage3"]["memory"]["peak"]
     assert off["sharding_stage3_offload"]["step_s"] > off["sharding_stage3"]["step_s"]
+
+
+def test_offload_prices_the_update_on_the_host_at_the_traced_speed():
+    """Under offload the shards' update runs on the host's CPU: a device 10x faster (compute
+    scale 0.1) speeds every other op but not that update."""
+    spec = ModelSpec(build_small, BATCH, OptimizerKind.ADAMW.factory(1e-3))
+    cluster = Cluster(1, 2)
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster, compute_scale=0.1)
+    result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"], host_link=(10e-6, 12e9))
+    rows = {r.name: r for r in result.rows}
+    steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
+    traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
+    assert traced > 0
+    extra = rows["sharding_stage3_offload"].cost.compute - rows["sharding_stage3"].cost.compute
+    assert extra == pytest.approx(traced / 2 * (1 - 0.1), rel=1e-6)

@@ -14,13 +14,18 @@ Counted on the traced rank's real engine (`fleetlike.plan.trace`), each storage 
 - activations: bytes of the tensors autograd saves during one forward (a saved-tensors hook),
   which under recompute are only the checkpointed blocks' inputs, and under AMP include the
   low-precision copies of the weights (``amp_copies`` is that part);
-- transient buffers: a compressed wire copy of the largest bucket.
+- transient buffers: a compressed wire copy of the largest bucket;
+- the update's temporaries (`fleetlike.plan.temporaries`: what ``optimizer.step()`` allocates
+  while it runs, from the optimizer's implementation and the parameters it steps), which exist
+  only after the backward, when the activations are gone;
+- gathered: bytes that exist from the forward to the end of the backward only (stages 2 and 3:
+  the parameters gathered and the collectives' buffers, `fleetlike.plan.zero`).
 
 The peak is their sum: gradients live in persistent buckets, so the end of the forward (all
 activations saved, buckets allocated) is the high-water mark of a step. Without buckets (local
 SGD) gradients appear during backward as activations are freed: the larger of the two counts.
 The wire copies exist only while a bucket communicates, at the end of backward when the
-activations are gone: the larger of the two counts too.
+activations are gone: the larger of the two counts too; so do the update's temporaries.
 
 Example:
     >>> t = trace(spec, strategy, cluster); t.memory.peak / 2**20
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from fleetlike.config import DistributedStrategy
+from fleetlike.plan.temporaries import update_temporaries
 from fleetlike.strategies.engine import Engine
 
 __all__ = ["MemoryBreakdown", "activation_bytes", "measure_state", "storage_key"]
@@ -55,13 +61,17 @@ class MemoryBreakdown:
     #: gradients exist only from backward to the end of the step (no persistent buckets: local
     #: SGD), so they never coexist with the whole forward's activations
     transient_grads: bool = False
+    #: the optimizer update's temporaries (after the backward: never with the activations)
+    update: int = 0
+    #: bytes held from the forward to the end of the backward only (stages 2 and 3)
+    gathered: int = 0
 
     @property
     def peak(self) -> int:
         kept = self.params + self.optimizer + self.strategy_state
         if self.transient_grads:
-            return kept + max(self.grads, self.activations, self.buffers)
-        return kept + self.grads + max(self.activations, self.buffers)
+            return kept + max(self.grads + self.update, self.gathered + self.activations, self.buffers)
+        return kept + self.grads + max(self.gathered + self.activations, self.buffers, self.update)
 
     def as_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "peak": self.peak}
@@ -161,4 +171,8 @@ def measure_state(engine: Engine, activations: int, strategy: DistributedStrateg
     if strategy.fp16_allreduce and ctx.reducer is not None and ctx.reducer.buckets:
         buffers = max(b.numel for b in ctx.reducer.buckets) * 2
     act, half = activations if isinstance(activations, tuple) else (activations, 0)
-    return MemoryBreakdown(params, grads, optimizer, strategy_state, act, half, buffers, transient)
+    update = 0
+    if opt is not None:  # the parameters it holds state for are the ones it steps (stage 1: its partition)
+        stepped = [p for p in opt.state if isinstance(p, torch.Tensor)] or None
+        update = update_temporaries(opt, stepped, groups=max(1, int(strategy.num_apply_group))).bytes
+    return MemoryBreakdown(params, grads, optimizer, strategy_state, act, half, buffers, transient, update)

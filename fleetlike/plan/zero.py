@@ -9,24 +9,36 @@ the trace), ``A`` the activations of one forward, ``B`` the largest unit's param
 ``R`` the root's own (the parameters in no block, gathered for the whole step):
 
 ========================  =================================  ======================================
-candidate                 kept between steps                 peak during a step
+candidate                 kept between steps                 held from the forward to the end of
+                                                             the backward (``gathered``)
 ========================  =================================  ======================================
-``sharding_stage2``       ``(P + G + S) / N``                kept + ``P`` (the full parameters, from
-                                                             the forward to the end of backward)
-                                                             + ``A`` + ``T2 * (P / N + B)``
-``sharding_stage3``       ``(P + G + S) / N``                kept + ``R`` + ``A`` + ``T3 * (P / N + B)``
-``sharding_stage3_        on the device: nothing; in host    on the device: ``R`` + ``A`` + ``T3 * B``
+``sharding_stage2``       ``(P + G + S) / N``                ``P + 2B + B/N``
+``sharding_stage3``       ``(P + G + S) / N``                ``R + 2B + B/N``
+``sharding_stage3_        on the device: nothing; in host    on the device: ``R + 2B + B/N``
 offload``                 memory ``(P + G + S) / N``
 ========================  =================================  ======================================
 
-``T2``, ``T3`` (`TRANSIENT`) are the step's temporaries in units of a parameter shard plus the
-largest unit: the update's whole-shard temporaries (torch's multi-tensor AdamW), each reduced
-gradient shard before it is added to the kept one, the unit gathered and the next prefetched,
-its unsharded gradients and their reduce buffer. They are measured, not derived: fitted to the
-peak RSS of 2 gloo ranks training two shapes (6 x Linear(1024) and 24 x Linear(512), AdamW), and
-checked against another shape on 3 ranks (tests/test_plan_zero.py: within 20 %; 12 x Linear(768)
-on 3 ranks reads 1.15x the predicted stage 3 peak: some of the temporaries scale with the whole
-model rather than the shard).
+The peak is the kept bytes plus the larger of ``gathered + A`` (the forward and backward) and
+the update's temporaries on the shards (`fleetlike.plan.temporaries`: the data-parallel
+figure over ``N``, since each parameter is stepped as its ``1/N`` dim-0 shard). ``gathered``
+is derived from how FSDP2 runs on one stream (CPU, torch 2.13), not fitted:
+
+* stage 2 keeps every unit's parameters gathered from its forward to its backward (``P``);
+  beside them, at worst, two of the largest unit: while a unit is gathered, its all-gather
+  buffer beside the parameters copied out of it, and in its backward, its unsharded gradients
+  beside the reduce input they are copied into; plus the reduced shard or the shard sent
+  (``B/N``): ``P + 2B + B/N``;
+* stage 3 holds the root's parameters (``R``) for the whole step and, at worst, two of the
+  largest unit: the one computing and the next, prefetched, or in the backward the gradients of
+  the one just computed beside its reduce input, its parameters already freed; plus ``B/N``:
+  ``R + 2B + B/N``. The reduce input is released as soon as this rank's chunk is copied out
+  (`fleetlike.strategies.zero.AllReduceScatter`); FSDP2 alone holds it until the next unit's
+  reduce, one ``B`` more.
+
+Measured per phase on 2 gloo ranks (the RSS's peak of each forward, backward and update): the
+rise over the level before it is two of the largest unit at both stages (6 x Linear(1024):
+1.3 bytes per parameter, units of 0.67; 12 x Linear(1024) before the reduce input was released:
+three at stage 3).
 
 Step time: the traced compute with the update cut to ``1/N`` (each rank steps its shard), plus,
 not overlapped (on the CPU FSDP2's collectives block the compute: docs/large_models.md), each
@@ -34,7 +46,9 @@ unit's gradients reduce-scattered (priced as the cheaper of the link's reduce-sc
 allreduce: on gloo fleetlike runs it as an allreduce) and its parameters all-gathered (twice at
 stage 3: for the forward and again for the backward). Offload adds, over the host link
 (``host_link``, a ``(latency s, bytes/s)`` pair), the parameter shards moved in for each gather
-and the gradient shards moved out; without a host link it is not predicted (a CPU-only job has
+and the gradient shards moved out, and its update (the optimizer on the shards) runs on the
+host's CPU: priced at the traced seconds (the planner traces on a CPU), not scaled by the
+device's compute scale; without a host link it is not predicted (a CPU-only job has
 nothing to move: offload changes nothing there).
 
 Example:
@@ -53,11 +67,9 @@ from fleetlike.plan.spec import Cluster, ModelSpec
 from fleetlike.plan.trace import Trace
 from fleetlike.strategies.zero import shard_blocks
 
-__all__ = ["TRANSIENT", "ZERO_CANDIDATES", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
+__all__ = ["ZERO_CANDIDATES", "gathered_bytes", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
            "zero_step"]
 
-#: a step's temporaries at each stage, in parameter shards plus largest units (see the module docstring)
-TRANSIENT = {2: 1.5, 3: 2.5}
 #: the derived candidates: name -> (stage, offload)
 ZERO_CANDIDATES: dict[str, tuple[int, bool]] = {
     "sharding_stage2": (2, False),
@@ -104,9 +116,16 @@ def zero_memory(base: MemoryBreakdown, layout: ZeroLayout, world: int, stage: in
     shards are in host memory (`host_bytes`)."""
     kept_p, kept_g, kept_s = (0, 0, 0) if offload else (-(-base.params // world), -(-base.grads // world),
                                                         -(-base.optimizer // world))
-    shard = 0 if offload else -(-base.params // world)
-    during = (base.params if stage == 2 else layout.root) + int(TRANSIENT[stage] * (shard + layout.largest))
-    return MemoryBreakdown(kept_p, kept_g, kept_s, during, base.activations, base.amp_copies, 0, False)
+    update = 0 if offload else -(-base.update // world)  # offload steps the shards in host memory
+    return MemoryBreakdown(kept_p, kept_g, kept_s, 0, base.activations, base.amp_copies, 0, False, update,
+                           gathered_bytes(base.params, layout, world, stage))
+
+
+def gathered_bytes(params: int, layout: ZeroLayout, world: int, stage: int) -> int:
+    """Bytes a stage 2 / 3 rank holds from the forward to the end of the backward beyond what it
+    keeps: the parameters gathered and the collectives' buffers (see the module docstring)."""
+    b = layout.largest
+    return (params if stage == 2 else layout.root) + 2 * b + -(-b // world)
 
 
 def host_bytes(base: MemoryBreakdown, world: int) -> int:
@@ -121,8 +140,11 @@ def zero_step(trace: Trace, cost: StepCost, layout: ZeroLayout, links: Links, st
     world = cluster.world_size
     scale = trace.compute_scale if trace.compute_scale is not None else links.compute_scale
     times = [dict(s.times) for s in trace.steps]
-    update = sum(t.get("optimizer_update", 0.0) for t in times) / len(times) * scale
-    compute = cost.compute - update + update / world
+    traced_update = sum(t.get("optimizer_update", 0.0) for t in times) / len(times)
+    update = traced_update * scale
+    # each rank steps its shard; under offload on the host's CPU, priced at the traced (CPU) speed
+    # rather than the device's: the device's compute scale does not apply to it
+    compute = cost.compute - update + (traced_update if host_link is not None else update) / world
     kind = group_kind(tuple(range(world)), cluster)
     units = [*layout.blocks, layout.root] if layout.root else list(layout.blocks)
     comm = 0.0

@@ -141,7 +141,12 @@ class AllReduceScatter(ReduceScatter):
     (the measurement stage 1 rests on, docs/BENCHMARKS.md), so on gloo the allreduce, which moves
     the bytes data parallel moves, is the cheaper way to the same chunk. FSDP2 lays the input
     out rank by rank (``input.view(world, -1)[rank]`` is this rank's), and calls this
-    synchronously on the CPU."""
+    synchronously on the CPU.
+
+    The input, the block's whole gradient, is freed once this rank's chunk is copied out: FSDP2
+    keeps a reference to it until the next block's reduce (on a GPU, so that its stream is done
+    with it before the memory is reused); on the CPU the call has returned by then, and freeing
+    it keeps one block's gradient less in memory through the next block's backward."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -150,6 +155,7 @@ class AllReduceScatter(ReduceScatter):
                  async_op: bool = False) -> Any:
         torch.distributed.all_reduce(input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        input_tensor.untyped_storage().resize_(0)  # read by nobody after this; FSDP2 only holds it
         return None
 
 
