@@ -33,7 +33,7 @@ from fleetlike.plan.probe import probe_worker, save
 from fleetlike.plan.space import SpaceName, parse_allow
 from fleetlike.plan.spec import Cluster, ModelSpec, OptimizerKind, load_builder, parse_cluster
 
-__all__ = ["main", "parse_memory", "parse_rate"]
+__all__ = ["main", "parse_memory", "parse_micro_batches", "parse_rate"]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -59,6 +59,17 @@ def parse_rate(text: str, name: str) -> tuple[float, float]:
     return lat * 1e-6, bw * 1e6
 
 
+def parse_micro_batches(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> (2, 4, 8); a ValueError naming the flag otherwise."""
+    try:
+        counts = tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--micro_batches {text!r} does not parse: write positive counts, e.g. 2,4,8")
+    return counts
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fleetlike.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the same with the loss under the AMP strategies' autocast (bfloat16 in the basic "
                         "space); AMP candidates scale by it (else by --compute_seconds)")
     p.add_argument("--space", default="basic", help="search space: basic or full (fleetlike.plan.space)")
-    p.add_argument("--only", default=None, help="comma-separated candidate names to plan")
+    p.add_argument("--only", default=None, help="comma-separated candidate names to plan ('pipeline': every "
+                                                "pipeline shape)")
+    p.add_argument("--micro_batches", default="2,4,8",
+                   help="micro-batch counts of the pipeline candidates, e.g. 2,4,8 (one row per pp degree and count)")
     p.add_argument("--allow", default=None, help="math-changing strategies that may be recommended: localsgd,gossip,gradient_merge")
     p.add_argument("--memory", "--memory-per-rank", "--memory_per_rank", dest="memory", default=None,
                    help="memory per rank, e.g. 4GiB; larger candidates are marked, and the table says why each "
@@ -152,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
                      compute_seconds=args.compute_seconds, amp_compute_seconds=args.amp_compute_seconds)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     host = parse_rate(args.host_link, "host_link") if args.host_link else None
-    result = plan(spec, cluster, links, space=space, allow=allow, memory_limit=memory, only=only,
+    micro = parse_micro_batches(args.micro_batches)
+    result = plan(spec, cluster, links, space=space, allow=allow, memory_limit=memory, only=only, micro_batches=micro,
                   progress=lambda line: print("  " + line, file=sys.stderr, flush=True), host_link=host)
-    scales = sorted(r.trace.compute_scale for r in result.rows if r.trace.compute_scale is not None)
+    scales = sorted(r.trace.compute_scale for r in result.rows
+                    if r.trace is not None and r.trace.compute_scale is not None)
     compute = (f"compute x{scales[len(scales) // 2]:.2f} (median over traces, from --compute_seconds)" if scales
                else f"compute x{links.compute_scale:.2f}")
     print(f"{args.model}, batch {args.batch_size}/rank, {cluster}; links: {links.source}; {compute}")
@@ -168,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"recommended {best.name}: saved to {args.save}")
         if args.show and best.derived:
             print(f"{best.name} is derived from {best.derived}'s trace (FSDP2's collectives are not traced): "
+                  "no program listing to annotate")
+        elif args.show and best.trace is None:
+            print(f"{best.name} is predicted from its stages' timed compute (fleetlike.plan.pipeline): "
                   "no program listing to annotate")
         elif args.show:
             print(annotate(best.trace.program, best.trace, links))

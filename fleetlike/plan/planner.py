@@ -16,11 +16,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fleetlike.plan.cost import Links, StepCost, event_cost, step_time
 from fleetlike.plan.memory import MemoryBreakdown
+from fleetlike.plan.pipeline_rows import MICRO_BATCHES, pipeline_rows
 from fleetlike.plan.space import Candidate, MathChange, SpaceName, candidates
 from fleetlike.plan.spec import Cluster, ModelSpec
 from fleetlike.plan.trace import Trace, trace
@@ -40,7 +41,8 @@ class PlanRow:
     samples_per_s: float
     fits: bool
     allowed: bool
-    trace: Trace = dataclasses.field(repr=False)
+    #: None for a pipeline candidate (`fleetlike.plan.pipeline_rows`): its stages are timed, not traced
+    trace: Trace | None = dataclasses.field(repr=False)
     #: for a candidate derived from another's trace (stages 2 and 3, `fleetlike.plan.zero`):
     #: what it was derived from, and a note for the table (offload's host memory)
     derived: str = ""
@@ -57,7 +59,7 @@ class PlanRow:
                 "comm_s": self.cost.comm, "samples_per_s": self.samples_per_s,
                 "intra_bytes_per_step": self.cost.intra_bytes, "inter_bytes_per_step": self.cost.inter_bytes,
                 "memory": self.memory.as_dict(), "fits": self.fits, "allowed": self.allowed,
-                "period": self.trace.period, "derived_from": self.derived or None}
+                "period": 1 if self.trace is None else self.trace.period, "derived_from": self.derived or None}
 
 
 @dataclasses.dataclass
@@ -80,22 +82,27 @@ class PlanResult:
 def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | str = SpaceName.BASIC,
          allow: Iterable[MathChange] = (), memory_limit: int | None = None,
          only: Iterable[str] | None = None, progress: Callable[[str], None] | None = None,
-         host_link: tuple[float, float] | None = None) -> PlanResult:
+         host_link: tuple[float, float] | None = None,
+         micro_batches: Sequence[int] = MICRO_BATCHES) -> PlanResult:
     """Predict every candidate of ``space`` (or the names in ``only``); see the module docstring.
 
     ``memory_limit``: bytes per rank; candidates whose predicted peak exceeds it are marked and
     never recommended. Sharding stages 2 and 3 (and offload, priced over ``host_link``) are
-    derived from the data-parallel trace (`fleetlike.plan.zero`)."""
+    derived from the data-parallel trace (`fleetlike.plan.zero`). Pipeline candidates, one per
+    ``pp`` degree dividing the world and count of ``micro_batches``, are predicted by
+    `fleetlike.plan.pipeline_rows` (``only`` plans them when it names ``"pipeline"``)."""
     allowed = set(allow)
     cands = candidates(space, cluster)
     zero_names = list(ZERO_CANDIDATES)
+    pipelines = True
     if only is not None:
         wanted = list(only)
         names = {c.name: c for c in cands}
-        unknown = [w for w in wanted if w not in names and w not in ZERO_CANDIDATES]
+        unknown = [w for w in wanted if w not in names and w not in ZERO_CANDIDATES and w != "pipeline"]
         if unknown:
             raise ValueError(f"strategies {unknown} are not in the {space} space on {cluster}; "
-                             f"choose from {', '.join([*names, *ZERO_CANDIDATES])}")
+                             f"choose from {', '.join([*names, *ZERO_CANDIDATES, 'pipeline'])}")
+        pipelines = "pipeline" in wanted
         cands = [names[w] for w in wanted if w in names]
         zero_names = [w for w in wanted if w in ZERO_CANDIDATES]
     rows = []
@@ -116,6 +123,8 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
             progress(f"{cand.name}: {cost.seconds * 1e3:.1f} ms/step, peak {t.memory.peak / 2**20:.1f} MiB")
     if zero_names:
         rows += _zero_rows(spec, cluster, links, rows, zero_names, memory_limit, host_link, skipped, progress)
+    if pipelines:
+        rows += _pipeline_rows(spec, cluster, links, memory_limit, micro_batches, skipped, progress)
     ok = [r for r in rows if r.fits and r.allowed]
     best = min(ok, key=lambda r: r.cost.seconds) if ok else None
     why = ""
@@ -152,6 +161,24 @@ def _zero_rows(spec: ModelSpec, cluster: Cluster, links: Links, rows: list[PlanR
                            memory_limit is None or mem.peak <= memory_limit, True, base.trace, derived="dp", note=note))
         if progress is not None:
             progress(f"{name}: {cost.seconds * 1e3:.1f} ms/step, peak {mem.peak / 2**20:.1f} MiB (from dp's trace)")
+    return out
+
+
+def _pipeline_rows(spec: ModelSpec, cluster: Cluster, links: Links, memory_limit: int | None,
+                   micro_batches: Sequence[int], skipped: list[tuple[str, str]],
+                   progress: Callable[[str], None] | None) -> list[PlanRow]:
+    """The pipeline shapes (`fleetlike.plan.pipeline_rows`) as rows of the table."""
+    found, why = pipeline_rows(spec, cluster, links, micro_batches=micro_batches)
+    skipped.extend(why)
+    out = []
+    for p in found:
+        pred = p.prediction
+        note = f"{pred.schedule}, bubble {pred.bubble:.2f}, imbalance {pred.imbalance:.2f}, dp{pred.dp}"
+        out.append(PlanRow(p.candidate, p.cost, p.memory, cluster.world_size * spec.batch_size / p.cost.seconds,
+                           memory_limit is None or p.memory.peak <= memory_limit, True, None, note=note))
+        if progress is not None:
+            progress(f"{p.candidate.name}: {p.cost.seconds * 1e3:.1f} ms/step, peak {p.memory.peak / 2**20:.1f} MiB "
+                     f"({note})")
     return out
 
 
