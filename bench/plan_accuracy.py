@@ -218,7 +218,8 @@ def predict(links_path: str, models: list[str], strategies: list[str],
                          compute_seconds=(together or {}).get(m), amp_compute_seconds=(amp_together or {}).get(m))
         res = plan(spec, Cluster(2, PER_NODE), links, allow=set(MathChange), only=strategies)
         out[m] = res
-        traced = [r.trace.compute_scale for r in res.rows if r.trace.compute_scale is not None]
+        traced = [r.trace.compute_scale for r in res.rows
+                  if r.trace is not None and r.trace.compute_scale is not None]
         if traced:
             scales[m] = statistics.median(traced)
     return out, links, scales
