@@ -59,7 +59,10 @@ def test_rows_for_each_degree_and_count_with_the_bubble_and_the_strategy_they_sa
         assert pred.bubble == pytest.approx((pp - 1) / (m + pp - 1))
         assert pred.schedule == ("1F1B" if m >= pp else "FThenB")  # 1F1B wherever it applies
         assert r.cost.seconds == pytest.approx(pred.step_s) and r.cost.seconds > r.cost.compute > 0
-        assert r.memory.peak == pred.peak_bytes  # the fullest stage, as rank_shapes sizes it
+        fullest = max(pred.stages, key=lambda s: s.peak_bytes)
+        assert r.memory.peak - max(r.memory.update, r.memory.activations) == \
+            fullest.peak_bytes - fullest.held_micro_batches * fullest.activation_bytes  # kept, as rank_shapes sizes it
+        assert r.memory.update == 0  # SGD + momentum, single-tensor: no temporaries
         assert r.candidate.name == f"pipeline_pp{pp}_m{m}"
         s = DistributedStrategy.from_dict(dict(r.candidate.options)).to_dict(non_default_only=True)
         assert s["pipeline"] is True and s["hybrid_configs"] == {"dp_degree": dp, "pp_degree": pp}
@@ -74,6 +77,10 @@ def test_rows_for_each_degree_and_count_with_the_bubble_and_the_strategy_they_sa
                          optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
     assert {(p.pp, p.micro_batches): p.peak_bytes for p in direct if p.pp > 1} == \
         {(pp, m): got[(dp, pp, m)].memory.peak for (dp, pp, m) in got if m >= pp}
+    # AdamW's update makes two copies of the stage's largest parameter (fleetlike.plan.temporaries)
+    adamw = ModelSpec(build, BATCH, OptimizerKind.ADAMW.factory(0.01))
+    rows, _ = pipeline_rows(adamw, CLUSTER, LINKS, micro_batches=(4,), reps=1)
+    assert all(r.memory.update == 2 * 256 * 256 * 4 for r in rows)
 
 
 def test_rows_that_cannot_apply_say_why():

@@ -14,8 +14,9 @@ the same memory limit.
 * The step: the stages' measured forward + backward and the update are scaled by the links'
   ``compute_scale`` as the traced candidates' compute is; the sends between stages and the
   average across pipelines are costed on ``links``.
-* The memory: the fullest stage's parameters, gradients, optimizer state and the activations
-  its schedule keeps in flight (`StagePrediction.peak_bytes`).
+* The memory: the fullest stage's parameters, gradients, optimizer state and the larger of the
+  activations its schedule keeps in flight (`StagePrediction.peak_bytes`) and its update's
+  temporaries (`fleetlike.plan.temporaries`, as the traced candidates count them).
 * The loss: the builder's ``loss_fn(model, feed)`` is called on the last stage with a stand-in
   model that returns the stage's output and a feed whose labels are the micro-batch's; the feed
   is ``(inputs, labels)`` or a mapping of two entries, inputs first (as the pipelined program
@@ -34,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from fleetlike.plan.memory import MemoryBreakdown
 from fleetlike.plan.pipeline import PipelinePrediction, pipeline_step_seconds, rank_shapes
 from fleetlike.plan.space import Candidate
 from fleetlike.plan.spec import Cluster, ModelSpec
+from fleetlike.plan.temporaries import update_temporaries
 
 __all__ = ["MICRO_BATCHES", "PipelineRow", "pipeline_options", "pipeline_rows"]
 
@@ -90,7 +92,7 @@ def _scaled(pred: PipelinePrediction, scale: float) -> PipelinePrediction:
     return dataclasses.replace(pred, stages=stages, update_s=pred.update_s * scale)
 
 
-def _row(pred: PipelinePrediction, cluster: Cluster) -> PipelineRow:
+def _row(pred: PipelinePrediction, cluster: Cluster, update_bytes: Callable[[Sequence[str]], int]) -> PipelineRow:
     compute = pipeline_step_seconds([s.forward_s + s.backward_s for s in pred.stages],
                                     pred.micro_batches) + pred.update_s
     comm = pred.step_s - compute  # the sends between stages and the average, neither overlapped
@@ -103,7 +105,8 @@ def _row(pred: PipelinePrediction, cluster: Cluster) -> PipelineRow:
     cost = StepCost(pred.step_s, compute, comm, comm, intra, inter, [pred.step_s], {})
     fullest = max(pred.stages, key=lambda s: s.peak_bytes)
     memory = MemoryBreakdown(fullest.param_bytes, fullest.param_bytes, fullest.optimizer_bytes, 0,
-                             fullest.held_micro_batches * fullest.activation_bytes, 0, 0)
+                             fullest.held_micro_batches * fullest.activation_bytes, 0, 0,
+                             update=update_bytes(fullest.blocks))
     name = f"pipeline_pp{pred.pp}_m{pred.micro_batches}"
     return PipelineRow(Candidate(name, pipeline_options(pred.dp, pred.pp, pred.micro_batches, pred.schedule), ()),
                        cost, memory, pred)
@@ -154,5 +157,11 @@ def pipeline_rows(spec: ModelSpec, cluster: Cluster, links: Links, *,
         key = (pred.pp, pred.micro_batches)
         if key not in best or (pred.schedule == "1F1B" and best[key].schedule != "1F1B"):
             best[key] = pred
-    out = [_row(_scaled(best[k], links.compute_scale), cluster) for k in sorted(best)]
+    modules = dict(model.named_modules())
+
+    def update_bytes(blocks: Sequence[str]) -> int:
+        params = [p for b in blocks for p in modules[b].parameters()]
+        return update_temporaries(make_opt(params), params).bytes
+
+    out = [_row(_scaled(best[k], links.compute_scale), cluster, update_bytes) for k in sorted(best)]
     return out, skipped
