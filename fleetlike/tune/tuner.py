@@ -260,19 +260,24 @@ class OnlineTuner:
         assert self.best is not None
         if Knob.BUCKET_MB not in self.values or Knob.COMM_NUM not in self.values:
             return []
-        buckets = self._top(Knob.BUCKET_MB, lambda st: st.bucket_mb)
-        comms = self._top(Knob.COMM_NUM, lambda st: st.comm_num)
         base = self.best.setting
+        comms = self._top(Knob.COMM_NUM, lambda st: st.comm_num)
+        # a bucket size with fewer buckets than communicators pairs with nothing new: the next one does
+        most = max(int(c) for c in comms)  # type: ignore[call-overload]
+        buckets = self._top(Knob.BUCKET_MB, lambda st: st.bucket_mb,
+                            lambda b: self.bucket_count(base.replace(Knob.BUCKET_MB, b)) >= most)
         return [base.replace(Knob.BUCKET_MB, b).replace(Knob.COMM_NUM, c) for b in buckets for c in comms]
 
-    def _top(self, knob: Knob, value: Callable[[Setting], object], n: int = 2) -> list[object]:
-        """The ``n`` values of ``knob`` with the fastest trials (ties: the search's order); a value
-        never measured (two communicators were redundant at the incumbent's buckets) ranks last."""
+    def _top(self, knob: Knob, value: Callable[[Setting], object], keep: Callable[[object], bool] = lambda v: True,
+             n: int = 2) -> list[object]:
+        """The ``n`` values of ``knob`` that ``keep`` accepts with the fastest trials (ties: the
+        search's order); a value never measured (two communicators were redundant at the
+        incumbent's buckets) ranks last."""
         speed: dict[object, float] = {}
         for t in self.trials:
             v = value(t.setting)
             speed[v] = max(speed.get(v, 0.0), t.steps_per_s)
-        return sorted(self.values[knob], key=lambda v: -speed.get(v, 0.0))[:n]
+        return sorted([v for v in self.values[knob] if keep(v)], key=lambda v: -speed.get(v, 0.0))[:n]
 
     def _redundant(self, cand: Setting) -> bool:
         """More communicators than buckets change nothing: not worth a trial."""
