@@ -263,7 +263,7 @@ class OnlineTuner:
         base = self.best.setting
         comms = self._top(Knob.COMM_NUM, lambda st: st.comm_num)
         # a bucket size with fewer buckets than communicators pairs with nothing new: the next one does
-        most = max(int(c) for c in comms)  # type: ignore[call-overload]
+        most = max(c for c in comms if isinstance(c, int))
         buckets = self._top(Knob.BUCKET_MB, lambda st: st.bucket_mb,
                             lambda b: self.bucket_count(base.replace(Knob.BUCKET_MB, b)) >= most)
         return [base.replace(Knob.BUCKET_MB, b).replace(Knob.COMM_NUM, c) for b in buckets for c in comms]
