@@ -52,7 +52,8 @@ def _tuner(cost, strategy=None, **kw):
     applied = []
     clock = _FakeClock(cost)
     s = strategy or DistributedStrategy(**TUNE)
-    t = OnlineTuner(SingleCommunicator(), s, param_bytes=SIZES, two_level_ok=kw.pop("two_level_ok", False),
+    t = OnlineTuner(SingleCommunicator(), s, param_bytes=kw.pop("param_bytes", SIZES),
+                    two_level_ok=kw.pop("two_level_ok", False),
                     apply=applied.append, clock=clock, **kw)
     clock.tuner = t
     return t, clock, applied
@@ -69,10 +70,11 @@ def test_search_finds_the_fastest_setting_and_logs_it(tmp_path):
     assert t.best.setting.bucket_mb == smallest and t.current == t.best.setting
     assert applied[-1] == t.best.setting
     # every bucket size (a winner confirmed against the start timed again right after it), then 2
-    # communicators at the best one (it has several buckets)
+    # communicators at the best one (it has several buckets), then the joint phase's one new pair:
+    # the runner-up bucket size with 2 communicators
     start, first, *rest = t.values[Knob.BUCKET_MB]
-    assert [tr.setting.bucket_mb for tr in t.trials] == [start, first, start, *rest, smallest]
-    assert [tr.setting.comm_num for tr in t.trials][-1] == 2
+    assert [tr.setting.bucket_mb for tr in t.trials] == [start, first, start, *rest, smallest, *rest]
+    assert [(tr.setting.comm_num, tr.phase) for tr in t.trials][-2:] == [(2, "one_knob"), (2, "joint")]
     # the first step, the warm-up trial, then per trial 1 unmeasured + 2 measured steps
     assert t.tuning_steps == 1 + (1 + len(t.trials)) * 3
     rows = list(csv.DictReader(open(log)))
@@ -82,6 +84,45 @@ def test_search_finds_the_fastest_setting_and_logs_it(tmp_path):
     assert float(rows[-1]["tensor_fusion_threshold"]) == smallest
     assert float(rows[-1]["steps_per_s"]) == pytest.approx(1 / (0.01 + smallest), rel=1e-3)
     assert "chose flat" in t.summary() and "fixed knobs: wire_dtype" in t.summary()
+
+
+def test_the_joint_phase_finds_a_pair_neither_knob_finds_alone(tmp_path):
+    # 16 MB buckets alone and 2 communicators alone are each 1 % faster than the start (32 MB x1):
+    # below min_gain (2 %), so the one-knob passes keep the start; together they are 10 % faster.
+    # 64 MB alone is 1.5 % faster, but it is one bucket: two communicators there are redundant, so
+    # the runner-up bucket size of the joint phase is 16 MB
+    sizes = [4 << 20] * 12  # 48 MB of gradients: two buckets at 32 MB, three at 16, one at 64
+    cost = {(32.0, 1): 0.0100, (16.0, 1): 0.0099, (64.0, 1): 0.00985, (32.0, 2): 0.0099, (16.0, 2): 0.0090}
+    log = tmp_path / "autotune.csv"
+    t, clock, applied = _tuner(lambda s: cost.get((s.bucket_mb, s.comm_num), 0.0105), param_bytes=sizes,
+                               log_path=log)
+    for _ in range(200):
+        clock.step()
+    assert t.done
+    pair = Setting(t.start.mode, 16.0, 2, "native")
+    assert t.best.setting == pair and t.current == pair and applied[-1] == pair
+    # only the pair was new in the joint phase (16 x1 and 32 x2 were measured one knob at a time),
+    # and its win was confirmed against the incumbent timed again
+    joint = [tr.setting for tr in t.trials if tr.phase == "joint"]
+    assert joint == [pair, t.start]
+    one_knob = [tr.setting for tr in t.trials if tr.phase == "one_knob"]
+    assert pair not in one_knob and {(s.bucket_mb, s.comm_num) for s in one_knob} >= {(16.0, 1), (32.0, 2)}
+    rows = list(csv.DictReader(open(log)))
+    assert [r["phase"] for r in rows[-3:]] == ["joint", "joint", "joint"] and rows[-1]["best"] == "1"
+    assert float(rows[-1]["tensor_fusion_threshold"]) == 16.0 and rows[-1]["nccl_comm_num"] == "2"
+
+
+def test_the_joint_phase_never_moves_a_fixed_knob():
+    # the same costs with the communicators fixed by the user: no joint phase, the start's count stays
+    s = DistributedStrategy(auto_tune=True, nccl_comm_num=1,
+                            auto_tune_configs={"steps_per_trial": 2, "warmup_steps": 1, "seconds_per_trial": 0})
+    cost = {(32.0, 1): 0.0100, (16.0, 1): 0.0099, (32.0, 2): 0.0099, (16.0, 2): 0.0090}
+    t, clock, _ = _tuner(lambda st: cost.get((st.bucket_mb, st.comm_num), 0.0105), strategy=s,
+                         param_bytes=[4 << 20] * 12)
+    for _ in range(200):
+        clock.step()
+    assert t.done and Knob.COMM_NUM not in t.values
+    assert {tr.setting.comm_num for tr in t.trials} == {1} and not [tr for tr in t.trials if tr.phase == "joint"]
 
 
 def test_a_gain_below_min_gain_keeps_the_start():

@@ -13,11 +13,14 @@ The search is coordinate descent from the starting setting (the strategy as conf
 planner's recommendation when the job was started from ``python -m fleetlike.plan``'s
 strategy file): each free knob in turn (allreduce mode, bucket size, communicators, wire
 dtype) tries its values with the others at the best so far; a candidate replaces the best
-only when faster by ``min_gain``. Once every knob is done, the best setting is applied for the
+only when faster by ``min_gain``. A short joint phase follows: the top-2 bucket sizes x the
+top-2 communicator counts not yet measured (small buckets may pay only with two communicators
+overlapping them, while neither alone beats the incumbent by ``min_gain``), kept by the same
+rule; more communicators than buckets are skipped. Then the best setting is applied for the
 rest of the job and the trial log is written (Horovod's ``HOROVOD_AUTOTUNE_LOG`` columns first:
 ``hierarchical_allreduce,hierarchical_allgather,cycle_time_ms,tensor_fusion_threshold,score``,
-score in gradient bytes per microsecond as Horovod's; then fleetlike's own; the last row is the
-best, as Horovod writes it).
+score in gradient bytes per microsecond as Horovod's; then fleetlike's own, ``phase`` saying
+``one_knob`` or ``joint``; the last row is the best, as Horovod writes it).
 
 Example:
     >>> tuner = OnlineTuner(world, strategy, param_bytes=sizes, two_level_ok=False, apply=switch)
@@ -47,7 +50,7 @@ __all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial", "decode", "encode"]
 
 #: the trial log's columns: Horovod's autotune log, then fleetlike's
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold",
-               "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best")
+               "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best", "phase")
 #: the order in which knobs are searched: where two levels can form, the mode moves a slow link's
 #: traffic most (1.5-1.6x at 100 Mbit in bench/autotune.py), so the bucket sizes are tried under it
 _ORDER = (Knob.ALLREDUCE_MODE, Knob.BUCKET_MB, Knob.COMM_NUM, Knob.WIRE_DTYPE)
@@ -62,6 +65,7 @@ class Trial:
     setting: Setting
     step_times: list[float]
     first_step: int  # the job's step index (0-based) of its first step
+    phase: str = "one_knob"  # or "joint": measured in the joint bucket size x communicators phase
 
     @property
     def median_s(self) -> float:
@@ -113,6 +117,8 @@ class OnlineTuner:
         self.clock = clock
         self._knobs = [k for k in _ORDER if k in self.values]
         self._pending: list[Setting] = []
+        #: the joint phase (bucket size x communicators, after the one-knob passes) has begun
+        self._joint_done = False
         self._measured: dict[Setting, Trial] = {}
         self._times: list[float] = []
         self._since_switch = 0
@@ -170,6 +176,7 @@ class OnlineTuner:
         self.done = True
         self.current = setting
         self.stopped = why
+        self._joint_done = True
         self._pending, self._knobs, self._times, self._challenger = [], [], [], None
         self._write_log()
 
@@ -178,7 +185,8 @@ class OnlineTuner:
     def _end_trial(self) -> None:
         times = torch.tensor(self._times, dtype=torch.float64, device=self.world.device)
         self.world.all_reduce(times, "max")  # each step as long as its slowest rank made it
-        trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup)
+        trial = Trial(self.current, times.tolist(), self.steps - len(self._times) - self.warmup,
+                      "joint" if self._joint_done else "one_knob")
         if not self._warmed:
             # the job's first steps run slower than its later ones (caches, allocator, the other
             # ranks still starting: up to 25% in bench/autotune.py), so, as Horovod's warm-up
@@ -234,10 +242,42 @@ class OnlineTuner:
                 if cand not in self._measured and not self._redundant(cand):
                     return cand
             if not self._knobs:
-                return None
+                if self._joint_done:
+                    return None
+                self._joint_done = True
+                self._pending = self._joint_candidates()
+                continue
             knob = self._knobs.pop(0)
             base = self.best.setting
             self._pending = [base.replace(knob, v) for v in self.values[knob]]
+
+    def _joint_candidates(self) -> list[Setting]:
+        """The joint phase: the top-2 bucket sizes x the top-2 communicator counts (each value
+        ranked by the fastest trial that ran it), the other knobs at the best. One knob at a time
+        misses a pair whose halves each gain less than ``min_gain`` (small buckets only pay with
+        two communicators to overlap them); computed from the max-reduced times, so the same on
+        every rank. Only where both knobs are free."""
+        assert self.best is not None
+        if Knob.BUCKET_MB not in self.values or Knob.COMM_NUM not in self.values:
+            return []
+        base = self.best.setting
+        comms = self._top(Knob.COMM_NUM, lambda st: st.comm_num)
+        # a bucket size with fewer buckets than communicators pairs with nothing new: the next one does
+        most = max(c for c in comms if isinstance(c, int))
+        buckets = self._top(Knob.BUCKET_MB, lambda st: st.bucket_mb,
+                            lambda b: self.bucket_count(base.replace(Knob.BUCKET_MB, b)) >= most)
+        return [base.replace(Knob.BUCKET_MB, b).replace(Knob.COMM_NUM, c) for b in buckets for c in comms]
+
+    def _top(self, knob: Knob, value: Callable[[Setting], object], keep: Callable[[object], bool] = lambda v: True,
+             n: int = 2) -> list[object]:
+        """The ``n`` values of ``knob`` that ``keep`` accepts with the fastest trials (ties: the
+        search's order); a value never measured (two communicators were redundant at the
+        incumbent's buckets) ranks last."""
+        speed: dict[object, float] = {}
+        for t in self.trials:
+            v = value(t.setting)
+            speed[v] = max(speed.get(v, 0.0), t.steps_per_s)
+        return sorted([v for v in self.values[knob] if keep(v)], key=lambda v: -speed.get(v, 0.0))[:n]
 
     def _redundant(self, cand: Setting) -> bool:
         """More communicators than buckets change nothing: not worth a trial."""
@@ -296,7 +336,8 @@ class OnlineTuner:
         return {"hierarchical_allreduce": int(s.mode is AllreduceMode.TWO_LEVEL), "hierarchical_allgather": 0,
                 "cycle_time_ms": self.cycle_time_ms, "tensor_fusion_threshold": s.bucket_mb, "score": round(score, 6),
                 "nccl_comm_num": s.comm_num, "wire_dtype": s.wire, "steps_per_s": round(t.steps_per_s, 4),
-                "median_step_s": round(t.median_s, 6), "measured_steps": len(t.step_times), "best": int(best)}
+                "median_step_s": round(t.median_s, 6), "measured_steps": len(t.step_times), "best": int(best),
+                "phase": t.phase}
 
     def _write_log(self) -> None:
         if self.log_path is None or self.world.rank != 0:
