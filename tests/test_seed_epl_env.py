@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -103,16 +104,8 @@ DICT = {"communication.gradients_reduce_method": "sum", "communication.fp16": Tr
 
 def _train(role, param_dict, environ):
     """`_epl_run` (the page's form, then the PyTorch step) with ``environ`` set around it."""
-    old = {k: os.environ.get(k) for k in environ}
-    os.environ.update(environ)
-    try:
+    with mock.patch.dict(os.environ, environ):
         return _epl_run(role, param_dict)[0]
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _runs(role):

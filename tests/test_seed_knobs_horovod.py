@@ -7,6 +7,7 @@ leaves the parameters as a plain run's."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -36,9 +37,7 @@ def _loss(model, feed):
 
 def _hvd(role, environ, passes, micro=1, **kwargs):
     """One Horovod loop under ``environ``: ``micro`` backward passes per ``step()``."""
-    old = {k: os.environ.get(k) for k in environ}
-    os.environ.update(environ)
-    try:
+    with mock.patch.dict(os.environ, environ):
         model = _model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                        named_parameters=model.named_parameters(), backward_passes_per_step=passes,
@@ -51,12 +50,6 @@ def _hvd(role, environ, passes, micro=1, **kwargs):
             opt.zero_grad()
             reports.append(getattr(opt, "slow_rank_report", None))
         applied = [str(e) for e in opt.applied_strategy()] if hasattr(opt, "reducer") else []
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return params(model), applied, reports
 
 
