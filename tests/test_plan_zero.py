@@ -140,10 +140,14 @@ def test_offload_prices_the_update_on_the_host_at_the_traced_speed():
     spec = ModelSpec(build_small, BATCH, OptimizerKind.ADAMW.factory(1e-3))
     cluster = Cluster(1, 2)
     links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster, compute_scale=0.1)
-    result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"], host_link=(10e-6, 12e9))
-    rows = {r.name: r for r in result.rows}
-    steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
-    traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
+    for _ in range(5):  # the update of a small model can read 0 s on a busy machine's clock: trace again
+        result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"],
+                      host_link=(10e-6, 12e9))
+        rows = {r.name: r for r in result.rows}
+        steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
+        traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
+        if traced > 0:
+            break
     assert traced > 0
     extra = rows["sharding_stage3_offload"].cost.compute - rows["sharding_stage3"].cost.compute
     assert extra == pytest.approx(traced / 2 * (1 - 0.1), rel=1e-6)
