@@ -104,8 +104,10 @@ def job_store(raw: dist.Store, secret: JobSecret) -> dist.Store:
     return found[1]
 
 
-def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False) -> bool:
-    """Write the challenge and ``job_id`` under the secret's prefix on ``raw``, then `JOB_KEY`.
+def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bool = False,
+          marker: str = "fleetlike") -> bool:
+    """Write the challenge and ``job_id`` under the secret's prefix on ``raw``, then `JOB_KEY`
+    (``marker``: which start of the workers greeted, where one store serves several).
 
     ``only_if_absent``: leave a challenge already there (rank 0 on a store another holder of
     the secret hosts: the launcher); returns whether this call wrote it."""
@@ -118,7 +120,7 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
         private.set("challenge", challenge)
     if wrote:
         private.set("job_id", job_id)
-    raw.set(JOB_KEY, "fleetlike")
+    raw.set(JOB_KEY, marker)
     return wrote
 
 
@@ -190,18 +192,19 @@ def connect(role: Role, timeout: float = 300.0) -> dist.Store:
             ) from exc
         if role.rank == 0:  # on a store another launcher hosts (torchrun's): greet if it did not
             assert secret is not None
-            greet(raw, secret, role.job_id, only_if_absent=True)
+            greet(raw, secret, role.job_id, only_if_absent=True, marker=_marker(role))
         _hello(raw, role, host, port, timeout, start, secret)
         if secret is None:
             secret = _find_private_secret(role, raw, host, port)
         challenge = _check_job(raw, secret, role, host, port)
     set_current(secret)
+    name = _meeting_name(role)
     with _LOCK:
-        meeting = _MEETINGS.get(role.job_id, 0)
-        _MEETINGS[role.job_id] = meeting + 1
-    store = dist.PrefixStore(f"job/{role.job_id}/{meeting}/", job_store(raw, secret))
+        meeting = _MEETINGS.get(name, 0)
+        _MEETINGS[name] = meeting + 1
+    store = dist.PrefixStore(f"job/{name}/{meeting}/", job_store(raw, secret))
     # The prefix store holds a reference to the raw one, so rank 0's server lives as long.
-    seal = (challenge, role.job_id, meeting)
+    seal = (challenge, name, meeting)
     if role.rank == 0:
         _admit(store, raw, secret, seal, role, host, port, timeout, start)
         if made:  # every rank read it before proving: nothing needs the file any more
@@ -259,7 +262,7 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
         try:
             if secret is not None and challenge_of(raw, secret) is not None:
                 return
-            if raw.check([JOB_KEY]):
+            if raw.check([JOB_KEY]) and (secret is not None or raw.get(JOB_KEY).decode() == _marker(role)):
                 return
             if secret is None and _private_secret(role, raw) is not None:
                 return
@@ -278,10 +281,23 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
         pause = min(pause * 2, 0.05)
 
 
+def _meeting_name(role: Role) -> str:
+    """The job id, and the start of its workers after the first: a launcher's store outlives a
+    restart of the workers (torchrun's agent keeps one), so each generation meets, proves and
+    leaves its private secret under its own name, never among a dead generation's keys."""
+    return f"{role.job_id}.restart{role.generation}" if role.generation else role.job_id
+
+
+def _marker(role: Role) -> str:
+    """`JOB_KEY`'s value once this generation's rank 0 greeted (a rank that must still find its
+    secret waits for this one, not a dead generation's)."""
+    return "fleetlike" if not role.generation else f"fleetlike restart {role.generation}"
+
+
 def _private_secret(role: Role, raw: dist.Store) -> JobSecret | None:
     """The secret rank 0 left in this user's private directory, once the store greets with it."""
     try:
-        found = read_private(secret_file(role.job_id, role.master_endpoint))
+        found = read_private(secret_file(_meeting_name(role), role.master_endpoint))
     except (OSError, SecretError):
         return None
     return found if found is not None and challenge_of(raw, found) is not None else None
@@ -327,7 +343,7 @@ def _make_private_secret(role: Role) -> JobSecret:
     """Rank 0 of a job started without `SECRET_ENV`: a fresh secret in a file of this user's."""
     secret = JobSecret(new_secret())
     try:
-        write_private(secret_file(role.job_id, role.master_endpoint), secret.hex)
+        write_private(secret_file(_meeting_name(role), role.master_endpoint), secret.hex)
     except (OSError, SecretError) as exc:
         raise RendezvousError(
             f"rank 0: no {SECRET_ENV} was given and the secret cannot be left for the other ranks "
@@ -338,14 +354,14 @@ def _make_private_secret(role: Role) -> JobSecret:
 
 def _forget_private_secret(role: Role) -> None:
     with contextlib.suppress(OSError, SecretError):
-        os.unlink(secret_file(role.job_id, role.master_endpoint))
+        os.unlink(secret_file(_meeting_name(role), role.master_endpoint))
 
 
 def _find_private_secret(role: Role, raw: dist.Store, host: str, port: int) -> JobSecret:
     """The secret rank 0 left in this user's private directory. Rank 0 writes that file before
     the store's marker, so once the marker is seen the file is there, or never will be."""
     try:
-        path = secret_file(role.job_id, role.master_endpoint)
+        path = secret_file(_meeting_name(role), role.master_endpoint)
         found = read_private(path)
     except (OSError, SecretError) as exc:
         raise RendezvousError(f"rank {role.rank}: {exc}") from None

@@ -123,6 +123,23 @@ def agent_store(environ: Environ) -> bool:
     return get(environ, envvars.AGENT_STORE) == str(True)
 
 
+def agent_store_port(environ: Environ) -> int | None:
+    """The port of the store torchrun's agent hosts, when the workers are to join it
+    (`agent_store`, ``MASTER_PORT`` given, no ``FLEETLIKE_MASTER_PORT`` of the user's); else None.
+
+    Joining it, rather than hosting a second store beside it, leaves no port to be chosen free
+    and bound later: a port torchrun's agent picked and released can be taken in between by any
+    process's outgoing connection (Linux gives ``connect`` even ports first, and the port after
+    an odd ``MASTER_PORT`` is even), and the job would fail with "Address already in use".
+    """
+    if not agent_store(environ) or get(environ, envvars.MASTER_PORT) is not None:
+        return None
+    port = get_int(environ, envvars.TORCH_MASTER_PORT)
+    if port is None or not 1 <= port <= 65535:
+        return None
+    return port
+
+
 def base_port(environ: Environ, *, default: int = DEFAULT_PORT, offset: int = 0) -> int:
     """Port of local rank 0: ``FLEETLIKE_MASTER_PORT``, else ``MASTER_PORT + offset``, else default.
 
@@ -184,15 +201,22 @@ def block_endpoints(hosts: Sequence[str], counts: Sequence[int], port: int) -> l
     return out
 
 
-def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: int, source: str) -> Role:
+def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: int, source: str,
+                  *, hosted_port: int | None = None) -> Role:
     """The `Role` for launchers that give no endpoints: GPUs, job id and the rendezvous address
-    (``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR`` at ``port``, else the first endpoint) from env."""
+    (``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR`` at ``port``, else the first endpoint) from env.
+
+    ``hosted_port``: the launcher already hosts the store there (`agent_store_port`); every rank,
+    rank 0 included, joins it at the master address (``Role.master_hosted``)."""
     addr = master_addr(environ)
+    hosted = hosted_port is not None and addr is not None
     return Role.from_endpoints(
         rank,
         endpoints,
         selected_gpus=selected_gpus(environ),
         job_id=job_id(environ),
-        master_endpoint=f"{addr}:{port}" if addr else endpoints[0],
+        master_endpoint=f"{addr}:{hosted_port if hosted else port}" if addr else endpoints[0],
         source=source,
+        master_hosted=hosted,
+        generation=get_int(environ, envvars.TORCHELASTIC_RESTART_COUNT, minimum=0) or 0,
     )

@@ -13,7 +13,9 @@ torchrun, Open MPI and MPICH do not tell a process the addresses of the other no
 endpoints are synthesized on a block layout (``node_index = rank // local_size``, the default of
 all three): the port of local rank i is ``base + i`` where base is ``FLEETLIKE_MASTER_PORT``, else
 ``MASTER_PORT`` (plus 1 under torchrun, whose own store already listens on ``MASTER_PORT``), else
-6170. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
+6170. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` (its default) every rank joins the
+store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``; otherwise rank 0 hosts one at
+``MASTER_PORT + 1``. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
 127.0.0.1); several nodes without it get stand-in names ``node0``, ``node1``, ... that only tell
 the nodes apart, and the rendezvous then runs at ``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR``,
 which must be set. `MPIRoleMaker` gathers the real host names over MPI instead.
@@ -65,11 +67,14 @@ def uniform_role(
     names: tuple[str, str, str, str],
     node_index: int | None = None,
     port_offset: int = 0,
+    joins_agent_store: bool = False,
 ) -> Role:
     """A role on a block layout with ``local_size`` ranks on every node.
 
     ``names`` are the variables that held (rank, world, local_rank, local_size), for messages;
-    ``node_index`` is torchrun's ``GROUP_RANK`` (the MPIs do not give one).
+    ``node_index`` is torchrun's ``GROUP_RANK`` (the MPIs do not give one);
+    ``joins_agent_store``: the launcher may host the store itself (torchrun), and every rank joins
+    it when the environment says so (`_env.agent_store_port`).
     """
     rank_var, world_var, local_var, size_var = names
     if not 0 <= rank < world:
@@ -108,15 +113,16 @@ def uniform_role(
         )
     port = _env.base_port(environ, offset=port_offset)
     endpoints = _env.block_endpoints(hosts, [local_size] * node_num, port)
-    return _env.role_from_env(environ, rank, endpoints, port, source)
+    hosted = _env.agent_store_port(environ) if joins_agent_store else None
+    return _env.role_from_env(environ, rank, endpoints, port, source, hosted_port=hosted)
 
 
 @dataclasses.dataclass(frozen=True)
 class LauncherVars:
     """The variables one launcher sets: (rank, world, local rank, local size), and node index.
 
-    torchrun, Open MPI and MPICH differ only in these names (and torchrun's port offset), so one
-    reader, `env_role`, serves all three.
+    torchrun, Open MPI and MPICH differ only in these names (and torchrun's port offset and the
+    store its agent hosts), so one reader, `env_role`, serves all three.
     """
 
     rank: str
@@ -125,12 +131,13 @@ class LauncherVars:
     local_size: str
     node_index: str | None = None
     port_offset: int = 0
+    joins_agent_store: bool = False
 
 
 #: Name of each launcher -> its variables.
 LAUNCHER_VARS: dict[str, LauncherVars] = {
     "torchrun": LauncherVars(envvars.RANK, envvars.WORLD_SIZE, envvars.LOCAL_RANK, envvars.LOCAL_WORLD_SIZE,
-                             envvars.GROUP_RANK, 1),
+                             envvars.GROUP_RANK, 1, True),
     "openmpi": LauncherVars(
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
@@ -163,6 +170,7 @@ def env_role(environ: _env.Environ, source: str) -> Role:
         source=source,
         names=(names.rank, names.world, names.local_rank, names.local_size),
         port_offset=names.port_offset,
+        joins_agent_store=names.joins_agent_store,
     )
 
 

@@ -96,6 +96,10 @@ class Role:
             launcher with ``--started_port=auto``, or `fleetlike.testing`), so rank 0 joins it as
             a client instead of binding the port: the host bound it on port 0 and never let it go,
             so no other process can take it between the choice of the port and its use.
+        generation: which start of the job's workers this is (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``; 0 for the first). A launcher that keeps one store for
+            every restart (torchrun's agent) leaves a dead generation's keys in it: each
+            generation meets in its own key space.
         source: which role maker produced this (for the applied-strategy report and errors).
         secret: the job's secret (hex; `fleetlike.comm.secret`), when the role maker was given
             it; empty: the rendezvous reads ``FLEETLIKE_JOB_SECRET``. Never shown in ``repr``.
@@ -113,6 +117,7 @@ class Role:
     master_endpoint: str = ""
     source: str = "user"
     master_hosted: bool = False
+    generation: int = 0
     secret: str = dataclasses.field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +131,8 @@ class Role:
             )
         if not 0 <= self.local_rank < self.local_size:
             raise ValueError(f"local_rank={self.local_rank} is out of range 0..{self.local_size - 1}")
+        if self.generation < 0:
+            raise ValueError(f"generation={self.generation} must be >= 0")
         if not 0 <= self.node_index < self.node_num:
             raise ValueError(f"node_index={self.node_index} is out of range 0..{self.node_num - 1}")
 
@@ -140,6 +147,7 @@ class Role:
         master_endpoint: str | None = None,
         source: str = "user",
         master_hosted: bool = False,
+        generation: int = 0,
         secret: str = "",
     ) -> Role:
         """Build a role from a rank and the endpoint list, deriving the node topology."""
@@ -173,6 +181,7 @@ class Role:
             master_endpoint=master_endpoint if master_endpoint else eps[0],
             source=source,
             master_hosted=master_hosted,
+            generation=generation,
             secret=secret,
         )
 
