@@ -52,11 +52,23 @@ import torch.nn.functional as F
 from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
 from fleetlike.plan.pipeline import pipeline_step_seconds
 
-__all__ = ["ActivationMeter", "main"]
+__all__ = ["ActivationMeter", "main", "torch_ping_pong"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
 BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor while the meter is on: the tensor and its storage's
+    key. Autograd holds this object exactly as long as the graph needs the tensor, so its
+    finalizer marks the moment the saved bytes can go (the tensor object itself may be a view
+    that dies sooner, or one that outlives the graph)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class ActivationMeter:
@@ -71,7 +83,7 @@ class ActivationMeter:
         #: off while steps are timed (the hooks cost Python time per saved tensor)
         self.enabled = False
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Any:
         if not self.enabled or isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.params:
             return t
         key = t.untyped_storage().data_ptr()
@@ -79,8 +91,20 @@ class ActivationMeter:
             self.refs[key] = self.refs.get(key, 0) + 1
             self.live[key] = t.untyped_storage().nbytes()
             self.peak = max(self.peak, sum(self.live.values()))
-        weakref.finalize(t, self._drop, key)
-        return t
+        saved = _Saved(t)
+        weakref.finalize(saved, self._drop, key)
+        return saved
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def reset(self) -> None:
+        """Forget what was saved so far and start a new peak."""
+        with self.lock:
+            self.peak = 0
+            self.live.clear()
+            self.refs.clear()
 
     def _drop(self, key: int) -> None:
         with self.lock:
@@ -99,7 +123,7 @@ class Metered(torch.nn.Module):
         self.block, self.meter = block, meter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autograd.graph.saved_tensors_hooks(self.meter.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack):
             return self.block(x)
 
 
@@ -154,9 +178,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=1,
                                     sync=barrier, warmup=2)
         # the activations each schedule keeps: one metered step
-        meter.peak = 0
-        meter.live.clear()
-        meter.refs.clear()
+        meter.reset()
         meter.enabled = True
         fleet_step()
         peak = meter.peak
@@ -244,11 +266,22 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
             "blocked": total - on_cpu - runnable}
 
 
+def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
+    """``buf`` from stage 0 to stage 1 and back on the torch process group ``pg`` (``me``: this
+    rank's stage), as the stages' activations and gradients travel."""
+    import torch.distributed as dist
+
+    if me == 0:
+        dist.send(buf, group_dst=1, group=pg)
+        dist.recv(buf, group_src=1, group=pg)
+    else:
+        dist.recv(buf, group_src=0, group=pg)
+        dist.send(buf, group_dst=0, group=pg)
+
+
 def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
     the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
-    import torch.distributed as dist
-
     from fleetlike import DistributedStrategy, fleet
 
     torch.set_num_threads(1)
@@ -260,12 +293,7 @@ def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
         buf = torch.zeros(nbytes // 4)
 
         def on_torch() -> None:
-            if me == 0:
-                dist.send(buf, group_dst=1, group=pg)
-                dist.recv(buf, group_src=1, group=pg)
-            else:
-                dist.recv(buf, group_src=0, group=pg)
-                dist.send(buf, group_dst=0, group=pg)
+            torch_ping_pong(buf, me, pg)
 
         def on_fleetlike() -> None:
             other = 1 - me
