@@ -40,9 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -51,80 +49,13 @@ import torch.nn.functional as F
 
 from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
 from fleetlike.plan.pipeline import pipeline_step_seconds
+from fleetlike.plan.saved import Metered, SavedBytesMeter
 
-__all__ = ["ActivationMeter", "main", "torch_ping_pong"]
+__all__ = ["main", "torch_ping_pong"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
 BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
-
-
-class _Saved:
-    """What autograd keeps for a saved tensor while the meter is on: the tensor and its storage's
-    key. Autograd holds this object exactly as long as the graph needs the tensor, so its
-    finalizer marks the moment the saved bytes can go (the tensor object itself may be a view
-    that dies sooner, or one that outlives the graph)."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class ActivationMeter:
-    """Live bytes of the tensors autograd saved (per storage, parameters left out) and their peak."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, int] = {}
-        self.peak = 0
-        self.lock = threading.Lock()
-        self.params: set[int] = set()
-        #: off while steps are timed (the hooks cost Python time per saved tensor)
-        self.enabled = False
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if not self.enabled or isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.params:
-            return t
-        key = t.untyped_storage().data_ptr()
-        with self.lock:
-            self.refs[key] = self.refs.get(key, 0) + 1
-            self.live[key] = t.untyped_storage().nbytes()
-            self.peak = max(self.peak, sum(self.live.values()))
-        saved = _Saved(t)
-        weakref.finalize(saved, self._drop, key)
-        return saved
-
-    @staticmethod
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def reset(self) -> None:
-        """Forget what was saved so far and start a new peak."""
-        with self.lock:
-            self.peak = 0
-            self.live.clear()
-            self.refs.clear()
-
-    def _drop(self, key: int) -> None:
-        with self.lock:
-            if key not in self.refs:  # saved before the last reset
-                return
-            self.refs[key] -= 1
-            if not self.refs[key]:
-                del self.refs[key], self.live[key]
-
-
-class Metered(torch.nn.Module):
-    """A block whose forward runs under the meter's saved-tensor hooks."""
-
-    def __init__(self, block: torch.nn.Module, meter: ActivationMeter) -> None:
-        super().__init__()
-        self.block, self.meter = block, meter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack):
-            return self.block(x)
 
 
 def _plain_net() -> torch.nn.Sequential:
@@ -133,7 +64,7 @@ def _plain_net() -> torch.nn.Sequential:
                                  for _ in range(BLOCKS)])
 
 
-def _net(meter: ActivationMeter) -> torch.nn.Sequential:
+def _net(meter: SavedBytesMeter) -> torch.nn.Sequential:
     return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
 
 
@@ -150,14 +81,14 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         s = DistributedStrategy(pipeline=True, pipeline_configs={"accumulate_steps": m, "schedule_mode": mode},
                                 hybrid_configs={"pp_degree": 2})
         fleet.init(role, strategy=s)
-        meter = ActivationMeter()
+        meter = SavedBytesMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
         # the parameters and the batch itself are no activations
         meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         hcg = model.hcg
         # torch's own: the same blocks' copies on the same pipe group
-        theirs = _net(ActivationMeter())
+        theirs = _net(SavedBytesMeter())
         blocks = torch.nn.Sequential(*[theirs[int(n)] for n in model.stage.names])
         stage = PipelineStage(blocks, hcg.stage_id, 2, torch.device("cpu"), group=hcg.get_pipe_parallel_process_group())
         sched = (Schedule1F1B if mode == "1F1B" else ScheduleGPipe)(stage, m, loss_fn=F.mse_loss)

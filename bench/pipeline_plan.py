@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import Column, format_table, median, plot_panels, replace_section, run_info, save_json
-from bench.pipeline import BLOCKS, MICRO_ROWS, WIDTH, ActivationMeter, _net, _plain_net, torch_ping_pong
+from bench.pipeline import BLOCKS, MICRO_ROWS, WIDTH, _net, _plain_net, torch_ping_pong
+from fleetlike.plan.saved import SavedBytesMeter
 from fleetlike.testing import run_ranks
 
 __all__ = ["main", "predictions"]
@@ -128,7 +129,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, memory: bool) ->
         fleet.init(role, strategy=s)
         gc.collect()
         base = _status("VmRSS")
-        meter = ActivationMeter()
+        meter = SavedBytesMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
         hcg = model.hcg
