@@ -13,7 +13,9 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   (p-1)/(m+p-1) and beside the bubble at the stages' measured compute, ``sum(t) + (m-1) max(t)``
   for per-micro-batch stage times ``t``: unequal stages idle the faster one every micro-batch);
   waiting for a core = runnable but not running (the cores are shared with the other rank's
-  gloo threads and with other processes); not computing = 1 - (its forwards, and each backward
+  gloo threads and with other processes); the same idle from the clock: the time inside the
+  schedule's send/receive waits and the loss's broadcast, split into the fill and drain (the
+  first wait for the neighbour, the last wait, the loss) and the per-micro-batch waits; not computing = 1 - (its forwards, and each backward
   from its output's gradient arriving to its first block's weight gradient, and the optimizer's
   update) / (the steps' time), the earlier definition of idle, which also counts the waits for a
   core, the schedule's own work and the loss;
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -115,7 +118,8 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         peak = meter.peak
         # one micro-batch's saved bytes, for the unit of the peak
         mb = x[:MICRO_ROWS].clone().requires_grad_(hcg.stage_id > 0)
-        meter.params.add(mb.untyped_storage().data_ptr())
+        if hcg.stage_id == 0:  # stage 0's input is the batch (left out of the step's count too);
+            meter.params.add(mb.untyped_storage().data_ptr())  # a later stage's is its receive buffer
         meter.peak = 0
         out = model.stage(mb)
         one = meter.peak
@@ -131,6 +135,9 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
                      "idle": spent["blocked"] / total, "runnable": spent["runnable"] / total,
                      "not_computing": 1 - (spent["compute"] + spent["update"]) / total,
                      "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
+                     "waited": spent["waited"] / total, "edges": spent["edges"] / total,
+                     "handoffs": spent["handoffs"] / total, "median_wait_us": spent["median_wait"] * 1e6,
+                     "handoff_count": spent["handoff_count"],
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
@@ -180,11 +187,13 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     handle = first.register_post_accumulate_grad_hook(done)
     stage._run = timed
     opt.step = timed_step
+    waits = _WaitLog(model)
     try:
         model.hcg.get_pipe_parallel_group().barrier()
         cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
+            waits.new_step()
             step()
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
@@ -192,9 +201,74 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
         stage._run = plain
         del opt.step
         handle.remove()
+        waits.close()
     on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
-            "blocked": total - on_cpu - runnable}
+            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage())}
+
+
+class _WaitLog:
+    """The seconds this stage's thread spends waiting in each of the schedule's sends and
+    receives (torch's ``_wait_batch_p2p``, tagged with the kind of the batch it waits for) and in
+    the loss's broadcast, step by step: where its idle time goes."""
+
+    def __init__(self, model: Any) -> None:
+        import torch.distributed.pipelining.schedules as sch
+
+        self.sch, self.model = sch, model
+        self.plain_batch, self.plain_wait, self.plain_loss = sch._batch_p2p, sch._wait_batch_p2p, model._shared_loss
+        self.kinds: dict[int, str] = {}
+        self.steps: list[dict[str, Any]] = []
+        sch._batch_p2p, sch._wait_batch_p2p = self._batch, self._wait
+        model._shared_loss = self._loss
+
+    def new_step(self) -> None:
+        self.kinds.clear()
+        self.steps.append({"waits": [], "loss": 0.0})
+
+    def _batch(self, ops: Any, desc: str | None = None) -> Any:
+        works = self.plain_batch(ops, desc)
+        for w in works:
+            self.kinds[id(w)] = desc or ""
+        return works
+
+    def _wait(self, works: Any) -> None:
+        t0 = time.perf_counter()
+        self.plain_wait(works)
+        if works and self.steps:
+            self.steps[-1]["waits"].append((self.kinds.get(id(works[0]), ""), time.perf_counter() - t0))
+
+    def _loss(self, losses: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.plain_loss(losses)
+        finally:
+            if self.steps:
+                self.steps[-1]["loss"] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sch._batch_p2p, self.sch._wait_batch_p2p = self.plain_batch, self.plain_wait
+        del self.model._shared_loss
+
+    def summary(self, first_stage: bool) -> dict[str, float]:
+        """``waited``: all of it; ``edges``: the pipeline's fill and drain -- the first wait for
+        a neighbour's result (stage 0: the first gradient; later stages: the first activation),
+        the step's last wait and the loss's broadcast (a stage that ends early waits there for
+        the others' tails); ``handoffs``: the other waits, one or two per micro-batch (the
+        neighbour's result in flight, or late); ``median_wait`` of those."""
+        waited = edges = 0.0
+        others: list[float] = []
+        for st in self.steps:
+            waits = st["waits"]
+            wanted = "bwd_recv" if first_stage else "fwd_recv"
+            ramp = next((i for i, (kind, _) in enumerate(waits) if wanted in kind), None)
+            edge_idx = {i for i in (ramp, len(waits) - 1) if i is not None}
+            waited += sum(t for _, t in waits) + st["loss"]
+            edges += sum(waits[i][1] for i in edge_idx) + st["loss"]
+            others += [t for i, (_, t) in enumerate(waits) if i not in edge_idx]
+        return {"waited": waited, "edges": edges, "handoffs": waited - edges,
+                "median_wait": statistics.median(others) if others else 0.0,
+                "handoff_count": len(others) / max(len(self.steps), 1)}
 
 
 def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
@@ -283,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
             Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
             Column("bubble_measured_stages", "bubble, measured stages", "{:.2f}"),
+            Column("waited", "in waits", "{:.2f}"), Column("edges", "fill + drain waits", "{:.2f}"),
+            Column("handoffs", "per-micro-batch waits", "{:.2f}"),
+            Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
             Column("runnable", "waiting for a core", "{:.2f}"), Column("not_computing", "not computing", "{:.2f}"),
             Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
             Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
@@ -309,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
                    "cores shared by the 2 ranks, their gloo threads and other jobs); *not computing* = 1 - (forward, "
                    "backward and update time) / (step time), which adds the waits for a core, the schedule's own work "
                    "and the loss to the idle. Compute times are wall clock, so a wait for a core inside a forward counts "
-                   "as compute: under load the stage balance moves from run to run.\n\n"
+                   "as compute: under load the stage balance moves from run to run. *in waits* = wall time inside the "
+                   "schedule's send/receive waits and the loss's broadcast (it should match *idle*: the kernel's figure "
+                   "and the clock's); of it, *fill + drain waits* = the first wait for the neighbour's result, the "
+                   "step's last wait and the loss's broadcast (the bubble's place), *per-micro-batch waits* = the "
+                   "rest, one or two per micro-batch, with their median.\n\n"
                    + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
                    "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
                    "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
