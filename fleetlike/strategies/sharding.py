@@ -175,7 +175,8 @@ class ShardingUnit(Unit):
         ctx.record("sharding", True, (
             f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
-            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding"
+            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding; "
+            f"{sum(1 for b in buckets if b.why)} given one owner, whose segments would be mostly padding"
             + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
             + "), all-gathered in place, "
             f"<= {cfg['segment_broadcast_MB']} MB in flight"
