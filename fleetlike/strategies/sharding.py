@@ -1,7 +1,8 @@
 """Optimizer-state sharding (ZeRO stage 1; Paddle's ``sharding``, EPL's ``zero.level = "v1"``).
 
 Each parameter has one owner rank (`fleetlike.collectives.sharded.plan_shards`: whole
-parameters, balanced by bytes inside every gradient bucket). A step then runs:
+parameters, balanced by bytes inside every gradient bucket, or one owner for a whole bucket
+whose balanced segments would be mostly padding, which every rank would hold). A step then runs:
 
 1. backward: each bucket is **reduce-scattered** as soon as its gradients are ready (the same
    overlapped `GradReducer` hooks as data parallel), leaving each rank only its own parameters'
