@@ -1,7 +1,7 @@
 """Sharding properties: the partition over random parameter sizes, world sizes and bucket caps
-(every parameter owned once, never split, each rank within one largest parameter or one-owner
-bucket of 1/N, each bucket's segments disjoint and covering); sharded training over random model
-shapes and world sizes equals the single-process reference (SGD, momentum) and unsharded data parallel on the
+(every parameter owned once, never split, each rank within one largest parameter of 1/N, no
+bucket more than a quarter padding, each bucket's segments disjoint and covering); sharded
+training over random model shapes and world sizes equals the single-process reference (SGD, momentum) and unsharded data parallel on the
 same ranks (Adam, AdamW); the options, EPL aliases and refused combinations.
 """
 
@@ -44,10 +44,10 @@ def test_partition_properties(sizes, world, cap, two_level, pad_min):
                 lo = b.positions[r] * b.segment
                 assert lo <= off and off + p.numel() <= lo + b.segment
             assert b.views[i].data_ptr() == b.buffer[off:].data_ptr()
-    total = sum(sizes) * 4
-    # a unit is a parameter, or a bucket given one owner (its segments would be mostly padding)
-    largest = max([max(sizes) * 4] + [b.nbytes for b in buckets if b.single is not None])
+    total, largest = sum(sizes) * 4, max(sizes) * 4
     assert max(load) <= total / world + largest
+    for b in buckets:  # a bucket that would be mostly padding was split into one per owner
+        assert pad_min is None or b.padding <= sharded.PAD_LIMIT * (b.numel - b.padding), b.describe()
 
 
 #: per case index: gloo's allreduce or the reduce-scatter of the other backends, and the size

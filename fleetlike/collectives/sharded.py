@@ -7,19 +7,19 @@ bytes in this bucket so far, ties broken by the fewest bytes overall. Balancing 
 bucket is what makes the reduce-scatter cheap; the tie-break keeps the whole partition within
 one largest parameter of ``total / N`` per rank, which bounds each rank's optimizer state.
 
-A bucket that cannot be balanced gets **one owner** instead, the rank with the fewest bytes
-overall, as torch's ZeroRedundancyOptimizer gives each parameter to the least loaded rank.
-Every rank holds every bucket's gradient buffer at stage 1, so a segment's padding is memory on
-every rank: one large weight and its small bias in a bucket, split, are the weight's segment
-and a bias's segment padded to the weight's length, half of the buffer (at one Linear(2048,
-2048) per 25 MB bucket on 2 ranks, 3.3 bytes per parameter more than the gradients;
-docs/BENCHMARKS.md). One owner removes the padding and adds the bucket's optimizer state to one
-rank, so it is chosen when it lowers the larger of the two costs on the most loaded rank:
-padding + `STATE_RATIO` x the largest load split, against `STATE_RATIO` x the largest load with
-one owner (Adam's two moments per gradient byte), for padding of at least `PAD_MIN_BYTES`.
-Such a bucket is allreduced, which moves the bytes its padded reduce-scatter would. The
-partition stays within one largest *unit* of ``total / N`` per rank: a parameter, or a bucket
-given one owner.
+A bucket that cannot be balanced is **split into one bucket per owner** instead. Every rank
+holds every bucket's gradient buffer at stage 1, so a segment's padding is memory on every rank:
+one large weight and its small bias in a bucket, split between two ranks, are the weight's
+segment and a bias's segment padded to the weight's length, half of the buffer (at one
+Linear(2048, 2048) per 25 MB bucket on 2 ranks, 3.3 bytes per parameter more than the
+gradients; docs/BENCHMARKS.md). When the padding would exceed `PAD_LIMIT` of the bucket's
+gradient bytes (and `PAD_MIN_BYTES`), its parameters, largest first, go to the least loaded rank
+overall (torch's ZeroRedundancyOptimizer's rule, per parameter), and each owner's are packed
+into a bucket of their own, without padding, and allreduced. On gloo, which allreduces the
+segmented buffer too, that sends fewer bytes; on backends whose reduce-scatter is used it sends
+at most the bytes of the padded reduce-scatter when the padding is at least the gradients, and
+up to twice them at `PAD_LIMIT`, the price of the memory. Every rank still stays within one
+largest parameter of ``total / N``.
 
 Layout. A `ShardedBucket`'s flat buffer is ``N`` equal segments, one per rank, each holding its
 owner's gradients back to back and zero-padded to the longest segment. One reduce-scatter of the
@@ -62,12 +62,12 @@ from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorker
 from fleetlike.comm import Communicator, Work, divide_, dtype_name
 from fleetlike.comm.cuda import stream_device
 
-__all__ = ["PAD_MIN_BYTES", "STATE_RATIO", "ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners",
+__all__ = ["PAD_LIMIT", "PAD_MIN_BYTES", "ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners",
            "plan_shards", "two_level_positions"]
 
-#: optimizer-state bytes per gradient byte that `plan_shards` weighs padding against (Adam and
-#: AdamW: two moments): padding is on every rank, the state of a bucket with one owner on one
-STATE_RATIO = 2
+#: a bucket whose balanced segments would hold more than this fraction of its gradient bytes
+#: again as padding (and at least `PAD_MIN_BYTES`) is split into one bucket per owner instead
+PAD_LIMIT = 0.25
 #: padding below this is kept: a few KiB per bucket is no memory worth moving the balance for
 #: (the size from which `ParamGather` treats a parameter as large, `DIRECT_BYTES`)
 PAD_MIN_BYTES = 256 << 10
@@ -91,7 +91,8 @@ class ShardedBucket(Bucket):
 
     ``owners[i]`` owns ``params[i]``; ``positions[r]`` is rank ``r``'s segment; ``segment`` the
     elements per segment; ``single`` the one owner of a packed bucket (None when segmented);
-    ``why`` says why a bucket of several parameters has one owner (the padding avoided)."""
+    ``why`` says why a bucket has one owner where its parameters shared a bucket with other
+    owners' (the padding avoided)."""
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
                  positions: Sequence[int], why: str | None = None) -> None:
@@ -151,23 +152,23 @@ class ShardedBucket(Bucket):
 def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, world: int,
                 positions: Sequence[int] | None = None, *, pad_min_bytes: int | None = None) -> list[ShardedBucket]:
     """The sharded gradient buckets of ``params``: `plan_buckets`' grouping (reverse order, one
-    dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`), or
-    one owner, the least loaded rank, for a bucket whose padding (at least ``pad_min_bytes``,
-    `PAD_MIN_BYTES`) would cost the most loaded rank more than one owner's state (see the
-    module docstring).
+    dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`); a
+    bucket whose segments would be more than `PAD_LIMIT` padding (at least ``pad_min_bytes``,
+    `PAD_MIN_BYTES`) is split into one bucket per owner, its parameters owned by the least
+    loaded ranks (see the module docstring).
 
     Example:
         >>> w, b = torch.nn.Parameter(torch.zeros(1 << 20)), torch.nn.Parameter(torch.zeros(1024))
-        >>> [bk.single for bk in plan_shards([w, b], 32 << 20, 2)]   # not 2 x 4 MiB of segments
-        [0]
+        >>> [(bk.single, bk.numel) for bk in plan_shards([w, b], 32 << 20, 2)]   # not 2 x 4 MiB of segments
+        [(1, 1024), (0, 1048576)]
     """
     positions = list(positions) if positions is not None else list(range(world))
     if sorted(positions) != list(range(world)):
         raise ValueError(f"positions={positions} must order the ranks 0..{world - 1}")
     least = PAD_MIN_BYTES if pad_min_bytes is None else pad_min_bytes
     load = [0] * world
-    out = []
-    for i, group in enumerate(plan_buckets(params, cap_bytes)):
+    out: list[ShardedBucket] = []
+    for group in plan_buckets(params, cap_bytes):
         sizes = [p.numel() * p.element_size() for p in group]
         trial = list(load)
         owners = assign_owners(sizes, world, trial)
@@ -175,17 +176,19 @@ def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, wor
         for size, r in zip(sizes, owners):
             fill[r] += size
         padding = world * max(fill) - sum(sizes)
-        why = None
-        if len(set(owners)) > 1 and padding >= least:
+        if len(set(owners)) == 1 or padding < least or padding <= PAD_LIMIT * sum(sizes):
+            load[:] = trial
+            out.append(ShardedBucket(len(out), group, owners, positions))
+            continue
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):  # ZeroRedundancyOptimizer's rule
             r = min(range(world), key=lambda r: (load[r], r))
-            alone = list(load)
-            alone[r] += sum(sizes)
-            if padding + STATE_RATIO * max(trial) > STATE_RATIO * max(alone):
-                owners, trial = [r] * len(group), alone
-                why = (f"one owner (rank {r}): balanced segments would add {padding / sum(sizes):.0%} padding "
-                       "to every rank's buffer, more than the bucket's optimizer state on one rank costs")
-        load[:] = trial
-        out.append(ShardedBucket(i, group, owners, positions, why))
+            owners[i] = r
+            load[r] += sizes[i]
+        why = (f"split from a bucket whose balanced segments would add {padding / sum(sizes):.0%} padding "
+               f"(> {PAD_LIMIT:.0%}) to every rank's buffer")
+        for r in dict.fromkeys(owners):  # in the order of each owner's first parameter: backward order
+            part = [p for p, o in zip(group, owners) if o == r]
+            out.append(ShardedBucket(len(out), part, [r] * len(part), positions, why))
     return out
 
 
