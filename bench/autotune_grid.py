@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.autotune import plot, summarise
+from bench.autotune import summarise
 
 __all__ = ["GOAL_BEST", "GOAL_DEFAULT", "GOAL_DEFAULT_WHERE", "goals", "grid_rows", "main"]
 
@@ -91,6 +91,31 @@ def _same(ratio: float) -> str:
     """The chosen setting against its fixed twin; "-" where the chosen bucket size is not one of
     the fixed grid's (the tuner tries every size that gives other buckets: 0.64 MB, 2.56 MB, ...)."""
     return "-" if math.isnan(ratio) else f"{ratio:.2f}"
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Each cell's settings as a fraction of its best fixed one (so cells 1000x apart in steps/s
+    share one axis), with goal 1's line at 0.95."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 4.2))
+    for i, r in enumerate(rows):
+        best = r["best_fixed_steps_per_s"]
+        xs = [v / best for v in r["fixed_steps_per_s"].values()]
+        ax.scatter([i] * len(xs), xs, color="grey", s=14, label="fixed settings" if i == 0 else None)
+        ax.scatter([i], [r["default_steps_per_s"] / best], color="tab:blue", marker="s",
+                   label="default" if i == 0 else None)
+        ax.scatter([i], [r["tuned_vs_best"]], color="tab:red", marker="*", s=140, label="tuned" if i == 0 else None)
+    ax.axhline(GOAL_BEST, color="tab:red", lw=0.8, ls="--", label=f"goal: {GOAL_BEST}x the best")
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['link']}" for r in rows])
+    ax.set_ylabel("steady steps/s / best fixed setting's")
+    ax.set_title("auto_tune against every fixed setting of its grid (median of rounds)")
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
