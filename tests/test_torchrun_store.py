@@ -31,12 +31,22 @@ def test_ranks_join_the_agents_store_at_master_port() -> None:
     assert role.generation == 0
 
 
-@pytest.mark.parametrize("extra", [{"TORCHELASTIC_USE_AGENT_STORE": "False"}, {},
-                                   {"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_PORT": "7000"}])
-def test_without_an_agent_store_rank_0_hosts_one(extra: dict[str, str]) -> None:
+def test_fleetlikes_master_addr_naming_the_agents_host_still_joins_its_store() -> None:
+    role = detect_role({**TORCHRUN_ENV, "TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_ADDR": "127.0.0.1"})
+    assert role.master_hosted and role.master_endpoint == "127.0.0.1:29500"
+
+
+@pytest.mark.parametrize(("extra", "master"), [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, "127.0.0.1:29501"),
+    ({}, "127.0.0.1:29501"),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_PORT": "7000"}, "127.0.0.1:7000"),
+    # the agent's store listens at MASTER_ADDR: another rendezvous host is hosted by rank 0
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_ADDR": "127.0.0.2"}, "127.0.0.2:29501"),
+])
+def test_without_an_agent_store_rank_0_hosts_one(extra: dict[str, str], master: str) -> None:
     role = detect_role({**TORCHRUN_ENV, **extra})
     assert not role.master_hosted
-    assert role.master_endpoint == ("127.0.0.1:7000" if extra.get("FLEETLIKE_MASTER_PORT") else "127.0.0.1:29501")
+    assert role.master_endpoint == master
 
 
 def test_the_restart_count_is_the_roles_generation() -> None:

@@ -125,7 +125,9 @@ def agent_store(environ: Environ) -> bool:
 
 def agent_store_port(environ: Environ) -> int | None:
     """The port of the store torchrun's agent hosts, when the workers are to join it
-    (`agent_store`, ``MASTER_PORT`` given, no ``FLEETLIKE_MASTER_PORT`` of the user's); else None.
+    (`agent_store`, ``MASTER_PORT`` given, no ``FLEETLIKE_MASTER_PORT`` of the user's, and no
+    ``FLEETLIKE_MASTER_ADDR`` naming a host other than ``MASTER_ADDR``, where the agent's store
+    listens); else None: rank 0 hosts fleetlike's store where the user said.
 
     Joining it, rather than hosting a second store beside it, leaves no port to be chosen free
     and bound later: a port torchrun's agent picked and released can be taken in between by any
@@ -133,6 +135,8 @@ def agent_store_port(environ: Environ) -> int | None:
     an odd ``MASTER_PORT`` is even), and the job would fail with "Address already in use".
     """
     if not agent_store(environ) or get(environ, envvars.MASTER_PORT) is not None:
+        return None
+    if get(environ, envvars.MASTER_ADDR) not in (None, get(environ, envvars.TORCH_MASTER_ADDR)):
         return None
     port = get_int(environ, envvars.TORCH_MASTER_PORT)
     if port is None or not 1 <= port <= 65535:

@@ -14,7 +14,8 @@ endpoints are synthesized on a block layout (``node_index = rank // local_size``
 all three): the port of local rank i is ``base + i`` where base is ``FLEETLIKE_MASTER_PORT``, else
 ``MASTER_PORT`` (plus 1 under torchrun, whose own store already listens on ``MASTER_PORT``), else
 6170. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` (its default) every rank joins the
-store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``; otherwise rank 0 hosts one at
+store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT`` (unless ``FLEETLIKE_MASTER_PORT``, or a
+``FLEETLIKE_MASTER_ADDR`` other than ``MASTER_ADDR``, is exported); otherwise rank 0 hosts one at
 ``MASTER_PORT + 1``. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
 127.0.0.1); several nodes without it get stand-in names ``node0``, ``node1``, ... that only tell
 the nodes apart, and the rendezvous then runs at ``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR``,
