@@ -47,6 +47,8 @@ class SavedBytesMeter:
         self.refs: dict[int, int] = {}
         self.peak = 0
         self.lock = threading.Lock()
+        #: bumped by `reset`: a tensor saved before it is released without touching the new counts
+        self.epoch = 0
         #: storages (``untyped_storage().data_ptr()``) not counted: parameters, the caller's batch
         self.params: set[int] = set()
         #: off while steps are timed (the hooks cost Python time per saved tensor)
@@ -60,8 +62,9 @@ class SavedBytesMeter:
             self.refs[key] = self.refs.get(key, 0) + 1
             self.live[key] = t.untyped_storage().nbytes()
             self.peak = max(self.peak, sum(self.live.values()))
+            epoch = self.epoch
         saved = _Saved(t)
-        weakref.finalize(saved, self._drop, key)
+        weakref.finalize(saved, self._drop, key, epoch)
         return saved
 
     @staticmethod
@@ -71,13 +74,15 @@ class SavedBytesMeter:
     def reset(self) -> None:
         """Forget what was saved so far and start a new peak."""
         with self.lock:
+            self.epoch += 1
             self.peak = 0
             self.live.clear()
             self.refs.clear()
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, epoch: int) -> None:
         with self.lock:
-            if key not in self.refs:  # saved before the last reset
+            # saved before the last reset: that storage may be counted again since, by a new save
+            if epoch != self.epoch or key not in self.refs:
                 return
             self.refs[key] -= 1
             if not self.refs[key]:
