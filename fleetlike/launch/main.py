@@ -47,7 +47,7 @@ from fleetlike.launch.workers import (
     stop_workers,
 )
 
-__all__ = ["main", "launch", "worker_command"]
+__all__ = ["SignalFlag", "launch", "main", "worker_command"]
 
 _POLL_SECONDS = 0.1
 
