@@ -1,10 +1,12 @@
 """`SavedBytesMeter`: the bytes autograd keeps saved, live, counted against `activation_bytes`
-(the planner's count of one forward, other code) and released when autograd drops them, a reset
-leaving the new counts alone whatever the graphs saved before it do later."""
+(the planner's count of one forward, other code) and released when autograd drops them, after a
+backward or with a graph never used, a reset leaving the new counts alone whatever the graphs
+saved before it do later."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
@@ -57,3 +59,26 @@ def test_a_graph_from_before_a_reset_leaves_the_new_counts_alone() -> None:
     del new
     gc.collect()
     assert meter.live == {}
+
+
+def test_a_forward_dropped_without_backward_is_released_with_what_it_saved() -> None:
+    """ReLU and sigmoid save their own outputs: the meter must not tie them into a cycle."""
+    meter = SavedBytesMeter()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Metered(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                                          torch.nn.Linear(64, 64), torch.nn.Sigmoid()), meter))
+    meter.params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    x = torch.randn(8, 64)
+    meter.params.add(x.untyped_storage().data_ptr())
+    meter.enabled = True
+    out = net(x)
+    assert sum(meter.live.values()) == 2 * out.numel() * out.element_size()  # ReLU's and sigmoid's outputs
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None and meter.live == {}
+    out = net(x)  # and the gradients through the detached copies are autograd's own
+    (got,) = torch.autograd.grad(out.sum(), [net[0].block[0].weight])
+    meter.enabled = False
+    (want,) = torch.autograd.grad(net(x).sum(), [net[0].block[0].weight])
+    assert torch.equal(got, want)

@@ -9,8 +9,8 @@ the meter on, run the step, read ``peak``.
 Each saved tensor is counted per storage (a storage saved twice counts once) from when autograd
 saves it until autograd drops it: the hook hands autograd a small holder object, which the graph
 keeps exactly as long as it needs the tensor, and the holder's finalizer releases the count (the
-tensor object itself may die sooner, as a view, or live longer, held by the caller). Parameters
-and the storages named in ``params`` are left out.
+tensor object itself may die sooner, as a view, or live longer, held by the caller), also for a
+graph dropped without a backward. Parameters and the storages named in ``params`` are left out.
 
 Example:
     >>> meter = SavedBytesMeter()
@@ -63,7 +63,10 @@ class SavedBytesMeter:
             self.live[key] = t.untyped_storage().nbytes()
             self.peak = max(self.peak, sum(self.live.values()))
             epoch = self.epoch
-        saved = _Saved(t)
+        # a detached alias (same storage, no grad_fn): an op that saves its own output (ReLU,
+        # sigmoid) would otherwise hold, through the holder, the tensor whose grad_fn holds the
+        # holder, a cycle through C++ that no collector frees when the graph is dropped unused
+        saved = _Saved(t.detach())
         weakref.finalize(saved, self._drop, key, epoch)
         return saved
 
