@@ -211,7 +211,9 @@ def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: i
     (``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR`` at ``port``, else the first endpoint) from env.
 
     ``hosted_port``: the launcher already hosts the store there (`agent_store_port`); every rank,
-    rank 0 included, joins it at the master address (``Role.master_hosted``)."""
+    rank 0 included, joins it at the master address (``Role.master_hosted``), each start of the
+    workers in its own key space (``Role.generation``: ``TORCHELASTIC_RESTART_COUNT``, since that
+    store outlives them). A store rank 0 hosts is new at each start: generation 0."""
     addr = master_addr(environ)
     hosted = hosted_port is not None and addr is not None
     return Role.from_endpoints(
@@ -222,5 +224,5 @@ def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: i
         master_endpoint=f"{addr}:{hosted_port if hosted else port}" if addr else endpoints[0],
         source=source,
         master_hosted=hosted,
-        generation=get_int(environ, envvars.TORCHELASTIC_RESTART_COUNT, minimum=0) or 0,
+        generation=(get_int(environ, envvars.TORCHELASTIC_RESTART_COUNT, minimum=0) or 0) if hosted else 0,
     )
