@@ -286,7 +286,7 @@ def plot(path: Path, rows: list[dict[str, Any]], bound: float) -> None:
     ax.axvline(bound, color="black", linestyle="--", linewidth=1, label=f"decode bound ({bound:.0f})")
     ax.set_xscale("log")
     ax.set_xlabel("images/s (median of the passes; log scale)")
-    ax.set_title("224x224 JPEGs, 2 loader workers, decode + PILToTensor, by storage")
+    ax.set_title("224x224 JPEGs, 2 loader workers, decode + PILToTensor", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
