@@ -92,6 +92,16 @@ def unavailable() -> str | None:
     return None
 
 
+def _own_blkio_group() -> Path:
+    """The blkio cgroup this process is in (where `ThrottledDisk.run` puts it back)."""
+    with open("/proc/self/cgroup", encoding="utf-8") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "blkio" in controllers.split(","):
+                return BLKIO / path.lstrip("/")
+    return BLKIO
+
+
 def _mounted(path: Path) -> bool:
     target = str(path.resolve())
     with open("/proc/self/mounts", encoding="utf-8") as fh:
@@ -191,12 +201,12 @@ class ThrottledDisk:
 
     def run(self, throttle: str, fn: Callable[[], T]) -> T:
         """``fn()`` with this process (and so every process it starts) in ``throttle``'s cgroup."""
-        group = self.groups[throttle]
+        group, home = self.groups[throttle], _own_blkio_group()
         (group / "cgroup.procs").write_text(str(os.getpid()))
         try:
             return fn()
         finally:
-            (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+            (home / "cgroup.procs").write_text(str(os.getpid()))
 
     def reads(self, throttle: str) -> int:
         """Reads the block layer counted for ``throttle``'s cgroup on this device so far."""
