@@ -54,11 +54,11 @@ from bench._common import Column, format_table, interleaved_timings, median, rep
 from fleetlike.plan.pipeline import pipeline_step_seconds
 from fleetlike.plan.saved import Metered, SavedBytesMeter
 
-__all__ = ["main", "torch_ping_pong"]
+__all__ = ["main", "pin_to_core", "torch_ping_pong"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
-BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
+BLOCKS, WIDTH, MICRO_ROWS, STAGES = 8, 1024, 16, 2
 
 
 def _plain_net() -> torch.nn.Sequential:
@@ -71,12 +71,43 @@ def _net(meter: SavedBytesMeter) -> torch.nn.Sequential:
     return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
 
 
-def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str, Any]]:
+def pin_to_core(core: int | None) -> list[int]:
+    """Run this process -- every thread it has, and (inherited) every thread it starts later:
+    gloo's, torch's -- on the one CPU ``core`` (an index into the CPUs this process may use), on
+    one intra-op and one inter-op thread; ``None``: leave the affinity alone, threads still 1.
+    The CPUs the process may use after, sorted.
+
+    Why: two stages sharing cores take turns on them; a stage that waits for a core falls
+    behind and its neighbour idles for it, beyond the schedule's bubble. Pinned, each stage has
+    its core and the idle measured is the schedule's.
+
+    Example:
+        >>> pin_to_core(role.rank)   # before fleet.init: gloo's threads inherit the core
+    """
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # torch refuses once its inter-op pool has started: it is then as it was
+        pass
+    if core is not None:
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 <= core < len(cpus):
+            raise ValueError(f"pin_to_core: core {core} is not one of the {len(cpus)} CPUs this process may use "
+                             f"({cpus}). Fix: run with --no-pin, or on at least {core + 1} CPUs")
+        for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(pid) sets one thread's only
+            try:
+                os.sched_setaffinity(int(tid), {cpus[core]})
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> list[dict[str, Any]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from fleetlike import DistributedStrategy, fleet
 
-    torch.set_num_threads(1)
+    cpus = pin_to_core(role.rank if pin else None)
     rows = []
     for mode, m in configs:
         g = torch.Generator().manual_seed(0)
@@ -137,7 +168,10 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
                      "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
                      "waited": spent["waited"] / total, "edges": spent["edges"] / total,
                      "handoffs": spent["handoffs"] / total, "median_wait_us": spent["median_wait"] * 1e6,
-                     "handoff_count": spent["handoff_count"],
+                     "handoff_count": spent["handoff_count"], "cpus": cpus,
+                     "first_forward_ratio": spent["first_forward_ratio"],
+                     "forward_spread": spent["forward_spread"], "backward_spread": spent["backward_spread"],
+                     "timeline": spent["timeline"], "step_times": spent["step_times"],
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
@@ -165,17 +199,28 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     plain = stage._run
     first = next(stage.parameters())
     busy, update, pending = [0.0], [0.0], [0.0]
+    forwards: list[list[float]] = []  # per step, each micro-batch's forward seconds in order
+    backwards: list[list[float]] = []
+    timeline: list[list[tuple[str, int, float, float]]] = []  # per step, (kind, micro, start, end) in order
 
     def timed(x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         out = plain(x)
-        busy[0] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        spent = t1 - t0
+        busy[0] += spent
+        timeline[-1].append(("F", len(forwards[-1]), t0, t1))
+        forwards[-1].append(spent)
         if out.requires_grad:
             out.register_hook(lambda g: pending.__setitem__(0, time.perf_counter()))
         return out
 
     def done(p: torch.Tensor) -> None:
-        busy[0] += time.perf_counter() - pending[0]
+        t1 = time.perf_counter()
+        spent = t1 - pending[0]
+        busy[0] += spent
+        timeline[-1].append(("B", len(backwards[-1]), pending[0], t1))
+        backwards[-1].append(spent)
 
     def timed_step(*args: Any, _plain: Any = opt.step, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -188,13 +233,19 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     stage._run = timed
     opt.step = timed_step
     waits = _WaitLog(model)
+    step_times: list[float] = []
     try:
         model.hcg.get_pipe_parallel_group().barrier()
         cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
             waits.new_step()
+            forwards.append([])
+            backwards.append([])
+            timeline.append([])
+            t_step = time.perf_counter()
             step()
+            step_times.append(time.perf_counter() - t_step)
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
     finally:
@@ -204,7 +255,25 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
         waits.close()
     on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
-            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage())}
+            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage()),
+            **_uniformity(forwards, backwards), "timeline": timeline, "step_times": step_times}
+
+
+def _uniformity(forwards: list[list[float]], backwards: list[list[float]]) -> dict[str, float]:
+    """Is each micro-batch's compute the same? ``first_forward_ratio``: the step's first forward
+    over the median of its others (a warm-up, an allocator's first touch would show above 1),
+    median over the steps; ``forward_spread`` / ``backward_spread``: the 90th over the 10th
+    percentile of every micro-batch's forward / backward seconds (1.0: all equal)."""
+    def spread(values: list[float]) -> float:
+        ordered = sorted(values)
+        if len(ordered) < 2:
+            return float("nan")
+        return ordered[int(0.9 * (len(ordered) - 1))] / max(ordered[int(0.1 * (len(ordered) - 1))], 1e-12)
+
+    firsts = [f[0] / statistics.median(f[1:]) for f in forwards if len(f) > 1]
+    return {"first_forward_ratio": statistics.median(firsts) if firsts else float("nan"),
+            "forward_spread": spread([t for f in forwards for t in f]),
+            "backward_spread": spread([t for b in backwards for t in b])}
 
 
 class _WaitLog:
@@ -284,12 +353,12 @@ def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
         dist.send(buf, group_dst=0, group=pg)
 
 
-def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def _p2p(role: Any, sizes: list[int], reps: int, pin: bool) -> list[dict[str, Any]]:
     """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
     the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
     from fleetlike import DistributedStrategy, fleet
 
-    torch.set_num_threads(1)
+    pin_to_core(role.rank if pin else None)
     fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2}))
     hcg = fleet.get_hybrid_communicate_group()
     comm, pg, me = hcg.get_pipe_parallel_group(), hcg.get_pipe_parallel_process_group(), hcg.get_stage_id()
@@ -336,13 +405,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--micro", default="4,8,16", help="micro-batch counts")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "pipeline.json"))
+    ap.add_argument("--out", default=None, help="the JSON to write (default docs/benchmarks/pipeline.json, "
+                    "pipeline_shared.json under --no-pin); the docs section reads both defaults")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                    help="each rank (both schedules) on its own core, one thread; default: on where this "
+                         f"process may use at least {STAGES} CPUs")
     args = ap.parse_args(argv)
     from fleetlike.testing import run_ranks
 
+    pin = len(os.sched_getaffinity(0)) >= STAGES if args.pin is None else args.pin
+
     configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
-    per_rank = run_ranks(_rank, 2, configs, args.reps, timeout=1200)
+    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, timeout=1200)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
     predicted = _predicted(configs)
@@ -353,53 +428,160 @@ def main(argv: list[str] | None = None) -> int:
         # (the slowest stage's time - its own) every micro-batch, beyond (p-1)/(m+p-1)
         per_micro = [q["compute_s"] / q["m"] for q in rows if (q["schedule"], q["m"]) == (r["schedule"], r["m"])]
         r["bubble_measured_stages"] = 1 - r["compute_s"] / pipeline_step_seconds(per_micro, r["m"])
-    cols = [Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
-            Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
-            Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
-            Column("bubble_measured_stages", "bubble, measured stages", "{:.2f}"),
-            Column("waited", "in waits", "{:.2f}"), Column("edges", "fill + drain waits", "{:.2f}"),
-            Column("handoffs", "per-micro-batch waits", "{:.2f}"),
-            Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
-            Column("runnable", "waiting for a core", "{:.2f}"), Column("not_computing", "not computing", "{:.2f}"),
-            Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
-            Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
-    print(format_table(cols, rows))
-    p2p = run_ranks(_p2p, 2, [64 << 10, 1 << 20, 4 << 20], args.reps, timeout=600)[0]
-    p2p_cols = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
-                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
-                Column("ratio", "torch / fleetlike", "{:.2f}")]
-    print(format_table(p2p_cols, p2p))
-    save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows, "p2p": p2p})
-    _plot(rows, Path(args.out).with_suffix(".png"))
+    _replays(rows)
+    print(format_table(_COLUMNS, rows))
+    p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, timeout=600)[0]
+    print(format_table(_P2P_COLUMNS, p2p))
+    out = Path(args.out if args.out else _default_out(pin))
+    save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin, "load_end": os.getloadavg()[0],
+                    "rows": rows, "p2p": p2p})
     if not args.no_docs:
-        load = os.getloadavg()[0]
-        section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
-                   f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
-                   f"the same split, interleaved; {run_info('bench.pipeline', argv)['date']}, load average {load:.1f} at the "
-                   "end). A step ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s "
-                   "(stage 1 times torch's step without the wait for stage 0's tail, which its next step pays).\n\n"
-                   "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
-                   "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
-                   "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: the faster "
-                   "stage also idles the slower one's surplus every micro-batch; stage 1 computes each block's input "
-                   "gradient, stage 0's first block needs none); *waiting for a core* = runnable but not running (2 "
-                   "cores shared by the 2 ranks, their gloo threads and other jobs); *not computing* = 1 - (forward, "
-                   "backward and update time) / (step time), which adds the waits for a core, the schedule's own work "
-                   "and the loss to the idle. Compute times are wall clock, so a wait for a core inside a forward counts "
-                   "as compute: under load the stage balance moves from run to run. *in waits* = wall time inside the "
-                   "schedule's send/receive waits and the loss's broadcast (it should match *idle*: the kernel's figure "
-                   "and the clock's); of it, *fill + drain waits* = the first wait for the neighbour's result, the "
-                   "step's last wait and the loss's broadcast (the bubble's place), *per-micro-batch waits* = the "
-                   "rest, one or two per micro-batch, with their median.\n\n"
-                   + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
-                   "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
-                   "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
-                   + format_table(p2p_cols, p2p, markdown=True) + "\n")
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section)
+        pinned, shared = _load(_default_out(True)), _load(_default_out(False))
+        _plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, _section(pinned, shared))
+    else:
+        _plot(_load(out) if pin else None, None if pin else _load(out), out.with_suffix(".png"))
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+_COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
+    Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
+    Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
+    Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
+    Column("handoffs", "per-micro-batch waits", "{:.3f}"),
+    Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
+    Column("replay_balance", "replay: stages' medians", "{:.3f}"),
+    Column("replay_jitter", "replay: recorded times", "{:.3f}"),
+    Column("replay_latency", "replay: + handoff latency", "{:.3f}"),
+    Column("handoff_us", "handoff latency (us)", "{:.0f}"),
+    Column("replay_warmup", "replay: 1 more warm-up forward", lambda v: "-" if v != v else f"{v:.3f}"),
+    Column("first_forward_ratio", "first / median forward", "{:.2f}"),
+    Column("forward_spread", "forward p90 / p10", "{:.2f}"),
+    Column("runnable", "waiting for a core", "{:.3f}"), Column("not_computing", "not computing", "{:.2f}"),
+    Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
+    Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
+_P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
+                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
+                Column("ratio", "torch / fleetlike", "{:.2f}")]
+_SUMMARY_COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("pinned_idle", "idle, a core per stage", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_core", "waiting for a core", "{:.3f}"),
+    Column("shared_idle", "idle, stages sharing the cores", "{:.3f}"), Column("shared_x", "/ bubble ", "{:.2f}"),
+    Column("shared_core", "waiting for a core ", "{:.3f}")]
+
+
+def _default_out(pin: bool) -> Path:
+    return ROOT / "docs" / "benchmarks" / ("pipeline.json" if pin else "pipeline_shared.json")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    import json
+
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
+    """The stage that computes longest: its idle is the pipeline's bubble; the faster stage
+    also idles the difference every micro-batch."""
+    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["compute_s"])
+
+
+def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:
+    keys = sorted({(r["schedule"], r["m"]) for run in (pinned, shared) if run for r in run["rows"]})
+    out = []
+    for mode, m in keys:
+        row: dict[str, Any] = {"schedule": mode, "m": m, "bubble": 1 / (m + 1)}
+        for name, run in (("pinned", pinned), ("shared", shared)):
+            have = run is not None and any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])
+            slow = _slower(run["rows"], mode, m) if have and run else None
+            row[f"{name}_idle"] = slow["idle"] if slow else float("nan")
+            row[f"{name}_x"] = slow["idle"] * (m + 1) if slow else float("nan")
+            row[f"{name}_core"] = slow["runnable"] if slow else float("nan")
+        out.append(row)
+    return out
+
+
+def _run_line(run: dict[str, Any], how: str) -> str:
+    cmd = run["info"]["command"]
+    return (f"`{cmd}` ({how}; {run['info']['date']}, load average {run['load_end']:.1f} at the end; "
+            f"CPUs of stage 0, 1: {' and '.join(str(next(r['cpus'] for r in run['rows'] if r['stage'] == s)) for s in range(STAGES))})")
+
+
+def _section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> str:
+    """The "## Pipeline" section from the last run with a core per stage and the last run
+    with the stages sharing the cores (whichever exist)."""
+    nan = float("nan")
+    parts = [f"{SECTION}\n\n{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows, "
+             f"{STAGES} stages on {STAGES} gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule "
+             "on the same split in the same processes, interleaved rep by rep. A step ends when stage 0's last "
+             "backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times torch's step without "
+             "the wait for stage 0's tail, which its next step pays). `--pin` (the default where the job may "
+             f"use at least {STAGES} CPUs) runs each rank -- its gloo and torch threads with it, both schedules "
+             "-- on its own core, one intra-op and one inter-op thread; `--no-pin` leaves the ranks to share "
+             "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
+             "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
+             "micro-batch), against the bubble (p-1)/(m+p-1):\n\n"
+             + format_table(_SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
+             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _GLOSSARY]
+    for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
+        if run is None:
+            continue
+        parts.append(f"\n\n### {how[0].upper() + how[1:]}\n\n{_run_line(run, how)}\n\n"
+                     + format_table(_COLUMNS, run["rows"], markdown=True).replace(f"{nan}", "-")
+                     + "\n\nPing-pong between the two ranks over torch's process group (what the stages' "
+                     "sends ride) and over fleetlike's own gloo communicator (both a ProcessGroupGloo on "
+                     "the job's store):\n\n" + format_table(_P2P_COLUMNS, run["p2p"], markdown=True))
+    return "".join(parts) + "\n"
+
+
+_GLOSSARY = (
+    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
+    "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
+    "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: stage 1 "
+    "computes each block's input gradient, stage 0's first block needs none); *waiting for a core* = "
+    "runnable but not running; *not computing* = 1 - (forward, backward and update time) / (step time). "
+    "*in waits* = wall time inside the schedule's send/receive waits and the loss's broadcast (the clock's "
+    "idle); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
+    "and the loss's broadcast, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
+    "and backwards (their order and durations, one clock for both ranks) replayed on the schedule's "
+    "dependencies (`bench/pipeline_timeline.py`), the idle over the measured step time: at each stage's "
+    "median forward and backward (the bubble at the stages' balance), at the recorded durations (plus the "
+    "jitter from micro-batch to micro-batch), plus the *handoff latency* (median, from an op's end on one "
+    "stage to the op needing it starting on its waiting neighbour: the schedule's bookkeeping, the send and "
+    "the receive); for 1F1B the same with one more warm-up forward on stage 0 (3 micro-batches of "
+    "activations in flight there instead of 2). *first / median forward*: a step's first micro-batch's "
+    "forward over its others' median; *forward p90 / p10*: the spread of every micro-batch's forward.")
+
+
+def _replays(rows: list[dict[str, Any]]) -> None:
+    """Add to each row its stage's idle fraction when the recorded steps are replayed on the
+    schedule's dependencies (`bench.pipeline_timeline`): at the stages' median op times, at the
+    recorded times, and with the recorded handoff latency too; for 1F1B also with one more
+    warm-up forward on every stage but the last. Each over the stage's measured step time."""
+    from bench.pipeline_timeline import Op, handoff_latency, median_durations, replay, with_extra_warmup
+
+    for key in sorted({(r["schedule"], r["m"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["schedule"], r["m"]) == key), key=lambda r: r["stage"])
+        steps = [[[Op(*op) for op in r["timeline"][k]] for r in mine] for k in range(len(mine[0]["timeline"]))]
+        lat = handoff_latency(steps)
+        medians = median_durations(steps)
+        runs = {"replay_balance": [replay(st, 0.0, medians) for st in steps],
+                "replay_jitter": [replay(st, 0.0) for st in steps],
+                "replay_latency": [replay(st, lat) for st in steps]}
+        if key[0] == "1F1B":
+            runs["replay_warmup"] = [replay([with_extra_warmup(o) for o in st[:-1]] + [st[-1]], lat) for st in steps]
+        for r in mine:
+            total = sum(r["step_times"])
+            r["handoff_us"] = lat * 1e6
+            r["replay_warmup"] = float("nan")
+            for name, reps in runs.items():
+                r[name] = sum(rp.idle[r["stage"]] for rp in reps) / total
+
+
+def _plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,23 +589,29 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     from bench._common import save_figure
 
+    main_run = pinned or shared
+    if main_run is None:
+        return
+    rows = main_run["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for mode, marker in (("1F1B", "o"), ("FThenB", "s")):
         first = [r for r in rows if r["schedule"] == mode and r["stage"] == 0]
         ms = [r["m"] for r in first]
         axes[0].plot(ms, [r["ratio"] for r in first], marker=marker, label=mode)
-        axes[1].plot(ms, [r["idle"] for r in first], marker=marker, label=f"{mode} idle")
-        axes[1].plot(ms, [r["bubble_measured_stages"] for r in first], marker=marker, ls=":",
-                     label=f"{mode} bubble at measured stages")
+        for run, ls, how in ((pinned, "-", "a core per stage"), (shared, ":", "sharing cores")):
+            if run is not None:
+                run_ms = sorted({r["m"] for r in run["rows"] if r["schedule"] == mode})
+                axes[1].plot(run_ms, [_slower(run["rows"], mode, m)["idle"] for m in run_ms], marker=marker, ls=ls,
+                             label=f"{mode}, {how}")
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})
     axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")
     axes[0].axhline(0.9, color="grey", ls=":")
     axes[0].set(title="fleetlike / torch steps/s", xlabel="micro-batches m")
-    axes[1].set(title="idle fraction, stage 0", xlabel="micro-batches m")
+    axes[1].set(title="idle fraction, slower stage", xlabel="micro-batches m")
     axes[2].set(title="peak activations, stage 0 (micro-batches)", xlabel="micro-batches m")
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
 
