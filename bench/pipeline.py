@@ -79,7 +79,8 @@ def pin_to_core(core: int | None) -> list[int]:
 
     Why: two stages sharing cores take turns on them; a stage that waits for a core falls
     behind and its neighbour idles for it, beyond the schedule's bubble. Pinned, each stage has
-    its core and the idle measured is the schedule's.
+    its core (other jobs' processes may still run there: pinning keeps the stages apart, it
+    reserves nothing).
 
     Example:
         >>> pin_to_core(role.rank)   # before fleet.init: gloo's threads inherit the core
@@ -89,16 +90,17 @@ def pin_to_core(core: int | None) -> list[int]:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # torch refuses once its inter-op pool has started: it is then as it was
         pass
-    if core is not None:
-        cpus = sorted(os.sched_getaffinity(0))
-        if not 0 <= core < len(cpus):
-            raise ValueError(f"pin_to_core: core {core} is not one of the {len(cpus)} CPUs this process may use "
-                             f"({cpus}). Fix: run with --no-pin, or on at least {core + 1} CPUs")
-        for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(pid) sets one thread's only
-            try:
-                os.sched_setaffinity(int(tid), {cpus[core]})
-            except ProcessLookupError:  # a thread that ended meanwhile
-                pass
+    cpus = sorted(os.sched_getaffinity(0))
+    if core is None:
+        return cpus
+    if not 0 <= core < len(cpus):
+        raise ValueError(f"pin_to_core: core {core} is not one of the {len(cpus)} CPUs this process may use "
+                         f"({cpus}). Fix: run with --no-pin, or on at least {core + 1} CPUs")
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity sets one thread's; new threads inherit
+        try:
+            os.sched_setaffinity(int(tid), {cpus[core]})
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
     return sorted(os.sched_getaffinity(0))
 
 
@@ -433,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, timeout=600)[0]
     print(format_table(_P2P_COLUMNS, p2p))
     out = Path(args.out if args.out else _default_out(pin))
-    save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin, "load_end": os.getloadavg()[0],
+    for r in rows:  # the replays above read them; thousands of numbers a reader does not need
+        del r["timeline"]
+    save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin,
+                    "load_end": os.getloadavg()[0],
                     "rows": rows, "p2p": p2p})
     if not args.no_docs:
         pinned, shared = _load(_default_out(True)), _load(_default_out(False))
@@ -457,6 +462,8 @@ _COLUMNS = [
     Column("replay_latency", "replay: + handoff latency", "{:.3f}"),
     Column("handoff_us", "handoff latency (us)", "{:.0f}"),
     Column("replay_warmup", "replay: 1 more warm-up forward", lambda v: "-" if v != v else f"{v:.3f}"),
+    Column("same_kind_gap_us", "between two forwards or two backwards, median (us)",
+           lambda v: "-" if v != v else f"{v:.0f}"),
     Column("first_forward_ratio", "first / median forward", "{:.2f}"),
     Column("forward_spread", "forward p90 / p10", "{:.2f}"),
     Column("runnable", "waiting for a core", "{:.3f}"), Column("not_computing", "not computing", "{:.2f}"),
@@ -552,7 +559,9 @@ _GLOSSARY = (
     "jitter from micro-batch to micro-batch), plus the *handoff latency* (median, from an op's end on one "
     "stage to the op needing it starting on its waiting neighbour: the schedule's bookkeeping, the send and "
     "the receive); for 1F1B the same with one more warm-up forward on stage 0 (3 micro-batches of "
-    "activations in flight there instead of 2). *first / median forward*: a step's first micro-batch's "
+    "activations in flight there instead of 2). *between two forwards or two backwards*: the median time "
+    "from one op's end to the next same-kind op's start on the stage; stage 0 under GPipe waits for nobody "
+    "between its forwards, so there it is the schedule's own work per micro-batch. *first / median forward*: a step's first micro-batch's "
     "forward over its others' median; *forward p90 / p10*: the spread of every micro-batch's forward.")
 
 
@@ -576,9 +585,19 @@ def _replays(rows: list[dict[str, Any]]) -> None:
         for r in mine:
             total = sum(r["step_times"])
             r["handoff_us"] = lat * 1e6
+            r["same_kind_gap_us"] = _same_kind_gap([[Op(*op) for op in tl] for tl in r["timeline"]]) * 1e6
             r["replay_warmup"] = float("nan")
             for name, reps in runs.items():
                 r[name] = sum(rp.idle[r["stage"]] for rp in reps) / total
+
+
+def _same_kind_gap(steps: list[list[Any]]) -> float:
+    """The median time between the end of one op and the start of the next of the same kind
+    (forward after forward, backward after backward) on a stage: under GPipe the first stage's
+    forwards wait for nobody, so there it is the schedule's own work per micro-batch (torch's
+    stage bookkeeping, posting the send); elsewhere it may include a wait. NaN with none."""
+    gaps = [b.start - a.end for ops in steps for a, b in zip(ops, ops[1:]) if a.kind == b.kind]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def _plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Path) -> None:
