@@ -21,6 +21,11 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   core, the schedule's own work and the loss;
 - the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
   process on one thread, sends counted free) beside the measured steps/s;
+- the same steps replayed (`bench.pipeline_timeline`): each stage's recorded forwards and
+  backwards run again on the schedule's dependencies at the stages' median times, at the
+  recorded times and with the recorded handoff latency, which splits the idle into the bubble
+  at the stages' balance, the jitter and the handoffs (and, for 1F1B, what one more warm-up
+  forward on stage 0 would leave);
 - point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
   (what the stages send on) and over fleetlike's own gloo communicator;
 - peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
@@ -28,13 +33,19 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
   micro-batch's saved bytes).
 
+Each rank, and every thread it starts (gloo's, torch's), runs on a core of its own (``--pin``,
+the default where the job may use at least as many CPUs as stages) on one intra-op and one
+inter-op thread; ``--no-pin`` leaves the stages to share the cores, as jobs do by default.
+
 Usage (from the repository root)::
 
-    python -m bench.pipeline                 # ~1 minute
-    python -m bench.pipeline --reps 5
+    python -m bench.pipeline                 # ~2 minutes; a core per stage
+    python -m bench.pipeline --no-pin        # stages sharing the cores: pipeline_shared.json
+    python -m bench.pipeline --micro 16 --no-docs --out /tmp/p.json
 
-Writes ``docs/benchmarks/pipeline.json`` and ``.png`` and (re)writes the "## Pipeline" section
-of ``docs/BENCHMARKS.md``.
+Writes ``docs/benchmarks/pipeline.json`` (``pipeline_shared.json`` under ``--no-pin``) and
+(re)writes the "## Pipeline" section of ``docs/BENCHMARKS.md`` and ``pipeline.png`` from the last
+run of each.
 """
 
 from __future__ import annotations
@@ -625,6 +636,8 @@ def _plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Pa
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})
     axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")
+    axes[1].fill_between(ms, [0.8 / (m + 1) for m in ms], [1.2 / (m + 1) for m in ms], color="grey", alpha=0.2,
+                         label="within 20 %")
     axes[0].axhline(0.9, color="grey", ls=":")
     axes[0].set(title="fleetlike / torch steps/s", xlabel="micro-batches m")
     axes[1].set(title="idle fraction, slower stage", xlabel="micro-batches m")
