@@ -570,7 +570,8 @@ _GLOSSARY = (
     "jitter from micro-batch to micro-batch), plus the *handoff latency* (median, from an op's end on one "
     "stage to the op needing it starting on its waiting neighbour: the schedule's bookkeeping, the send and "
     "the receive); for 1F1B the same with one more warm-up forward on stage 0 (3 micro-batches of "
-    "activations in flight there instead of 2). *between two forwards or two backwards*: the median time "
+    "activations in flight there instead of 2; the replay lets no send hold up a receive, as torch's 1F1B "
+    "over gloo does). *between two forwards or two backwards*: the median time "
     "from one op's end to the next same-kind op's start on the stage; stage 0 under GPipe waits for nobody "
     "between its forwards, so there it is the schedule's own work per micro-batch. *first / median forward*: a step's first micro-batch's "
     "forward over its others' median; *forward p90 / p10*: the spread of every micro-batch's forward.")

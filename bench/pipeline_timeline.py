@@ -128,8 +128,10 @@ def handoff_latency(steps: Sequence[Sequence[Sequence[Op]]]) -> float:
 def with_extra_warmup(ops: Sequence[Op]) -> list[Op]:
     """A 1F1B stage's ``ops`` reordered to run one more forward before its first backward
     (and each later forward one backward earlier): what one more micro-batch of activations
-    in flight on that stage would buy. Durations are kept; the times are no longer meaningful
-    as times, only as durations."""
+    in flight on that stage would buy, in a schedule whose sends never hold up a receive (the
+    replay has no sends: torch's 1F1B waits for a send with the next receive, and a gloo send
+    completes only when the neighbour posts its receive). Durations are kept; the times are no
+    longer meaningful as times, only as durations."""
     fwd = [op for op in ops if op.kind == "F"]
     bwd = [op for op in ops if op.kind == "B"]
     first_b = next((i for i, op in enumerate(ops) if op.kind == "B"), len(ops))
