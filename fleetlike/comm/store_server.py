@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import selectors
 import socket
 import struct
 import subprocess
 import sys
+import time
 from collections import deque
 
 __all__ = ["StoreLimits", "StoreServer", "serve"]
@@ -48,6 +50,8 @@ _U32 = struct.Struct("<I")
 _ENTRY_COST = 96
 #: a reply this large waiting for a slow reader stops the server reading that client's requests
 _OUT_HIGH_WATER = 1 << 20
+#: seconds a connection may stay without torch's greeting (a client sends it as it connects)
+_GREETING_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,7 @@ class StoreLimits:
     max_keys: int = 100_000
     max_total_bytes: int = 256 << 20
     max_keys_per_request: int = 16_384
-    max_clients: int = 2048
+    max_clients: int = 16_384
     max_buffered_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -102,7 +106,8 @@ class _Reader:
         end = self.pos + n
         if end > len(self.buf):
             raise _Incomplete(end)
-        out = bytes(self.buf[self.pos:end])
+        with memoryview(self.buf) as view:
+            out = bytes(view[self.pos:end])  # one copy: the value the store keeps
         self.pos = end
         return out
 
@@ -140,6 +145,7 @@ class _Client:
         self.out: deque[bytes] = deque()
         self.out_bytes = 0
         self.validated = False
+        self.since = time.monotonic()
         self.awaited = 0       # keys of its pending wait not yet set
         self.barrier: bytes | None = None
 
@@ -237,10 +243,20 @@ class _Server:
         if watch_fd is not None:
             self.sel.register(watch_fd, selectors.EVENT_READ, "watch")
         self.refusals = 0
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_clients = limits.max_clients if soft == resource.RLIM_INFINITY else \
+            max(1, min(limits.max_clients, soft - 32))
 
     def run(self) -> None:
+        swept = time.monotonic()
         while True:
-            for key, events in self.sel.select():
+            if time.monotonic() - swept > 1.0:
+                swept = time.monotonic()
+                for client in [c for c in self.clients.values() if not c.validated
+                               and swept - c.since > _GREETING_SECONDS]:
+                    self._log("closed a connection that never sent torch's greeting")
+                    self._close(client)
+            for key, events in self.sel.select(1.0):
                 if key.data == "watch":
                     return  # the starting process is gone (or closed the pipe): so is the job
                 if key.data is None:
@@ -261,9 +277,12 @@ class _Server:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        if len(self.clients) >= self.limits.max_clients:
+        except OSError as exc:  # out of descriptors: the clients limit is over the system's
+            self._log(f"cannot accept a connection: {exc}")
+            return
+        if len(self.clients) >= self.max_clients:
             self._log(f"refused a connection: {len(self.clients)} clients are connected, the "
-                      f"limit is {self.limits.max_clients}")
+                      f"limit is {self.max_clients}")
             sock.close()
             return
         sock.setblocking(False)
@@ -466,6 +485,12 @@ class _Server:
 
 def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None) -> None:
     """Serve on the listening socket ``listen_fd`` until ``watch_fd`` becomes readable (EOF)."""
+    # every member holds a connection or two: let the descriptor limit, not the soft default of
+    # 1024, bound them with the clients limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = limits.max_clients + 64 if hard == resource.RLIM_INFINITY else min(hard, limits.max_clients + 64)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     listener = socket.socket(fileno=listen_fd)
     _Server(listener, limits, watch_fd).run()
 
@@ -495,7 +520,10 @@ class StoreServer:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(listen_fd), str(pipe_r),
                  *limits.argv()],
-                pass_fds=(listen_fd, pipe_r), stdin=subprocess.DEVNULL, close_fds=True)
+                pass_fds=(listen_fd, pipe_r), stdin=subprocess.DEVNULL, close_fds=True,
+                # large values are mapped on their own, so a value deleted or refused goes back
+                # to the system instead of staying in the heap at its peak
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
         finally:
             os.close(pipe_r)
             os.close(listen_fd)  # the server's process holds the listening socket now
