@@ -24,13 +24,11 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import selectors
 import socket
 import struct
-import subprocess
 import sys
 import time
 from collections import deque
@@ -54,31 +52,50 @@ _OUT_HIGH_WATER = 1 << 20
 _GREETING_SECONDS = 10.0
 
 
-@dataclasses.dataclass(frozen=True)
 class StoreLimits:
     """What one store holds at most. A job's rendezvous writes a few hundred keys of at most a
-    few KiB per rank; torch's own server refuses values over 8 MiB as well.
+    few KiB per rank; torch's own server refuses values over 8 MiB as well. (A plain class, not
+    a dataclass: the server's process starts on a job's critical path, and importing
+    ``dataclasses`` alone would add 10 ms to it.)
 
     Example:
-        >>> StoreLimits(max_total_bytes=64 << 20)
+        >>> StoreLimits(max_total_bytes=64 << 20).max_total_bytes
+        67108864
     """
 
-    max_value_bytes: int = 8 << 20
-    max_key_bytes: int = 4096
-    max_keys: int = 100_000
-    max_total_bytes: int = 256 << 20
-    max_keys_per_request: int = 16_384
-    max_clients: int = 16_384
-    max_buffered_bytes: int = 64 << 20
+    #: the fields and their defaults
+    DEFAULTS = {
+        "max_value_bytes": 8 << 20, "max_key_bytes": 4096, "max_keys": 100_000,
+        "max_total_bytes": 256 << 20, "max_keys_per_request": 16_384, "max_clients": 16_384,
+        "max_buffered_bytes": 64 << 20,
+    }
+    __slots__ = tuple(DEFAULTS)
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+    def __init__(self, **given: int) -> None:
+        unknown = sorted(set(given) - set(self.DEFAULTS))
+        if unknown:
+            raise TypeError(f"StoreLimits has no field {unknown[0]!r}; its fields: {', '.join(self.DEFAULTS)}")
+        for name, default in self.DEFAULTS.items():
+            value = given.get(name, default)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"StoreLimits.{field.name} must be a positive int, got {value!r}")
+                raise ValueError(f"StoreLimits.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("StoreLimits is read-only: make a new one")
+
+    def __repr__(self) -> str:
+        return "StoreLimits(" + ", ".join(f"{n}={getattr(self, n)}" for n in self.DEFAULTS) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StoreLimits) and all(
+            getattr(self, n) == getattr(other, n) for n in self.DEFAULTS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, n) for n in self.DEFAULTS))
 
     def argv(self) -> list[str]:
-        return [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)]
+        return [f"{n}={getattr(self, n)}" for n in self.DEFAULTS]
 
     @classmethod
     def from_argv(cls, args: list[str]) -> "StoreLimits":
@@ -503,11 +520,13 @@ class StoreServer:
         >>> server.close()
     """
 
-    def __init__(self, proc: subprocess.Popen, pipe_w: int, port: int) -> None:
+    def __init__(self, proc: "subprocess.Popen[bytes]", pipe_w: int, port: int) -> None:
         self.proc, self._pipe_w, self.port = proc, pipe_w, port
 
     @classmethod
     def start(cls, listen_fd: int, limits: StoreLimits | None = None) -> "StoreServer":
+        import subprocess  # here, not at the top: the server's own process never needs it
+
         limits = limits or StoreLimits()
         port = socket.socket(fileno=os.dup(listen_fd))
         try:
@@ -536,7 +555,7 @@ class StoreServer:
             self._pipe_w = -1
         try:
             self.proc.wait(5)
-        except subprocess.TimeoutExpired:
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not stop, so end it
             self.proc.kill()
             self.proc.wait()
 
