@@ -565,4 +565,10 @@ class StoreServer:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # Ctrl-C, a hang-up or a TERM to the host's process group is the host's to handle (a
+    # launcher winding down still reads the store); this process ends when the host does
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     serve(int(sys.argv[1]), StoreLimits.from_argv(sys.argv[3:]), int(sys.argv[2]))
