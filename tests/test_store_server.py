@@ -154,3 +154,23 @@ def test_the_server_ends_when_closed_and_refuses_bad_limits() -> None:
     assert server.proc.returncode == 0
     with pytest.raises(ValueError, match="max_keys"):
         StoreLimits(max_keys=0)
+
+
+def test_closing_stops_the_server_at_once_while_a_forked_child_holds_its_pipe() -> None:
+    import os
+
+    server = StoreServer.start(_listen())
+    child = os.fork()
+    if child == 0:  # a rank forked from the host: it inherits the pipe, never stops the server
+        server.close()
+        time.sleep(3)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        assert _client(server.port).num_keys() == 0  # the child's close stopped nothing
+        t0 = time.monotonic()
+        server.close()
+        assert time.monotonic() - t0 < 1.0 and server.proc.returncode == 0
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

@@ -275,7 +275,7 @@ class _Server:
                     self._close(client)
             for key, events in self.sel.select(1.0):
                 if key.data == "watch":
-                    return  # the starting process is gone (or closed the pipe): so is the job
+                    return  # a stop from the starter, or it is gone (end of file): so is the job
                 if key.data is None:
                     self._accept()
                     continue
@@ -522,6 +522,9 @@ class StoreServer:
 
     def __init__(self, proc: "subprocess.Popen[bytes]", pipe_w: int, port: int) -> None:
         self.proc, self._pipe_w, self.port = proc, pipe_w, port
+        # a process forked from the starter (ranks a test forks, say) inherits this object and
+        # the pipe: only the starter stops the server
+        self._owner = os.getpid()
 
     @classmethod
     def start(cls, listen_fd: int, limits: StoreLimits | None = None) -> "StoreServer":
@@ -549,10 +552,20 @@ class StoreServer:
         return cls(proc, pipe_w, bound)
 
     def close(self) -> None:
-        """Stop the server (its clients see the connection close)."""
-        if self._pipe_w >= 0:
+        """Stop the server (its clients see the connection close). A stop byte, not only the
+        pipe's end: forked children of the starter hold the pipe open as well."""
+        if self._pipe_w < 0:
+            return
+        if os.getpid() != self._owner:
             os.close(self._pipe_w)
             self._pipe_w = -1
+            return
+        try:
+            os.write(self._pipe_w, b"x")
+        except OSError:
+            pass  # the server is gone already
+        os.close(self._pipe_w)
+        self._pipe_w = -1
         try:
             self.proc.wait(5)
         except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not stop, so end it
