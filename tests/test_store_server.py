@@ -174,3 +174,30 @@ def test_closing_stops_the_server_at_once_while_a_forked_child_holds_its_pipe() 
     finally:
         os.kill(child, 9)
         os.waitpid(child, 0)
+
+
+def test_past_the_in_flight_bound_the_connection_holding_most_is_closed_not_the_members() -> None:
+    server = StoreServer.start(_listen(), StoreLimits(max_buffered_bytes=1 << 20))
+    try:
+        member = _client(server.port)
+        strangers = []
+        for size in (700 << 10, 500 << 10):  # two unfinished sets of 900 KiB: 1.2 MiB in flight
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x01" + struct.pack("<Q", 2) + b"/x"
+                      + struct.pack("<Q", 900 << 10) + b"y" * size)
+            strangers.append(s)
+        time.sleep(0.3)
+        member.set("mine", "kept")
+        assert member.get("mine") == b"kept"
+        strangers[0].settimeout(5)
+        try:
+            assert strangers[0].recv(1) == b""  # the larger one was closed
+        except ConnectionResetError:
+            pass
+        strangers[1].setblocking(False)
+        with pytest.raises(BlockingIOError):  # the smaller one is still connected
+            strangers[1].recv(1)
+    finally:
+        for s in strangers:
+            s.close()
+        server.close()

@@ -155,11 +155,11 @@ class _Reader:
 
 
 class _Client:
-    def __init__(self, sock: socket.socket, dirty: set) -> None:
-        self.sock, self.dirty = sock, dirty
+    def __init__(self, sock: socket.socket, server: "_Server") -> None:
+        self.sock, self.server = sock, server
         self.inbuf = bytearray()
         self.need = 1
-        self.out: deque[bytes] = deque()
+        self.out: deque[bytes | memoryview] = deque()
         self.out_bytes = 0
         self.validated = False
         self.since = time.monotonic()
@@ -236,13 +236,18 @@ class _Store:
 
 
 def _send(client: _Client, data: bytes) -> None:
-    client.dirty.add(client)
+    client.server.dirty.add(client)
     client.out.append(data)
     client.out_bytes += len(data)
+    client.server.pending_out += len(data)
 
 
-def _vec(value: bytes) -> bytes:
-    return _U64.pack(len(value)) + value
+def _send_vec(client: _Client, value: bytes) -> None:
+    """A value's length, then the value itself: the reply refers to the stored bytes, never a
+    copy, so a thousand readers of one large value cost the server one value."""
+    _send(client, _U64.pack(len(value)))
+    if value:
+        _send(client, value)
 
 
 class _Server:
@@ -253,7 +258,8 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.clients: dict[int, _Client] = {}
         self.dirty: set[_Client] = set()
-        self.buffered = 0
+        self.buffered = 0      # bytes of requests received but not yet complete
+        self.pending_out = 0   # bytes of replies not yet taken by their reader
         listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, None)
         self.watch_fd = watch_fd
@@ -304,7 +310,7 @@ class _Server:
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client = _Client(sock, self.dirty)
+        client = _Client(sock, self)
         self.clients[sock.fileno()] = client
         self.sel.register(sock, selectors.EVENT_READ, client)
 
@@ -315,6 +321,10 @@ class _Server:
         self.store.forget(client)
         self.buffered -= len(client.inbuf)
         client.inbuf.clear()
+        self.pending_out -= client.out_bytes
+        client.out.clear()
+        client.out_bytes = 0
+        self.dirty.discard(client)
         self.clients.pop(fd, None)
         self.sel.unregister(client.sock)
         client.sock.close()
@@ -335,13 +345,21 @@ class _Server:
         if not data:
             self._close(client)
             return
-        if self.buffered + len(data) > self.limits.max_buffered_bytes:
-            self._log(f"closed a client: requests in flight would pass {self.limits.max_buffered_bytes} bytes")
-            self._close(client)
-            return
         client.inbuf += data
         self.buffered += len(data)
         self._serve(client)
+        self._shed()
+
+    def _shed(self) -> None:
+        """Past the in-flight bound, close the connection holding the most of it: the job's own
+        requests are small and answered at once, so it is a stranger's unfinished request or
+        unread replies, not whoever happened to send next."""
+        cap = self.limits.max_buffered_bytes
+        while self.buffered + self.pending_out > cap and self.clients:
+            worst = max(self.clients.values(), key=lambda c: len(c.inbuf) + c.out_bytes)
+            self._log(f"closed the connection holding {len(worst.inbuf) + worst.out_bytes} bytes: "
+                      f"requests and replies in flight passed {cap} bytes")
+            self._close(worst)
 
     def _serve(self, client: _Client) -> None:
         try:
@@ -372,8 +390,9 @@ class _Server:
                 self._close(client)
                 return
             client.out_bytes -= sent
+            self.pending_out -= sent
             if sent < len(head):
-                client.out[0] = head[sent:]
+                client.out[0] = memoryview(head)[sent:]  # the rest, without a copy
                 break
             client.out.popleft()
         if client.sock.fileno() < 0:
@@ -399,18 +418,18 @@ class _Server:
             if old is None:
                 if not expected:
                     store.put(key, new)
-                    _send(client, _vec(new))
+                    _send_vec(client, new)
                 else:
-                    _send(client, _vec(expected))
+                    _send_vec(client, expected)
                     store.wake(key)
             else:
                 if old == expected:
                     store.put(key, new)
                 else:
                     store.wake(key)
-                _send(client, _vec(store.data[key]))
+                _send_vec(client, store.data[key])
         elif op == _GET:
-            _send(client, _vec(store.data.get(r.key(), b"")))
+            _send_vec(client, store.data.get(r.key(), b""))
         elif op == _ADD:
             key, delta = r.key(), r.i64()
             total = self._add(key, delta)
@@ -437,7 +456,7 @@ class _Server:
         elif op == _MULTI_GET:
             keys = [r.key() for _ in range(r.count())]
             for k in keys:
-                _send(client, _vec(store.data.get(k, b"")))
+                _send_vec(client, store.data.get(k, b""))
         elif op == _MULTI_SET:
             pairs = [(r.key(), r.value()) for _ in range(r.count())]
             for k, v in pairs:
@@ -455,14 +474,15 @@ class _Server:
             if queue:
                 value = queue.popleft()
                 store.held -= len(value) + _ENTRY_COST
-                _send(client, _I64.pack(len(queue) + 1) + _vec(value))
+                _send(client, _I64.pack(len(queue) + 1))
+                _send_vec(client, value)
             else:
                 _send(client, _I64.pack(0))
         elif op == _QUEUE_LEN:
             _send(client, _I64.pack(len(store.queues.get(r.key(), ()))))
         elif op == _LIST_KEYS:
             keys = list(store.data)
-            _send(client, _I64.pack(len(keys)) + b"".join(_vec(k) for k in keys))
+            _send(client, _I64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys))
         elif op == _BARRIER:
             key, world = r.key(), r.i64()
             self._barrier(client, key, world)
