@@ -13,7 +13,9 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   (p-1)/(m+p-1) and beside the bubble at the stages' measured compute, ``sum(t) + (m-1) max(t)``
   for per-micro-batch stage times ``t``: unequal stages idle the faster one every micro-batch);
   waiting for a core = runnable but not running (the cores are shared with the other rank's
-  gloo threads and with other processes); not computing = 1 - (its forwards, and each backward
+  gloo threads and with other processes); the same idle from the clock: the time inside the
+  schedule's send/receive waits and the loss's broadcast, split into the fill and drain (the
+  first wait for the neighbour, the last wait, the loss) and the per-micro-batch waits; not computing = 1 - (its forwards, and each backward
   from its output's gradient arriving to its first block's weight gradient, and the optimizer's
   update) / (the steps' time), the earlier definition of idle, which also counts the waits for a
   core, the schedule's own work and the loss;
@@ -39,10 +41,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
-import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -51,56 +52,13 @@ import torch.nn.functional as F
 
 from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
 from fleetlike.plan.pipeline import pipeline_step_seconds
+from fleetlike.plan.saved import Metered, SavedBytesMeter
 
-__all__ = ["ActivationMeter", "main"]
+__all__ = ["main", "torch_ping_pong"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
 BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
-
-
-class ActivationMeter:
-    """Live bytes of the tensors autograd saved (per storage, parameters left out) and their peak."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, int] = {}
-        self.peak = 0
-        self.lock = threading.Lock()
-        self.params: set[int] = set()
-        #: off while steps are timed (the hooks cost Python time per saved tensor)
-        self.enabled = False
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.params:
-            return t
-        key = t.untyped_storage().data_ptr()
-        with self.lock:
-            self.refs[key] = self.refs.get(key, 0) + 1
-            self.live[key] = t.untyped_storage().nbytes()
-            self.peak = max(self.peak, sum(self.live.values()))
-        weakref.finalize(t, self._drop, key)
-        return t
-
-    def _drop(self, key: int) -> None:
-        with self.lock:
-            if key not in self.refs:  # saved before the last reset
-                return
-            self.refs[key] -= 1
-            if not self.refs[key]:
-                del self.refs[key], self.live[key]
-
-
-class Metered(torch.nn.Module):
-    """A block whose forward runs under the meter's saved-tensor hooks."""
-
-    def __init__(self, block: torch.nn.Module, meter: ActivationMeter) -> None:
-        super().__init__()
-        self.block, self.meter = block, meter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autograd.graph.saved_tensors_hooks(self.meter.pack, lambda t: t):
-            return self.block(x)
 
 
 def _plain_net() -> torch.nn.Sequential:
@@ -109,7 +67,7 @@ def _plain_net() -> torch.nn.Sequential:
                                  for _ in range(BLOCKS)])
 
 
-def _net(meter: ActivationMeter) -> torch.nn.Sequential:
+def _net(meter: SavedBytesMeter) -> torch.nn.Sequential:
     return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
 
 
@@ -126,14 +84,14 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         s = DistributedStrategy(pipeline=True, pipeline_configs={"accumulate_steps": m, "schedule_mode": mode},
                                 hybrid_configs={"pp_degree": 2})
         fleet.init(role, strategy=s)
-        meter = ActivationMeter()
+        meter = SavedBytesMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
         # the parameters and the batch itself are no activations
         meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         hcg = model.hcg
         # torch's own: the same blocks' copies on the same pipe group
-        theirs = _net(ActivationMeter())
+        theirs = _net(SavedBytesMeter())
         blocks = torch.nn.Sequential(*[theirs[int(n)] for n in model.stage.names])
         stage = PipelineStage(blocks, hcg.stage_id, 2, torch.device("cpu"), group=hcg.get_pipe_parallel_process_group())
         sched = (Schedule1F1B if mode == "1F1B" else ScheduleGPipe)(stage, m, loss_fn=F.mse_loss)
@@ -154,15 +112,14 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
         times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=1,
                                     sync=barrier, warmup=2)
         # the activations each schedule keeps: one metered step
-        meter.peak = 0
-        meter.live.clear()
-        meter.refs.clear()
+        meter.reset()
         meter.enabled = True
         fleet_step()
         peak = meter.peak
         # one micro-batch's saved bytes, for the unit of the peak
         mb = x[:MICRO_ROWS].clone().requires_grad_(hcg.stage_id > 0)
-        meter.params.add(mb.untyped_storage().data_ptr())
+        if hcg.stage_id == 0:  # stage 0's input is the batch (left out of the step's count too);
+            meter.params.add(mb.untyped_storage().data_ptr())  # a later stage's is its receive buffer
         meter.peak = 0
         out = model.stage(mb)
         one = meter.peak
@@ -178,6 +135,9 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
                      "idle": spent["blocked"] / total, "runnable": spent["runnable"] / total,
                      "not_computing": 1 - (spent["compute"] + spent["update"]) / total,
                      "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
+                     "waited": spent["waited"] / total, "edges": spent["edges"] / total,
+                     "handoffs": spent["handoffs"] / total, "median_wait_us": spent["median_wait"] * 1e6,
+                     "handoff_count": spent["handoff_count"],
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
@@ -227,11 +187,13 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     handle = first.register_post_accumulate_grad_hook(done)
     stage._run = timed
     opt.step = timed_step
+    waits = _WaitLog(model)
     try:
         model.hcg.get_pipe_parallel_group().barrier()
         cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
+            waits.new_step()
             step()
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
@@ -239,16 +201,92 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
         stage._run = plain
         del opt.step
         handle.remove()
+        waits.close()
     on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
-            "blocked": total - on_cpu - runnable}
+            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage())}
+
+
+class _WaitLog:
+    """The seconds this stage's thread spends waiting in each of the schedule's sends and
+    receives (torch's ``_wait_batch_p2p``, tagged with the kind of the batch it waits for) and in
+    the loss's broadcast, step by step: where its idle time goes."""
+
+    def __init__(self, model: Any) -> None:
+        import torch.distributed.pipelining.schedules as sch
+
+        self.sch, self.model = sch, model
+        self.plain_batch, self.plain_wait, self.plain_loss = sch._batch_p2p, sch._wait_batch_p2p, model._shared_loss
+        self.kinds: dict[int, str] = {}
+        self.steps: list[dict[str, Any]] = []
+        sch._batch_p2p, sch._wait_batch_p2p = self._batch, self._wait
+        model._shared_loss = self._loss
+
+    def new_step(self) -> None:
+        self.kinds.clear()
+        self.steps.append({"waits": [], "loss": 0.0})
+
+    def _batch(self, ops: Any, desc: str | None = None) -> Any:
+        works = self.plain_batch(ops, desc)
+        for w in works:
+            self.kinds[id(w)] = desc or ""
+        return works
+
+    def _wait(self, works: Any) -> None:
+        t0 = time.perf_counter()
+        self.plain_wait(works)
+        if works and self.steps:
+            self.steps[-1]["waits"].append((self.kinds.get(id(works[0]), ""), time.perf_counter() - t0))
+
+    def _loss(self, losses: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.plain_loss(losses)
+        finally:
+            if self.steps:
+                self.steps[-1]["loss"] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sch._batch_p2p, self.sch._wait_batch_p2p = self.plain_batch, self.plain_wait
+        del self.model._shared_loss
+
+    def summary(self, first_stage: bool) -> dict[str, float]:
+        """``waited``: all of it; ``edges``: the pipeline's fill and drain -- the first wait for
+        a neighbour's result (stage 0: the first gradient; later stages: the first activation),
+        the step's last wait and the loss's broadcast (a stage that ends early waits there for
+        the others' tails); ``handoffs``: the other waits, one or two per micro-batch (the
+        neighbour's result in flight, or late); ``median_wait`` of those."""
+        waited = edges = 0.0
+        others: list[float] = []
+        for st in self.steps:
+            waits = st["waits"]
+            wanted = "bwd_recv" if first_stage else "fwd_recv"
+            ramp = next((i for i, (kind, _) in enumerate(waits) if wanted in kind), None)
+            edge_idx = {i for i in (ramp, len(waits) - 1) if i is not None}
+            waited += sum(t for _, t in waits) + st["loss"]
+            edges += sum(waits[i][1] for i in edge_idx) + st["loss"]
+            others += [t for i, (_, t) in enumerate(waits) if i not in edge_idx]
+        return {"waited": waited, "edges": edges, "handoffs": waited - edges,
+                "median_wait": statistics.median(others) if others else 0.0,
+                "handoff_count": len(others) / max(len(self.steps), 1)}
+
+
+def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
+    """``buf`` from stage 0 to stage 1 and back on the torch process group ``pg`` (``me``: this
+    rank's stage), as the stages' activations and gradients travel."""
+    import torch.distributed as dist
+
+    if me == 0:
+        dist.send(buf, group_dst=1, group=pg)
+        dist.recv(buf, group_src=1, group=pg)
+    else:
+        dist.recv(buf, group_src=0, group=pg)
+        dist.send(buf, group_dst=0, group=pg)
 
 
 def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
     the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
-    import torch.distributed as dist
-
     from fleetlike import DistributedStrategy, fleet
 
     torch.set_num_threads(1)
@@ -260,12 +298,7 @@ def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
         buf = torch.zeros(nbytes // 4)
 
         def on_torch() -> None:
-            if me == 0:
-                dist.send(buf, group_dst=1, group=pg)
-                dist.recv(buf, group_src=1, group=pg)
-            else:
-                dist.recv(buf, group_src=0, group=pg)
-                dist.send(buf, group_dst=0, group=pg)
+            torch_ping_pong(buf, me, pg)
 
         def on_fleetlike() -> None:
             other = 1 - me
@@ -324,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
             Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
             Column("bubble_measured_stages", "bubble, measured stages", "{:.2f}"),
+            Column("waited", "in waits", "{:.2f}"), Column("edges", "fill + drain waits", "{:.2f}"),
+            Column("handoffs", "per-micro-batch waits", "{:.2f}"),
+            Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
             Column("runnable", "waiting for a core", "{:.2f}"), Column("not_computing", "not computing", "{:.2f}"),
             Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
             Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
@@ -350,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
                    "cores shared by the 2 ranks, their gloo threads and other jobs); *not computing* = 1 - (forward, "
                    "backward and update time) / (step time), which adds the waits for a core, the schedule's own work "
                    "and the loss to the idle. Compute times are wall clock, so a wait for a core inside a forward counts "
-                   "as compute: under load the stage balance moves from run to run.\n\n"
+                   "as compute: under load the stage balance moves from run to run. *in waits* = wall time inside the "
+                   "schedule's send/receive waits and the loss's broadcast (it should match *idle*: the kernel's figure "
+                   "and the clock's); of it, *fill + drain waits* = the first wait for the neighbour's result, the "
+                   "step's last wait and the loss's broadcast (the bubble's place), *per-micro-batch waits* = the "
+                   "rest, one or two per micro-batch, with their median.\n\n"
                    + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
                    "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
                    "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"

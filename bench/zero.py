@@ -48,11 +48,11 @@ from bench._common import Column, format_table, interleaved_timings, median, rep
 
 __all__ = ["KINDS", "main"]
 
-KINDS = ("dp", "stage1", "stage2", "stage3", "fsdp2", "fsdp2_stage2")
+KINDS = ("dp", "stage1", "torch_zero1", "stage2", "stage3", "fsdp2", "fsdp2_stage2")
 ROOT = Path(__file__).resolve().parent.parent
 #: bytes per parameter of fp32 AdamW under each kind, on ``n`` ranks (plus, for stage 3 and FSDP2,
 #: the largest block at full size)
-MODEL = {"dp": lambda n: 16.0, "stage1": lambda n: 8 + 8 / n, "stage2": lambda n: 4 + 12 / n,
+MODEL = {"dp": lambda n: 16.0, "stage1": lambda n: 8 + 8 / n, "torch_zero1": lambda n: 8 + 8 / n, "stage2": lambda n: 4 + 12 / n,
          "stage3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n, "fsdp2_stage2": lambda n: 4 + 12 / n, "stage3_init": lambda n: 16 / n,
          "fsdp2_meta": lambda n: 16 / n}
 #: memory only: stage 3 with the model built inside ``fleet.sharded_init()`` (never whole), and
@@ -89,7 +89,13 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
             model = _model(args.layers, args.width)
     else:
         model = _model(args.layers, args.width)
-    if kind.startswith("fsdp2"):
+    if kind == "torch_zero1":  # torch's ZeRO-1: DDP (gradients as views of its buckets) + ZeroRedundancyOptimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    elif kind.startswith("fsdp2"):
         reshard = kind != "fsdp2_stage2"  # FSDP2's own ZeRO-2: gathered from the forward to the backward
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
@@ -119,15 +125,28 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
 
 
 def _held(model: Any, opt: Any) -> int:
-    """Bytes of this rank's own pieces of the parameters, gradients and optimizer state."""
+    """Bytes of this rank's own pieces of the parameters, gradients and optimizer state, each
+    storage counted once and whole: a gradient that is a view of a (padded) bucket counts the
+    bucket's bytes."""
     import torch
 
-    def own(t: Any) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
+    seen: dict[int, int] = {}
 
-    params = sum(own(p) + (own(p.grad) if p.grad is not None else 0) for p in model.parameters())
-    return params + sum(own(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+    def own(t: Any) -> None:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+
+    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
+    for p in model.parameters():
+        own(p)
+        if p.grad is not None:
+            own(p.grad)
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim():
+                own(v)
+    return sum(seen.values())
 
 
 def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -138,7 +157,7 @@ def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     # torch's default group on the job's store, as stages 2 and 3 form it: FSDP2 runs on it too
     torch_process_group(fleet.context().world, fleet.device())
-    steps = {k: _trainer(role, k, args) for k in KINDS}
+    steps = {k: _trainer(role, k, args) for k in KINDS if k in args.kinds}
     times = interleaved_timings(steps, reps=args.rounds, inner=args.steps, sync=fleet.util.barrier, warmup=2)
     del steps
     gc.collect()
@@ -151,7 +170,7 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> tuple[float, int]:
     from fleetlike import DistributedStrategy, fleet
 
     fleet.init(role, timeout=300)
-    if kind.startswith("fsdp2"):  # torch's default group on the job's store, as stages 2 and 3 form it
+    if kind.startswith("fsdp2") or kind == "torch_zero1":  # torch's default group on the job's store
         from fleetlike.comm.torch_group import torch_process_group
 
         torch_process_group(fleet.context().world, fleet.device())
@@ -168,6 +187,39 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> tuple[float, int]:
     return float(peak - base), held
 
 
+#: the planner's candidate for each trainer it predicts (``fleetlike.plan``)
+PLANNED = {"dp": "dp", "stage1": "sharding", "stage2": "sharding_stage2", "stage3": "sharding_stage3"}
+
+
+def _builder(args: argparse.Namespace) -> Any:
+    """The bench's model, data and loss as a planner builder (``batch -> (model, loss, feed)``)."""
+    import torch
+    import torch.nn.functional as F
+
+    def build(batch: int) -> Any:
+        model = _model(args.layers, args.width)
+        g = torch.Generator().manual_seed(0)
+        feed = {"x": torch.randn(batch, args.width, generator=g), "y": torch.randn(batch, args.width, generator=g)}
+        return model, lambda m, f: F.mse_loss(m(f["x"]), f["y"]), feed
+
+    return build
+
+
+def _planned(args: argparse.Namespace, kinds: list[str]) -> dict[str, dict[str, int]]:
+    """The planner's memory breakdown per rank for each trainer it predicts (in this process,
+    one traced rank: data parallel, and stage 1 through its real engine; stages 2 and 3 derived)."""
+    from fleetlike.plan import Cluster, Links, ModelSpec, OptimizerKind, plan
+
+    wanted = {PLANNED[k]: k for k in kinds if k in PLANNED}
+    if not wanted:
+        return {}
+    cluster = Cluster(1, args.world)
+    links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster)
+    spec = ModelSpec(_builder(args), args.batch, OptimizerKind.ADAMW.factory(1e-4))
+    result = plan(spec, cluster, links, only=list(wanted))
+    return {wanted[r.name]: r.memory.as_dict() for r in result.rows}
+
+
 def _status(field: str) -> int:
     """``VmRSS`` or ``VmHWM`` of this process, in bytes (Linux's /proc/self/status)."""
     with open("/proc/self/status") as f:
@@ -176,13 +228,18 @@ def _status(field: str) -> int:
 
 
 def _bounds(by: dict[str, dict[str, Any]], world: int, block: float) -> list[dict[str, Any]]:
-    """The memory targets of stages 2 and 3, each against its bytes-per-parameter bound and
-    FSDP2's figure at the same setting (its ``reshard_after_forward=False`` for stage 2, the
-    default for stage 3): stage 2 at most (4 + 12/N) + 10 %, stage 3 at most 16/N + 10 % + the
-    largest block at full size (``block``, in bytes per parameter of the whole model)."""
+    """The memory targets of stages 1 to 3 that were measured, each against its
+    bytes-per-parameter bound and torch's figure at the same setting (ZeroRedundancyOptimizer
+    over DDP for stage 1; FSDP2's ``reshard_after_forward=False`` for stage 2, its default for
+    stage 3): stage 1 at most (8 + 8/N) + 10 %, stage 2 at most (4 + 12/N) + 10 %, stage 3 at
+    most 16/N + 10 % + the largest block at full size (``block``, in bytes per parameter of the
+    whole model)."""
     out = []
-    for kind, bound, ref in (("stage2", 1.1 * (4 + 12 / world), "fsdp2_stage2"),
+    for kind, bound, ref in (("stage1", 1.1 * (8 + 8 / world), "torch_zero1"),
+                             ("stage2", 1.1 * (4 + 12 / world), "fsdp2_stage2"),
                              ("stage3", 1.1 * 16 / world + block, "fsdp2")):
+        if kind not in by or ref not in by:
+            continue
         got, fsdp2 = by[kind]["bytes_per_param"], by[ref]["bytes_per_param"]
         met = got <= bound and got <= fsdp2
         out.append({"kind": kind, "measured": got, "bound": bound, "fsdp2_kind": ref, "fsdp2": fsdp2, "met": met,
@@ -219,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", default=",".join(KINDS + SHARDED_KINDS),
+                        help="comma-separated trainers to measure (all by default)")
     parser.add_argument("--memory-only", action="store_true",
                         help="measure memory only (no timed run, which holds every trainer's model at once)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
@@ -226,40 +285,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", default="ZeRO stages 2 and 3",
                         help="the docs/BENCHMARKS.md section (re)written, e.g. one per model size")
     args = parser.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(args.kinds) - set(KINDS + SHARDED_KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS + SHARDED_KINDS)}")
 
     from fleetlike.testing import run_ranks
 
     load = os.getloadavg()
     ranks = None if args.memory_only else run_ranks(_time, args.world, args, timeout=1200)
-    measured = {kind: run_ranks(_rss, args.world, kind, args, timeout=900) for kind in KINDS + SHARDED_KINDS}
+    measured = {kind: run_ranks(_rss, args.world, kind, args, timeout=900) for kind in args.kinds}
+    planned = _planned(args, args.kinds)
     rss = {kind: [r[0] for r in v] for kind, v in measured.items()}
     held = {kind: [r[1] for r in v] for kind, v in measured.items()}
     n_params = args.layers * (args.width * args.width + args.width)
     block = (args.width * args.width + args.width) * 4
     rows = []
-    for kind in KINDS:
+    for kind in (k for k in KINDS if k in args.kinds):
         t = median([r[kind] for r in ranks]) if ranks else None
         per = max(rss[kind]) / n_params
         rows.append({"kind": kind, "ms": t * 1e3 if t else None, "steps_per_s": 1 / t if t else None,
                      "bytes_per_param": per, "held_bytes_per_param": max(held[kind]) / n_params,
                      "model_bytes_per_param": MODEL[kind](args.world)
                      + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
+        if kind in planned:  # the planner's per-rank peak, and what it keeps between steps
+            mem = planned[kind]
+            rows[-1]["planned_bytes_per_param"] = mem["peak"] / n_params
+            rows[-1]["planned_kept_bytes_per_param"] = (mem["params"] + mem["grads"] + mem["optimizer"]) / n_params
+            rows[-1]["measured_over_planned"] = per / rows[-1]["planned_bytes_per_param"]
     built = [{"kind": kind, "bytes_per_param": max(rss[kind]) / n_params,
               "held_bytes_per_param": max(held[kind]) / n_params,
-              "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS]
+              "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS if kind in args.kinds]
     by = {r["kind"]: r for r in rows}
     bounds = _bounds(by, args.world, block / n_params)
     cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
             Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
             Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
             Column("model_bytes_per_param", "model B/param", "{:.2f}")]
+    if planned:
+        cols += [Column("planned_bytes_per_param", "planner peak B/param", "{:.2f}"),
+                 Column("planned_kept_bytes_per_param", "planner kept B/param", "{:.2f}"),
+                 Column("measured_over_planned", "RSS / planner", "{:.3f}")]
     table = format_table(cols, rows)
     built_cols = [Column("kind", "built as shards"), Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
                   Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
                   Column("model_bytes_per_param", "model B/param", "{:.2f}")]
     ratio3 = ratio2 = None
     verdict = ""
-    if ranks:
+    if ranks and {"stage1", "stage2", "stage3", "fsdp2"} <= set(by):
         ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
         ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
         verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
@@ -273,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
              f"batch {args.batch}/rank")
     payload = {"info": run_info("bench.zero", argv if argv is not None else sys.argv[1:]), "load_average": load,
                "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "bounds": bounds, "ratio_stage3_fsdp2": ratio3,
-               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "held_bytes": held,
+               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "held_bytes": held, "planned": planned,
                "times": ranks}
     out = Path(args.out)
     save_json(out.with_suffix(".json"), payload)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,64 @@ def test_example_decoding_skips_unknown_fields_and_names_malformed_bytes():
         decode_example(b"\x0a\x80")  # a length whose continuation byte is missing
     with pytest.raises(ExampleError, match="wire type 3"):
         decode_example(b"\x0b")
+
+
+def _random_example(rng: random.Random) -> example_pb2.Example:
+    """An Example of random features, serialized by protobuf (the reference) in the tests below."""
+    ex = example_pb2.Example()
+    for k in range(rng.randrange(0, 5)):
+        feature = ex.features.feature[f"f{k}/" + "x" * rng.choice([0, 3, 130])]
+        kind = rng.choice(["bytes", "int", "float", "none"])
+        n = rng.choice([0, 1, 3])
+        if kind == "bytes":
+            feature.bytes_list.value.extend(rng.randbytes(rng.choice([0, 5, 127, 128, 300, 20000])) for _ in range(n))
+        elif kind == "int":
+            feature.int64_list.value.extend(rng.choice([0, 1, 127, 128, -1, 2**40, -(2**63)]) for _ in range(n))
+        elif kind == "float":
+            feature.float_list.value.extend(rng.choice([0.0, 1.5, -2.25]) for _ in range(n))
+    return ex
+
+
+def _theirs(ex: example_pb2.Example) -> dict[str, list]:
+    out = {}
+    for name, feature in ex.features.feature.items():
+        kind = feature.WhichOneof("kind")
+        out[name] = list(getattr(feature, kind).value) if kind else []
+    return out
+
+
+def test_example_decoding_equals_protobufs_on_random_and_reordered_messages():
+    from fleetlike.io.example import _decode_general
+
+    rng = random.Random(7)
+    for _ in range(300):
+        ex = _random_example(rng)
+        data = ex.SerializeToString(deterministic=rng.random() < 0.5)
+        ours = decode_example(data)
+        assert {name: f.values for name, f in ours.items()} == _theirs(ex)
+        assert ours == _decode_general(memoryview(data))
+        # a damaged copy: both parsers give the same features or both name the fault
+        cut = bytearray(data[: rng.randrange(0, len(data) + 1)])
+        if cut:
+            cut[rng.randrange(len(cut))] ^= 1 << rng.randrange(8)
+        try:
+            fast = decode_example(bytes(cut))
+        except ExampleError as error:
+            with pytest.raises(ExampleError, match=re.escape(str(error))):
+                _decode_general(memoryview(bytes(cut)))
+        else:
+            assert fast == _decode_general(memoryview(bytes(cut)))
+    # valid wire format other than protobuf's layout: the value before the key, an unpacked int64
+    # list, an unknown field in a Feature; protobuf parses each, and so does the decoder
+    value = bytes([0x1A, 4, 0x08, 5, 0x08, 7])  # Int64List, two unpacked values
+    entry = bytes([0x12, len(value)]) + value + bytes([0x0A, 1]) + b"n"
+    feature_with_extra = bytes([0x0A, 3, 0x0A, 1, 0x41, 0x78, 1])  # BytesList [b"A"], then field 15 (varint 1)
+    entry2 = bytes([0x0A, 1]) + b"m" + bytes([0x12, len(feature_with_extra)]) + feature_with_extra
+    features = bytes([0x0A, len(entry)]) + entry + bytes([0x0A, len(entry2)]) + entry2
+    data = bytes([0x0A, len(features)]) + features
+    ex = example_pb2.Example()
+    ex.ParseFromString(data)
+    assert {name: f.values for name, f in decode_example(data).items()} == _theirs(ex) == {"n": [5, 7], "m": [b"A"]}
 
 
 # ----------------------------------------------------------------------------------- tools + dataset

@@ -62,3 +62,62 @@ def test_shapes_are_listed_for_each_micro_batch_count_with_their_bubble():
         assert r.bubble == pytest.approx((r.pp - 1) / (r.micro_batches + r.pp - 1))
     table = format_pipeline_table(rows)
     assert "dp1 x pp2 1F1B m=8" in table and "dp1 x pp2 FThenB m=2" in table
+
+
+def _held(role):
+    """Per schedule: this rank's stage, its parameter, gradient and optimizer-state bytes after
+    a step, and the peak bytes autograd kept saved during one step (each block metered)."""
+    from fleetlike import fleet
+    from fleetlike.plan.saved import Metered, SavedBytesMeter
+
+    def nbytes(t):
+        return 0 if t is None else t.numel() * t.element_size()
+
+    out = {}
+    for mode in ("1F1B", "FThenB"):
+        fleet.init(role, strategy=pc.strategy(mode, 2))
+        meter = SavedBytesMeter()
+        net = torch.nn.Sequential(*[Metered(block, meter) for block in pc.make_net()])
+        model = fleet.distributed_model(net, loss_fn=F.cross_entropy)
+        opt = fleet.distributed_optimizer(pc.make_opt("adamw", model.parameters()))
+        x, y = pc.my_batch(0, 0, 1)
+        model.train_batch((x, y), opt)
+        params = list(model.parameters())
+        # the parameters and the caller's batch are held anyway: no activations
+        meter.params = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
+        meter.enabled = True
+        model.train_batch((x, y), opt)
+        meter.enabled = False
+        out[mode] = {"stage": model.hcg.stage_id, "params": sum(nbytes(p) for p in params),
+                     "grads": sum(nbytes(p.grad) for p in params),
+                     "optimizer": sum(nbytes(t) for st in opt.state.values() for t in st.values()
+                                      if torch.is_tensor(t) and t.dim() > 0),
+                     "activations": meter.peak}
+        fleet.shutdown()
+    return out
+
+
+def test_the_prediction_is_what_the_real_ranks_hold_under_each_schedule():
+    """Tensor bytes, not time: each stage's parameters, gradients and optimizer state, and the
+    activations its schedule keeps in flight (1F1B: ``p - s`` micro-batches, GPipe: all ``m``),
+    as the planner predicts them, against a real 2-stage job; and the schedules ranked by peak
+    memory as the real stages rank them."""
+    from fleetlike.plan.pipeline import stage_memory
+    from fleetlike.testing import run_ranks
+
+    measured = run_ranks(_held, 2, timeout=90)
+    x, y = pc.my_batch(0, 0, 1)
+    pred = {mode: predict_pipeline(pc.make_net(), x, y, F.cross_entropy, pp=2, micro_batches=pc.MICRO,
+                                   schedule=mode, optimizer=lambda ps: pc.make_opt("adamw", ps), reps=1)
+            for mode in ("1F1B", "FThenB")}
+    for rank_out in measured:
+        for mode, got in rank_out.items():
+            sp = pred[mode].stages[got["stage"]]
+            assert got["params"] == sp.param_bytes and got["grads"] == sp.param_bytes, (mode, got, sp)
+            assert got["optimizer"] == sp.optimizer_bytes, (mode, got, sp)
+            assert got["activations"] == sp.held_micro_batches * sp.activation_bytes, (mode, got, sp)
+        stage = rank_out["1F1B"]["stage"]
+        by_pred = sorted(pred, key=lambda mode: stage_memory(pred[mode].stages[stage]).activations)
+        by_real = sorted(rank_out, key=lambda mode: rank_out[mode]["activations"])
+        assert by_pred == by_real == ["1F1B", "FThenB"], (stage, by_pred, by_real)
+    assert [r["1F1B"]["stage"] for r in measured] == [0, 1]

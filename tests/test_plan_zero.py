@@ -13,6 +13,7 @@ one was not, and offload is priced only with a host link."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 
 import pytest
@@ -27,10 +28,10 @@ from fleetlike.testing import run_ranks
 
 #: measured peak / predicted peak lies within these; nothing is fitted: the temporaries are
 #: derived from the optimizer (`fleetlike.plan.temporaries`) and from FSDP2's order of gathers
-#: and reduces (`fleetlike.plan.zero`), which count the worst moment of each, so predictions
-#: lean high (measured: data parallel and stage 1 1.00x on "wide"; stage 2 0.83x on "wide",
-#: 0.86x on "mid"; stage 3 0.97x and 1.00-1.02x)
-PEAK_RANGE = (0.8, 1.1)
+#: and reduces (`fleetlike.plan.zero`), which count the worst moment of each (measured: data
+#: parallel and stage 1 1.00x on "wide"; stage 2 0.97x on "wide", 0.99-1.00x on "mid"; stage 3
+#: 0.97x and 1.01x)
+PEAK_RANGE = (0.9, 1.1)
 SHAPES = {"wide": (6, 1024), "deep": (24, 512), "mid": (12, 768)}
 BATCH = 8
 
@@ -134,20 +135,21 @@ def test_cli_recommends_the_fastest_that_fits_and_says_why_not_the_others(capsys
     assert off["sharding_stage3_offload"]["step_s"] > off["sharding_stage3"]["step_s"]
 
 
-def test_offload_prices_the_update_on_the_host_at_the_traced_speed():
+def test_offload_prices_the_update_on_the_host_at_the_traced_speed(monkeypatch: pytest.MonkeyPatch):
     """Under offload the shards' update runs on the host's CPU: a device 10x faster (compute
     scale 0.1) speeds every other op but not that update."""
+    # A plain clock: the trace's clock leaves out the process's page faults (test_plan checks
+    # that), and on a busy machine the other ranks' threads' faults took this small model's
+    # whole update off it, so the price of the update could not be read.
+    monkeypatch.setattr(importlib.import_module("fleetlike.plan.trace"), "first_touch_seconds", lambda *args, **kwargs: 0.0)
     spec = ModelSpec(build_small, BATCH, OptimizerKind.ADAMW.factory(1e-3))
     cluster = Cluster(1, 2)
     links = Links.from_rates(intra=(50e-6, 1e9), inter=(100e-6, 1e8), cluster=cluster, compute_scale=0.1)
-    for _ in range(5):  # the update of a small model can read 0 s on a busy machine's clock: trace again
-        result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"],
-                      host_link=(10e-6, 12e9))
-        rows = {r.name: r for r in result.rows}
-        steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
-        traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
-        if traced > 0:
-            break
+    result = plan(spec, cluster, links, only=["sharding_stage3", "sharding_stage3_offload"],
+                  host_link=(10e-6, 12e9))
+    rows = {r.name: r for r in result.rows}
+    steps = [dict(s.times) for s in rows["sharding_stage3"].trace.steps]
+    traced = sum(t.get("optimizer_update", 0.0) for t in steps) / len(steps)
     assert traced > 0
     extra = rows["sharding_stage3_offload"].cost.compute - rows["sharding_stage3"].cost.compute
     assert extra == pytest.approx(traced / 2 * (1 - 0.1), rel=1e-6)

@@ -1,7 +1,7 @@
 """Sharding properties: the partition over random parameter sizes, world sizes and bucket caps
-(every parameter owned once, never split, each rank within one largest parameter of 1/N, each
-bucket's segments disjoint and covering); sharded training over random model shapes and world
-sizes equals the single-process reference (SGD, momentum) and unsharded data parallel on the
+(every parameter owned once, never split, each rank within one largest parameter of 1/N, no
+bucket more than a quarter padding, each bucket's segments disjoint and covering); sharded
+training over random model shapes and world sizes equals the single-process reference (SGD, momentum) and unsharded data parallel on the
 same ranks (Adam, AdamW); the options, EPL aliases and refused combinations.
 """
 
@@ -21,15 +21,15 @@ from sharding_common import SMALL, Net, batch, loss_fn, make_opt, max_diff, refe
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=30), world=st.integers(1, 6),
-       cap=st.sampled_from([None, 256, 4096, 1 << 20]), two_level=st.booleans())
-def test_partition_properties(sizes, world, cap, two_level):
+       cap=st.sampled_from([None, 256, 4096, 1 << 20]), two_level=st.booleans(), pad_min=st.sampled_from([0, None]))
+def test_partition_properties(sizes, world, cap, two_level, pad_min):
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     positions = list(range(world))
     if two_level and world % 2 == 0:  # rank (node g, local j) at j * K + g, two nodes
         k = 2
         per = world // k
         positions = [(r % per) * k + r // per for r in range(world)]
-    buckets = plan_shards(params, cap, world, positions)
+    buckets = plan_shards(params, cap, world, positions, pad_min_bytes=pad_min)
     seen = [id(p) for b in buckets for p in b.params]
     assert sorted(seen) == sorted(id(p) for p in params)  # each parameter exactly once
     load = [0] * world
@@ -46,6 +46,8 @@ def test_partition_properties(sizes, world, cap, two_level):
             assert b.views[i].data_ptr() == b.buffer[off:].data_ptr()
     total, largest = sum(sizes) * 4, max(sizes) * 4
     assert max(load) <= total / world + largest
+    for b in buckets:  # a bucket that would be mostly padding was split into one per owner
+        assert pad_min is None or b.padding <= sharded.PAD_LIMIT * (b.numel - b.padding), b.describe()
 
 
 #: per case index: gloo's allreduce or the reduce-scatter of the other backends, and the size

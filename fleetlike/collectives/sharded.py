@@ -7,6 +7,20 @@ bytes in this bucket so far, ties broken by the fewest bytes overall. Balancing 
 bucket is what makes the reduce-scatter cheap; the tie-break keeps the whole partition within
 one largest parameter of ``total / N`` per rank, which bounds each rank's optimizer state.
 
+A bucket that cannot be balanced is **split into one bucket per owner** instead. Every rank
+holds every bucket's gradient buffer at stage 1, so a segment's padding is memory on every rank:
+one large weight and its small bias in a bucket, split between two ranks, are the weight's
+segment and a bias's segment padded to the weight's length, half of the buffer (at one
+Linear(2048, 2048) per 25 MB bucket on 2 ranks, 3.3 bytes per parameter more than the
+gradients; docs/BENCHMARKS.md). When the padding would exceed `PAD_LIMIT` of the bucket's
+gradient bytes (and `PAD_MIN_BYTES`), its parameters, largest first, go to the least loaded rank
+overall (torch's ZeroRedundancyOptimizer's rule, per parameter), and each owner's are packed
+into a bucket of their own, without padding, and allreduced. On gloo, which allreduces the
+segmented buffer too, that sends fewer bytes; on backends whose reduce-scatter is used it sends
+at most the bytes of the padded reduce-scatter when the padding is at least the gradients, and
+up to twice them at `PAD_LIMIT`, the price of the memory. Every rank still stays within one
+largest parameter of ``total / N``.
+
 Layout. A `ShardedBucket`'s flat buffer is ``N`` equal segments, one per rank, each holding its
 owner's gradients back to back and zero-padded to the longest segment. One reduce-scatter of the
 buffer then leaves each rank exactly its own parameters' reduced gradients (``N - 1`` over ``N``
@@ -48,7 +62,15 @@ from fleetlike.collectives.hierarchical import HierarchicalAllReduce, RingWorker
 from fleetlike.comm import Communicator, Work, divide_, dtype_name
 from fleetlike.comm.cuda import stream_device
 
-__all__ = ["ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners", "plan_shards", "two_level_positions"]
+__all__ = ["PAD_LIMIT", "PAD_MIN_BYTES", "ParamGather", "ShardReduceScatter", "ShardedBucket", "assign_owners",
+           "plan_shards", "two_level_positions"]
+
+#: a bucket whose balanced segments would hold more than this fraction of its gradient bytes
+#: again as padding (and at least `PAD_MIN_BYTES`) is split into one bucket per owner instead
+PAD_LIMIT = 0.25
+#: padding below this is kept: a few KiB per bucket is no memory worth moving the balance for
+#: (the size from which `ParamGather` treats a parameter as large, `DIRECT_BYTES`)
+PAD_MIN_BYTES = 256 << 10
 
 
 def assign_owners(sizes: Sequence[int], world: int, load: list[int]) -> list[int]:
@@ -68,11 +90,14 @@ class ShardedBucket(Bucket):
     """A gradient bucket laid out as one zero-padded segment per rank (see module docstring).
 
     ``owners[i]`` owns ``params[i]``; ``positions[r]`` is rank ``r``'s segment; ``segment`` the
-    elements per segment; ``single`` the one owner of a packed bucket (None when segmented)."""
+    elements per segment; ``single`` the one owner of a packed bucket (None when segmented);
+    ``why`` says why a bucket has one owner where its parameters shared a bucket with other
+    owners' (the padding avoided)."""
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
-                 positions: Sequence[int]) -> None:
+                 positions: Sequence[int], why: str | None = None) -> None:
         world = len(positions)
+        self.why = why
         self.owners = list(owners)
         self.positions = list(positions)
         self.world = world
@@ -119,21 +144,51 @@ class ShardedBucket(Bucket):
             d["padding"] = self.padding
         else:
             d["owner"] = self.single
+            if self.why:
+                d["why"] = self.why
         return d
 
 
 def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, world: int,
-                positions: Sequence[int] | None = None) -> list[ShardedBucket]:
+                positions: Sequence[int] | None = None, *, pad_min_bytes: int | None = None) -> list[ShardedBucket]:
     """The sharded gradient buckets of ``params``: `plan_buckets`' grouping (reverse order, one
-    dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`)."""
+    dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`); a
+    bucket whose segments would be more than `PAD_LIMIT` padding (at least ``pad_min_bytes``,
+    `PAD_MIN_BYTES`) is split into one bucket per owner, its parameters owned by the least
+    loaded ranks (see the module docstring).
+
+    Example:
+        >>> w, b = torch.nn.Parameter(torch.zeros(1 << 20)), torch.nn.Parameter(torch.zeros(1024))
+        >>> [(bk.single, bk.numel) for bk in plan_shards([w, b], 32 << 20, 2)]   # not 2 x 4 MiB of segments
+        [(1, 1024), (0, 1048576)]
+    """
     positions = list(positions) if positions is not None else list(range(world))
     if sorted(positions) != list(range(world)):
         raise ValueError(f"positions={positions} must order the ranks 0..{world - 1}")
+    least = PAD_MIN_BYTES if pad_min_bytes is None else pad_min_bytes
     load = [0] * world
-    out = []
-    for i, group in enumerate(plan_buckets(params, cap_bytes)):
-        owners = assign_owners([p.numel() * p.element_size() for p in group], world, load)
-        out.append(ShardedBucket(i, group, owners, positions))
+    out: list[ShardedBucket] = []
+    for group in plan_buckets(params, cap_bytes):
+        sizes = [p.numel() * p.element_size() for p in group]
+        trial = list(load)
+        owners = assign_owners(sizes, world, trial)
+        fill = [0] * world
+        for size, r in zip(sizes, owners):
+            fill[r] += size
+        padding = world * max(fill) - sum(sizes)
+        if len(set(owners)) == 1 or padding < least or padding <= PAD_LIMIT * sum(sizes):
+            load[:] = trial
+            out.append(ShardedBucket(len(out), group, owners, positions))
+            continue
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):  # ZeroRedundancyOptimizer's rule
+            r = min(range(world), key=lambda r: (load[r], r))
+            owners[i] = r
+            load[r] += sizes[i]
+        why = (f"split from a bucket whose balanced segments would add {padding / sum(sizes):.0%} padding "
+               f"(> {PAD_LIMIT:.0%}) to every rank's buffer")
+        for r in dict.fromkeys(owners):  # in the order of each owner's first parameter: backward order
+            part = [p for p, o in zip(group, owners) if o == r]
+            out.append(ShardedBucket(len(out), part, [r] * len(part), positions, why))
     return out
 
 
@@ -289,8 +344,8 @@ class ShardReduceScatter:
         wire = dtype if codec is None else (f"{dtype} intra, {codec.name} inter" if self.codec_scope == "inter"
                                             else codec.name)
         if bucket.single is not None:
-            return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name,
-                    "wire": wire, "why": f"one owner (rank {bucket.single}): padding would send {self.world.size}x"}
+            return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name, "wire": wire,
+                    "why": bucket.why or f"one owner (rank {bucket.single}): padding would send {self.world.size}x"}
         if self.via_allreduce:
             return {"op": f"c_allreduce_{_op_name(self.op)}", "comm": self.ring(bucket.index).name, "wire": wire,
                     "why": f"{self.world.backend}'s reduce_scatter is slower than its allreduce: each rank reads its segment"}

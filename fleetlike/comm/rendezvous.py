@@ -1,8 +1,10 @@
 """Rendezvous: a TCP key-value store hosted by rank 0, closed to other jobs and to strangers.
 
 Rank 0 listens on the master endpoint's own IP only (never 0.0.0.0). Everything of a job lives
-under a prefix derived from the job's secret (`fleetlike.comm.secret`): TCPStore cannot list
-keys, so a process without the secret cannot find, read or overwrite any of them. The only public
+under a prefix derived from the job's secret (`fleetlike.comm.secret`), and every value under it
+is signed with the secret (`SignedStore`): a process that learns the key names (TCPStore lists
+them to any client, and sends them in clear) can delete or spoil values, never write one a
+member takes. The only public
 keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else; overwriting it changes
 nothing) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
 writes a random challenge and the job id under the prefix: finding them tells a joining process

@@ -10,7 +10,8 @@ rank 0 makes one and hands it over through a file only this user can read (`SECR
 default ``~/.fleetlike/jobs``: one node, or a home directory the nodes share).
 
 What it protects (`fleetlike.comm.rendezvous`): every key of the job lives under a prefix derived
-from it (TCPStore cannot list keys, so a process without the secret cannot find them), the store's
+from it, and every value under it is signed (the key names are no secret: TCPStore lists them
+to any client and sends them in clear), the store's
 host proves it holds the secret in a signed greeting, and each joining rank proves it with an
 HMAC of the greeting's challenge before rank 0 gives it its seat. Payloads that peers unpickle
 (the object collectives, the elastic state sync) carry an HMAC too, checked before unpickling.

@@ -229,8 +229,9 @@ class IndexTFRDataset(Dataset[Any]):
         if not -len(self) <= index < len(self):
             raise IndexError(f"IndexTFRDataset: index {index} out of range for {len(self)} samples")
         index %= len(self)
-        path, offset, length = self.location(index)
-        raw = os.pread(self._fd(int(self._file[index])), length, offset)
+        fid, offset, length = int(self._file[index]), int(self._offset[index]), int(self._length[index])
+        path = self._paths[fid]
+        raw = os.pread(self._fd(fid), length, offset)
         data = parse_record(raw, path, offset, self.verify)
         try:
             features = decode_example(data)
@@ -253,14 +254,15 @@ class IndexTFRDataset(Dataset[Any]):
     def load(self, index: int) -> tuple[Any, Any]:
         """``(decoded image, target)`` of sample ``index``, before the transforms."""
         features = self.record(index)
-        path, offset, _ = self.location(index)
         image = features.get(self.image_key)
         if image is None or image.kind is not Kind.BYTES or len(image.values) != 1:
+            path, offset, _ = self.location(index)  # here, not per sample: a bad record's place
             raise RecordError(f"{path}: record at offset {offset} (sample {index}) has no single bytes feature "
                               f"{self.image_key!r} (features: {sorted(features)}); pass image_key=")
         try:
             decoded = self.decoder(image.values[0])
         except (OSError, ValueError) as error:
+            path, offset, _ = self.location(index)
             raise ImageReadError(f"{path}: record at offset {offset} (sample {index}): the image does not "
                                  f"decode: {error}") from error
         return decoded, self._target(index, features)

@@ -18,6 +18,7 @@ import dataclasses
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
@@ -61,12 +62,43 @@ def worker_command(config: LaunchConfig) -> list[str]:
     return head + [config.training_script, *config.training_script_args]
 
 
+class SignalFlag:
+    """A `threading.Event` that a signal handler may set.
+
+    A handler runs on the main thread between two bytecodes, possibly inside ``Event.wait``
+    after it took the event's (non-reentrant) lock and before it released it in the condition's
+    wait; ``Event.set`` there takes that lock again and the launcher hangs for ever. ``set``
+    here is one attribute write, and ``wait`` polls it (every `SLICE` seconds: a signal's
+    handler runs in the sleep's place, and the stop is seen within one slice).
+    """
+
+    SLICE = 0.01
+
+    def __init__(self) -> None:
+        self._flag = False
+
+    def set(self) -> None:
+        self._flag = True
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag:
+            left = self.SLICE if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.SLICE, left))
+        return True
+
+
 class _StopRequest:
     """Records SIGINT/SIGTERM sent to the launcher so the watch loop can end the job."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.event = threading.Event()
+        self.event = SignalFlag()
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

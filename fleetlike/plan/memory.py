@@ -102,9 +102,10 @@ class _Counter:
 
 
 @contextlib.contextmanager
-def activation_bytes(model: torch.nn.Module) -> Iterator[_Counter]:
-    """Count the bytes autograd saves in the ``with`` block (each storage once, parameters not)."""
-    counter = _Counter({storage_key(p) for p in model.parameters()})
+def activation_bytes(model: torch.nn.Module, skip: tuple[torch.Tensor, ...] = ()) -> Iterator[_Counter]:
+    """Count the bytes autograd saves in the ``with`` block (each storage once, parameters not,
+    nor the tensors of ``skip``: ones held anyway, such as the caller's own batch)."""
+    counter = _Counter({storage_key(p) for p in model.parameters()} | {storage_key(t) for t in skip})
     counter.param_shapes = {tuple(p.shape) for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,15 @@ sends of its micro-batch:
   ``min(m, p - s)`` micro-batches under 1F1B, all ``m`` under GPipe (FThenB).
 
 Sends and averages are costed with the link figures of `fleetlike.plan.cost.Links` (a send as
-a broadcast within two ranks) when given; without links they count as free.
+a broadcast within two ranks) when given, and the stages' compute and update are scaled by its
+``compute_scale`` (the probe's slowdown of compute when every rank of a node computes at once,
+as a pipeline's stages do: timed alone, two stages on two shared cores were 0.5-0.65x their
+compute in the job); without links sends count as free and compute as timed alone.
+
+The activations counted are what a stage holds for a micro-batch in flight: every storage its
+blocks save, the first stage's input left out (it is the caller's batch, held anyway); a later
+stage's input is the buffer the micro-batch arrived in, held until its backward. Checked
+against real jobs in tests/test_pipeline_plan.py and ``python -m bench.pipeline_plan``.
 
 Example:
     >>> rows = rank_shapes(net, x, y, F.cross_entropy, world=4, micro_batches=8)
@@ -36,11 +44,12 @@ import torch
 
 from fleetlike.pipeline.split import plan_stages
 from fleetlike.plan.cost import Links, group_kind
-from fleetlike.plan.memory import activation_bytes
+from fleetlike.plan.memory import MemoryBreakdown, activation_bytes
 from fleetlike.plan.spec import Cluster
+from fleetlike.plan.temporaries import update_temporaries
 
 __all__ = ["PipelinePrediction", "StagePrediction", "format_pipeline_table", "pipeline_step_seconds",
-           "predict_pipeline", "rank_shapes"]
+           "predict_pipeline", "rank_shapes", "stage_memory"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -59,6 +68,9 @@ class StagePrediction:
     held_micro_batches: int
     param_bytes: int
     optimizer_bytes: int
+    #: the optimizer update's temporaries (`fleetlike.plan.temporaries`): after the backward,
+    #: never beside the activations
+    update_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -66,7 +78,7 @@ class StagePrediction:
 
     @property
     def peak_bytes(self) -> int:
-        return 2 * self.param_bytes + self.optimizer_bytes + self.held_micro_batches * self.activation_bytes
+        return stage_memory(self).peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +117,14 @@ class PipelinePrediction:
         return f"dp{self.dp} x pp{self.pp} {self.schedule} m={self.micro_batches}"
 
 
+def stage_memory(stage: StagePrediction) -> MemoryBreakdown:
+    """A stage's bytes per rank by kind, as the planner's table counts them: parameters,
+    gradients, optimizer state, and the larger of the activations its schedule keeps in flight
+    and the update's temporaries."""
+    return MemoryBreakdown(stage.param_bytes, stage.param_bytes, stage.optimizer_bytes, 0,
+                           stage.held_micro_batches * stage.activation_bytes, 0, 0, update=stage.update_bytes)
+
+
 def pipeline_step_seconds(stage_seconds: Sequence[float], micro_batches: int) -> float:
     """``sum(t) + (m-1) max(t)``: ``(m+p-1) t`` for ``p`` equal stages."""
     return sum(stage_seconds) + (micro_batches - 1) * max(stage_seconds)
@@ -129,6 +149,8 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
         raise ValueError(f"schedule={schedule!r}: write '1F1B' or 'FThenB'")
     if x.shape[0] % micro_batches:
         raise ValueError(f"a batch of {x.shape[0]} rows does not cut into {micro_batches} micro-batches")
+    # the stages compute at once on the ranks of a node: the slowdown the probe measured there
+    scale = links.compute_scale if links is not None else 1.0
     net = copy.deepcopy(model)
     plan = plan_stages(net, pp, list(split_points))
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -145,7 +167,9 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
         def loss_of(out: torch.Tensor, _last: bool = last) -> torch.Tensor:
             return loss_fn(out, target) if _last else (out.float() * 1.0).sum()
 
-        with activation_bytes(stage) as counter:
+        # the first stage's input is the caller's batch, held whether or not autograd saves it;
+        # a later stage's is the buffer its micro-batch was received into, held until its backward
+        with activation_bytes(stage, skip=(src,) if s == 0 else ()) as counter:
             out = stage(src)
         loss_of(out).backward()
         forward = _median_time(lambda: stage(src), reps)
@@ -161,8 +185,10 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
             send = 2 * links.cost(group_kind(ranks, cluster), "broadcast", out.numel() * out.element_size())
         held = micro_batches if schedule == "FThenB" else min(micro_batches, pp - s)
         stages.append(StagePrediction(
-            s, tuple(n for n, _ in blocks), sum(p.numel() for p in params), forward, max(total - forward, 0.0), send,
-            counter.total, held, sum(p.numel() * p.element_size() for p in params), state))
+            s, tuple(n for n, _ in blocks), sum(p.numel() for p in params), forward * scale,
+            max(total - forward, 0.0) * scale, send,
+            counter.total, held, sum(p.numel() * p.element_size() for p in params), state,
+            update_temporaries(opt, params).bytes))
         with torch.no_grad():
             inp = stage(inp)
     average = 0.0
@@ -170,7 +196,7 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
         worst = max(range(pp), key=lambda s: stages[s].param_bytes)
         ranks = tuple(j * pp + worst for j in range(dp))
         average = links.cost(group_kind(ranks, cluster), "all_reduce", stages[worst].param_bytes)
-    return PipelinePrediction(dp, pp, micro_batches, schedule, tuple(stages), max(updates), average)
+    return PipelinePrediction(dp, pp, micro_batches, schedule, tuple(stages), max(updates) * scale, average)
 
 
 def rank_shapes(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_fn: LossFn, *, world: int,

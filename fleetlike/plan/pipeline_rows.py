@@ -12,7 +12,7 @@ the same memory limit.
 * The schedule: 1F1B where it applies (``m >= pp``: its stages hold at most ``pp - s``
   micro-batches' activations, GPipe's all ``m``, at the same step time), else FThenB (GPipe).
 * The step: the stages' measured forward + backward and the update are scaled by the links'
-  ``compute_scale`` as the traced candidates' compute is; the sends between stages and the
+  ``compute_scale`` as the traced candidates' compute is (`predict_pipeline` applies it); the sends between stages and the
   average across pipelines are costed on ``links``.
 * The memory: the fullest stage's parameters, gradients, optimizer state and the larger of the
   activations its schedule keeps in flight (`StagePrediction.peak_bytes`) and its update's
@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,10 +43,9 @@ import torch
 from fleetlike.comm.stats import ring_send_bytes
 from fleetlike.plan.cost import Links, StepCost, group_kind
 from fleetlike.plan.memory import MemoryBreakdown
-from fleetlike.plan.pipeline import PipelinePrediction, pipeline_step_seconds, rank_shapes
+from fleetlike.plan.pipeline import PipelinePrediction, pipeline_step_seconds, rank_shapes, stage_memory
 from fleetlike.plan.space import Candidate
 from fleetlike.plan.spec import Cluster, ModelSpec
-from fleetlike.plan.temporaries import update_temporaries
 
 __all__ = ["MICRO_BATCHES", "PipelineRow", "pipeline_options", "pipeline_rows"]
 
@@ -85,14 +84,7 @@ def _split_feed(feed: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
                      "(inputs, labels) or a mapping of two entries, inputs first")
 
 
-def _scaled(pred: PipelinePrediction, scale: float) -> PipelinePrediction:
-    """The prediction with its measured compute (forward, backward, update) times ``scale``."""
-    stages = tuple(dataclasses.replace(s, forward_s=s.forward_s * scale, backward_s=s.backward_s * scale)
-                   for s in pred.stages)
-    return dataclasses.replace(pred, stages=stages, update_s=pred.update_s * scale)
-
-
-def _row(pred: PipelinePrediction, cluster: Cluster, update_bytes: Callable[[Sequence[str]], int]) -> PipelineRow:
+def _row(pred: PipelinePrediction, cluster: Cluster) -> PipelineRow:
     compute = pipeline_step_seconds([s.forward_s + s.backward_s for s in pred.stages],
                                     pred.micro_batches) + pred.update_s
     comm = pred.step_s - compute  # the sends between stages and the average, neither overlapped
@@ -103,10 +95,7 @@ def _row(pred: PipelinePrediction, cluster: Cluster, update_bytes: Callable[[Seq
     kind = group_kind(tuple(j * pred.pp for j in range(pred.dp)), cluster) if pred.dp > 1 else "intra"
     intra, inter = (sent, 0.0) if kind == "intra" else (0.0, sent)
     cost = StepCost(pred.step_s, compute, comm, comm, intra, inter, [pred.step_s], {})
-    fullest = max(pred.stages, key=lambda s: s.peak_bytes)
-    memory = MemoryBreakdown(fullest.param_bytes, fullest.param_bytes, fullest.optimizer_bytes, 0,
-                             fullest.held_micro_batches * fullest.activation_bytes, 0, 0,
-                             update=update_bytes(fullest.blocks))
+    memory = stage_memory(max(pred.stages, key=lambda s: s.peak_bytes))
     name = f"pipeline_pp{pred.pp}_m{pred.micro_batches}"
     return PipelineRow(Candidate(name, pipeline_options(pred.dp, pred.pp, pred.micro_batches, pred.schedule), ()),
                        cost, memory, pred)
@@ -157,11 +146,5 @@ def pipeline_rows(spec: ModelSpec, cluster: Cluster, links: Links, *,
         key = (pred.pp, pred.micro_batches)
         if key not in best or (pred.schedule == "1F1B" and best[key].schedule != "1F1B"):
             best[key] = pred
-    modules = dict(model.named_modules())
-
-    def update_bytes(blocks: Sequence[str]) -> int:
-        params = [p for b in blocks for p in modules[b].parameters()]
-        return update_temporaries(make_opt(params), params).bytes
-
-    out = [_row(_scaled(best[k], links.compute_scale), cluster, update_bytes) for k in sorted(best)]
+    out = [_row(best[k], cluster) for k in sorted(best)]
     return out, skipped

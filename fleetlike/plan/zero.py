@@ -20,7 +20,12 @@ offload``                 memory ``(P + G + S) / N``
 
 The peak is the kept bytes plus the larger of ``gathered + A`` (the forward and backward) and
 the update's temporaries on the shards (`fleetlike.plan.temporaries`: the data-parallel
-figure over ``N``, since each parameter is stepped as its ``1/N`` dim-0 shard). ``gathered``
+figure over ``N``, since each parameter is stepped as its ``1/N`` dim-0 shard). At stage 2 the
+gradient shards ``G / N`` count with the update only, not with ``gathered``: they are None from
+the clear before the forward, and each unit's backward frees its gathered parameters (``B``)
+before the next adds ``B / N`` of shard, so the sum falls through the backward. At stage 3 every
+unit is gathered again for its backward, so the shards made so far sit beside the last units'
+gathers: they count with both. ``gathered``
 is derived from how FSDP2 runs on one stream (CPU, torch 2.13), not fitted:
 
 * stage 2 keeps every unit's parameters gathered from its forward to its backward (``P``);
@@ -117,7 +122,12 @@ def zero_memory(base: MemoryBreakdown, layout: ZeroLayout, world: int, stage: in
     kept_p, kept_g, kept_s = (0, 0, 0) if offload else (-(-base.params // world), -(-base.grads // world),
                                                         -(-base.optimizer // world))
     update = 0 if offload else -(-base.update // world)  # offload steps the shards in host memory
-    return MemoryBreakdown(kept_p, kept_g, kept_s, 0, base.activations, base.amp_copies, 0, False, update,
+    # stage 2: the gradient shards are None from the clear before the forward (fleetlike's
+    # clear sets them to None at stages 2 and 3) and each unit's backward frees more gathered
+    # parameters (its whole unit) than it adds of gradient shard (``1/N`` of it), so the shards
+    # never meet the gathered peak; they meet the update's temporaries. Stage 3 gathers each
+    # unit again for its backward: by the last ones almost every shard exists beside them.
+    return MemoryBreakdown(kept_p, kept_g, kept_s, 0, base.activations, base.amp_copies, 0, stage == 2, update,
                            gathered_bytes(base.params, layout, world, stage))
 
 

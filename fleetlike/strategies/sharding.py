@@ -1,7 +1,8 @@
 """Optimizer-state sharding (ZeRO stage 1; Paddle's ``sharding``, EPL's ``zero.level = "v1"``).
 
 Each parameter has one owner rank (`fleetlike.collectives.sharded.plan_shards`: whole
-parameters, balanced by bytes inside every gradient bucket). A step then runs:
+parameters, balanced by bytes inside every gradient bucket; a bucket whose balanced segments
+would be mostly padding, which every rank would hold, is split into one bucket per owner). A step then runs:
 
 1. backward: each bucket is **reduce-scattered** as soon as its gradients are ready (the same
    overlapped `GradReducer` hooks as data parallel), leaving each rank only its own parameters'
@@ -175,7 +176,8 @@ class ShardingUnit(Unit):
         ctx.record("sharding", True, (
             f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
-            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding"
+            f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding; "
+            f"{sum(1 for b in buckets if b.why)} of them one owner's, split from buckets that would be mostly padding"
             + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
             + "), all-gathered in place, "
             f"<= {cfg['segment_broadcast_MB']} MB in flight"
