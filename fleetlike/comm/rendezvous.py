@@ -42,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import torch.distributed as dist
 
@@ -51,6 +52,7 @@ from fleetlike.comm.secret import (
     set_current, write_private,
 )
 from fleetlike.comm.signed_store import SignedStore, StoreTampered
+from fleetlike.comm.store_server import StoreServer
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -226,11 +228,19 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
+    The server is `fleetlike.comm.store_server`'s, in a process of its own with the default
+    `StoreLimits` (bytes, keys and value size bounded), not torch's; it stops when the returned
+    store is collected or this process ends.
     """
     fd, bound = _listen(host, port)
-    store = dist.TCPStore(
-        host, bound, None, True, _td(timeout), wait_for_workers=False, master_listen_fd=fd
-    )
+    # torch's own server holds whatever a stranger sends it; this one has bounds (StoreLimits)
+    server = StoreServer.start(fd)
+    try:
+        store = dist.TCPStore(host, bound, None, False, _td(timeout))
+    except Exception:
+        server.close()
+        raise
+    weakref.finalize(store, server.close)  # the server lives as long as the host's store
     secret = secret or secret_from_env()
     if secret is not None:
         greet(store, secret, job_id)
