@@ -67,6 +67,11 @@ KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
 #: proof slots rank 0 watches beyond 4 per rank (a stranger may move the counter by millions)
 _PROOF_WINDOW = 64
+#: what `_read_now` expects: never a value of the store's, so a compare-and-set with it only reads
+_ABSENT = b"\x00fleetlike: no value"
+#: seconds a rank without the secret still looks for its secret's file once the marker it saw
+#: was deleted (rank 0 leaves that file before its marker, so it is there by then or never)
+_AFTER_DELETION = 5.0
 
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
@@ -268,14 +273,29 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
     """Wait until the store's host has greeted: the job's challenge under ``secret``'s prefix
     (what a member needs: a stranger cannot delete it without the secret's prefix), or the
     public marker (another job's store, or a rank that must still find its secret). A stranger
-    deleting the marker therefore stalls nobody who holds the secret."""
+    deleting the marker therefore stalls nobody who holds the secret; a rank without one that
+    saw the marker and then finds it gone (the host never deletes it) waits `_AFTER_DELETION`
+    seconds for its secret's file, then names the deletion."""
     pause = 0.001
+    seen = False
+    deleted: float | None = None  # when the marker this rank saw was found gone
     while True:
         try:
             if secret is not None and challenge_of(raw, secret) is not None:
                 return
-            if raw.check([JOB_KEY]) and (secret is not None or raw.get(JOB_KEY).decode() == _marker(role)):
+            there = raw.check([JOB_KEY])
+            if there and secret is not None:
                 return
+            if there:
+                seen = True
+                # one request that never waits: a get waits out the store's timeout for a
+                # marker a stranger deleted after the check
+                marker = _read_now(raw, JOB_KEY)
+                if marker is not None and marker.decode(errors="replace") == _marker(role):
+                    return
+                there = marker is not None
+            if seen and not there and deleted is None:
+                deleted = time.monotonic()
             if secret is None and _private_secret(role, raw) is not None:
                 return
         except SecretError:
@@ -284,6 +304,14 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
             raise RendezvousError(
                 f"rank {role.rank}: the store at {host}:{port} stopped answering while this rank "
                 f"waited for its greeting ({type(exc).__name__}); has rank 0 died?") from None
+        if deleted is not None and time.monotonic() - deleted > _AFTER_DELETION:
+            raise RendezvousError(
+                f"rank {role.rank}: the store's public marker {JOB_KEY!r} at {host}:{port} was deleted "
+                "while this rank waited for its greeting: the job's host never deletes it, so a "
+                "process that is not one of the job's is writing to the store, and a rank given no "
+                f"{SECRET_ENV} cannot tell its job is there without it. Set {SECRET_ENV} to the same "
+                "random value in every rank's environment (python -c 'import secrets; "
+                "print(secrets.token_hex(32))'): a rank that holds it is stalled by no deletion")
         if time.monotonic() - start > timeout:
             raise RendezvousError(
                 f"rank {role.rank}: the store at {host}:{port} never greeted this rank within "
@@ -291,6 +319,19 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
                 "may be listening), or its host has not started")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+def _read_now(raw: dist.Store, key: str) -> bytes | None:
+    """``key``'s value, or None when it has none, without waiting: a compare-and-set that
+    expects `_ABSENT` (a value nobody writes) changes nothing and answers the stored value, or
+    `_ABSENT` for a key that is not there.
+
+    Example:
+        >>> _read_now(raw, JOB_KEY)
+        b'fleetlike'
+    """
+    value = raw.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT else value
 
 
 def _meeting_name(role: Role) -> str:
