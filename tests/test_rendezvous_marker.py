@@ -6,7 +6,9 @@ get waits up to the store's whole timeout for a key deleted between them. The ra
 marker in one request that never waits instead, and a marker it saw that is gone (the host
 never deletes it) ends its wait within seconds, naming the deletion, unless its secret's file
 is there (then it goes on). The deletion is made in that window deterministically: a stranger's
-client deletes the marker right after the member's check finds it.
+client deletes the marker right after the member's check finds it. The signed greeting and the
+job id (a stranger learns their key names from the store) are read the same way: there is no
+window, and a deleted one is missed at once.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from fleetlike.comm import JOB_KEY, JobSecret, RendezvousError, SecretMismatchError
-from fleetlike.comm import rendezvous
+from fleetlike.comm import JOB_KEY, JobSecret, RendezvousError, SecretMismatchError, challenge_of, job_store
+from fleetlike.comm import read_job_id, rendezvous
 from fleetlike.comm.rendezvous import greet
+from fleetlike.comm.signed_store import StoreTampered
 from fleetlike.comm.secret import SECRET_DIR_ENV, SECRET_ENV, new_secret, secret_file, write_private
 from fleetlike.roles.role import Role
 
@@ -31,17 +34,17 @@ _STORE_TIMEOUT = 30.0
 
 
 class _DeletedAfterCheck(dist.Store):
-    """A member's client of the store; a stranger's client deletes the marker right after this
-    one's first check finds it."""
+    """A member's client of the store; a stranger's client deletes ``key`` (the marker unless
+    told) right after this one's first check finds it."""
 
-    def __init__(self, inner: dist.Store, stranger: dist.Store) -> None:
+    def __init__(self, inner: dist.Store, stranger: dist.Store, key: str = JOB_KEY) -> None:
         super().__init__()
-        self.inner, self.stranger, self.deleted = inner, stranger, False
+        self.inner, self.stranger, self.key, self.deleted = inner, stranger, key, False
 
     def check(self, keys: list[str]) -> bool:
         found = self.inner.check(keys)
-        if found and keys == [JOB_KEY] and not self.deleted:
-            self.deleted = self.stranger.delete_key(JOB_KEY)
+        if found and keys == [self.key] and not self.deleted:
+            self.deleted = self.stranger.delete_key(self.key)
         return found
 
     def get(self, key: str) -> bytes:
@@ -122,3 +125,26 @@ def test_a_rank_that_finds_its_secrets_file_goes_on_when_the_marker_is_deleted(h
     assert time.monotonic() - started < 2
     assert member.deleted and not server.check([JOB_KEY])
     assert rendezvous._find_private_secret(role, member, "127.0.0.1", server.port).hex == secret.hex
+
+
+def test_the_greeting_and_the_job_id_are_read_in_one_request_and_missed_at_once(host) -> None:
+    """A stranger set to delete the greeting or the job id right after a member's check finds it
+    never gets the chance (the member reads each in one request that never waits), and once
+    they are deleted a member is told at once, not after the store's 30 s timeout."""
+    server, secret = host
+    for key, expected in (("challenge", challenge_of(_client(server), secret)), ("job_id", "job")):
+        member = _DeletedAfterCheck(_client(server), _client(server), f"{secret.prefix}/{key}")
+        started = time.monotonic()
+        found = challenge_of(member, secret) if key == "challenge" else read_job_id(member, secret)
+        assert (found, member.deleted) == (expected, False) and expected
+        assert time.monotonic() - started < 2
+
+    stranger = _client(server)
+    assert stranger.delete_key(f"{secret.prefix}/challenge") and stranger.delete_key(f"{secret.prefix}/job_id")
+    member = _client(server)
+    started = time.monotonic()
+    assert challenge_of(member, secret) is None and read_job_id(member, secret) is None
+    stranger.set(f"{secret.prefix}/seat", b"0" * 80)  # a value a new member would check
+    with pytest.raises(StoreTampered, match="it holds no greeting \\('challenge'\\), which its host writes"):
+        job_store(_client(server), secret).get("seat")
+    assert time.monotonic() - started < 2

@@ -51,7 +51,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
-from fleetlike.comm.signed_store import SignedStore, StoreTampered
+from fleetlike.comm.signed_store import SignedStore, StoreTampered, read_now
 from fleetlike.comm.store_server import StoreServer
 from fleetlike.roles.role import Role, parse_endpoint
 
@@ -67,8 +67,6 @@ KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
 #: proof slots rank 0 watches beyond 4 per rank (a stranger may move the counter by millions)
 _PROOF_WINDOW = 64
-#: what `_read_now` expects: never a value of the store's, so a compare-and-set with it only reads
-_ABSENT = b"\x00fleetlike: no value"
 #: seconds a rank without the secret still looks for its secret's file once the marker it saw
 #: was deleted (rank 0 leaves that file before its marker, so it is there by then or never)
 _AFTER_DELETION = 5.0
@@ -136,14 +134,14 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
 def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
     """The challenge the store's host left under ``secret``'s prefix; None: the host does not
     hold ``secret`` (another job's store, or this process was given another secret)."""
-    private = job_store(raw, secret)
-    return private.get("challenge").decode() if private.check(["challenge"]) else None
+    found = job_store(raw, secret).get_now("challenge")
+    return None if found is None else found.decode()
 
 
 def read_job_id(raw: dist.Store, secret: JobSecret) -> str | None:
     """The job id on ``raw`` under ``secret``'s prefix (None when there is none)."""
-    store = job_store(raw, secret)
-    return store.get("job_id").decode() if store.check(["job_id"]) else None
+    found = job_store(raw, secret).get_now("job_id")
+    return None if found is None else found.decode()
 
 
 def secret_for(role: Role) -> JobSecret | None:
@@ -290,7 +288,7 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
                 seen = True
                 # one request that never waits: a get waits out the store's timeout for a
                 # marker a stranger deleted after the check
-                marker = _read_now(raw, JOB_KEY)
+                marker = read_now(raw, JOB_KEY)
                 if marker is not None and marker.decode(errors="replace") == _marker(role):
                     return
                 there = marker is not None
@@ -319,19 +317,6 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
                 "may be listening), or its host has not started")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-
-
-def _read_now(raw: dist.Store, key: str) -> bytes | None:
-    """``key``'s value, or None when it has none, without waiting: a compare-and-set that
-    expects `_ABSENT` (a value nobody writes) changes nothing and answers the stored value, or
-    `_ABSENT` for a key that is not there.
-
-    Example:
-        >>> _read_now(raw, JOB_KEY)
-        b'fleetlike'
-    """
-    value = raw.compare_set(key, _ABSENT, _ABSENT)
-    return None if value == _ABSENT else value
 
 
 def _meeting_name(role: Role) -> str:
