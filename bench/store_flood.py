@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench._common import Column, format_table, run_info, save_figure, save_json
 
@@ -109,25 +109,39 @@ def _worker(kind: str, values: int, mib: int) -> dict[str, Any]:
             "grown_mib": (after - before) / 1024, "member_ok": ok}
 
 
+def run_worker(module: str, kind: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m module --worker kind *args`` in a fresh process: the JSON its last line prints."""
+    done = subprocess.run([sys.executable, "-m", module, "--worker", kind, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{module}: the {kind} worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_or_serve(ap: argparse.ArgumentParser, argv: list[str] | None, out: Path,
+                   worker: Callable[[argparse.Namespace], dict[str, Any]]) -> argparse.Namespace | None:
+    """The bench's arguments (with ``--out`` and the hidden ``--worker``), or None once this
+    process was a worker and printed its row."""
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(out))
+    args = ap.parse_args(argv)
+    if args.worker is None:
+        return args
+    print(json.dumps(worker(args)))
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--values", type=int, default=150)
     ap.add_argument("--mib", type=int, default=7)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(OUT))
-    args = ap.parse_args(argv)
-    if args.worker is not None:
-        print(json.dumps(_worker(args.worker, args.values, args.mib)))
+    args = parse_or_serve(ap, argv, OUT, lambda a: _worker(a.worker, a.values, a.mib))
+    if args is None:
         return
     rows = []
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     for kind in KINDS:
-        done = subprocess.run([sys.executable, "-m", "bench.store_flood", "--worker", kind,
-                               "--values", str(args.values), "--mib", str(args.mib)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"bench.store_flood: the {kind} worker failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(run_worker("bench.store_flood", kind, ["--values", str(args.values), "--mib", str(args.mib)], env))
     columns = [Column("kind", "server"), Column("start_ms", "host it (ms)", "{:.1f}"),
                Column("roundtrip_us", "set+get (us)", "{:.0f}"),
                Column("accepted", f"of {args.values} x {args.mib} MiB accepted", "{}"),
