@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.autotune import summarise
 
-__all__ = ["GOAL_BEST", "GOAL_DEFAULT", "GOAL_DEFAULT_WHERE", "goals", "grid_rows", "main"]
+__all__ = ["GOAL_BEST", "GOAL_DEFAULT", "GOAL_DEFAULT_WHERE", "goals", "grid_rows", "main", "markdown", "plot"]
 
 #: tuned / best fixed, in every cell
 GOAL_BEST = 0.95

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from fleetlike.launch.main import SignalFlag, _StopRequest
+from fleetlike.launch.main import _StopRequest
+from fleetlike.launch.stop import SignalFlag
 
 
 def _wait_with_the_handler_at_every_line(stop: _StopRequest, event: Any) -> list[bool]:

@@ -1,6 +1,6 @@
 """Sharding properties: the partition over random parameter sizes, world sizes and bucket caps
 (every parameter owned once, never split, each rank within one largest parameter of 1/N, no
-bucket more than a quarter padding, each bucket's segments disjoint and covering); sharded
+bucket's padding more than a quarter of its gradients, each bucket's segments disjoint and covering); sharded
 training over random model shapes and world sizes equals the single-process reference (SGD, momentum) and unsharded data parallel on the
 same ranks (Adam, AdamW); the options, EPL aliases and refused combinations.
 """
@@ -46,7 +46,7 @@ def test_partition_properties(sizes, world, cap, two_level, pad_min):
             assert b.views[i].data_ptr() == b.buffer[off:].data_ptr()
     total, largest = sum(sizes) * 4, max(sizes) * 4
     assert max(load) <= total / world + largest
-    for b in buckets:  # a bucket that would be mostly padding was split into one per owner
+    for b in buckets:  # a bucket whose padding would pass PAD_LIMIT was split into one per owner
         assert pad_min is None or b.padding <= sharded.PAD_LIMIT * (b.numel - b.padding), b.describe()
 
 

@@ -4,7 +4,8 @@ torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``, its default) hosts one store fo
 ``MASTER_ADDR:MASTER_PORT``. A rank 0 that hosted a second store on a port next to it would bind a
 port nobody reserved: any outgoing connection on the machine may be given it first ("Address
 already in use"). The agent's store also outlives a restart of the workers, so each generation
-meets in its own key space.
+meets in its own key space. On several nodes the agents' restart counts differ, and rank 0 hosts
+a store of its own for each start instead.
 """
 
 from __future__ import annotations
@@ -31,19 +32,42 @@ def test_ranks_join_the_agents_store_at_master_port() -> None:
     assert role.generation == 0
 
 
-@pytest.mark.parametrize("extra", [{"TORCHELASTIC_USE_AGENT_STORE": "False"}, {},
-                                   {"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_PORT": "7000"}])
-def test_without_an_agent_store_rank_0_hosts_one(extra: dict[str, str]) -> None:
+def test_fleetlikes_master_addr_naming_the_agents_host_still_joins_its_store() -> None:
+    role = detect_role({**TORCHRUN_ENV, "TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_ADDR": "127.0.0.1"})
+    assert role.master_hosted and role.master_endpoint == "127.0.0.1:29500"
+
+
+@pytest.mark.parametrize(("extra", "master"), [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, "127.0.0.1:29501"),
+    ({}, "127.0.0.1:29501"),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_PORT": "7000"}, "127.0.0.1:7000"),
+    # the agent's store listens at MASTER_ADDR: another rendezvous host is hosted by rank 0
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "FLEETLIKE_MASTER_ADDR": "127.0.0.2"}, "127.0.0.2:29501"),
+])
+def test_without_an_agent_store_rank_0_hosts_one(extra: dict[str, str], master: str) -> None:
     role = detect_role({**TORCHRUN_ENV, **extra})
     assert not role.master_hosted
-    assert role.master_endpoint == ("127.0.0.1:7000" if extra.get("FLEETLIKE_MASTER_PORT") else "127.0.0.1:29501")
+    assert role.master_endpoint == master
 
 
-def test_the_restart_count_is_the_roles_generation() -> None:
-    role = detect_role({**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": "2"})
-    assert role.generation == 2 and role.job_id == "rdzv9"
+def test_the_restart_count_is_the_roles_generation_on_the_agents_store() -> None:
+    agent = {**TORCHRUN_ENV, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    role = detect_role({**agent, "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert role.master_hosted and role.generation == 2 and role.job_id == "rdzv9"
     with pytest.raises(ValueError, match=r"TORCHELASTIC_RESTART_COUNT=-1 must be >= 0"):
-        detect_role({**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": "-1"})
+        detect_role({**agent, "TORCHELASTIC_RESTART_COUNT": "-1"})
+    # a store rank 0 hosts is new at every start: nothing of a dead start to keep apart
+    assert detect_role({**TORCHRUN_ENV, "TORCHELASTIC_RESTART_COUNT": "2"}).generation == 0
+
+
+def test_on_several_nodes_rank_0_hosts_a_store_for_each_start() -> None:
+    """Each node's agent counts its own restarts: a node whose workers were healthy restarts them
+    for a peer's failure without counting, so the count cannot name a start on every node."""
+    env = {**TORCHRUN_ENV, "RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "GROUP_RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    role = detect_role(env)
+    assert not role.master_hosted and role.generation == 0
+    assert role.master_endpoint == "127.0.0.1:29501"
 
 
 SCRIPT = textwrap.dedent("""

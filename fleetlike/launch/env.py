@@ -59,8 +59,9 @@ def torch_master_port(config: LaunchConfig) -> int:
     With fixed ports, fleetlike's rendezvous store listens on rank 0's endpoint
     (``started_port``), so torch's gets the port after node 0's last endpoint,
     ``started_port + nproc_per_node``: a script calling both ``fleet.init()`` and
-    ``init_process_group()`` never binds one port twice (under torchrun both join the store
-    torchrun's agent hosts at ``MASTER_PORT``). With ``auto`` the first
+    ``init_process_group()`` never binds one port twice (under torchrun on one node both join the
+    store torchrun's agent hosts at ``MASTER_PORT``; on several nodes fleetlike's rank 0 hosts
+    its own at ``MASTER_PORT + 1``). With ``auto`` the first
     node's launcher hosts one store at rank 0's endpoint and both join it
     (``TORCHELASTIC_USE_AGENT_STORE``)."""
     port = parse_endpoint(config.master_endpoint, name="master endpoint")[1]

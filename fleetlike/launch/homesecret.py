@@ -27,7 +27,6 @@ import dataclasses
 import datetime
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -36,6 +35,7 @@ from fleetlike.comm import (
     write_private,
 )
 from fleetlike.launch.config import LaunchConfig, LaunchInputError
+from fleetlike.launch.stop import StopFlag
 from fleetlike.roles import parse_endpoint
 
 __all__ = ["SHARE_HINT", "meeting_point", "settle", "secret_path"]
@@ -76,7 +76,7 @@ def _with(config: LaunchConfig, secret: str) -> LaunchConfig:
                                job_id=config.job_id if config.job_id_given else JobSecret(secret).job_id())
 
 
-def settle(config: LaunchConfig, stop: threading.Event | None = None) -> LaunchConfig:
+def settle(config: LaunchConfig, stop: StopFlag | None = None) -> LaunchConfig:
     """``config`` with the job's secret (and its job id, unless given) settled; unchanged when
     the secret was exported or needs no sharing. `LaunchInputError` when this launcher cannot
     get the secret (`SHARE_HINT`)."""
@@ -115,7 +115,7 @@ def _client(host: str, port: int) -> Any | None:
         return None
 
 
-def _find(config: LaunchConfig, endpoint: str, path: str, stop: threading.Event | None) -> str:
+def _find(config: LaunchConfig, endpoint: str, path: str, stop: StopFlag | None) -> str:
     host, port = parse_endpoint(endpoint, name="--rdzv_endpoint" if config.min_nodes else "master endpoint")
     deadline = time.monotonic() + config.rendezvous_timeout
     greeted: float | None = None

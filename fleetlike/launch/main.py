@@ -18,7 +18,6 @@ import dataclasses
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
@@ -36,6 +35,7 @@ from fleetlike.launch.homesecret import forget, settle
 from fleetlike.launch.env import omp_note, worker_env
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
+from fleetlike.launch.stop import SignalFlag
 from fleetlike.launch.torch_flags import NodeMeetingError, TorchNodes, meet_nodes
 from fleetlike.launch.workers import (
     Worker,
@@ -47,7 +47,7 @@ from fleetlike.launch.workers import (
     stop_workers,
 )
 
-__all__ = ["main", "launch", "worker_command"]
+__all__ = ["launch", "main", "worker_command"]
 
 _POLL_SECONDS = 0.1
 
@@ -60,37 +60,6 @@ def worker_command(config: LaunchConfig) -> list[str]:
     """``python -u script args...`` (or ``python -u -m module args...``) with this interpreter."""
     head = [sys.executable, "-u"] + (["-m"] if config.module else [])
     return head + [config.training_script, *config.training_script_args]
-
-
-class SignalFlag:
-    """A `threading.Event` that a signal handler may set.
-
-    A handler runs on the main thread between two bytecodes, possibly inside ``Event.wait``
-    after it took the event's (non-reentrant) lock and before it released it in the condition's
-    wait; ``Event.set`` there takes that lock again and the launcher hangs for ever. ``set``
-    here is one attribute write, and ``wait`` polls it (every `SLICE` seconds: a signal's
-    handler runs in the sleep's place, and the stop is seen within one slice).
-    """
-
-    SLICE = 0.01
-
-    def __init__(self) -> None:
-        self._flag = False
-
-    def set(self) -> None:
-        self._flag = True
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._flag:
-            left = self.SLICE if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(self.SLICE, left))
-        return True
 
 
 class _StopRequest:

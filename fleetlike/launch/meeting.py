@@ -53,6 +53,7 @@ from fleetlike.comm import challenge_of, job_store, read_job_id
 from fleetlike.comm import JobSecret, SecretError
 from fleetlike.launch.config import LaunchConfig
 from fleetlike.launch.ports import HostedEndpoints
+from fleetlike.launch.stop import StopFlag
 from fleetlike.roles import parse_endpoint
 
 __all__ = [
@@ -156,7 +157,7 @@ def remove_address(path: str, token: str) -> bool:
     return True
 
 
-def meet(config: LaunchConfig, hosted: HostedEndpoints, *, stop: threading.Event | None = None,
+def meet(config: LaunchConfig, hosted: HostedEndpoints, *, stop: StopFlag | None = None,
          poll: float = _POLL_SECONDS) -> LaunchConfig:
     """Meet the other nodes' launchers; ``config`` with every rank's endpoint filled in
     (``cluster_endpoints``).
@@ -211,7 +212,7 @@ def _stopped(config: LaunchConfig, what: str) -> MeetingError:
     return MeetingError(f"{_me(config)}: stopped while waiting for {what}")
 
 
-def _find_store(config: LaunchConfig, deadline: float, stop: threading.Event,
+def _find_store(config: LaunchConfig, deadline: float, stop: StopFlag,
                 poll: float) -> tuple[dist.Store, StoreAddress]:
     """Wait for a rendezvous file of this job whose store is alive and holds its token; join it."""
     path = config.rendezvous_file or ""
@@ -305,7 +306,7 @@ def _join(address: StoreAddress, config: LaunchConfig,
 
 
 def _exchange(config: LaunchConfig, hosted: HostedEndpoints, store: dist.Store,
-              address: StoreAddress, deadline: float, stop: threading.Event,
+              address: StoreAddress, deadline: float, stop: StopFlag,
               poll: float) -> LaunchConfig:
     """Claim this node's slot, publish its endpoints, wait for every node's; all endpoints."""
     me = config.node_index

@@ -44,6 +44,7 @@ import time
 import torch.distributed as dist
 
 from fleetlike.comm import JobSecret, challenge_of, host_store, job_store
+from fleetlike.launch.stop import StopFlag
 
 __all__ = ["DEFAULT_MASTER_PORT", "NodeMeetingError", "TorchFlagError", "TorchNodes", "add_torch_flags", "meet_nodes", "torch_nodes"]
 
@@ -181,7 +182,7 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def meet_nodes(static: TorchNodes, nproc: int, secret_text: str, job_id: str, timeout: float,
-               stop: threading.Event | None = None) -> tuple[str, ...]:
+               stop: StopFlag | None = None) -> tuple[str, ...]:
     """Every node's address, node by node: node 0's launcher hosts a store at ``master_addr:
     master_port`` (closed once every node has read the list), the others join it; each claims
     its place, publishes its address and process count, and waits for all. Behind the job's
@@ -228,7 +229,7 @@ def meet_nodes(static: TorchNodes, nproc: int, secret_text: str, job_id: str, ti
         del server
 
 
-def _join(host: str, port: int, deadline: float, stop: threading.Event, me: str) -> dist.Store:
+def _join(host: str, port: int, deadline: float, stop: StopFlag, me: str) -> dist.Store:
     while True:
         try:
             with socket.create_connection((host, port), timeout=2.0):
@@ -241,7 +242,7 @@ def _join(host: str, port: int, deadline: float, stop: threading.Event, me: str)
         stop.wait(_POLL_SECONDS)
 
 
-def _wait(store: dist.Store, keys: list[str], deadline: float, stop: threading.Event, me: str, what: str,
+def _wait(store: dist.Store, keys: list[str], deadline: float, stop: StopFlag, me: str, what: str,
           timeout: float) -> None:
     while not all(store.check([k]) for k in keys):
         if stop.is_set():
@@ -253,7 +254,7 @@ def _wait(store: dist.Store, keys: list[str], deadline: float, stop: threading.E
         stop.wait(_POLL_SECONDS)
 
 
-def _wait_count(store: dist.Store, key: str, n: int, deadline: float, stop: threading.Event, me: str) -> None:
+def _wait_count(store: dist.Store, key: str, n: int, deadline: float, stop: StopFlag, me: str) -> None:
     while int(store.add(key, 0)) < n:
         if stop.is_set() or time.monotonic() >= deadline:
             raise NodeMeetingError(f"{me}: the other nodes did not read the list of nodes in time")

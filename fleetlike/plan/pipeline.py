@@ -18,8 +18,9 @@ sends of its micro-batch:
 Sends and averages are costed with the link figures of `fleetlike.plan.cost.Links` (a send as
 a broadcast within two ranks) when given, and the stages' compute and update are scaled by its
 ``compute_scale`` (the probe's slowdown of compute when every rank of a node computes at once,
-as a pipeline's stages do: timed alone, two stages on two shared cores were 0.5-0.65x their
-compute in the job); without links sends count as free and compute as timed alone.
+as a pipeline's stages do; ``python -m bench.pipeline_plan`` puts a stage timed alone at
+0.72-1.10x, median 0.96, of its compute in a 2-stage job on two shared cores); without links
+sends count as free and compute as timed alone.
 
 The activations counted are what a stage holds for a micro-batch in flight: every storage its
 blocks save, the first stage's input left out (it is the caller's batch, held anyway); a later

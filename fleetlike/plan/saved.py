@@ -9,8 +9,8 @@ the meter on, run the step, read ``peak``.
 Each saved tensor is counted per storage (a storage saved twice counts once) from when autograd
 saves it until autograd drops it: the hook hands autograd a small holder object, which the graph
 keeps exactly as long as it needs the tensor, and the holder's finalizer releases the count (the
-tensor object itself may die sooner, as a view, or live longer, held by the caller). Parameters
-and the storages named in ``params`` are left out.
+tensor object itself may die sooner, as a view, or live longer, held by the caller), also for a
+graph dropped without a backward. Parameters and the storages named in ``params`` are left out.
 
 Example:
     >>> meter = SavedBytesMeter()
@@ -47,6 +47,8 @@ class SavedBytesMeter:
         self.refs: dict[int, int] = {}
         self.peak = 0
         self.lock = threading.Lock()
+        #: bumped by `reset`: a tensor saved before it is released without touching the new counts
+        self.epoch = 0
         #: storages (``untyped_storage().data_ptr()``) not counted: parameters, the caller's batch
         self.params: set[int] = set()
         #: off while steps are timed (the hooks cost Python time per saved tensor)
@@ -60,8 +62,12 @@ class SavedBytesMeter:
             self.refs[key] = self.refs.get(key, 0) + 1
             self.live[key] = t.untyped_storage().nbytes()
             self.peak = max(self.peak, sum(self.live.values()))
-        saved = _Saved(t)
-        weakref.finalize(saved, self._drop, key)
+            epoch = self.epoch
+        # a detached alias (same storage, no grad_fn): an op that saves its own output (ReLU,
+        # sigmoid) would otherwise hold, through the holder, the tensor whose grad_fn holds the
+        # holder, a cycle through C++ that no collector frees when the graph is dropped unused
+        saved = _Saved(t.detach())
+        weakref.finalize(saved, self._drop, key, epoch)
         return saved
 
     @staticmethod
@@ -71,13 +77,15 @@ class SavedBytesMeter:
     def reset(self) -> None:
         """Forget what was saved so far and start a new peak."""
         with self.lock:
+            self.epoch += 1
             self.peak = 0
             self.live.clear()
             self.refs.clear()
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, epoch: int) -> None:
         with self.lock:
-            if key not in self.refs:  # saved before the last reset
+            # saved before the last reset: that storage may be counted again since, by a new save
+            if epoch != self.epoch or key not in self.refs:
                 return
             self.refs[key] -= 1
             if not self.refs[key]:

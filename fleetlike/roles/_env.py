@@ -125,7 +125,9 @@ def agent_store(environ: Environ) -> bool:
 
 def agent_store_port(environ: Environ) -> int | None:
     """The port of the store torchrun's agent hosts, when the workers are to join it
-    (`agent_store`, ``MASTER_PORT`` given, no ``FLEETLIKE_MASTER_PORT`` of the user's); else None.
+    (`agent_store`, ``MASTER_PORT`` given, no ``FLEETLIKE_MASTER_PORT`` of the user's, and no
+    ``FLEETLIKE_MASTER_ADDR`` naming a host other than ``MASTER_ADDR``, where the agent's store
+    listens); else None: rank 0 hosts fleetlike's store where the user said.
 
     Joining it, rather than hosting a second store beside it, leaves no port to be chosen free
     and bound later: a port torchrun's agent picked and released can be taken in between by any
@@ -133,6 +135,8 @@ def agent_store_port(environ: Environ) -> int | None:
     an odd ``MASTER_PORT`` is even), and the job would fail with "Address already in use".
     """
     if not agent_store(environ) or get(environ, envvars.MASTER_PORT) is not None:
+        return None
+    if get(environ, envvars.MASTER_ADDR) not in (None, get(environ, envvars.TORCH_MASTER_ADDR)):
         return None
     port = get_int(environ, envvars.TORCH_MASTER_PORT)
     if port is None or not 1 <= port <= 65535:
@@ -207,7 +211,9 @@ def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: i
     (``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR`` at ``port``, else the first endpoint) from env.
 
     ``hosted_port``: the launcher already hosts the store there (`agent_store_port`); every rank,
-    rank 0 included, joins it at the master address (``Role.master_hosted``)."""
+    rank 0 included, joins it at the master address (``Role.master_hosted``), each start of the
+    workers in its own key space (``Role.generation``: ``TORCHELASTIC_RESTART_COUNT``, since that
+    store outlives them). A store rank 0 hosts is new at each start: generation 0."""
     addr = master_addr(environ)
     hosted = hosted_port is not None and addr is not None
     return Role.from_endpoints(
@@ -218,5 +224,5 @@ def role_from_env(environ: Environ, rank: int, endpoints: Sequence[str], port: i
         master_endpoint=f"{addr}:{hosted_port if hosted else port}" if addr else endpoints[0],
         source=source,
         master_hosted=hosted,
-        generation=get_int(environ, envvars.TORCHELASTIC_RESTART_COUNT, minimum=0) or 0,
+        generation=(get_int(environ, envvars.TORCHELASTIC_RESTART_COUNT, minimum=0) or 0) if hosted else 0,
     )

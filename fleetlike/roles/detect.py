@@ -14,8 +14,9 @@ endpoints are synthesized on a block layout (``node_index = rank // local_size``
 all three): the port of local rank i is ``base + i`` where base is ``FLEETLIKE_MASTER_PORT``, else
 ``MASTER_PORT`` (plus 1 under torchrun, whose own store already listens on ``MASTER_PORT``), else
 6170. Under torchrun with ``TORCHELASTIC_USE_AGENT_STORE=True`` (its default) every rank joins the
-store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT``; otherwise rank 0 hosts one at
-``MASTER_PORT + 1``. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
+store torchrun's agent hosts at ``MASTER_ADDR:MASTER_PORT`` on one node (unless
+``FLEETLIKE_MASTER_PORT``, or a ``FLEETLIKE_MASTER_ADDR`` other than ``MASTER_ADDR``, is
+exported); otherwise, and on several nodes, rank 0 hosts one at ``MASTER_PORT + 1``. Node hosts come from ``FLEETLIKE_NODE_IPS``; a single node uses the master address (or
 127.0.0.1); several nodes without it get stand-in names ``node0``, ``node1``, ... that only tell
 the nodes apart, and the rendezvous then runs at ``FLEETLIKE_MASTER_ADDR`` / ``MASTER_ADDR``,
 which must be set. `MPIRoleMaker` gathers the real host names over MPI instead.
@@ -74,7 +75,10 @@ def uniform_role(
     ``names`` are the variables that held (rank, world, local_rank, local_size), for messages;
     ``node_index`` is torchrun's ``GROUP_RANK`` (the MPIs do not give one);
     ``joins_agent_store``: the launcher may host the store itself (torchrun), and every rank joins
-    it when the environment says so (`_env.agent_store_port`).
+    it when the environment says so (`_env.agent_store_port`) and the job is on one node. On
+    several nodes each torchrun agent counts its own restarts (a node whose workers are healthy
+    restarts them for a peer's failure without counting), so ``TORCHELASTIC_RESTART_COUNT``
+    cannot name a start on every node alike: rank 0 hosts a fresh store for each start there.
     """
     rank_var, world_var, local_var, size_var = names
     if not 0 <= rank < world:
@@ -113,7 +117,7 @@ def uniform_role(
         )
     port = _env.base_port(environ, offset=port_offset)
     endpoints = _env.block_endpoints(hosts, [local_size] * node_num, port)
-    hosted = _env.agent_store_port(environ) if joins_agent_store else None
+    hosted = _env.agent_store_port(environ) if joins_agent_store and node_num == 1 else None
     return _env.role_from_env(environ, rank, endpoints, port, source, hosted_port=hosted)
 
 

@@ -97,8 +97,9 @@ class Role:
             a client instead of binding the port: the host bound it on port 0 and never let it go,
             so no other process can take it between the choice of the port and its use.
         generation: which start of the job's workers this is (torchrun's
-            ``TORCHELASTIC_RESTART_COUNT``; 0 for the first). A launcher that keeps one store for
-            every restart (torchrun's agent) leaves a dead generation's keys in it: each
+            ``TORCHELASTIC_RESTART_COUNT`` on one node where the ranks join its agent's store; 0
+            for the first, and wherever each start has a new store). A launcher that keeps one
+            store for every restart (torchrun's agent) leaves a dead generation's keys in it: each
             generation meets in its own key space.
         source: which role maker produced this (for the applied-strategy report and errors).
         secret: the job's secret (hex; `fleetlike.comm.secret`), when the role maker was given
