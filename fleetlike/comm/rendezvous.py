@@ -5,8 +5,9 @@ under a prefix derived from the job's secret (`fleetlike.comm.secret`), and ever
 is signed with the secret (`SignedStore`): a process that learns the key names (TCPStore lists
 them to any client, and sends them in clear) can delete or spoil values, never write one a
 member takes. The only public
-keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else; overwriting it changes
-nothing) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
+keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else: a member holding the
+secret never waits for it, and a rank given no secret goes on when its secret's file appears
+whatever the marker says, or names a deletion within seconds: `_hello`) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
 writes a random challenge and the job id under the prefix: finding them tells a joining process
 that the host holds its secret (two jobs that share a port refuse each other with a message
 instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
