@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
+import random
 import json
 import os
 
@@ -130,6 +132,36 @@ def test_a_gain_below_min_gain_keeps_the_start():
     for _ in range(60):
         clock.step()
     assert t.done and t.best.setting == t.start and applied[-1] == t.start
+
+
+def test_a_lead_within_the_noise_is_raced_and_a_clear_loss_costs_one_trial(tmp_path):
+    # each step's time is its setting's time x lognormal noise (sd 8%, seeded): 16 MB buckets are
+    # 8% faster than the start (32 MB), within what two 5-step trials resolve; 0.25 and 64 MB are
+    # 3x slower, the other sizes as fast as the start.
+    # The tuner re-runs 16 MB and the start in alternating trials until the lead is resolved (or
+    # the budget, 3 each), keeps 16 MB, and gives the clear loser one trial, as before racing
+    rng = random.Random(3)
+    base = {16.0: 0.0092, 0.25: 0.0300, 64.0: 0.0300}
+    s = DistributedStrategy(auto_tune=True, nccl_comm_num=1,
+                            auto_tune_configs={"steps_per_trial": 5, "warmup_steps": 1, "seconds_per_trial": 0})
+    log = tmp_path / "autotune.csv"
+    t, clock, applied = _tuner(lambda st: base.get(st.bucket_mb, 0.0100) * math.exp(rng.gauss(0, 0.08)), strategy=s,
+                               param_bytes=[4 << 20] * 12, log_path=log)
+    assert {0.25, 16.0, 64.0} <= set(t.values[Knob.BUCKET_MB])
+    for _ in range(600):
+        clock.step()
+    assert t.done and t.best.setting.bucket_mb == 16.0 and applied[-1] == t.best.setting == t.current
+    by = {}
+    for tr in t.trials:
+        by.setdefault(tr.setting.bucket_mb, []).append(tr)
+    assert t.extended_races >= 1 and len(by[16.0][0].step_times) > 5  # raced: several trials of 5 steps
+    assert by[16.0][0].verdict.startswith("faster")
+    for loser in (0.25, 64.0):
+        assert [len(tr.step_times) for tr in by[loser]] == [5] and by[loser][0].verdict == "not_faster"
+    rows = list(csv.DictReader(open(log)))
+    row16 = next(r for r in rows if float(r["tensor_fusion_threshold"]) == 16.0)
+    assert int(row16["measured_steps"]) == len(by[16.0][0].step_times) and "+-" in row16["vs_best"]
+    assert "re-run where the lead was within the noise" in t.summary()
 
 
 def test_fixed_knobs_are_never_tuned():
