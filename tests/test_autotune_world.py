@@ -26,7 +26,7 @@ from test_autotune import horovod_script
 from fleetlike.tune import REFORMED, Setting
 
 ENV = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
-       "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
+       "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0, "race_blocks": 1}})}
 EPOCHS, COMMON = 8, 5  # rank r takes COMMON + 2 r steps per epoch
 GAP = 0.4  # seconds per step rank 1 takes alone
 

@@ -17,14 +17,15 @@ confidence interval for it from the per-step spread (a robust standard error of 
 last one; unless that settles it, the incumbent is timed again (load drifts during a job), then
 blocks of steps alternate between the two while the comparison is unresolved, up to
 ``race_blocks`` blocks each; then the point estimate decides (the challenger wins only by
-``min_gain``). Every input is the max-reduced step times, so every rank reaches the same moves.
+``min_gain``). ``race_blocks = 1`` is the rule without races: one trial each, the medians
+decide, a win confirmed against the incumbent timed again. Every input is the max-reduced step times, so every rank reaches the same moves.
 
 Example:
-    >>> race = Race([0.50, 0.52, 0.49], [0.55, 0.56, 0.54], max_blocks=3, min_gain=0.02)
+    >>> race = Race([0.50, 0.51, 0.49, 0.50, 0.52], [0.56, 0.55, 0.57, 0.56, 0.55])
     >>> race.next()                    # the incumbent's times are from an earlier trial: re-time it
     <Move.RUN_INCUMBENT: 'run_incumbent'>
-    >>> race.add(Contender.INCUMBENT, [0.55, 0.57, 0.56]); race.next()
-    <Move.SWITCH: 'switch'>
+    >>> race.add(Contender.INCUMBENT, [0.55, 0.57, 0.56, 0.56, 0.58]); race.next(), race.last.text()
+    (<Move.SWITCH: 'switch'>, '+12.0% +- 6.4%')
 """
 
 from __future__ import annotations
@@ -156,6 +157,12 @@ class Race:
         c = compare(self.challenger, self.incumbent, min_gain=self.min_gain, race_gain=self.race_gain,
                     confidence=self.confidence)
         self.last = c
+        if self.max_blocks == 1:  # no re-runs: the medians decide, a win is checked once
+            self.by_budget = c.verdict is Verdict.UNRESOLVED
+            win = c.gain >= math.log1p(self.min_gain)
+            if self.incumbent_blocks == 0:
+                return Move.RUN_INCUMBENT if win else Move.KEEP
+            return Move.SWITCH if win else Move.KEEP
         if self.incumbent_blocks == 0:  # against an earlier trial: a loss stands, a win is checked
             return Move.KEEP if c.verdict is Verdict.NOT_FASTER else Move.RUN_INCUMBENT
         if c.verdict is Verdict.FASTER:

@@ -372,7 +372,7 @@ class OnlineTuner:
         return (f"chose {self.best.setting.label()}: {self.best.steps_per_s:.2f} steps/s (median of the slowest "
                 f"rank's step times), {gain:.2f}x the start ({first.setting.label()}, "
                 f"{first.steps_per_s:.2f} steps/s); {len(self.trials)} trials in {self.tuning_steps} steps "
-                f"({self.tuning_seconds:.2f} s), {self.extended_races} of them re-run where the lead was within "
+                f"({self.tuning_seconds:.2f} s); {self.extended_races} comparisons re-run where the lead was within "
                 f"the noise; fixed knobs: {self.fixed_text()}")
 
     def fixed_text(self) -> str:
