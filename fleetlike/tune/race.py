@@ -16,7 +16,9 @@ confidence interval for it from the per-step spread (a robust standard error of 
 `Race` runs the contenders of one comparison: the challenger's trial against the incumbent's
 last one; unless that settles it, the incumbent is timed again (load drifts during a job), then
 blocks of steps alternate between the two while the comparison is unresolved, up to
-``race_blocks`` blocks each; then the point estimate decides (the challenger wins only by
+``race_blocks`` blocks each (a win needs two agreeing looks: against the earlier trial too, or
+two blocks each: steps in a row share their load, so one slow block of the incumbent must not
+decide); then the point estimate decides (the challenger wins only by
 ``min_gain``). ``race_blocks = 1`` is the rule without races: one trial each, the medians
 decide, a win confirmed against the incumbent timed again. Every input is the max-reduced step times, so every rank reaches the same moves.
 
@@ -133,6 +135,8 @@ class Race:
     #: the comparison behind the last move, and whether the step budget decided it
     last: Comparison | None = None
     by_budget: bool = False
+    #: the verdict against the incumbent's earlier trial (None until judged)
+    first: Verdict | None = None
 
     def __post_init__(self) -> None:
         self.challenger = list(self.challenger)
@@ -164,8 +168,14 @@ class Race:
                 return Move.RUN_INCUMBENT if win else Move.KEEP
             return Move.SWITCH if win else Move.KEEP
         if self.incumbent_blocks == 0:  # against an earlier trial: a loss stands, a win is checked
+            self.first = c.verdict
             return Move.KEEP if c.verdict is Verdict.NOT_FASTER else Move.RUN_INCUMBENT
-        if c.verdict is Verdict.FASTER:
+        # a win needs two agreeing looks: the earlier trial's verdict, or a second trial each.
+        # Steps in a row share their load (one slow trial of the incumbent reads as a clear win
+        # from the per-step spread), so one pair of trials that contradicts the earlier one
+        # does not decide alone
+        if c.verdict is Verdict.FASTER and (self.first is Verdict.FASTER
+                                            or min(self.challenger_blocks, self.incumbent_blocks) >= 2):
             return Move.SWITCH
         if c.verdict is Verdict.NOT_FASTER:
             return Move.KEEP
