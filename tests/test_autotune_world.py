@@ -56,9 +56,10 @@ def test_join_while_tuning_pauses_the_clock_on_every_rank():
     assert a["trials"] == b["trials"] and len(a["trials"]) >= 3
     assert max(t for _, times in a["trials"] for t in times) < GAP  # no join inside a measured step
     fixed = run_ranks(_join_job, 2, _fixed_env(a["chosen"]), timeout=180)
-    for tuned, same in zip((a, b), fixed):  # each rank (a joined rank does not step: the ranks differ)
-        for got, want in zip(tuned["params"], same["params"]):
-            assert torch.equal(got, want)
+    for rank, (tuned, same) in enumerate(zip((a, b), fixed)):  # each rank (a joined rank does not step)
+        for i, (got, want) in enumerate(zip(tuned["params"], same["params"])):
+            assert torch.equal(got, want), (f"rank {rank} parameter {i}: max diff {(got - want).abs().max().item()}; "
+                                            f"chosen {a['chosen'].label()}; trials {a['trials']}")
 
 
 BEFORE, AFTER = 12, 10
