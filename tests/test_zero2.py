@@ -115,3 +115,27 @@ def test_stage2_trains_exactly_as_stage1_and_keeps_only_its_gradient_shard():
         owners = [sum(ranks[q][(name, 2)]["grads"][k] for q in range(world)) for k in ranks[0][(name, 2)]["grads"]]
         assert owners == [1] * len(owners), name
         assert sum(ranks[q][(name, 2)]["held"] for q in range(world)) == n
+
+
+TWO_LEVEL = {"hierarchical": {"use_hierarchical_allreduce": True},
+             "hierarchical+fp16_mixed": {"use_hierarchical_allreduce": True, "fp16_allreduce": True,
+                                         "fp16_allreduce_configs": {"mode": "mixed"}}}
+
+
+def _two_level(role) -> dict:
+    with fleet.session(role, timeout=60):
+        return {(name, stage): _eager(role, options(stage, **extra), "adamw", 1)
+                for name, extra in TWO_LEVEL.items() for stage in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stage2_two_level_reduce_equals_stage1():
+    """2 nodes of 2 ranks: the two-level reduce-scatter (and its 16-bit hop across nodes) under
+    transient buckets trains bit for bit as under stage 1's."""
+    ranks = run_ranks(_two_level, 4, nodes=2, timeout=220)
+    for r, res in enumerate(ranks):
+        for name in TWO_LEVEL:
+            assert rel_diff(res[(name, 2)]["state"], res[(name, 1)]["state"]) == 0, (r, name)
+            assert res[(name, 2)]["live"] <= IN_FLIGHT + 1
+        assert "two-level reduce-scatter" in "\n".join(res[("hierarchical", 2)]["applied"])
