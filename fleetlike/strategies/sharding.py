@@ -1,8 +1,9 @@
 """Optimizer-state and gradient sharding (ZeRO stages 1 and 2; Paddle's ``sharding``).
 
 Each parameter has one owner rank (`fleetlike.collectives.sharded.plan_shards`: whole
-parameters, balanced by bytes inside every gradient bucket; a bucket whose balanced segments
-would be mostly padding, which every rank would hold, is split into one bucket per owner). A step then runs:
+parameters, balanced by bytes inside every gradient bucket; a bucket whose balanced segments'
+padding, which every rank would hold, would exceed `PAD_LIMIT` of its gradients is split into one
+bucket per owner). A step then runs:
 
 1. backward: each bucket is **reduce-scattered** as soon as its gradients are ready (the same
    overlapped `GradReducer` hooks as data parallel), leaving each rank only its own parameters'
@@ -68,6 +69,7 @@ from fleetlike.collectives import (
     plan_shards,
     transient_buckets,
 )
+from fleetlike.collectives.sharded import PAD_LIMIT
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
@@ -213,7 +215,7 @@ class ShardingUnit(Unit):
             + f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
             f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding; "
-            f"{sum(1 for b in buckets if b.why)} of them one owner's, split from buckets that would be mostly padding"
+            f"{sum(1 for b in buckets if b.why)} of them one owner's, split from buckets whose padding would exceed {PAD_LIMIT:.0%} of their gradients"
             + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
             + "), all-gathered in place, "
             f"<= {cfg['segment_broadcast_MB']} MB in flight"
