@@ -130,7 +130,10 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
                 break
         fleet.barrier_worker()
         tuning = {"steps": steps, "seconds": time.perf_counter() - t0, "chosen": tuner.current.label(),
-                  "done": tuner.done, "trials": [(t.setting.label(), t.steps_per_s) for t in tuner.trials]}
+                  "done": tuner.done, "extended_races": tuner.extended_races,
+                  # label, steps/s, measured steps, and how its race ended ("" for the start and re-timings)
+                  "trials": [(t.setting.label(), t.steps_per_s, len(t.step_times), t.verdict, t.vs_best)
+                             for t in tuner.trials]}
         # steps per round from the slowest rank's warm step of each model
         per: dict[str, int] = {}
         for name, step in jobs.items():

@@ -21,6 +21,11 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   core, the schedule's own work and the loss;
 - the planner's prediction (`fleetlike.plan.pipeline.predict_pipeline`, stages timed in this
   process on one thread, sends counted free) beside the measured steps/s;
+- the same steps replayed (`bench.pipeline_timeline`): each stage's recorded forwards and
+  backwards run again on the schedule's dependencies at the stages' median times, at the
+  recorded times and with the recorded handoff latency, which splits the idle into the bubble
+  at the stages' balance, the jitter and the handoffs (and, for 1F1B, what one more warm-up
+  forward on stage 0 would leave);
 - point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
   (what the stages send on) and over fleetlike's own gloo communicator;
 - peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
@@ -28,13 +33,19 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
   micro-batch's saved bytes).
 
+Each rank, and every thread it starts (gloo's, torch's), runs on a core of its own (``--pin``,
+the default where the job may use at least as many CPUs as stages) on one intra-op and one
+inter-op thread; ``--no-pin`` leaves the stages to share the cores, as jobs do by default.
+
 Usage (from the repository root)::
 
-    python -m bench.pipeline                 # ~1 minute
-    python -m bench.pipeline --reps 5
+    python -m bench.pipeline                 # ~2 minutes; a core per stage
+    python -m bench.pipeline --no-pin        # stages sharing the cores: pipeline_shared.json
+    python -m bench.pipeline --micro 16 --no-docs --out /tmp/p.json
 
-Writes ``docs/benchmarks/pipeline.json`` and ``.png`` and (re)writes the "## Pipeline" section
-of ``docs/BENCHMARKS.md``.
+Writes ``docs/benchmarks/pipeline.json`` (``pipeline_shared.json`` under ``--no-pin``) and
+(re)writes the "## Pipeline" section of ``docs/BENCHMARKS.md`` and ``pipeline.png`` from the last
+run of each.
 """
 
 from __future__ import annotations
@@ -50,15 +61,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_json
+from bench._common import format_table, interleaved_timings, median, replace_section, run_info, save_json
+from bench.pipeline_report import COLUMNS, P2P_COLUMNS, add_replays, load, plot, section
 from fleetlike.plan.pipeline import pipeline_step_seconds
 from fleetlike.plan.saved import Metered, SavedBytesMeter
 
-__all__ = ["main", "torch_ping_pong"]
+__all__ = ["main", "pin_to_core", "torch_ping_pong"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline"
-BLOCKS, WIDTH, MICRO_ROWS = 8, 1024, 16
+BLOCKS, WIDTH, MICRO_ROWS, STAGES = 8, 1024, 16, 2
 
 
 def _plain_net() -> torch.nn.Sequential:
@@ -71,12 +83,45 @@ def _net(meter: SavedBytesMeter) -> torch.nn.Sequential:
     return torch.nn.Sequential(*[Metered(block, meter) for block in _plain_net()])
 
 
-def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str, Any]]:
+def pin_to_core(core: int | None) -> list[int]:
+    """Run this process -- every thread it has, and (inherited) every thread it starts later:
+    gloo's, torch's -- on the one CPU ``core`` (an index into the CPUs this process may use), on
+    one intra-op and one inter-op thread; ``None``: leave the affinity alone, threads still 1.
+    The CPUs the process may use after, sorted.
+
+    Why: two stages sharing cores take turns on them; a stage that waits for a core falls
+    behind and its neighbour idles for it, beyond the schedule's bubble. Pinned, each stage has
+    its core (other jobs' processes may still run there: pinning keeps the stages apart, it
+    reserves nothing).
+
+    Example:
+        >>> pin_to_core(role.rank)   # before fleet.init: gloo's threads inherit the core
+    """
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # torch refuses once its inter-op pool has started: it is then as it was
+        pass
+    cpus = sorted(os.sched_getaffinity(0))
+    if core is None:
+        return cpus
+    if not 0 <= core < len(cpus):
+        raise ValueError(f"pin_to_core: core {core} is not one of the {len(cpus)} CPUs this process may use "
+                         f"({cpus}). Fix: run with --no-pin, or on at least {core + 1} CPUs")
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity sets one thread's; new threads inherit
+        try:
+            os.sched_setaffinity(int(tid), {cpus[core]})
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> list[dict[str, Any]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from fleetlike import DistributedStrategy, fleet
 
-    torch.set_num_threads(1)
+    cpus = pin_to_core(role.rank if pin else None)
     rows = []
     for mode, m in configs:
         g = torch.Generator().manual_seed(0)
@@ -137,7 +182,10 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int) -> list[dict[str
                      "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
                      "waited": spent["waited"] / total, "edges": spent["edges"] / total,
                      "handoffs": spent["handoffs"] / total, "median_wait_us": spent["median_wait"] * 1e6,
-                     "handoff_count": spent["handoff_count"],
+                     "handoff_count": spent["handoff_count"], "cpus": cpus,
+                     "first_forward_ratio": spent["first_forward_ratio"],
+                     "forward_spread": spent["forward_spread"], "backward_spread": spent["backward_spread"],
+                     "timeline": spent["timeline"], "step_times": spent["step_times"],
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
@@ -165,17 +213,28 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     plain = stage._run
     first = next(stage.parameters())
     busy, update, pending = [0.0], [0.0], [0.0]
+    forwards: list[list[float]] = []  # per step, each micro-batch's forward seconds in order
+    backwards: list[list[float]] = []
+    timeline: list[list[tuple[str, int, float, float]]] = []  # per step, (kind, micro, start, end) in order
 
     def timed(x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         out = plain(x)
-        busy[0] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        spent = t1 - t0
+        busy[0] += spent
+        timeline[-1].append(("F", len(forwards[-1]), t0, t1))
+        forwards[-1].append(spent)
         if out.requires_grad:
             out.register_hook(lambda g: pending.__setitem__(0, time.perf_counter()))
         return out
 
     def done(p: torch.Tensor) -> None:
-        busy[0] += time.perf_counter() - pending[0]
+        t1 = time.perf_counter()
+        spent = t1 - pending[0]
+        busy[0] += spent
+        timeline[-1].append(("B", len(backwards[-1]), pending[0], t1))
+        backwards[-1].append(spent)
 
     def timed_step(*args: Any, _plain: Any = opt.step, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -188,13 +247,19 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     stage._run = timed
     opt.step = timed_step
     waits = _WaitLog(model)
+    step_times: list[float] = []
     try:
         model.hcg.get_pipe_parallel_group().barrier()
         cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
             waits.new_step()
+            forwards.append([])
+            backwards.append([])
+            timeline.append([])
+            t_step = time.perf_counter()
             step()
+            step_times.append(time.perf_counter() - t_step)
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
     finally:
@@ -204,7 +269,25 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
         waits.close()
     on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
-            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage())}
+            "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage()),
+            **_uniformity(forwards, backwards), "timeline": timeline, "step_times": step_times}
+
+
+def _uniformity(forwards: list[list[float]], backwards: list[list[float]]) -> dict[str, float]:
+    """Is each micro-batch's compute the same? ``first_forward_ratio``: the step's first forward
+    over the median of its others (a warm-up, an allocator's first touch would show above 1),
+    median over the steps; ``forward_spread`` / ``backward_spread``: the 90th over the 10th
+    percentile of every micro-batch's forward / backward seconds (1.0: all equal)."""
+    def spread(values: list[float]) -> float:
+        ordered = sorted(values)
+        if len(ordered) < 2:
+            return float("nan")
+        return ordered[int(0.9 * (len(ordered) - 1))] / max(ordered[int(0.1 * (len(ordered) - 1))], 1e-12)
+
+    firsts = [f[0] / statistics.median(f[1:]) for f in forwards if len(f) > 1]
+    return {"first_forward_ratio": statistics.median(firsts) if firsts else float("nan"),
+            "forward_spread": spread([t for f in forwards for t in f]),
+            "backward_spread": spread([t for b in backwards for t in b])}
 
 
 class _WaitLog:
@@ -284,12 +367,12 @@ def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
         dist.send(buf, group_dst=0, group=pg)
 
 
-def _p2p(role: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def _p2p(role: Any, sizes: list[int], reps: int, pin: bool) -> list[dict[str, Any]]:
     """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
     the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
     from fleetlike import DistributedStrategy, fleet
 
-    torch.set_num_threads(1)
+    pin_to_core(role.rank if pin else None)
     fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2}))
     hcg = fleet.get_hybrid_communicate_group()
     comm, pg, me = hcg.get_pipe_parallel_group(), hcg.get_pipe_parallel_process_group(), hcg.get_stage_id()
@@ -336,13 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--micro", default="4,8,16", help="micro-batch counts")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "pipeline.json"))
+    ap.add_argument("--out", default=None, help="the JSON to write (default docs/benchmarks/pipeline.json, "
+                    "pipeline_shared.json under --no-pin); the docs section reads both defaults")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                    help="each rank (both schedules) on its own core, one thread; default: on where this "
+                         f"process may use at least {STAGES} CPUs")
     args = ap.parse_args(argv)
     from fleetlike.testing import run_ranks
 
+    pin = len(os.sched_getaffinity(0)) >= STAGES if args.pin is None else args.pin
+
     configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
-    per_rank = run_ranks(_rank, 2, configs, args.reps, timeout=1200)
+    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, timeout=1200)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
     predicted = _predicted(configs)
@@ -353,79 +442,28 @@ def main(argv: list[str] | None = None) -> int:
         # (the slowest stage's time - its own) every micro-batch, beyond (p-1)/(m+p-1)
         per_micro = [q["compute_s"] / q["m"] for q in rows if (q["schedule"], q["m"]) == (r["schedule"], r["m"])]
         r["bubble_measured_stages"] = 1 - r["compute_s"] / pipeline_step_seconds(per_micro, r["m"])
-    cols = [Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
-            Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
-            Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.2f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.2f}"),
-            Column("bubble_measured_stages", "bubble, measured stages", "{:.2f}"),
-            Column("waited", "in waits", "{:.2f}"), Column("edges", "fill + drain waits", "{:.2f}"),
-            Column("handoffs", "per-micro-batch waits", "{:.2f}"),
-            Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
-            Column("runnable", "waiting for a core", "{:.2f}"), Column("not_computing", "not computing", "{:.2f}"),
-            Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
-            Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
-    print(format_table(cols, rows))
-    p2p = run_ranks(_p2p, 2, [64 << 10, 1 << 20, 4 << 20], args.reps, timeout=600)[0]
-    p2p_cols = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
-                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
-                Column("ratio", "torch / fleetlike", "{:.2f}")]
-    print(format_table(p2p_cols, p2p))
-    save_json(args.out, {"info": run_info("bench.pipeline", argv), "rows": rows, "p2p": p2p})
-    _plot(rows, Path(args.out).with_suffix(".png"))
+    add_replays(rows)
+    print(format_table(COLUMNS, rows))
+    p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, timeout=600)[0]
+    print(format_table(P2P_COLUMNS, p2p))
+    out = Path(args.out if args.out else _default_out(pin))
+    for r in rows:  # the replays above read them; thousands of numbers a reader does not need
+        del r["timeline"]
+    save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin,
+                    "load_end": os.getloadavg()[0],
+                    "rows": rows, "p2p": p2p})
     if not args.no_docs:
-        load = os.getloadavg()[0]
-        section = (f"{SECTION}\n\n`python -m bench.pipeline` ({BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of "
-                   f"{MICRO_ROWS} rows, 2 stages on 2 gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule on "
-                   f"the same split, interleaved; {run_info('bench.pipeline', argv)['date']}, load average {load:.1f} at the "
-                   "end). A step ends when stage 0's last backward does: the stage 0 rows are the pipeline's steps/s "
-                   "(stage 1 times torch's step without the wait for stage 0's tail, which its next step pays).\n\n"
-                   "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
-                   "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
-                   "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: the faster "
-                   "stage also idles the slower one's surplus every micro-batch; stage 1 computes each block's input "
-                   "gradient, stage 0's first block needs none); *waiting for a core* = runnable but not running (2 "
-                   "cores shared by the 2 ranks, their gloo threads and other jobs); *not computing* = 1 - (forward, "
-                   "backward and update time) / (step time), which adds the waits for a core, the schedule's own work "
-                   "and the loss to the idle. Compute times are wall clock, so a wait for a core inside a forward counts "
-                   "as compute: under load the stage balance moves from run to run. *in waits* = wall time inside the "
-                   "schedule's send/receive waits and the loss's broadcast (it should match *idle*: the kernel's figure "
-                   "and the clock's); of it, *fill + drain waits* = the first wait for the neighbour's result, the "
-                   "step's last wait and the loss's broadcast (the bubble's place), *per-micro-batch waits* = the "
-                   "rest, one or two per micro-batch, with their median.\n\n"
-                   + format_table(cols, rows, markdown=True) + "\n\n![pipeline](benchmarks/pipeline.png)\n\n"
-                   "The stages' sends ride a torch process group; a ping-pong between the two ranks over it and over "
-                   "fleetlike's own gloo communicator (both a ProcessGroupGloo on the job's store):\n\n"
-                   + format_table(p2p_cols, p2p, markdown=True) + "\n")
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section)
+        pinned, shared = load(_default_out(True)), load(_default_out(False))
+        plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
+        setup = f"{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows"
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES))
+    else:
+        plot(load(out) if pin else None, None if pin else load(out), out.with_suffix(".png"))
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from bench._common import save_figure
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for mode, marker in (("1F1B", "o"), ("FThenB", "s")):
-        first = [r for r in rows if r["schedule"] == mode and r["stage"] == 0]
-        ms = [r["m"] for r in first]
-        axes[0].plot(ms, [r["ratio"] for r in first], marker=marker, label=mode)
-        axes[1].plot(ms, [r["idle"] for r in first], marker=marker, label=f"{mode} idle")
-        axes[1].plot(ms, [r["bubble_measured_stages"] for r in first], marker=marker, ls=":",
-                     label=f"{mode} bubble at measured stages")
-        axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
-    ms = sorted({r["m"] for r in rows})
-    axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")
-    axes[0].axhline(0.9, color="grey", ls=":")
-    axes[0].set(title="fleetlike / torch steps/s", xlabel="micro-batches m")
-    axes[1].set(title="idle fraction, stage 0", xlabel="micro-batches m")
-    axes[2].set(title="peak activations, stage 0 (micro-batches)", xlabel="micro-batches m")
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    save_figure(fig, path)
+def _default_out(pin: bool) -> Path:
+    return ROOT / "docs" / "benchmarks" / ("pipeline.json" if pin else "pipeline_shared.json")
 
 
 if __name__ == "__main__":

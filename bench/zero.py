@@ -4,7 +4,7 @@ Each of the ``--world`` rank processes builds the same model (``--layers`` x
 ``Linear(--width, --width)`` with ReLU between, AdamW) from one seed, once per trainer: fleetlike
 data parallel, stage 1, stage 2, stage 3 (eager loop), and torch's own ``fully_shard`` on every
 Linear and the root, as its default (``fsdp2``) and with ``reshard_after_forward=False``
-(``fsdp2_stage2``, its ZeRO-2 setting) (the default group stages 2 and 3 formed on the job's store). After warm-up
+(``fsdp2_stage2``, its ZeRO-2 setting) (the default group stage 3 formed on the job's store). After warm-up
 it alternates timed segments of ``--steps`` steps, rotating which goes first, and reports the
 median seconds per step over ``--rounds``, and the ratios the targets name (stage 3 / FSDP2
 steps per second, stage 2 / stage 1).
@@ -207,7 +207,7 @@ def _builder(args: argparse.Namespace) -> Any:
 
 def _planned(args: argparse.Namespace, kinds: list[str]) -> dict[str, dict[str, int]]:
     """The planner's memory breakdown per rank for each trainer it predicts (in this process,
-    one traced rank: data parallel, and stage 1 through its real engine; stages 2 and 3 derived)."""
+    one traced rank: data parallel, and stages 1 and 2 through their real engine; stage 3 derived)."""
     from fleetlike.plan import Cluster, Links, ModelSpec, OptimizerKind, plan
 
     wanted = {PLANNED[k]: k for k in kinds if k in PLANNED}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import math
+import random
 import json
 import os
 
@@ -26,8 +28,12 @@ from fleetlike.testing import run_ranks
 from fleetlike.tune import LOG_COLUMNS, Knob, OnlineTuner, Setting, fixed_knobs, knob_values, requested
 
 STEPS = 30
-#: short trials counted in steps (seconds_per_trial=0): the tests check agreement and equality, not speed
-TUNE = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": 2, "warmup_steps": 1, "seconds_per_trial": 0}}
+#: short trials counted in steps (seconds_per_trial=0): the tests check agreement and equality, not
+#: speed; one trial per candidate (race_blocks=1: 2-step trials resolve nothing, so every comparison
+#: would race to its budget); the races across real ranks: the skewed-clock test
+TUNE = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": 2, "warmup_steps": 1, "seconds_per_trial": 0,
+                                                 "race_blocks": 1}}
+RACE = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": 2, "warmup_steps": 1, "seconds_per_trial": 0}}
 #: sizes of dp_common's model's gradients (bytes, parameter order)
 SIZES = [16 * 24 * 4, 24 * 4, 24 * 3 * 4, 3 * 4]
 
@@ -132,6 +138,36 @@ def test_a_gain_below_min_gain_keeps_the_start():
     assert t.done and t.best.setting == t.start and applied[-1] == t.start
 
 
+def test_a_lead_within_the_noise_is_raced_and_a_clear_loss_costs_one_trial(tmp_path):
+    # each step's time is its setting's time x lognormal noise (sd 8%, seeded): 16 MB buckets are
+    # 8% faster than the start (32 MB), within what two 5-step trials resolve; 0.25 and 64 MB are
+    # 3x slower, the other sizes as fast as the start.
+    # The tuner re-runs 16 MB and the start in alternating trials until the lead is resolved (or
+    # the budget, 3 each), keeps 16 MB, and gives the clear loser one trial, as before racing
+    rng = random.Random(3)
+    base = {16.0: 0.0092, 0.25: 0.0300, 64.0: 0.0300}
+    s = DistributedStrategy(auto_tune=True, nccl_comm_num=1,
+                            auto_tune_configs={"steps_per_trial": 5, "warmup_steps": 1, "seconds_per_trial": 0})
+    log = tmp_path / "autotune.csv"
+    t, clock, applied = _tuner(lambda st: base.get(st.bucket_mb, 0.0100) * math.exp(rng.gauss(0, 0.08)), strategy=s,
+                               param_bytes=[4 << 20] * 12, log_path=log)
+    assert {0.25, 16.0, 64.0} <= set(t.values[Knob.BUCKET_MB])
+    for _ in range(600):
+        clock.step()
+    assert t.done and t.best.setting.bucket_mb == 16.0 and applied[-1] == t.best.setting == t.current
+    by = {}
+    for tr in t.trials:
+        by.setdefault(tr.setting.bucket_mb, []).append(tr)
+    assert t.extended_races >= 1 and len(by[16.0][0].step_times) > 5  # raced: several trials of 5 steps
+    assert by[16.0][0].verdict.startswith("faster")
+    for loser in (0.25, 64.0):
+        assert [len(tr.step_times) for tr in by[loser]] == [5] and by[loser][0].verdict == "not_faster"
+    rows = list(csv.DictReader(open(log)))
+    row16 = next(r for r in rows if float(r["tensor_fusion_threshold"]) == 16.0)
+    assert int(row16["measured_steps"]) == len(by[16.0][0].step_times) and "+-" in row16["vs_best"]
+    assert "re-run where the lead was within the noise" in t.summary()
+
+
 def test_fixed_knobs_are_never_tuned():
     s = DistributedStrategy(auto_tune=True, fuse_grad_size_in_MB=8,
                             auto_tune_configs={"fixed": ["comm_num"], "seconds_per_trial": 0})
@@ -191,7 +227,7 @@ def _unit():
     return next(u for u in fleet._engines()[-1].units if u.name == "auto_tune")
 
 
-def _fleet_job(role, style, options, skew_rank=None):
+def _fleet_job(role, style, options, skew_rank=None, steps=STEPS):
     fleet.init(role)
     try:
         model = make_model(100 + role.rank)
@@ -224,7 +260,7 @@ def _fleet_job(role, style, options, skew_rank=None):
                 state["last"] = now
                 return state["fake"]
             tuner.clock = skewed
-        for i in range(1, STEPS):
+        for i in range(1, steps):
             step(i)
         out = {"params": [p.detach().clone() for p in model.parameters()],
                "applied": [str(e) for e in fleet.applied_strategy()]}
@@ -255,9 +291,12 @@ def test_tuned_job_equals_the_chosen_setting_fixed_from_the_start(style):
 
 
 def test_every_rank_takes_the_same_decision_when_one_rank_measures_differently():
-    a, b = run_ranks(_fleet_job, 2, "eager", TUNE, skew_rank=1, timeout=120)
+    # with races (the default race_blocks): close candidates re-run in alternating trials, each
+    # move taken from the max-reduced times, so the same on every rank
+    a, b = run_ranks(_fleet_job, 2, "eager", RACE, skew_rank=1, steps=120, timeout=120)
     assert a["trials"] == b["trials"]  # the max-reduced step times: the same numbers everywhere
-    assert a["chosen"] == b["chosen"] and a["buckets"] == b["buckets"]
+    assert a["done"] and b["done"] and a["chosen"] == b["chosen"] and a["buckets"] == b["buckets"]
+    assert any(len(times) > 2 for _, times in a["trials"])  # some comparison was re-run
     assert a["chosen"] != a["trials"][0][0]  # rank 1's slow start counted on rank 0 too
     for got, want in zip(a["params"], b["params"]):
         assert torch.equal(got, want)
@@ -302,7 +341,7 @@ def test_horovod_script_tunes_from_its_launch_line(tmp_path):
     log, trace = tmp_path / "autotune.csv", tmp_path / "timeline.json"
     env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log), "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_TIMELINE": str(trace),
-           "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
+           "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0, "race_blocks": 1}})}
     a, b = run_ranks(_horovod_job, 2, str(tmp_path), env, timeout=120)
     assert a["done"] and a["chosen"] == b["chosen"]
     assert any(line.startswith("auto_tune: applied (chose ") for line in a["applied"])
@@ -334,7 +373,7 @@ def test_a_knob_written_out_at_its_default_is_never_tuned_in_fleet_and_horovod(t
     assert any("bucket_mb (fuse_grad_size_in_MB=32 set explicitly)" in line for line in a["applied"])
     # Horovod: HOROVOD_FUSION_THRESHOLD exported at Horovod's default (64 MiB) beside HOROVOD_AUTOTUNE=1
     env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_FUSION_THRESHOLD": str(64 << 20), "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
-           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0}})}
+           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "FLEETLIKE_STRATEGY": json.dumps({"auto_tune_configs": {"seconds_per_trial": 0, "race_blocks": 1}})}
     h, g = run_ranks(_horovod_job, 2, str(tmp_path), env, timeout=120)
     assert h["done"] and h["chosen"] == g["chosen"] and h["trials"]
     assert {t.bucket_mb for t in h["trials"]} == {64.0}

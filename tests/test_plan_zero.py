@@ -65,7 +65,9 @@ def _measure(role, shape: str, stage: int) -> tuple[int, int]:
         opt = fleet.distributed_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3),
                                           DistributedStrategy.from_dict(options))
 
-        def own(t: torch.Tensor) -> int:
+        def own(t: torch.Tensor | None) -> int:  # None: a gradient another rank keeps (stage 2)
+            if t is None:
+                return 0
             t = t.to_local() if hasattr(t, "to_local") else t
             return t.numel() * t.element_size()
 

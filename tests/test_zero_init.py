@@ -121,13 +121,17 @@ def test_sharded_construction_equals_the_whole_build(world):
     n_bytes = sum(p.numel() * 4 for p in TinyLM().parameters())
     for r, res in enumerate(ranks):
         for stage in (2, 3):
+            # a model built as shards runs stage 2 on FSDP2 (the bucket engine keeps whole
+            # parameters), whose arithmetic is stage 3's: the whole build at stage 2 runs on the
+            # bucket engine, which adds the ranks' gradients in another order on 3 ranks
+            same = 3
             first, trained, applied = res[("ctx", stage)]
             assert _same(first, whole), (r, stage)  # exactly the whole build, tied head included
-            assert _same(trained, res[("whole", stage)]), (r, stage)
+            assert _same(trained, res[("whole", same)]), (r, stage)
             assert "built as shards" in "\n".join(applied)
             first, trained, _ = res[("meta", stage)]
             assert _same(first, meta_whole), (r, stage)
-            assert _same(trained, res[("meta_whole", stage)]), (r, stage)
+            assert _same(trained, res[("meta_whole", same)]), (r, stage)
             # dim 0 over the ranks: within a row of each parameter of 1/world
             assert abs(res[("held", stage)] - n_bytes / world) < 0.1 * n_bytes / world, res[("held", stage)]
         assert _same(res[("program", True)], res[("program", False)]), r

@@ -48,7 +48,7 @@ def test_bad_values_name_the_field(bad, match):
      "strategy.sharding and strategy.localsgd cannot both be True"),
     ({"sharding": True, "sharding_configs": {"stage": 2, "clip_norm": 1.0}},
      r"stage >= 2 and clip_after_allreduce=False.*Fix: set sharding_configs.clip_after_allreduce = True"),
-    ({"sharding": True, "fp16_allreduce": True, "sharding_configs": {"stage": 3}}, "stage >= 2 and fp16_allreduce"),
+    ({"sharding": True, "fp16_allreduce": True, "sharding_configs": {"stage": 3}}, "stage 3 and fp16_allreduce"),
     ({"sharding": True, "sharding_configs": {"stage": 2, "offload_params": True}},
      "offload_params without stage 3.*set sharding_configs.stage = 3"),
     ({"sharding": True, "sharding_configs": {"optimize_offload": True}}, "optimize_offload at stage 1"),

@@ -108,3 +108,18 @@ def reference(opt_name: str, steps: int = STEPS, *, merge: int = 1, clip: float 
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return state(model.state_dict())
+
+
+def program(role: Any, opts: dict, opt_name: str) -> tuple[dict[str, np.ndarray], str]:
+    """The program style: ``minimize`` over a fresh `TinyLM`, ``STEPS`` runs of ``main_program``
+    on this rank's batches; the trained state and the program's listing."""
+    from fleetlike import DistributedStrategy, Executor, fleet
+
+    model = TinyLM()
+    opt = fleet.distributed_optimizer(make_opt(opt_name, model.parameters()), DistributedStrategy.from_dict(opts))
+    opt.minimize(loss_fn, model)
+    exe = Executor()
+    exe.run(fleet.startup_program)
+    for step in range(STEPS):
+        exe.run(fleet.main_program, feed=batch(step, role.rank, role.world_size))
+    return state(fleet.full_state_dict(model)), str(fleet.main_program)

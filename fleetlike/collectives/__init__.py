@@ -35,9 +35,11 @@ from fleetlike.collectives.sharded import (
     plan_shards,
     two_level_positions,
 )
+from fleetlike.collectives.transient import IN_FLIGHT, TransientBucket, TransientReducer, transient_buckets
 from fleetlike.collectives.segments import SEGMENT_BYTES, agree_max, segmented_all_reduce
 
 __all__ = [
+    "IN_FLIGHT",
     "SEGMENT_BYTES",
     "Accumulation",
     "Bucket",
@@ -55,6 +57,8 @@ __all__ = [
     "ScaledAllReduce",
     "ShardReduceScatter",
     "ShardedBucket",
+    "TransientBucket",
+    "TransientReducer",
     "agree_max",
     "assign_owners",
     "broadcast_coalesced",
@@ -66,6 +70,7 @@ __all__ = [
     "plan_shards",
     "segmented_all_reduce",
     "sent_elements",
+    "transient_buckets",
     "two_level_positions",
     "unused_parameters",
 ]

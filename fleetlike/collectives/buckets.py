@@ -52,10 +52,13 @@ class Bucket:
     """One flat gradient buffer and the parameters whose ``.grad`` are views into it."""
 
     def __init__(
-        self, index: int, params: Sequence[torch.nn.Parameter], layout: tuple[Sequence[int], int] | None = None
+        self, index: int, params: Sequence[torch.nn.Parameter], layout: tuple[Sequence[int], int] | None = None,
+        *, allocate: bool = True,
     ) -> None:
         """``layout`` = (offset of each parameter, buffer numel) places the gradients elsewhere
-        than back to back (the sharded buckets leave a segment per rank, zero-padded)."""
+        than back to back (the sharded buckets leave a segment per rank, zero-padded).
+        ``allocate=False`` leaves the buffer empty (no views): a bucket that exists only while it
+        communicates allocates it then (`fleetlike.collectives.transient`)."""
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
@@ -70,10 +73,10 @@ class Bucket:
         if layout is not None:
             self.offsets, total = list(layout[0]), int(layout[1])
         self.numel = total
-        self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.buffer = torch.zeros(total if allocate else 0, dtype=self.dtype, device=self.device)
         self.views = [
             self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)
-        ]
+        ] if allocate else []
 
     @property
     def nbytes(self) -> int:

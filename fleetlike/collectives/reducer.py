@@ -384,6 +384,11 @@ class GradReducer:
                         view.copy_(g.to_dense() if g.is_sparse else g)
                     p.grad = view
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's gradients after a communicating backward (what AMP
+        unscales and gradient merge divides): the bucket buffers."""
+        return [b.buffer for b in self.buckets]
+
     def remove(self) -> None:
         """Detach the hooks (the buffers stay as the grads)."""
         for h in self._hooks:

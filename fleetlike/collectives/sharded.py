@@ -95,7 +95,7 @@ class ShardedBucket(Bucket):
     owners' (the padding avoided)."""
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
-                 positions: Sequence[int], why: str | None = None) -> None:
+                 positions: Sequence[int], why: str | None = None, *, allocate: bool = True) -> None:
         world = len(positions)
         self.why = why
         self.owners = list(owners)
@@ -120,7 +120,7 @@ class ShardedBucket(Bucket):
             for p, r in zip(params, owners):
                 offsets.append(cursor[r])
                 cursor[r] += p.numel()
-        super().__init__(index, params, (offsets, total))
+        super().__init__(index, params, (offsets, total), allocate=allocate)
 
     def owned(self, rank: int) -> list[int]:
         """Indices into ``params`` of the parameters ``rank`` owns."""
@@ -150,12 +150,14 @@ class ShardedBucket(Bucket):
 
 
 def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, world: int,
-                positions: Sequence[int] | None = None, *, pad_min_bytes: int | None = None) -> list[ShardedBucket]:
+                positions: Sequence[int] | None = None, *, pad_min_bytes: int | None = None,
+                make: Callable[..., ShardedBucket] = ShardedBucket) -> list[ShardedBucket]:
     """The sharded gradient buckets of ``params``: `plan_buckets`' grouping (reverse order, one
     dtype per bucket, ``cap_bytes``), owners balanced inside each bucket (`assign_owners`); a
     bucket whose segments would be more than `PAD_LIMIT` padding (at least ``pad_min_bytes``,
     `PAD_MIN_BYTES`) is split into one bucket per owner, its parameters owned by the least
-    loaded ranks (see the module docstring).
+    loaded ranks (see the module docstring). ``make`` builds each bucket from
+    ``(index, params, owners, positions, why)`` (stage 2's transient buckets).
 
     Example:
         >>> w, b = torch.nn.Parameter(torch.zeros(1 << 20)), torch.nn.Parameter(torch.zeros(1024))
@@ -178,7 +180,7 @@ def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, wor
         padding = world * max(fill) - sum(sizes)
         if len(set(owners)) == 1 or padding < least or padding <= PAD_LIMIT * sum(sizes):
             load[:] = trial
-            out.append(ShardedBucket(len(out), group, owners, positions))
+            out.append(make(len(out), group, owners, positions))
             continue
         for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):  # ZeroRedundancyOptimizer's rule
             r = min(range(world), key=lambda r: (load[r], r))
@@ -188,7 +190,7 @@ def plan_shards(params: Sequence[torch.nn.Parameter], cap_bytes: int | None, wor
                f"(> {PAD_LIMIT:.0%}) to every rank's buffer")
         for r in dict.fromkeys(owners):  # in the order of each owner's first parameter: backward order
             part = [p for p, o in zip(group, owners) if o == r]
-            out.append(ShardedBucket(len(out), part, [r] * len(part), positions, why))
+            out.append(make(len(out), part, [r] * len(part), positions, why))
     return out
 
 

@@ -5,8 +5,9 @@ under a prefix derived from the job's secret (`fleetlike.comm.secret`), and ever
 is signed with the secret (`SignedStore`): a process that learns the key names (TCPStore lists
 them to any client, and sends them in clear) can delete or spoil values, never write one a
 member takes. The only public
-keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else; overwriting it changes
-nothing) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
+keys are a marker (`JOB_KEY`: "a fleetlike job is here", nothing else: a member holding the
+secret never waits for it, and a rank given no secret goes on when its secret's file appears
+whatever the marker says, or names a deletion within seconds: `_hello`) and the list where refused processes leave their address (`KNOCK_KEY`). The store's host
 writes a random challenge and the job id under the prefix: finding them tells a joining process
 that the host holds its secret (two jobs that share a port refuse each other with a message
 instead of silently forming one wrong world), and nobody else learns the job's id. Each joining
@@ -42,6 +43,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import torch.distributed as dist
 
@@ -50,7 +52,8 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
-from fleetlike.comm.signed_store import SignedStore, StoreTampered
+from fleetlike.comm.signed_store import SignedStore, StoreTampered, read_now
+from fleetlike.comm.store_server import StoreServer
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -65,6 +68,9 @@ KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
 #: proof slots rank 0 watches beyond 4 per rank (a stranger may move the counter by millions)
 _PROOF_WINDOW = 64
+#: seconds a rank without the secret still looks for its secret's file once the marker it saw
+#: was deleted (rank 0 leaves that file before its marker, so it is there by then or never)
+_AFTER_DELETION = 5.0
 
 _LOCK = threading.Lock()
 #: stores this process hosts, by (host, port): a later meeting of the job reuses the server
@@ -129,14 +135,14 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
 def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
     """The challenge the store's host left under ``secret``'s prefix; None: the host does not
     hold ``secret`` (another job's store, or this process was given another secret)."""
-    private = job_store(raw, secret)
-    return private.get("challenge").decode() if private.check(["challenge"]) else None
+    found = job_store(raw, secret).get_now("challenge")
+    return None if found is None else found.decode()
 
 
 def read_job_id(raw: dist.Store, secret: JobSecret) -> str | None:
     """The job id on ``raw`` under ``secret``'s prefix (None when there is none)."""
-    store = job_store(raw, secret)
-    return store.get("job_id").decode() if store.check(["job_id"]) else None
+    found = job_store(raw, secret).get_now("job_id")
+    return None if found is None else found.decode()
 
 
 def secret_for(role: Role) -> JobSecret | None:
@@ -226,11 +232,19 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
+    The server is `fleetlike.comm.store_server`'s, in a process of its own with the default
+    `StoreLimits` (bytes, keys and value size bounded), not torch's; it stops when the returned
+    store is collected or this process ends.
     """
     fd, bound = _listen(host, port)
-    store = dist.TCPStore(
-        host, bound, None, True, _td(timeout), wait_for_workers=False, master_listen_fd=fd
-    )
+    # torch's own server holds whatever a stranger sends it; this one has bounds (StoreLimits)
+    server = StoreServer.start(fd)
+    try:
+        store = dist.TCPStore(host, bound, None, False, _td(timeout))
+    except Exception:
+        server.close()
+        raise
+    weakref.finalize(store, server.close)  # the server lives as long as the host's store
     secret = secret or secret_from_env()
     if secret is not None:
         greet(store, secret, job_id)
@@ -258,14 +272,29 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
     """Wait until the store's host has greeted: the job's challenge under ``secret``'s prefix
     (what a member needs: a stranger cannot delete it without the secret's prefix), or the
     public marker (another job's store, or a rank that must still find its secret). A stranger
-    deleting the marker therefore stalls nobody who holds the secret."""
+    deleting the marker therefore stalls nobody who holds the secret; a rank without one that
+    saw the marker and then finds it gone (the host never deletes it) waits `_AFTER_DELETION`
+    seconds for its secret's file, then names the deletion."""
     pause = 0.001
+    seen = False
+    deleted: float | None = None  # when the marker this rank saw was found gone
     while True:
         try:
             if secret is not None and challenge_of(raw, secret) is not None:
                 return
-            if raw.check([JOB_KEY]) and (secret is not None or raw.get(JOB_KEY).decode() == _marker(role)):
+            there = raw.check([JOB_KEY])
+            if there and secret is not None:
                 return
+            if there:
+                seen = True
+                # one request that never waits: a get waits out the store's timeout for a
+                # marker a stranger deleted after the check
+                marker = read_now(raw, JOB_KEY)
+                if marker is not None and marker.decode(errors="replace") == _marker(role):
+                    return
+                there = marker is not None
+            if seen and not there and deleted is None:
+                deleted = time.monotonic()
             if secret is None and _private_secret(role, raw) is not None:
                 return
         except SecretError:
@@ -274,6 +303,14 @@ def _hello(raw: dist.Store, role: Role, host: str, port: int, timeout: float, st
             raise RendezvousError(
                 f"rank {role.rank}: the store at {host}:{port} stopped answering while this rank "
                 f"waited for its greeting ({type(exc).__name__}); has rank 0 died?") from None
+        if deleted is not None and time.monotonic() - deleted > _AFTER_DELETION:
+            raise RendezvousError(
+                f"rank {role.rank}: the store's public marker {JOB_KEY!r} at {host}:{port} was deleted "
+                "while this rank waited for its greeting: the job's host never deletes it, so a "
+                "process that is not one of the job's is writing to the store, and a rank given no "
+                f"{SECRET_ENV} cannot tell its job is there without it. Set {SECRET_ENV} to the same "
+                "random value in every rank's environment (python -c 'import secrets; "
+                "print(secrets.token_hex(32))'): a rank that holds it is stalled by no deletion")
         if time.monotonic() - start > timeout:
             raise RendezvousError(
                 f"rank {role.rank}: the store at {host}:{port} never greeted this rank within "

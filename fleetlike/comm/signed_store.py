@@ -31,11 +31,27 @@ import torch.distributed as dist
 
 from fleetlike.comm.secret import JobSecret
 
-__all__ = ["NONCE_KEY", "SignedStore", "StoreTampered"]
+__all__ = ["NONCE_KEY", "SignedStore", "StoreTampered", "read_now"]
 
 _TAG = 64  # hex digits of an HMAC-SHA256
+#: what `read_now` expects: never a value of the store's, so a compare-and-set with it only reads
+_ABSENT = b"\x00fleetlike: no value"
 #: The run's nonce: the challenge the store's host writes once, when it creates the store.
 NONCE_KEY = "challenge"
+
+
+def read_now(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value, or None when it has none, in one request that never waits: a check and
+    then a get are two, and the get waits up to the store's timeout for a key a stranger deleted
+    between them. A compare-and-set that expects `_ABSENT` (a value nobody writes) changes
+    nothing and answers the stored value, or `_ABSENT` for a key that is not there.
+
+    Example:
+        >>> read_now(raw, "fleetlike/job")
+        b'fleetlike'
+    """
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT else value
 
 
 class StoreTampered(RuntimeError):
@@ -67,12 +83,13 @@ class SignedStore(dist.Store):
         """The run's nonce (read once, then kept: no cost per value after the first)."""
         nonce = self._nonce
         if nonce is None:
-            if not self._inner.check([NONCE_KEY]):
+            blob = read_now(self._inner, NONCE_KEY)
+            if blob is None:
                 raise StoreTampered(
                     f"the job's store{self._at()}: it holds no greeting ({NONCE_KEY!r}), which its host "
                     "writes when it creates the store: the host has not greeted yet, or a process "
                     "without the secret deleted it; no value can be signed or checked for this run")
-            nonce = self._nonce = self._open(NONCE_KEY, self._inner.get(NONCE_KEY))
+            nonce = self._nonce = self._open(NONCE_KEY, blob)
         return nonce
 
     def _at(self) -> str:
@@ -118,6 +135,12 @@ class SignedStore(dist.Store):
         except Exception as exc:  # noqa: BLE001 - re-raised without the prefix
             raise self._scrubbed(exc) from None
         return self._open(key, blob)
+
+    def get_now(self, key: str) -> bytes | None:
+        """``key``'s checked value, or None at once when it has none (`read_now`): never a wait
+        for a key a stranger deleted."""
+        blob = read_now(self._inner, key)
+        return None if blob is None else self._open(key, blob)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         want = _bytes(expected)

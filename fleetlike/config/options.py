@@ -452,6 +452,15 @@ ENTRIES: tuple[Field | Section, ...] = (
             "rank); 0 = steps_per_trial steps only")),
         Field("min_gain", Float(ge=0), 0.02, note=(
             "a candidate replaces the best so far only when faster by this fraction (noise guard)")),
+        Field("race_blocks", Int(min=1), 3, note=(
+            "where a candidate and the best so far differ within their measured noise (a confidence "
+            "interval from the per-step spread), both are timed again in alternating trials, up to "
+            "this many each, until the lead is resolved; then the medians decide; 1 = no re-runs")),
+        Field("race_gain", Float(ge=0), 0.05, note=(
+            "a candidate is re-run only while its gain could still reach this fraction (the upper end "
+            "of its interval): a smaller gain is not worth more trials")),
+        Field("confidence", Float(gt=0, lt=1), 0.95, note=(
+            "the confidence of the interval on a candidate's gain (higher: fewer wrong choices, more re-runs)")),
         Field("allow_16bit_wire", Bool(), False, note=(
             "let the tuner try float16 and bfloat16 gradients on the wire (changes the numerics); "
             "off: the wire dtype is never tuned")),

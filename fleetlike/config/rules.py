@@ -123,14 +123,14 @@ CLASHES: tuple[Clash, ...] = (
           "at stages 2 and 3 each block's gradients are reduce-scattered as backward produces "
           "them, so no rank ever holds its whole local gradient to clip before communication",
           "set sharding_configs.clip_after_allreduce = True (clip by the global norm over the shards)"),
-    Clash("sharding_configs.stage >= 2 and fp16_allreduce",
-          lambda s: _stage(s) >= 2 and bool(s.fp16_allreduce),
-          "stages 2 and 3 reduce-scatter through torch's FSDP2 on the job's process group, which "
-          "has no 16-bit wire with fleetlike's scaling", "turn fp16_allreduce off, or use stage 1"),
-    Clash("sharding_configs.stage >= 2 and use_hierarchical_allreduce",
-          lambda s: _stage(s) >= 2 and bool(s.use_hierarchical_allreduce),
-          "stages 2 and 3 reduce-scatter through torch's FSDP2 on one flat process group",
-          "turn use_hierarchical_allreduce off, or use stage 1"),
+    Clash("sharding_configs.stage 3 and fp16_allreduce",
+          lambda s: _stage(s) == 3 and bool(s.fp16_allreduce),
+          "stage 3 reduce-scatters through torch's FSDP2 on the job's process group, which "
+          "has no 16-bit wire with fleetlike's scaling", "turn fp16_allreduce off, or use stage 1 or 2"),
+    Clash("sharding_configs.stage 3 and use_hierarchical_allreduce",
+          lambda s: _stage(s) == 3 and bool(s.use_hierarchical_allreduce),
+          "stage 3 reduce-scatters through torch's FSDP2 on one flat process group",
+          "turn use_hierarchical_allreduce off, or use stage 1 or 2"),
     Clash("sharding_configs.offload_params without stage 3",
           lambda s: bool(s.sharding) and bool(s.sharding_configs["offload_params"]) and _stage(s) < 3,
           "only stage 3 keeps parameter shards that can live in host memory",

@@ -16,7 +16,10 @@ At the end, `NodeWatch.summary` joins the two: for every node a re-formation los
 launcher stopped answering / ended with a code / still answers, so its workers left), and at
 which commit. A launcher that stood still for `MISSED` periods and then answered again (it was
 stopped with SIGSTOP and continued, or its link came back) is reported as having stopped
-answering, for how long: that is why its node was lost, whatever code it ended with later. A store that cannot be reached (this node's link is cut) ends the watch quietly:
+answering, for how long: that is why its node was lost, whatever code it ended with later. How
+long is read off the store, between two of this watch's looks that read the same beat, so a
+look that comes late on a loaded machine loses none of the silence and a pause of this watch
+itself is never counted (tests/test_nodewatch_silence.py). A store that cannot be reached (this node's link is cut) ends the watch quietly:
 the summary then says the store was lost.
 
 Example::
@@ -93,7 +96,8 @@ class NodeWatch(threading.Thread):
         #: guarded by _lock: ip -> the longest time its beat stood still past `MISSED` periods
         #: (stopped by SIGSTOP, paused, cut off) before it moved again or said done
         self._silent: dict[str, float] = {}
-        self._last_look: float | None = None
+        #: guarded by _lock: ip -> when the latest look that read its beat unchanged began
+        self._still: dict[str, float] = {}
         self._store_lost: str | None = None  # guarded by _lock
         self._beat = 0
 
@@ -117,22 +121,27 @@ class NodeWatch(threading.Thread):
                 self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
 
     def _look(self) -> None:
+        began = time.monotonic()
         count = int(self._store.add(NODES_KEY, 0))
         ips = sorted({v.decode() for v in self._store.multi_get([f"{NODES_KEY}/{i}" for i in range(1, count + 1)])})
         beats = self._store.multi_get([BEAT_PREFIX + ip for ip in ips])
         now = time.monotonic()
         with self._lock:
-            # a gap is the other launcher's only if this watch itself looked on time (on a loaded
-            # machine this thread may be the one that stood still)
-            on_time = self._last_look is not None and now - self._last_look < PERIOD * 2
-            self._last_look = now
             for ip, beat in zip(ips, beats):
                 text = beat.decode()
                 seen, since = self._seen.get(ip, ("", now))
-                if seen != text:
-                    if seen and on_time and now - since > PERIOD * MISSED:
-                        self._silent[ip] = max(self._silent.get(ip, 0.0), now - since)
-                    self._seen[ip] = (text, now)
+                if seen == text:
+                    self._still[ip] = began
+                    continue
+                # The beat stood still at least from the end of the look that first read it to
+                # the start of the last look that read it unchanged: two answers of the store,
+                # so a pause of this watch itself (on a loaded machine this thread may be the
+                # one that stood still) never counts, and a late look after the other launcher
+                # answered again loses nothing of its silence.
+                still = self._still.pop(ip, since) - since
+                if seen and still > PERIOD * MISSED:
+                    self._silent[ip] = max(self._silent.get(ip, 0.0), still)
+                self._seen[ip] = (text, now)
 
     def _why(self, ip: str, now: float) -> str:
         beat, since = self._seen.get(ip, ("", now))

@@ -18,8 +18,10 @@ Counted on the traced rank's real engine (`fleetlike.plan.trace`), each storage 
 - the update's temporaries (`fleetlike.plan.temporaries`: what ``optimizer.step()`` allocates
   while it runs, from the optimizer's implementation and the parameters it steps), which exist
   only after the backward, when the activations are gone;
-- gathered: bytes that exist from the forward to the end of the backward only (stages 2 and 3:
-  the parameters gathered and the collectives' buffers, `fleetlike.plan.zero`).
+- gathered: bytes that exist from the forward to the end of the backward only (stage 3: the
+  parameters gathered and the collectives' buffers, `fleetlike.plan.zero`; stage 2: the
+  transient gradient buckets being reduced and the one filling,
+  `fleetlike.collectives.transient`).
 
 The peak is their sum: gradients live in persistent buckets, so the end of the forward (all
 activations saved, buckets allocated) is the high-water mark of a step. Without buckets (local
@@ -146,8 +148,8 @@ def measure_state(engine: Engine, activations: int, strategy: DistributedStrateg
     params = c.total
     transient = ctx.reducer is None
     if not transient:
-        for b in ctx.reducer.buckets:
-            c.add(b.buffer)
+        for g in ctx.reducer.grad_buffers():  # stage 2: only this rank's kept shards
+            c.add(g)
         grads = c.total - params
     else:  # one gradient per trainable parameter, set to None again by each step's clear
         grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -176,4 +178,6 @@ def measure_state(engine: Engine, activations: int, strategy: DistributedStrateg
     if opt is not None:  # the parameters it holds state for are the ones it steps (stage 1: its partition)
         stepped = [p for p in opt.state if isinstance(p, torch.Tensor)] or None
         update = update_temporaries(opt, stepped, groups=max(1, int(strategy.num_apply_group))).bytes
-    return MemoryBreakdown(params, grads, optimizer, strategy_state, act, half, buffers, transient, update)
+    # stage 2's transient buckets: those being reduced and the one filling, during the backward
+    gathered = ctx.reducer.transient_bytes() if ctx.reducer is not None and hasattr(ctx.reducer, "transient_bytes") else 0
+    return MemoryBreakdown(params, grads, optimizer, strategy_state, act, half, buffers, transient, update, gathered)

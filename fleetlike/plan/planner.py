@@ -87,8 +87,9 @@ def plan(spec: ModelSpec, cluster: Cluster, links: Links, *, space: SpaceName | 
     """Predict every candidate of ``space`` (or the names in ``only``); see the module docstring.
 
     ``memory_limit``: bytes per rank; candidates whose predicted peak exceeds it are marked and
-    never recommended. Sharding stages 2 and 3 (and offload, priced over ``host_link``) are
-    derived from the data-parallel trace (`fleetlike.plan.zero`). Pipeline candidates, one per
+    never recommended. Sharding stage 2 is traced through its engine (stage 1's, with transient
+    buckets); stage 3 (and offload, priced over ``host_link``) is derived from the data-parallel
+    trace (`fleetlike.plan.zero`). Pipeline candidates, one per
     ``pp`` degree dividing the world and count of ``micro_batches``, are predicted by
     `fleetlike.plan.pipeline_rows` (``only`` plans them when it names ``"pipeline"``)."""
     allowed = set(allow)
@@ -149,6 +150,15 @@ def _zero_rows(spec: ModelSpec, cluster: Cluster, links: Links, rows: list[PlanR
     out = []
     for name in names:
         stage, offload = ZERO_CANDIDATES[name]
+        if stage == 2:  # stage 2 runs on the bucket engine: traced through it, as stage 1
+            cand = Candidate(name, options(stage, offload), ())
+            t = trace(spec, cand.strategy(), cluster)
+            cost = step_time(t, links)
+            out.append(PlanRow(cand, cost, t.memory, cluster.world_size * spec.batch_size / cost.seconds,
+                               memory_limit is None or t.memory.peak <= memory_limit, True, t))
+            if progress is not None:
+                progress(f"{name}: {cost.seconds * 1e3:.1f} ms/step, peak {t.memory.peak / 2**20:.1f} MiB")
+            continue
         if offload and host_link is None:
             skipped.append((name, "not predicted: give the host-device link (--host_link latency_us,MB/s) to price "
                                   "moving the shards; on a CPU-only job offload changes nothing (it is stage 3)"))

@@ -1,7 +1,10 @@
-"""Sharding stages 2 and 3 and offload in the planner, predicted from the data-parallel trace.
+"""Sharding stage 3 and offload in the planner, predicted from the data-parallel trace.
 
-Stages 2 and 3 run on torch's FSDP2 over torch's own process group, which the planner's dry
-communicators cannot stand in for, so they are not traced: each is derived from the traced
+Stage 2 runs on the bucket engine (stage 1's, its gradient buckets transient): the planner traces
+it through that engine as it does stage 1 (`fleetlike.plan.planner`), and this module's stage 2
+figures describe stage 2 on FSDP2 (a model built as shards, or offload on a GPU) only.
+Stage 3 runs on torch's FSDP2 over torch's own process group, which the planner's dry
+communicators cannot stand in for, so it is not traced: it is derived from the traced
 data-parallel step of the same model and the model's own layout (which modules FSDP2 shards as
 units, `fleetlike.strategies.zero.shard_blocks`). With ``N`` ranks, ``P`` the parameter bytes,
 ``G`` the gradient bytes, ``S`` the optimizer state's bytes (all three of the whole model, from
@@ -75,7 +78,7 @@ from fleetlike.strategies.zero import shard_blocks
 __all__ = ["ZERO_CANDIDATES", "gathered_bytes", "ZeroLayout", "host_bytes", "layout_of", "options", "zero_memory",
            "zero_step"]
 
-#: the derived candidates: name -> (stage, offload)
+#: the ZeRO candidates beyond stage 1: name -> (stage, offload); stage 2 is traced, the others derived
 ZERO_CANDIDATES: dict[str, tuple[int, bool]] = {
     "sharding_stage2": (2, False),
     "sharding_stage3": (3, False),

@@ -9,7 +9,8 @@
     data_parallel | sharding | localsgd
                                  gradient buckets during backward (allreduced | reduce-scattered,
                                  partition stepped, parameters all-gathered) | parameter averaging;
-                                 sharding stages 2 and 3 run on FSDP2 (`fleetlike.strategies.zero`)
+                                 stage 2 on the same buckets, transient (`fleetlike.collectives.transient`);
+                                 stage 3 runs on FSDP2 (`fleetlike.strategies.zero`)
     num_apply_group              the update in groups (data parallel; sharding groups itself)
     amp                          autocast, loss scaling, agreed finite check
 
@@ -50,7 +51,7 @@ from fleetlike.strategies.sharding import ShardingUnit
 from fleetlike.strategies.step import EXPLICIT_SCALING, PHASES, AppliedEntry, Hook, Phase, StepContext, Unit
 from fleetlike.strategies.sync_bn import SyncBatchNormUnit
 from fleetlike.strategies.sharded_init import ShardedInitError, is_lazy
-from fleetlike.strategies.zero import ShardedParamsUnit
+from fleetlike.strategies.zero import ShardedParamsUnit, _offload_policy, check_same_model, note_offload, stage2_on_fsdp2
 from fleetlike.tune import requested
 
 __all__ = ["Engine", "build_engine"]
@@ -78,12 +79,26 @@ def build_engine(ctx: StepContext) -> Engine:
             f"stages 2 and 3 can train (strategy.sharding={bool(s.sharding)}, "
             f"sharding_configs.stage={s.sharding_configs['stage']}); set strategy.sharding = True with "
             "sharding_configs.stage 2 or 3, or build the model whole")
-    elif s.sharding and int(s.sharding_configs["stage"]) >= 2:
+    elif s.sharding and (int(s.sharding_configs["stage"]) == 3 or (
+            int(s.sharding_configs["stage"]) == 2 and (on_fsdp2 := stage2_on_fsdp2(ctx)) is not None)):
+        if int(s.sharding_configs["stage"]) == 2:
+            wire = [k for k in ("fp16_allreduce", "use_hierarchical_allreduce") if getattr(s, k)]
+            if wire:
+                raise ValueError(f"strategy.{wire[0]}=True with sharding stage 2 here: stage 2 runs on FSDP2 because "
+                                 f"{on_fsdp2}, and FSDP2 reduce-scatters on one flat process group in the gradients' "
+                                 f"dtype; turn {wire[0]} off, or build the model whole without offload")
         comm = ShardedParamsUnit(ctx, amp=amp is not None and amp.scaler.dynamic)
+        if int(s.sharding_configs["stage"]) == 2:
+            ctx.record("sharding_configs.stage", True, f"stage 2 on FSDP2, not the bucket engine: {on_fsdp2}")
     elif s.sharding:
+        stage = int(s.sharding_configs["stage"])
+        if stage == 2:  # every rank must build the same model (its gradients are cut by owner)
+            check_same_model(ctx.groups.world, ctx.model)
         collective, notes = gradient_collective(s, ctx.groups, ctx.role)
         comm = ShardingUnit(ctx, collective, notes, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
-                            multiplier=_local_multiplier(amp, merge), apply_groups=int(s.num_apply_group))
+                            multiplier=_local_multiplier(amp, merge), apply_groups=int(s.num_apply_group), stage=stage)
+        if stage == 2:
+            note_offload(ctx, _offload_policy(s.sharding_configs, ctx.device)[1])
     else:
         comm = DataParallelUnit(ctx, amp_skips_non_finite=amp is not None and amp.scaler.dynamic,
                                 multiplier=_local_multiplier(amp, merge))

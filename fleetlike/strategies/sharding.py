@@ -1,8 +1,9 @@
-"""Optimizer-state sharding (ZeRO stage 1; Paddle's ``sharding``, EPL's ``zero.level = "v1"``).
+"""Optimizer-state and gradient sharding (ZeRO stages 1 and 2; Paddle's ``sharding``).
 
 Each parameter has one owner rank (`fleetlike.collectives.sharded.plan_shards`: whole
-parameters, balanced by bytes inside every gradient bucket; a bucket whose balanced segments
-would be mostly padding, which every rank would hold, is split into one bucket per owner). A step then runs:
+parameters, balanced by bytes inside every gradient bucket; a bucket whose balanced segments'
+padding, which every rank would hold, would exceed `PAD_LIMIT` of its gradients is split into one
+bucket per owner). A step then runs:
 
 1. backward: each bucket is **reduce-scattered** as soon as its gradients are ready (the same
    overlapped `GradReducer` hooks as data parallel), leaving each rank only its own parameters'
@@ -22,6 +23,14 @@ would be mostly padding, which every rank would hold, is split into one bucket p
    That needs an optimizer whose update is per parameter (torch.optim's own classes, exactly)
    and no step hooks (they would fire once per chunk); otherwise the update runs whole, then
    the gather, and ``fleet.applied_strategy()`` says why.
+
+**Stage 2** (``sharding_configs.stage = 2``, EPL's ``zero.level = "v1"``) is this engine with
+transient gradient buckets (`fleetlike.collectives.transient`): each bucket exists from its first
+gradient to the end of its reduce-scatter, then this rank keeps its own segment (its parameters'
+``.grad``) and the other parameters' ``.grad`` are None. Same buckets, owners, collectives and
+update as stage 1, so the same result bit for bit, with 4/N bytes of gradient per parameter in
+place of 4; the buckets are gone before the update, so the gather's zeroing clears the kept
+shards only.
 
 Using the user's optimizer rather than a copy over the shard is why nothing else changes: its
 ``state_dict()`` simply holds the owned parameters' state (a shard, in the ordinary format), and
@@ -47,7 +56,20 @@ import torch
 from torch.optim import optimizer as _optim_base
 
 from fleetlike.config.options import REDUCE_METHOD
-from fleetlike.collectives import BucketCollective, ParamGather, ShardReduceScatter, make_reducer, plan_shards
+from fleetlike.collectives import (
+    IN_FLIGHT,
+    BucketCollective,
+    GradReducer,
+    ParamGather,
+    ShardedBucket,
+    ShardReduceScatter,
+    TransientBucket,
+    TransientReducer,
+    make_reducer,
+    plan_shards,
+    transient_buckets,
+)
+from fleetlike.collectives.sharded import PAD_LIMIT
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.reduce_clip import ReduceClip
 from fleetlike.strategies.step import Hook, StepContext, Unit
@@ -111,19 +133,24 @@ def check_degree(cfg: Any, world_size: int, what: str) -> None:
             "size is")
 
 class ShardingUnit(Unit):
-    """ZeRO stage 1 in both styles (see the module docstring)."""
+    """ZeRO stages 1 and 2 in both styles (see the module docstring)."""
 
     name = "sharding"
     needs_optimizer = True
 
     def __init__(self, ctx: StepContext, allreduce: BucketCollective, notes: list[tuple[str, bool, str]], *,
                  amp_skips_non_finite: bool, multiplier: Callable[[], float] = lambda: 1.0,
-                 apply_groups: int = 1) -> None:
+                 apply_groups: int = 1, stage: int = 1) -> None:
         s = ctx.strategy
         cfg = s.sharding_configs
         world = ctx.groups.world
         check_degree(cfg, world.size, "the optimizer state (Paddle checks sharding_degree x dp_degree == world "
-                                      "size, and there is no dp_degree here)")
+                                      "size, and there is no dp_degree here)" if stage == 1 else
+                     "the gradients and optimizer state")
+        if stage not in (1, 2):
+            raise ValueError(f"ShardingUnit runs stages 1 and 2, not {stage} (stage 3 is ShardedParamsUnit's)")
+        #: 2: the gradient buckets are transient, each rank keeps its own shard of them
+        self.stage = stage
         self.ctx = ctx
         self.rank = world.rank
         self.clip_norm = float(cfg["clip_norm"])
@@ -133,12 +160,19 @@ class ShardingUnit(Unit):
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.collective = ShardReduceScatter.from_allreduce(allreduce, op)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        buckets = plan_shards(params, s.bucket_cap_bytes(params), world.size, self.collective.positions())
+        buckets = plan_shards(params, s.bucket_cap_bytes(params), world.size, self.collective.positions(),
+                              make=transient_buckets(world.rank) if stage == 2 else ShardedBucket)
         nan_check = bool(s.check_nan_inf) and not amp_skips_non_finite
         hold = self._clip_local if self.clip_norm > 0 and not self.clip_after else None
-        self.reducer = make_reducer(ctx.model, self.collective, cap_bytes=s.bucket_cap_bytes(params),
-                                    find_unused=s.find_unused_parameters, check_nan_inf=nan_check,
-                                    buckets=buckets, hold=hold)
+        if stage == 2:
+            self.reducer: GradReducer = TransientReducer(
+                [p for p in ctx.model.parameters()], self.collective, buckets=buckets,  # type: ignore[arg-type]
+                find_unused=s.find_unused_parameters, check_nan_inf=nan_check,
+                names={id(p): n for n, p in ctx.model.named_parameters()})
+        else:
+            self.reducer = make_reducer(ctx.model, self.collective, cap_bytes=s.bucket_cap_bytes(params),
+                                        find_unused=s.find_unused_parameters, check_nan_inf=nan_check,
+                                        buckets=buckets, hold=hold)
         ctx.reducer = self.reducer
         self.buckets = buckets
         self.owner = {id(p): r for b in buckets for p, r in zip(b.params, b.owners)}
@@ -173,11 +207,15 @@ class ShardingUnit(Unit):
             for p, r in zip(b.params, b.owners):
                 loads[r] += p.numel() * p.element_size()
         padding = sum(b.padding * b.buffer.element_size() for b in buckets)
+        kept = sum(b.kept_bytes for b in buckets if isinstance(b, TransientBucket))
         ctx.record("sharding", True, (
-            f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
+            (f"stage 2 on the bucket engine: each gradient bucket allocated when its first gradient lands, "
+             f"reduced, this rank's shard kept ({_mb(kept)} of gradients of {_mb(sum(loads))}), the rest freed, "
+             f"at most {IN_FLIGHT} in flight; " if stage == 2 else "")
+            + f"{world.size} shards: this rank owns {len(self.mine)} of {len(params)} parameters "
             f"({_mb(loads[self.rank])} of {_mb(sum(loads))}; per rank {', '.join(_mb(x) for x in loads)}); "
             f"{len(buckets)} reduce-scatter buckets ({_mb(padding)} padding; "
-            f"{sum(1 for b in buckets if b.why)} of them one owner's, split from buckets that would be mostly padding"
+            f"{sum(1 for b in buckets if b.why)} of them one owner's, split from buckets whose padding would exceed {PAD_LIMIT:.0%} of their gradients"
             + (f"; allreduced on {world.backend}, whose reduce_scatter is slower" if self.collective.via_allreduce else "")
             + "), all-gathered in place, "
             f"<= {cfg['segment_broadcast_MB']} MB in flight"

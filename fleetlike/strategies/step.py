@@ -106,9 +106,10 @@ class StepContext:
         return self.optimizer
 
     def grads(self) -> list[torch.Tensor]:
-        """This step's gradients: the bucket buffers under data parallel, else each ``.grad``."""
+        """This step's gradients: the bucket buffers under data parallel (this rank's kept shards
+        at sharding stage 2), else each ``.grad``."""
         if self.reducer is not None:
-            return [b.buffer for b in self.reducer.buckets]
+            return self.reducer.grad_buffers()
         return model_grads(self.model)
 
 

@@ -1,4 +1,12 @@
-"""ZeRO stages 2 and 3 (``sharding_configs.stage``; EPL's ``zero.level = "v1"`` is stage 2) on FSDP2.
+"""ZeRO stage 3 (``sharding_configs.stage = 3``) on FSDP2, and stage 2 where only FSDP2 can run it.
+
+Stage 2 (EPL's ``zero.level = "v1"``) normally runs on the bucket engine of stage 1 with
+transient gradient buckets (`fleetlike.strategies.sharding`, `fleetlike.collectives.transient`):
+on the CPU FSDP2's copies into and out of its collective buffers and its blocking per-module
+collectives made it 0.58x stage 1's steps/s, where the bucket engine moves the same bytes
+overlapped with the backward and the update (docs/BENCHMARKS.md). It runs here, on FSDP2, for a
+model built as shards (`stage2_on_fsdp2`: the bucket engine keeps whole parameters) and for
+offload on a GPU (FSDP2's ``CPUOffloadPolicy``).
 
 torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) already does the per-module work: it
 keeps each parameter as a dim-0 shard (a ``DTensor``), all-gathers a module's parameters just
@@ -58,8 +66,9 @@ from fleetlike.strategies.sharded_init import is_lazy, materialize, take_pending
 from fleetlike.strategies.sharding import _mb, check_degree  # one byte format and degree rule for every stage
 from fleetlike.strategies.step import Hook, StepContext, Unit
 
-__all__ = ["AllReduceScatter", "ShardMismatchError", "ShardedParamsUnit", "full_state_dict", "is_sharded", "local", "plain_shards",
-           "shard_blocks", "shard_like", "shard_state_like", "unite_shards"]
+__all__ = ["AllReduceScatter", "ShardMismatchError", "ShardedParamsUnit", "check_same_model", "full_state_dict", "is_sharded",
+           "local", "note_offload", "plain_shards", "shard_blocks", "shard_like", "shard_state_like", "stage2_on_fsdp2",
+           "unite_shards"]
 
 
 log = logging.getLogger("fleetlike")
@@ -171,6 +180,31 @@ def _offload_policy(cfg: Any, device: torch.device) -> tuple[OffloadPolicy, str 
     return CPUOffloadPolicy(pin_memory=True), None
 
 
+def note_offload(ctx: StepContext, why: str | None) -> None:
+    """Record whether offload acts (``why`` None: it does; "off": not asked for), and warn once
+    per process when it was asked for and changes nothing."""
+    if why == "off":
+        return
+    ctx.record("sharding_configs.optimize_offload", why is None,
+               "optimizer state, update and parameter shards in pinned host memory (FSDP2's CPUOffloadPolicy)"
+               if why is None else why)
+    if why is not None and not _SAID:
+        _SAID.append(True)  # once per process, however many models
+        log.warning("sharding_configs offload changes nothing: %s", why)
+
+
+def stage2_on_fsdp2(ctx: StepContext) -> str | None:
+    """Why a stage 2 job runs on FSDP2 rather than on the bucket engine (None: it runs on the
+    bucket engine, `fleetlike.strategies.sharding`): a model built as shards, which the bucket
+    engine would have to build whole on every rank, or offload on a GPU, which is FSDP2's
+    ``CPUOffloadPolicy``."""
+    if is_lazy(ctx.model):
+        return "the model was built as shards (sharded construction or the meta device), which FSDP2 fills shard by shard"
+    if _offload_policy(ctx.strategy.sharding_configs, ctx.device)[1] is None:
+        return "offload moves the optimizer state and update to host memory through FSDP2's CPUOffloadPolicy"
+    return None
+
+
 class ShardedParamsUnit(Unit):
     """Stages 2 and 3 in both styles (see the module docstring)."""
 
@@ -248,13 +282,7 @@ class ShardedParamsUnit(Unit):
                if self.via_allreduce else "")
             + (f", clipped to global norm {self.clip_norm:g} over the shards" if self.clip_norm > 0 else "")))
         ctx.record("data_parallel", False, f"replaced by sharding stage {self.stage}")
-        if self.offload_why != "off":
-            ctx.record("sharding_configs.optimize_offload", self.offload_why is None,
-                       "optimizer state, update and parameter shards in pinned host memory (FSDP2's CPUOffloadPolicy)"
-                       if self.offload_why is None else self.offload_why)
-        if self.offload_why not in (None, "off") and not _SAID:
-            _SAID.append(True)  # once per process, however many models
-            log.warning("sharding_configs offload changes nothing: %s", self.offload_why)
+        note_offload(ctx, self.offload_why)
         if s.check_nan_inf and not amp:
             ctx.record("check_nan_inf", False, "stages 2 and 3 reduce-scatter inside FSDP2's backward; "
                        "the gradient shards are checked before the update instead")

@@ -13,14 +13,20 @@ The search is coordinate descent from the starting setting (the strategy as conf
 planner's recommendation when the job was started from ``python -m fleetlike.plan``'s
 strategy file): each free knob in turn (allreduce mode, bucket size, communicators, wire
 dtype) tries its values with the others at the best so far; a candidate replaces the best
-only when faster by ``min_gain``. A short joint phase follows: the top-2 bucket sizes x the
+only when faster by ``min_gain`` beyond the noise. Each comparison is a race
+(`fleetlike.tune.race`): a confidence interval on the candidate's gain from the per-step spread
+of both trials settles a clear loss at once; otherwise the best is timed again, and while the
+gain stays within the noise both are re-run in alternating trials, up to ``race_blocks`` each,
+after which the medians decide. So settings far apart cost one trial each and only close
+contenders pay for more steps. A short joint phase follows: the top-2 bucket sizes x the
 top-2 communicator counts not yet measured (small buckets may pay only with two communicators
 overlapping them, while neither alone beats the incumbent by ``min_gain``), kept by the same
 rule; more communicators than buckets are skipped. Then the best setting is applied for the
 rest of the job and the trial log is written (Horovod's ``HOROVOD_AUTOTUNE_LOG`` columns first:
 ``hierarchical_allreduce,hierarchical_allgather,cycle_time_ms,tensor_fusion_threshold,score``,
 score in gradient bytes per microsecond as Horovod's; then fleetlike's own, ``phase`` saying
-``one_knob`` or ``joint``; the last row is the best, as Horovod writes it).
+``one_knob`` or ``joint``, ``vs_best`` and ``verdict`` how a candidate's race ended, its
+``measured_steps`` over all its trials in that race; the last row is the best, as Horovod writes it).
 
 Example:
     >>> tuner = OnlineTuner(world, strategy, param_bytes=sizes, two_level_ok=False, apply=switch)
@@ -44,13 +50,15 @@ import torch
 
 from fleetlike.comm import Communicator
 from fleetlike.config import DistributedStrategy
+from fleetlike.tune.race import Contender, Move, Race
 from fleetlike.tune.space import AllreduceMode, Knob, Setting, fixed_reasons, knob_values, same_buckets
 
 __all__ = ["LOG_COLUMNS", "OnlineTuner", "Trial", "decode", "encode"]
 
 #: the trial log's columns: Horovod's autotune log, then fleetlike's
 LOG_COLUMNS = ("hierarchical_allreduce", "hierarchical_allgather", "cycle_time_ms", "tensor_fusion_threshold",
-               "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best", "phase")
+               "score", "nccl_comm_num", "wire_dtype", "steps_per_s", "median_step_s", "measured_steps", "best", "phase",
+               "vs_best", "verdict")
 #: the order in which knobs are searched: where two levels can form, the mode moves a slow link's
 #: traffic most (1.5-1.6x at 100 Mbit in bench/autotune.py), so the bucket sizes are tried under it
 _ORDER = (Knob.ALLREDUCE_MODE, Knob.BUCKET_MB, Knob.COMM_NUM, Knob.WIRE_DTYPE)
@@ -66,6 +74,10 @@ class Trial:
     step_times: list[float]
     first_step: int  # the job's step index (0-based) of its first step
     phase: str = "one_knob"  # or "joint": measured in the joint bucket size x communicators phase
+    #: as a challenger: its gain over the best with the interval's half width ("+3.1% +- 2.0%"), and
+    #: how its race ended (faster / not_faster, "by budget" where the step budget decided)
+    vs_best: str = ""
+    verdict: str = ""
 
     @property
     def median_s(self) -> float:
@@ -93,9 +105,19 @@ class OnlineTuner:
         self.per_trial = int(cfg["steps_per_trial"])
         self.min_gain = float(cfg["min_gain"])
         self.seconds_per_trial = float(cfg["seconds_per_trial"])
+        self.race_blocks = int(cfg["race_blocks"])
+        self.race_gain = float(cfg["race_gain"])
+        self.confidence = float(cfg["confidence"])
         #: a bound on the steps of one trial, whatever the speed of the first
         self.max_steps_per_trial = max(self.per_trial, 200)
-        self._challenger: Trial | None = None
+        #: the race under way: the challenger's trial, the incumbent's trial of this race (None
+        #: until it is timed again), and which of the two the current block measures
+        self._race: Race | None = None
+        self._race_c: Trial | None = None
+        self._race_b: Trial | None = None
+        self._racing = Contender.CHALLENGER
+        #: races that needed more than the challenger's trial and the incumbent's re-timing
+        self.extended_races = 0
         self._warmed = False
         self.param_bytes = list(param_bytes)
         self.grad_bytes = sum(self.param_bytes)
@@ -177,7 +199,8 @@ class OnlineTuner:
         self.current = setting
         self.stopped = why
         self._joint_done = True
-        self._pending, self._knobs, self._times, self._challenger = [], [], [], None
+        self._pending, self._knobs, self._times = [], [], []
+        self._race = self._race_c = self._race_b = None
         self._write_log()
 
     # ------------------------------------------------------------------ one trial ends
@@ -200,21 +223,14 @@ class OnlineTuner:
             self._times = []
             self._since_switch = 0
             return
-        self.trials.append(trial)
-        self._measured[trial.setting] = trial
-        if self.best is None:
-            self.best = trial
-        elif self._challenger is not None:  # the incumbent measured again, right after its challenger
-            challenger, self._challenger = self._challenger, None
-            self.best = trial
-            if challenger.steps_per_s > trial.steps_per_s * (1.0 + self.min_gain):
-                self.best = challenger
-        elif trial.steps_per_s > self.best.steps_per_s * (1.0 + self.min_gain):
-            # a win is confirmed against the incumbent timed again now (load drifts during a job)
-            self._challenger = trial
-            nxt = self._agree(self.best.setting)
-            self._apply(nxt)
-            self.current = nxt
+        move = self._judge(trial)
+        if move in (Move.RUN_CHALLENGER, Move.RUN_INCUMBENT):
+            assert self._race_c is not None and self.best is not None
+            self._racing = Contender.CHALLENGER if move is Move.RUN_CHALLENGER else Contender.INCUMBENT
+            nxt = self._agree(self._race_c.setting if move is Move.RUN_CHALLENGER else self.best.setting)
+            if nxt != self.current:
+                self._apply(nxt)
+                self.current = nxt
             self._times = []
             self._since_switch = 0
             return
@@ -232,6 +248,46 @@ class OnlineTuner:
         self.current = nxt
         self._times = []
         self._since_switch = 0
+
+    def _judge(self, block: Trial) -> Move | None:
+        """Score one block of measured steps: the start's first trial, a new challenger (a race
+        begins), or one more block of a race under way (`fleetlike.tune.race`). None or SWITCH /
+        KEEP: the comparison is over and the search moves on; RUN_*: measure that contender again."""
+        race = self._race
+        if race is None:
+            self.trials.append(block)
+            self._measured[block.setting] = block
+            if self.best is None:
+                self.best = block
+                return None
+            self._race_c = block
+            race = self._race = Race(block.step_times, self.best.step_times, max_blocks=self.race_blocks,
+                                     min_gain=self.min_gain, race_gain=self.race_gain, confidence=self.confidence)
+            self._racing = Contender.CHALLENGER
+        else:
+            assert self._race_c is not None
+            race.add(self._racing, block.step_times)
+            if self._racing is Contender.CHALLENGER:
+                self._race_c.step_times.extend(block.step_times)
+            elif self._race_b is None:  # the incumbent timed again, right after its challenger
+                self._race_b = block
+                self.trials.append(block)
+            else:
+                self._race_b.step_times.extend(block.step_times)
+        move = race.next()
+        if move in (Move.RUN_CHALLENGER, Move.RUN_INCUMBENT):
+            return move
+        assert self._race_c is not None and race.last is not None
+        if race.challenger_blocks + race.incumbent_blocks > 2:
+            self.extended_races += 1
+        self._race_c.vs_best = race.last.text()
+        self._race_c.verdict = ("faster" if move is Move.SWITCH else "not_faster") + (" by budget" if race.by_budget else "")
+        if move is Move.SWITCH:
+            self.best = self._race_c
+        elif self._race_b is not None:  # the incumbent's freshest times stand for it from now on
+            self.best = self._race_b
+        self._race = self._race_c = self._race_b = None
+        return move
 
     def _next(self) -> Setting | None:
         """The next candidate to measure (None: the search is over), the same on every rank."""
@@ -316,7 +372,8 @@ class OnlineTuner:
         return (f"chose {self.best.setting.label()}: {self.best.steps_per_s:.2f} steps/s (median of the slowest "
                 f"rank's step times), {gain:.2f}x the start ({first.setting.label()}, "
                 f"{first.steps_per_s:.2f} steps/s); {len(self.trials)} trials in {self.tuning_steps} steps "
-                f"({self.tuning_seconds:.2f} s); fixed knobs: {self.fixed_text()}")
+                f"({self.tuning_seconds:.2f} s); {self.extended_races} comparisons re-run where the lead was within "
+                f"the noise; fixed knobs: {self.fixed_text()}")
 
     def fixed_text(self) -> str:
         """The knobs left alone and why, for the applied list."""
@@ -337,7 +394,7 @@ class OnlineTuner:
                 "cycle_time_ms": self.cycle_time_ms, "tensor_fusion_threshold": s.bucket_mb, "score": round(score, 6),
                 "nccl_comm_num": s.comm_num, "wire_dtype": s.wire, "steps_per_s": round(t.steps_per_s, 4),
                 "median_step_s": round(t.median_s, 6), "measured_steps": len(t.step_times), "best": int(best),
-                "phase": t.phase}
+                "phase": t.phase, "vs_best": t.vs_best, "verdict": t.verdict}
 
     def _write_log(self) -> None:
         if self.log_path is None or self.world.rank != 0:

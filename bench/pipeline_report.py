@@ -1,0 +1,203 @@
+"""The "## Pipeline" section of docs/BENCHMARKS.md, its plot and the replays behind it, from
+`bench.pipeline`'s results: the run with a core per stage beside the run with the stages
+sharing the cores, the slower stage's idle against the bubble, each stage's recorded steps
+replayed on the schedule's dependencies (`bench.pipeline_timeline`).
+
+Example:
+    >>> add_replays(rows)   # before the rows' timelines are dropped
+    >>> text = section(load(pinned_json), load(shared_json), "## Pipeline", "8 blocks ...", 2)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench._common import Column, format_table
+
+__all__ = ["COLUMNS", "P2P_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "load", "plot", "section", "slower"]
+
+
+COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
+    Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
+    Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
+    Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
+    Column("handoffs", "per-micro-batch waits", "{:.3f}"),
+    Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
+    Column("replay_balance", "replay: stages' medians", "{:.3f}"),
+    Column("replay_jitter", "replay: recorded times", "{:.3f}"),
+    Column("replay_latency", "replay: + handoff latency", "{:.3f}"),
+    Column("handoff_us", "handoff latency (us)", "{:.0f}"),
+    Column("replay_warmup", "replay: 1 more warm-up forward", lambda v: "-" if v != v else f"{v:.3f}"),
+    Column("same_kind_gap_us", "between two forwards or two backwards, median (us)",
+           lambda v: "-" if v != v else f"{v:.0f}"),
+    Column("first_forward_ratio", "first / median forward", "{:.2f}"),
+    Column("forward_spread", "forward p90 / p10", "{:.2f}"),
+    Column("runnable", "waiting for a core", "{:.3f}"), Column("not_computing", "not computing", "{:.2f}"),
+    Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
+    Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
+P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
+                Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
+                Column("ratio", "torch / fleetlike", "{:.2f}")]
+SUMMARY_COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("pinned_idle", "idle, a core per stage", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_core", "waiting for a core", "{:.3f}"),
+    Column("shared_idle", "idle, stages sharing the cores", "{:.3f}"), Column("shared_x", "/ bubble ", "{:.2f}"),
+    Column("shared_core", "waiting for a core ", "{:.3f}")]
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
+    """The stage that computes longest: its idle is the pipeline's bubble; the faster stage
+    also idles the difference every micro-batch."""
+    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["compute_s"])
+
+
+def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:
+    keys = sorted({(r["schedule"], r["m"]) for run in (pinned, shared) if run for r in run["rows"]})
+    out = []
+    for mode, m in keys:
+        row: dict[str, Any] = {"schedule": mode, "m": m, "bubble": 1 / (m + 1)}
+        for name, run in (("pinned", pinned), ("shared", shared)):
+            have = run is not None and any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])
+            slow = slower(run["rows"], mode, m) if have and run else None
+            row[f"{name}_idle"] = slow["idle"] if slow else float("nan")
+            row[f"{name}_x"] = slow["idle"] * (m + 1) if slow else float("nan")
+            row[f"{name}_core"] = slow["runnable"] if slow else float("nan")
+        out.append(row)
+    return out
+
+
+def _run_line(run: dict[str, Any], how: str, stages: int) -> str:
+    cmd = run["info"]["command"]
+    return (f"`{cmd}` ({how}; {run['info']['date']}, load average {run['load_end']:.1f} at the end; "
+            f"CPUs of stage 0, 1: {' and '.join(str(next(r['cpus'] for r in run['rows'] if r['stage'] == s)) for s in range(stages))})")
+
+
+def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title: str, setup: str,
+            stages: int) -> str:
+    """The "## Pipeline" section from the last run with a core per stage and the last run
+    with the stages sharing the cores (whichever exist)."""
+    nan = float("nan")
+    parts = [f"{title}\n\n{setup}, {stages} stages on {stages} gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule "
+             "on the same split in the same processes, interleaved rep by rep. A step ends when stage 0's last "
+             "backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times torch's step without "
+             "the wait for stage 0's tail, which its next step pays). `--pin` (the default where the job may "
+             f"use at least {stages} CPUs) runs each rank -- its gloo and torch threads with it, both schedules "
+             "-- on its own core, one intra-op and one inter-op thread; `--no-pin` leaves the ranks to share "
+             "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
+             "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
+             "micro-batch), against the bubble (p-1)/(m+p-1):\n\n"
+             + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
+             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _GLOSSARY]
+    for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
+        if run is None:
+            continue
+        parts.append(f"\n\n### {how[0].upper() + how[1:]}\n\n{_run_line(run, how, stages)}\n\n"
+                     + format_table(COLUMNS, run["rows"], markdown=True).replace(f"{nan}", "-")
+                     + "\n\nPing-pong between the two ranks over torch's process group (what the stages' "
+                     "sends ride) and over fleetlike's own gloo communicator (both a ProcessGroupGloo on "
+                     "the job's store):\n\n" + format_table(P2P_COLUMNS, run["p2p"], markdown=True))
+    return "".join(parts) + "\n"
+
+
+_GLOSSARY = (
+    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
+    "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
+    "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: stage 1 "
+    "computes each block's input gradient, stage 0's first block needs none); *waiting for a core* = "
+    "runnable but not running; *not computing* = 1 - (forward, backward and update time) / (step time). "
+    "*in waits* = wall time inside the schedule's send/receive waits and the loss's broadcast (the clock's "
+    "idle); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
+    "and the loss's broadcast, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
+    "and backwards (their order and durations, one clock for both ranks) replayed on the schedule's "
+    "dependencies (`bench/pipeline_timeline.py`), the idle over the measured step time: at each stage's "
+    "median forward and backward (the bubble at the stages' balance), at the recorded durations (plus the "
+    "jitter from micro-batch to micro-batch), plus the *handoff latency* (median, from an op's end on one "
+    "stage to the op needing it starting on its waiting neighbour: the schedule's bookkeeping, the send and "
+    "the receive); for 1F1B the same with one more warm-up forward on stage 0 (3 micro-batches of "
+    "activations in flight there instead of 2; the replay lets no send hold up a receive, as torch's 1F1B "
+    "over gloo does). *between two forwards or two backwards*: the median time "
+    "from one op's end to the next same-kind op's start on the stage; stage 0 under GPipe waits for nobody "
+    "between its forwards, so there it is the schedule's own work per micro-batch. *first / median forward*: a step's first micro-batch's "
+    "forward over its others' median; *forward p90 / p10*: the spread of every micro-batch's forward.")
+
+
+def add_replays(rows: list[dict[str, Any]]) -> None:
+    """Add to each row its stage's idle fraction when the recorded steps are replayed on the
+    schedule's dependencies (`bench.pipeline_timeline`): at the stages' median op times, at the
+    recorded times, and with the recorded handoff latency too; for 1F1B also with one more
+    warm-up forward on every stage but the last. Each over the stage's measured step time."""
+    from bench.pipeline_timeline import Op, handoff_latency, median_durations, replay, with_extra_warmup
+
+    for key in sorted({(r["schedule"], r["m"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["schedule"], r["m"]) == key), key=lambda r: r["stage"])
+        steps = [[[Op(*op) for op in r["timeline"][k]] for r in mine] for k in range(len(mine[0]["timeline"]))]
+        lat = handoff_latency(steps)
+        medians = median_durations(steps)
+        runs = {"replay_balance": [replay(st, 0.0, medians) for st in steps],
+                "replay_jitter": [replay(st, 0.0) for st in steps],
+                "replay_latency": [replay(st, lat) for st in steps]}
+        if key[0] == "1F1B":
+            runs["replay_warmup"] = [replay([with_extra_warmup(o) for o in st[:-1]] + [st[-1]], lat) for st in steps]
+        for r in mine:
+            total = sum(r["step_times"])
+            r["handoff_us"] = lat * 1e6
+            r["same_kind_gap_us"] = _same_kind_gap([[Op(*op) for op in tl] for tl in r["timeline"]]) * 1e6
+            r["replay_warmup"] = float("nan")
+            for name, reps in runs.items():
+                r[name] = sum(rp.idle[r["stage"]] for rp in reps) / total
+
+
+def _same_kind_gap(steps: list[list[Any]]) -> float:
+    """The median time between the end of one op and the start of the next of the same kind
+    (forward after forward, backward after backward) on a stage: under GPipe the first stage's
+    forwards wait for nobody, so there it is the schedule's own work per micro-batch (torch's
+    stage bookkeeping, posting the send); elsewhere it may include a wait. NaN with none."""
+    gaps = [b.start - a.end for ops in steps for a, b in zip(ops, ops[1:]) if a.kind == b.kind]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench._common import save_figure
+
+    main_run = pinned or shared
+    if main_run is None:
+        return
+    rows = main_run["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for mode, marker in (("1F1B", "o"), ("FThenB", "s")):
+        first = [r for r in rows if r["schedule"] == mode and r["stage"] == 0]
+        ms = [r["m"] for r in first]
+        axes[0].plot(ms, [r["ratio"] for r in first], marker=marker, label=mode)
+        for run, ls, how in ((pinned, "-", "a core per stage"), (shared, ":", "sharing cores")):
+            if run is not None:
+                run_ms = sorted({r["m"] for r in run["rows"] if r["schedule"] == mode})
+                axes[1].plot(run_ms, [slower(run["rows"], mode, m)["idle"] for m in run_ms], marker=marker, ls=ls,
+                             label=f"{mode}, {how}")
+        axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
+    ms = sorted({r["m"] for r in rows})
+    axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")
+    axes[1].fill_between(ms, [0.8 / (m + 1) for m in ms], [1.2 / (m + 1) for m in ms], color="grey", alpha=0.2,
+                         label="within 20 %")
+    axes[0].axhline(0.9, color="grey", ls=":")
+    axes[0].set(title="fleetlike / torch steps/s", xlabel="micro-batches m")
+    axes[1].set(title="idle fraction, slower stage", xlabel="micro-batches m")
+    axes[2].set(title="peak activations, stage 0 (micro-batches)", xlabel="micro-batches m")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -1,0 +1,262 @@
+"""Transient gradient buckets (ZeRO stage 2 on the stage 1 engine): a rank keeps only its own shard.
+
+Stage 1 (`fleetlike.collectives.sharded`) keeps every gradient bucket for good: the
+parameters' ``.grad`` are views into it, so every rank holds the whole gradient (4 bytes per
+fp32 parameter) although it steps only its partition. Stage 2 moves exactly the same bytes (the
+same buckets, owners and collectives) but holds a bucket only while it is needed:
+
+1. the bucket's buffer is allocated when its first gradient of a communicating backward lands
+   (`TransientBucket.materialise`; a bucket of one parameter adopts the gradient autograd made
+   instead, no copy), and the bucket's other parameters' ``.grad`` become views into it, so
+   autograd accumulates in place as at stage 1;
+2. it is reduce-scattered (on gloo: allreduced, each rank reading its segment) when full;
+3. once that is done (`TransientBucket.release`) this rank's segment is copied into the shard it
+   keeps, its own parameters' ``.grad`` become views into that shard, the others' are set to
+   None, and the buffer is dropped.
+
+A bucket wholly owned by this rank is its shard: it stays allocated for good, exactly as at
+stage 1. So a rank keeps ``1/N`` of the gradients; at most `IN_FLIGHT` buckets are being
+reduced at once beside the one filling (`TransientReducer` waits for the oldest before it
+allocates another), so the transient memory is a few buckets, whatever the model's size.
+
+Outside a communicating backward (``no_sync``, gradient-merge micro-steps) nothing is reduced:
+the gradients of the parameters this rank does not own are held whole, as autograd makes them
+(the owned ones accumulate in the kept shard), and the next communicating backward folds them
+into its buckets. Gradient merge thus holds full gradients during the micro-steps and
+communicates once per window, as at stage 1 (reduce-scattering every micro-step would keep
+``1/N`` but multiply the traffic by k, the opposite of what merge is for).
+
+Example:
+    >>> buckets = plan_shards(params, 32 << 20, world.size, make=transient_buckets(world.rank))
+    >>> reducer = TransientReducer(params, ShardReduceScatter(world.rank, [world]), cap_bytes=None,
+    ...                            buckets=buckets)
+    >>> reducer.prepare(loss); loss.backward()   # each rank: its own parameters' reduced .grad
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fleetlike.collectives.reducer import GradReducer
+from fleetlike.collectives.sharded import ShardedBucket
+
+__all__ = ["IN_FLIGHT", "TransientBucket", "TransientReducer", "transient_buckets"]
+
+#: buckets being reduced at once (besides the one filling): the next bucket waits for the oldest
+#: to be released first. One is enough to keep the link busy (the collectives of one ring run one
+#: after the other anyway: while bucket k is reduced, backward fills k + 1, and k + 2 waits for
+#: k), and bounds the transient memory to two buckets. At 201M parameters on 2 gloo ranks
+#: (docs/BENCHMARKS.md) the backward's peak with two in flight was 0.19 bytes per parameter
+#: above the forward's, two to three 16 MiB buckets, and the peak RSS 10.36 against 10.35 with one
+IN_FLIGHT = 1
+
+
+class TransientBucket(ShardedBucket):
+    """A `ShardedBucket` whose buffer exists only while it is filled and reduced (see the module
+    docstring). ``kept`` is what this rank keeps of it: the whole buffer when it owns the whole
+    bucket (``resident``: allocated for good, a stage 1 bucket), its segment's gradients for a
+    segmented bucket with parameters of its own, else None; ``kept_views`` its parameters'
+    gradients in it, by index into ``params``."""
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
+                 positions: Sequence[int], why: str | None = None, *, rank: int) -> None:
+        self.rank = rank
+        self.resident = owners and all(r == rank for r in owners)
+        super().__init__(index, params, owners, positions, why, allocate=bool(self.resident))
+        self.live = bool(self.resident)
+        self.kept: torch.Tensor | None = None
+        self.kept_views: dict[int, torch.Tensor] = {}
+        if self.resident:
+            self.kept = self.buffer
+            self.kept_views = dict(enumerate(self.views))
+        elif self.single is None and self.owned(rank):
+            self.kept = torch.zeros(self.segment, dtype=self.dtype, device=self.device)
+            base = self.positions[rank] * self.segment
+            for j in self.owned(rank):
+                o, p = self.offsets[j], self.params[j]
+                self.kept_views[j] = self.kept[o - base : o - base + p.numel()].view_as(p)
+        self._placeholder = self.buffer if not self.resident else torch.zeros(0, dtype=self.dtype, device=self.device)
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0 if self.kept is None else self.kept.numel() * self.kept.element_size()
+
+    def materialise(self) -> None:
+        """Allocate the buffer and make every parameter's ``.grad`` its view, folding in the
+        gradients held so far (a micro-step's, a kept shard's local sum, the one that just
+        landed). A bucket of one parameter whose gradient is a tensor of its own adopts it."""
+        if self.live:
+            return
+        if len(self.params) == 1 and self.single is not None:
+            g = self.params[0].grad
+            if (g is not None and not g.is_sparse and g.is_contiguous() and g.dtype == self.dtype
+                    and g.device == self.device and g.storage_offset() == 0
+                    and g.untyped_storage().nbytes() == g.numel() * g.element_size()):
+                self.buffer = g.view(-1)
+                self.views = [g]
+                self.live = True
+                return
+        self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        self.live = True
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is not None:
+                view.copy_(g.to_dense() if g.is_sparse else g)
+            p.grad = view
+
+    def release(self) -> None:
+        """After the bucket's collective: keep this rank's segment, drop the rest (see the
+        module docstring)."""
+        if self.resident or not self.live:
+            return
+        if self.kept is not None:
+            self.kept.copy_(self.segment_of(self.rank))
+        for j, p in enumerate(self.params):
+            p.grad = self.kept_views.get(j)
+        self.buffer = self._placeholder
+        self.views = []
+        self.live = False
+
+    def attach(self) -> None:
+        """This rank's parameters' ``.grad`` are their views into the kept shard again (a
+        replaced gradient folded in); the others' are left as they are (None, or a local sum
+        that the next communicating backward folds in)."""
+        if self.live:
+            super().attach()
+            return
+        for j, view in self.kept_views.items():
+            p = self.params[j]
+            g = p.grad
+            if g is view:
+                continue
+            if g is not None:
+                view.copy_(g.to_dense() if g.is_sparse else g)
+            p.grad = view
+
+    def zero_(self) -> None:
+        if self.kept is not None:
+            self.kept.zero_()
+        if self.live and not self.resident:
+            self.buffer.zero_()
+
+
+def transient_buckets(rank: int) -> Callable[..., TransientBucket]:
+    """`plan_shards`' ``make`` for this rank's transient buckets."""
+
+    def make(index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int], positions: Sequence[int],
+             why: str | None = None) -> TransientBucket:
+        return TransientBucket(index, params, owners, positions, why, rank=rank)
+
+    return make
+
+
+class TransientReducer(GradReducer):
+    """A `GradReducer` over `TransientBucket` s: each bucket materialised at its first gradient,
+    released once reduced, at most ``in_flight`` being reduced at once (module docstring)."""
+
+    def __init__(self, params: Any, collective: Any, *, buckets: Sequence[TransientBucket],
+                 in_flight: int = IN_FLIGHT, **kwargs: Any) -> None:
+        if in_flight < 1:
+            raise ValueError(f"in_flight={in_flight}: at least one bucket must be allowed in flight")
+        self.in_flight = in_flight
+        #: indices of the buckets launched and not yet released, oldest first
+        self._launched: list[int] = []
+        super().__init__(params, collective, cap_bytes=None, buckets=buckets, **kwargs)
+        if self.hold is not None:
+            raise ValueError("transient buckets are reduced as backward fills them: there is no whole local "
+                             "gradient to hold (clip after the reduction instead)")
+
+    def _make_room(self) -> None:
+        while len(self._launched) >= self.in_flight:
+            self._retire(self._launched.pop(0))
+
+    def _retire(self, index: int) -> None:
+        work = self._works[index]
+        if work is not None:
+            started = time.perf_counter()
+            work.wait()
+            self.wait_seconds += time.perf_counter() - started
+            self._works[index] = None
+        bucket = self.buckets[index]
+        assert isinstance(bucket, TransientBucket)
+        bucket.release()
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self.armed:
+            bucket, _ = self._where[id(p)]
+            assert isinstance(bucket, TransientBucket)
+            if not bucket.live:
+                self._make_room()
+                bucket.materialise()
+        super()._grad_ready(p)
+
+    def _launch(self, bucket: Any) -> None:
+        if not bucket.live:  # parameters that got no gradient this backward: zeros (or a local sum)
+            self._make_room()
+            bucket.materialise()
+        super()._launch(bucket)
+        if not bucket.resident:
+            self._launched.append(bucket.index)
+
+    def _finalize(self) -> None:
+        if not self.armed:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for b in self.buckets:
+            if b.resident and self._works[b.index] is not None:
+                started = time.perf_counter()
+                self._works[b.index].wait()  # type: ignore[union-attr]
+                self.wait_seconds += time.perf_counter() - started
+                self._works[b.index] = None
+        while self._launched:
+            self._retire(self._launched.pop(0))
+        self.armed = False
+
+    def _attach(self, keep: bool = True) -> None:
+        if keep:
+            for b in self.buckets:
+                b.attach()
+            return
+        for b in self.buckets:
+            assert isinstance(b, TransientBucket)
+            if b.resident:
+                for p, view in zip(b.params, b.views):
+                    if p.grad is not view:
+                        p.grad = view
+            else:
+                for j, p in enumerate(b.params):
+                    p.grad = b.kept_views.get(j)
+
+    def zero_grad(self) -> None:
+        """The kept shards zeroed in place (unless `mark_zeroed` vouches for them) and attached;
+        every other gradient None."""
+        with self._lock:
+            zeroed, self._zeroed = self._zeroed, False
+            for b in self.buckets:
+                assert isinstance(b, TransientBucket)
+                if not zeroed and b.kept is not None:
+                    b.kept.zero_()
+            self._attach(keep=False)
+
+    def fold(self) -> None:
+        raise NotImplementedError("transient buckets fold the gradients as each is materialised")
+
+    def rebucket(self, cap_bytes: int | None, collective: Any) -> None:
+        raise RuntimeError("transient (stage 2) buckets are laid out once per owner; they cannot be re-bucketed "
+                           "between steps (auto_tune tunes data parallel's buckets)")
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The gradients this rank holds after a communicating backward: its kept shards."""
+        return [b.kept for b in self.buckets if isinstance(b, TransientBucket) and b.kept is not None]
+
+    def transient_bytes(self) -> int:
+        """The most bytes of buckets alive at once beyond the kept shards: ``in_flight`` being
+        reduced and one filling, of the largest transient buckets (what the planner counts)."""
+        sizes = sorted((b.nbytes for b in self.buckets if not b.resident), reverse=True)
+        return sum(sizes[: self.in_flight + 1])
