@@ -15,6 +15,11 @@ workers, one rank), decoded and turned into a uint8 tensor (``PILToTensor``), as
 - **packed in file order, cold**: the packed files cold, the loader not shuffling
   (``shuffle=False``): the records are read in the order they were written, as the library rows
   read theirs, so the kernel's readahead fetches many records per device read;
+- **packed, block shuffle, cold** / **warm**: ``IndexTFRDataset(readahead_block=64)``, so the
+  loader's sampler shuffles blocks of 64 consecutive records, 8 blocks to a window, shuffled
+  inside the window (``DistributedSampler(block_size=64)``), and the first read of a block hints
+  its bytes to the kernel (``POSIX_FADV_WILLNEED``); on throttled storage also **packed, block
+  shuffle, no readahead, cold**: the same order, no hint (what the order alone gives);
 - **WebDataset, cold** / **warm**, **litdata, cold** / **warm**: the same JPEGs in each library's
   own format, written by its own writer and read by its own loader (``bench.image_libs``), decoded
   by the same decoder; a library that does not import (the ``bench-io`` extra) is skipped with
@@ -77,6 +82,7 @@ SECTION = "## Packed image input (`IndexTFRDataset`) vs small files"
 LIBRARIES = ("WebDataset", "litdata")
 LOCAL, MEMORY = "local disk", "memory"
 BOUND = "decode bound (bytes in memory)"
+BLOCK = 64  # records per block of the block-shuffle rows (8 blocks to a window: the sampler's default)
 THROTTLES = ("cloud_ssd_volume=3000/125", "standard_hdd_volume=500/60", "hdd=150/150")
 COLUMNS = [Column("storage", "storage"), Column("mode", "mode"), Column("images_s", "images/s", "{:.0f}"),
            Column("vs_folder_cold", "x folder cold", "{:.2f}"), Column("vs_bound", "x decode bound", "{:.2f}"),
@@ -146,11 +152,14 @@ def throttled_groups(disk: ThrottledDisk, data: Path, listing: Path, packed: Pat
     transform = PILToTensor()
     folder_ds = ImageListDataset(mnt, mnt / listing.name, transform=transform)
     packed_ds = IndexTFRDataset(mnt / packed.name, "train.index", transform)
+    block_ds = IndexTFRDataset(mnt / packed.name, "train.index", transform, readahead_block=BLOCK)
     readers: list[tuple[str, Pass, Pass | None]] = [
         ("folder", lambda: count(loader(folder_ds)), lambda: count(loader(folder_ds))),
         ("packed", lambda: count(loader(packed_ds)), lambda: count(loader(packed_ds))),
     ]
     readers.append(("packed in file order", lambda: count(loader(packed_ds, shuffle=False)), None))
+    readers.append(("packed, block shuffle", lambda: count(loader(block_ds)), None))
+    readers.append(("packed, block shuffle, no readahead", lambda: count(loader(packed_ds, block=BLOCK)), None))
     readers += [(name.split(",")[0], fn, None) for name, fn in libs.items() if name.endswith(", cold")]
 
     def on(t: Throttle, mode: str, fn: Pass, cold: bool) -> Pass:
@@ -201,13 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     folder_files = [path for path, _ in entries]
     transform = PILToTensor()
 
-    def loader(ds: Dataset[Any], shuffle: bool = True) -> Any:
+    def loader(ds: Dataset[Any], shuffle: bool = True, block: int | None = None) -> Any:
         return get_data_loader(ds, BATCH, 1, 0, shuffle, num_workers=args.workers, prefetch=2,
-                               persistent_workers=False)
+                               persistent_workers=False, block_size=block)
 
     folder_ds = ImageListDataset(data, listing, transform=transform)
     packed_ds = IndexTFRDataset(packed, "train.index", transform)
     pillow_ds = IndexTFRDataset(packed, "train.index", transform, decoder="pillow")
+    block_ds = IndexTFRDataset(packed, "train.index", transform, readahead_block=BLOCK)
     memory_ds = InMemory([p.read_bytes() for p in folder_files], [label for _, label in entries])
 
     def cold(files: list[Path], ds: Dataset[Any], shuffle: bool = True) -> Pass:
@@ -221,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         [(LOCAL, "packed, cold", cold(records, packed_ds)), (LOCAL, "packed, warm", lambda: count(loader(packed_ds)))],
         [(LOCAL, "packed, warm, Pillow decoder", lambda: count(loader(pillow_ds)))],
         [(LOCAL, "packed in file order, cold", cold(records, packed_ds, shuffle=False))],
+        [(LOCAL, "packed, block shuffle, cold", cold(records, block_ds)),
+         (LOCAL, "packed, block shuffle, warm", lambda: count(loader(block_ds)))],
     ]
     lib_modes, skipped = library_modes(data, entries, tag=f"{args.images}_{args.size}", workers=args.workers,
                                        batch=BATCH, shards=max(2, args.workers) * 4, count=count)
@@ -334,10 +346,12 @@ def reading(rows: list[dict[str, Any]], skipped: dict[str, str], passes: dict[st
     storages = [st for st in dict.fromkeys(row["storage"] for row in rows) if st not in (LOCAL, MEMORY)]
     cold_ratios = "; ".join(
         f"{st}: {r[(st, 'packed, cold')]['vs_folder_cold']:.2f}x ({r[(st, 'packed, cold')]['images_s']:.0f} / "
-        f"{r[(st, 'folder, cold')]['images_s']:.0f} images/s), in file order "
+        f"{r[(st, 'folder, cold')]['images_s']:.0f} images/s), block shuffle "
+        f"{r[(st, 'packed, block shuffle, cold')]['vs_folder_cold']:.2f}x, in file order "
         f"{r[(st, 'packed in file order, cold')]['vs_folder_cold']:.2f}x" for st in storages)
     lines = [f"Reading: packed, cold is {packed_cold['vs_folder_cold']:.2f}x the folder read cold on the local disk "
-             f"(in file order {r[(LOCAL, 'packed in file order, cold')]['vs_folder_cold']:.2f}x)"
+             f"(block shuffle {r[(LOCAL, 'packed, block shuffle, cold')]['vs_folder_cold']:.2f}x, in file order "
+             f"{r[(LOCAL, 'packed in file order, cold')]['vs_folder_cold']:.2f}x)"
              + (f" and on the throttled storage {cold_ratios}" if storages else "") + " (goal 3x); "
              f"packed, warm reaches {packed_warm['vs_bound']:.0%} of the decode bound (goal >= 90%; "
              f"{spread(LOCAL, 'packed, warm')})"]
@@ -356,19 +370,23 @@ def reading(rows: list[dict[str, Any]], skipped: dict[str, str], passes: dict[st
              "use their own loaders and read their files in order, so a library row can pass it.")
     for st in storages:
         per = {mode: r[(st, mode)].get("reads_per_image") for mode in
-               ("folder, cold", "packed, cold", "packed in file order, cold")}
+               ("folder, cold", "packed, cold", "packed in file order, cold", "packed, block shuffle, cold",
+                "packed, block shuffle, no readahead, cold")}
         libs = ", ".join(f"{row['mode'].split(',')[0]} {row['reads_per_image']:.2f}" for row in rows
                          if row["storage"] == st and row["mode"].split(",")[0] in LIBRARIES and row.get("reads_per_image"))
         folder_rate = per["folder, cold"] * r[(st, "folder, cold")]["images_s"]
         text += (f" On {st}, device reads per image in a cold pass: the folder "
                  f"{per['folder, cold']:.2f} ({folder_rate:.0f} reads/s, {folder_rate / iops[st]:.0%} of the "
-                 f"limit), packed in shuffled order {per['packed, cold']:.2f}, packed in file order "
+                 f"limit), packed in shuffled order {per['packed, cold']:.2f}, block shuffle "
+                 f"{per['packed, block shuffle, cold']:.2f} (without the readahead hint "
+                 f"{per['packed, block shuffle, no readahead, cold']:.2f}), packed in file order "
                  f"{per['packed in file order, cold']:.2f}" + (f", the libraries' in-order readers {libs}" if libs else "")
                  + ".")
     if storages:
         text += (" The folder reads an inode, directory blocks and the data per image; a shuffled `pread` of one "
                  "record gets no readahead, so packed in shuffled order saves the folder's metadata reads and no "
-                 "more; read in file order, one readahead fetches several records.")
+                 "more; read in file order, one readahead fetches several records; the block shuffle hints a "
+                 f"block of {BLOCK} records at its first read, so a block costs a few large reads in any order.")
     for name, reason in skipped.items():
         text += f" No {name} row: {reason}."
     return text

@@ -4,7 +4,8 @@ API summary (everything defaults ``num_replicas``/``rank``/device to the fleet j
 
 ===========================================================  ===================================
 ``get_data_loader(dataset, batch_size, num_replicas=None,    torch DataLoader parameters plus a
-rank=None, shuffle=True, *, seed, tail, sampler,             resumable sampler, prefetch of
+rank=None, shuffle=True, *, seed, tail, block_size,          resumable sampler, prefetch of
+blocks_per_window, sampler,
 num_workers, collate_fn, pin_memory, drop_last, timeout,     ``prefetch`` batches onto the
 worker_init_fn, multiprocessing_context, generator,          device, and the data-wait time;
 prefetch_factor, persistent_workers, prefetch=2, device,     returns a `DistributedDataLoader`
@@ -17,9 +18,10 @@ batch_sampler, enable_optimizations=True)``                  (torch's DataLoader
                                                              (seconds waited on data: last step,
                                                              this pass), ``steps``, ``skipped``
 ``DistributedSampler(dataset, num_replicas=None, rank=None,  torch's, resumable:
-shuffle=True, seed=0, drop_last=False, *, tail, batch_size)  ``set_epoch``, ``state_dict()``,
-                                                             ``load_state_dict()`` (any world
-                                                             size); ``tail`` pad / drop / even
+shuffle=True, seed=0, drop_last=False, *, tail, batch_size,  ``set_epoch``, ``state_dict()``,
+block_size=None, blocks_per_window=8)``                      ``load_state_dict()`` (any world
+                                                             size); ``tail`` pad / drop / even;
+                                                             ``block_size``: block shuffle
 ``files_shard(files, size=None, rank=None, drop_last=False)``  this rank's contiguous block
 ``worker_shard``, ``FileShardDataset(files, read)``          by rank and DataLoader worker
 ``FileCache(source, cache_dir, max_bytes=None, reader=None)``  raw files of a slow source, fetched
@@ -33,7 +35,8 @@ cache_size=None, transforms=None, *, disk_size=None)``         / auto; ``transfo
                                                              ``file_cache=`` and ``cache_type=``,
                                                              ``cache_dir``, ``cache_size``,
                                                              ``cache_transform`` (decoded cache)
-``IndexTFRDataset(tfrecord_dir, tfrecord_file, transform)``  TI-ACC's packed images: TFRecord
+``IndexTFRDataset(tfrecord_dir, tfrecord_file, transform,   TI-ACC's packed images: TFRecord
+..., readahead_block=None)``
 ``build_index``, ``read_index``, ``RecordError``             files read through an index (tools:
                                                              ``python -m fleetlike.io.tools.
                                                              image_list`` / ``img2tfrecord``)

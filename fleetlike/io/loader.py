@@ -291,6 +291,17 @@ class DistributedDataLoader:
             self._taken, self._finished = 0, False
 
 
+def _block_size(dataset: Dataset[Any], block_size: int | None) -> int | None:
+    """The sampler's block size: ``block_size``, else the dataset's ``readahead_block``. A dataset
+    that reads ``k`` records ahead under a sampler with other blocks reads bytes nobody uses."""
+    ahead = getattr(dataset, "readahead_block", None)
+    if block_size is None or ahead is None or block_size == ahead:
+        return ahead if block_size is None else block_size
+    raise ValueError(f"get_data_loader: block_size={block_size}, but the dataset reads blocks of "
+                     f"readahead_block={ahead} records ahead; a sampler whose blocks differ makes it read "
+                     "records no sample of the window uses: pass the same value (or leave block_size out)")
+
+
 def get_data_loader(
     dataset: Dataset[Any],
     batch_size: int = 1,
@@ -300,6 +311,8 @@ def get_data_loader(
     *,
     seed: int = 0,
     tail: Tail | str = Tail.PAD,
+    block_size: int | None = None,
+    blocks_per_window: int = 8,
     sampler: Sampler[int] | None = None,
     batch_sampler: Sampler[list[int]] | Iterable[list[int]] | None = None,
     num_workers: int = 0,
@@ -322,6 +335,9 @@ def get_data_loader(
     incomplete batch). ``num_replicas``/``rank`` default to the fleet job's; ``shuffle``,
     ``seed`` and ``tail`` configure the `DistributedSampler` (``tail="even"``: ranks agree on
     the number of batches, no sample repeated). ``sampler`` replaces it (not resumable then).
+    ``block_size``/``blocks_per_window``: the sampler's block shuffle (`DistributedSampler`);
+    ``block_size`` defaults to the dataset's ``readahead_block`` (`IndexTFRDataset`), so a
+    dataset that reads blocks ahead is read block by block.
     ``prefetch``: batches fetched ahead onto ``device`` (default ``fleet.device()``, else the
     CPU); 0 fetches in the training thread. ``pin_memory`` defaults to True on CUDA.
     ``shuffle`` defaults to True (False with a ``batch_sampler``). The job strategy's
@@ -351,7 +367,9 @@ def get_data_loader(
         if num_replicas is None and rank is None and not io_settings()["slicing"]:
             num_replicas, rank = 1, 0  # the strategy's io.slicing off: every rank reads the whole dataset
         sampler = DistributedSampler(dataset, num_replicas, rank, shuffle=True if shuffle is None else shuffle,  # type: ignore[arg-type]
-                                     seed=seed, tail=tail, batch_size=batch_size, drop_last_batch=drop_last)
+                                     seed=seed, tail=tail, batch_size=batch_size, drop_last_batch=drop_last,
+                                     block_size=_block_size(dataset, block_size),
+                                     blocks_per_window=blocks_per_window)
     elif iterable and sampler is not None:
         raise ValueError("get_data_loader: an IterableDataset takes no sampler (it shards itself, "
                          "e.g. FileShardDataset); drop sampler=")

@@ -15,6 +15,18 @@ gets as many), ``drop`` (torch's ``drop_last=True``: drop the tail so it divides
 unless it would give some ranks one more batch than others, which would leave the others
 waiting in a collective: needs ``batch_size``).
 
+Block shuffle (``block_size=k``, ``blocks_per_window=g``), the chunk-wise shuffle of litdata and
+WebDataset, for records packed in files (`IndexTFRDataset`): a fully shuffled order reads one small
+record per device read, because a random ``pread`` gets no readahead. With ``block_size`` the
+epoch's order is blocks of ``k`` consecutive indices (``[0, k)``, ``[k, 2k)``, ...) in a seeded
+random order, cut into windows of ``g`` blocks, the indices shuffled within each window: a batch
+mixes ``g`` blocks rather than one run of neighbours, and a reader that fetches a block's bytes at
+once (`IndexTFRDataset` ``readahead_block=k``) pays one large read per ``k`` records. What it gives
+up: two samples more than ``g * k`` positions apart in the order never come from the same window,
+and samples of one block are never more than ``g * k`` positions apart. The state stays one
+``offset``: resumable at any world size, as the plain order. ``block_size=None`` (or 1) is torch's
+order, unchanged.
+
 Example:
     >>> sampler = DistributedSampler(dataset, num_replicas=4, rank=1, seed=0)
     >>> sampler.set_epoch(epoch)
@@ -37,7 +49,7 @@ from fleetlike.comm import parse_choice
 from fleetlike.io.job import replicas
 from fleetlike.io.store import LockPickling
 
-__all__ = ["DistributedSampler", "Tail", "deal"]
+__all__ = ["DistributedSampler", "Tail", "block_order", "deal"]
 
 
 class Tail(str, enum.Enum):
@@ -50,6 +62,25 @@ class Tail(str, enum.Enum):
 
 def _batches(n: int, batch_size: int, drop_last_batch: bool) -> int:
     return n // batch_size if drop_last_batch else -(-n // batch_size)
+
+
+def block_order(n: int, block_size: int, blocks_per_window: int, generator: torch.Generator) -> list[int]:
+    """A permutation of ``range(n)``: blocks of ``block_size`` consecutive indices (the last one
+    shorter when it does not divide) in random order, windows of ``blocks_per_window`` blocks,
+    each window's indices in random order (module docstring). Deterministic in ``generator``.
+
+    Example:
+        >>> order = block_order(1000, 64, 8, torch.Generator().manual_seed(0))
+        >>> len({i // 64 for i in order[:512]})   # the first window: 8 blocks of 64
+        8
+    """
+    blocks = -(-n // block_size)
+    rank = torch.empty(blocks, dtype=torch.int64)
+    rank[torch.randperm(blocks, generator=generator)] = torch.arange(blocks)   # a block's place
+    window = rank[torch.arange(n) // block_size] // blocks_per_window           # each index's window
+    key = torch.rand(n, generator=generator, dtype=torch.float64)
+    by_key = torch.argsort(key, stable=True)                                     # random within ...
+    return by_key[torch.sort(window[by_key], stable=True).indices].tolist()     # ... each window
 
 
 def deal(order: list[int], offset: int, world: int, tail: Tail, batch_size: int | None = None,
@@ -80,13 +111,22 @@ class DistributedSampler(LockPickling, Sampler[int]):
     ``num_replicas``/``rank`` default to the fleet job's. ``drop_last=True`` is ``tail="drop"``.
     ``batch_size`` (and ``drop_last_batch``, the loader's ``drop_last``) is needed by
     ``tail="even"`` only: ranks must agree on the number of batches, not of samples.
+    ``block_size``/``blocks_per_window``: the block shuffle (module docstring); ignored by an
+    unshuffled order, which is file order already.
     """
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
                  tail: Tail | str | None = None, batch_size: int | None = None,
-                 drop_last_batch: bool = False) -> None:
+                 drop_last_batch: bool = False, block_size: int | None = None,
+                 blocks_per_window: int = 8) -> None:
         self.rank, self.num_replicas = replicas(num_replicas, rank, "DistributedSampler")
+        for name, value in (("block_size", 1 if block_size is None else block_size),
+                            ("blocks_per_window", blocks_per_window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DistributedSampler: {name} must be a positive int, got {value!r}")
+        self.block_size = None if block_size in (None, 1) else int(block_size)  # 1: torch's order
+        self.blocks_per_window = int(blocks_per_window)
         if not hasattr(dataset, "__len__"):
             raise TypeError(
                 f"DistributedSampler: the dataset ({type(dataset).__name__}) has no length; an "
@@ -117,13 +157,23 @@ class DistributedSampler(LockPickling, Sampler[int]):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def order(self) -> list[int]:
-        """The epoch's global order (torch's: ``randperm`` seeded with ``seed + epoch``)."""
+        """The epoch's global order (torch's: ``randperm`` seeded with ``seed + epoch``; with
+        ``block_size``, `block_order` from the same seed)."""
         n = self.dataset_size
         if not self.shuffle:
             return list(range(n))
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
+        if self.block_size is not None:
+            return block_order(n, self.block_size, self.blocks_per_window, g)
         return torch.randperm(n, generator=g).tolist()
+
+    def _blocks(self) -> dict[str, Any]:
+        """The block-shuffle settings a state records (none for the plain order: states stay as
+        they were)."""
+        if self.block_size is None:
+            return {}
+        return {"block_size": self.block_size, "blocks_per_window": self.blocks_per_window}
 
     def _share(self, start: int) -> list[int]:
         dealt = deal(self.order(), start, self.num_replicas, self.tail, self.batch_size, self.drop_last_batch)
@@ -171,7 +221,7 @@ class DistributedSampler(LockPickling, Sampler[int]):
             share = len(self._share(start))
             offset = n if done >= share else min(n, start + done * self.num_replicas)
         return {"epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
-                "dataset_size": n, "offset": offset}
+                "dataset_size": n, "offset": offset, **self._blocks()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (saved at any world size): the next pass deals out the rest of
@@ -187,6 +237,12 @@ class DistributedSampler(LockPickling, Sampler[int]):
                 f"{state['dataset_size']} samples, this dataset has {n}; positions in one epoch order "
                 "do not carry over to another dataset (restore the same dataset, or start the epoch anew)"
             )
+        saved = {key: state[key] for key in ("block_size", "blocks_per_window") if key in state}
+        if saved != self._blocks() and bool(state["shuffle"]):
+            raise ValueError(
+                f"DistributedSampler.load_state_dict: the state was saved with the block shuffle "
+                f"{saved or 'off'}, this sampler has {self._blocks() or 'it off'}; the offset is a position "
+                "in that epoch order: build the sampler with the same block_size and blocks_per_window")
         if not 0 <= int(state["offset"]) <= n:
             raise ValueError(f"DistributedSampler.load_state_dict: offset={state['offset']} is outside "
                              f"[0, {n}] for a dataset of {n} samples")

@@ -19,6 +19,12 @@ when the dataset is built (a line that does not parse, a file that is missing, a
 past its file: the index file and line number), every record when it is read (length, checksums,
 the label against the index's: the record file and its offset).
 
+``readahead_block=k``: read under the sampler's block shuffle (`DistributedSampler`
+``block_size=k``, which `get_data_loader` then picks by itself), the first read of a block of
+``k`` consecutive samples asks the kernel for the whole block's bytes (`BlockReadahead`), so on
+storage that charges per read a block costs a few large reads instead of ``k`` small ones. The
+records returned are the same.
+
 ``dataset_type="coco"`` records (``img2tfrecord --dataset_type coco``) carry a detection target:
 the dataset returns ``(image, {"image_id", "boxes" (N x 4, xywh), "labels" (N)})``.
 
@@ -44,6 +50,7 @@ from fleetlike.io.datasets import ImageReadError, OnError
 from fleetlike.io.decode import Decoder, DecoderName
 from fleetlike.io.example import ExampleError, Feature, Kind, decode_example
 from fleetlike.io.loader import Skipped
+from fleetlike.io.readahead import BlockReadahead
 from fleetlike.io.records import RecordError, iter_records, parse_record
 
 __all__ = ["BBOX_KEY", "COCO_LABELS_KEY", "IMAGE_ID_KEY", "IMAGE_KEY", "INDEX_HEADER", "LABEL_KEY",
@@ -136,14 +143,16 @@ class IndexTFRDataset(Dataset[Any]):
     ``tfrecord_dir``: the folder of the record files; ``tfrecord_file``: the index (a path, or a
     name inside ``tfrecord_dir``). ``decoder``: ``auto`` (simplejpeg when installed, else
     Pillow), ``pillow`` or ``simplejpeg``; ``verify``: check the record checksums (CRC-32C) on
-    every read; ``on_error``: ``raise``, or ``skip`` (a `Skipped`, counted by the loader).
+    every read; ``on_error``: ``raise``, or ``skip`` (a `Skipped`, counted by the loader);
+    ``readahead_block``: records per block read ahead (module docstring; None: none).
     """
 
     def __init__(self, tfrecord_dir: str | os.PathLike[str], tfrecord_file: str | os.PathLike[str],
                  transform: Callable[[Any], Any] | None = None,
                  target_transform: Callable[[Any], Any] | None = None, *, image_key: str = IMAGE_KEY,
                  label_key: str = LABEL_KEY, decoder: DecoderName | str = DecoderName.AUTO, mode: str = "RGB",
-                 verify: bool = True, on_error: OnError | str = OnError.RAISE) -> None:
+                 verify: bool = True, on_error: OnError | str = OnError.RAISE,
+                 readahead_block: int | None = None) -> None:
         self.tfrecord_dir = Path(tfrecord_dir)
         if not self.tfrecord_dir.is_dir():
             raise FileNotFoundError(f"IndexTFRDataset: tfrecord_dir {str(self.tfrecord_dir)!r} is not a directory")
@@ -172,6 +181,9 @@ class IndexTFRDataset(Dataset[Any]):
         self._check_files()
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+        self.readahead_block = readahead_block
+        self._readahead = None if readahead_block is None else \
+            BlockReadahead(self._file, self._offset, self._length, readahead_block)
 
     def _check_files(self) -> None:
         ends = self._offset + self._length
@@ -231,6 +243,8 @@ class IndexTFRDataset(Dataset[Any]):
         index %= len(self)
         fid, offset, length = int(self._file[index]), int(self._offset[index]), int(self._length[index])
         path = self._paths[fid]
+        if self._readahead is not None:
+            self._readahead.touch(index, self._fd)
         raw = os.pread(self._fd(fid), length, offset)
         data = parse_record(raw, path, offset, self.verify)
         try:
