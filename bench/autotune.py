@@ -87,7 +87,8 @@ def _name(opts: dict[str, Any]) -> str:
     return f"{mode} {opts.get('fuse_grad_size_in_MB', 32):g}MB x{opts.get('nccl_comm_num', 1)}"
 
 
-def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int) -> None:
+def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int,
+           tuned_first: bool = False) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, fleet
@@ -103,7 +104,9 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         sizes = [p.numel() * p.element_size() for p in net0.parameters()]
         two = two_level_possible(DistributedStrategy(), ctx.groups, ctx.role)[0]
         settings = {_name(o): o for o in grid(sizes, two)}
-        settings["tuned"] = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": trial_steps, "warmup_steps": 1}}
+        tuned = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": trial_steps, "warmup_steps": 1}}
+        # built and timed first or last: the two orders tell a place in the round from the tuner
+        settings = {"tuned": tuned, **settings} if tuned_first else {**settings, "tuned": tuned}
         jobs: dict[str, Any] = {}
         for name, opts in settings.items():
             net, loss_fn, feed = _build(model)
@@ -162,7 +165,8 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         if rank == 0:
             Path(out).write_text(json.dumps({"times": times, "tuning": tuning, "cpu_seconds_all_ranks": cpu,
                                              "wall_seconds": wall, "ranks": world.size,
-                                             "grad_bytes": sum(sizes), "two_level_possible": two}))
+                                             "grad_bytes": sum(sizes), "two_level_possible": two,
+                                             "order": names}))
     finally:
         fleet.shutdown()
 
@@ -179,7 +183,8 @@ def _tuner_of(fleet: Any) -> Any:
 def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None:
     from fleetlike.testing import free_ports
 
-    spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out}
+    spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out,
+            "tuned_first": args.tuned_first}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if link == "loopback":
         ports = free_ports(2)
@@ -261,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.5, help="at least this long per model and round")
     ap.add_argument("--trial-steps", type=int, default=5, help="auto_tune_configs.steps_per_trial")
+    ap.add_argument("--tuned-first", action="store_true",
+                    help="build and time the tuned model first in each round's order (default: last)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     args = parse_or_run_worker(ap, argv, worker)
