@@ -7,8 +7,10 @@ network namespaces x 2 ranks joined by a rate-limited veth, `bench.netns`, root 
 cell one job builds one model per fixed setting of the tuner's grid (bucket size x communicators
 x allreduce mode where two levels can form; settings that give the same buckets are run once)
 and one with ``strategy.auto_tune``. The tuned one first tunes (its steps and wall time are the
-tuning cost), then every model is timed in rounds, the order rotated each round, each figure
-the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
+tuning cost), then every model is timed in rounds, each round in its own (seeded) order and
+each model's block after one untimed step (``--order rotate --block-warmup 0``: the earlier
+rule, where a rotated order makes each model always follow the same one and the switch from it
+is timed), each figure the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
 default (flat, 32 MB, one communicator); "tuned / same fixed" is the tuned model against the fixed
 model of its chosen setting (one setting measured twice: the noise floor), "round spread" the
 largest (max - min) / median of a model's rounds. Each rank's CPU seconds over the rounds are recorded:
@@ -25,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -88,7 +91,7 @@ def _name(opts: dict[str, Any]) -> str:
 
 
 def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int,
-           tuned_first: bool = False) -> None:
+           tuned_first: bool = False, order_rule: str = "shuffle", block_warmup: int = 1) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, fleet
@@ -150,10 +153,16 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         names = list(jobs)
         times: dict[str, list[float]] = {n: [] for n in names}
         cpu0, wall0 = time.process_time(), time.perf_counter()
+        rng = random.Random(1234)  # one seed: the same orders on every rank
         for rnd in range(rounds):
-            shift = rnd % len(names)
-            order = names[shift:] + names[:shift]
+            if order_rule == "rotate":
+                shift = rnd % len(names)
+                order = names[shift:] + names[:shift]
+            else:
+                order = rng.sample(names, len(names))
             for name in order:
+                for _ in range(block_warmup):  # the switch from the model before stays out of the timing
+                    jobs[name]()
                 fleet.barrier_worker()
                 t = time.perf_counter()
                 for _ in range(per[name]):
@@ -166,7 +175,8 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
             Path(out).write_text(json.dumps({"times": times, "tuning": tuning, "cpu_seconds_all_ranks": cpu,
                                              "wall_seconds": wall, "ranks": world.size,
                                              "grad_bytes": sum(sizes), "two_level_possible": two,
-                                             "order": names}))
+                                             "order": names, "order_rule": order_rule,
+                                             "block_warmup": block_warmup}))
     finally:
         fleet.shutdown()
 
@@ -184,7 +194,7 @@ def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None
     from fleetlike.testing import free_ports
 
     spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out,
-            "tuned_first": args.tuned_first}
+            "tuned_first": args.tuned_first, "order_rule": args.order, "block_warmup": args.block_warmup}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if link == "loopback":
         ports = free_ports(2)
@@ -268,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trial-steps", type=int, default=5, help="auto_tune_configs.steps_per_trial")
     ap.add_argument("--tuned-first", action="store_true",
                     help="build and time the tuned model first in each round's order (default: last)")
+    ap.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
+                    help="each round's order of models: shuffled (seeded), or the first order rotated by one "
+                         "(each model then always follows the same one)")
+    ap.add_argument("--block-warmup", type=int, default=1, help="untimed steps of a model before each timed block")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     args = parse_or_run_worker(ap, argv, worker)
