@@ -41,6 +41,9 @@ OUT_DIR = ROOT / "docs" / "benchmarks"
 BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16, "resnet": 16}
 GRID_MB = (32, 1, 4, 64)  # the default first: a size giving its buckets again is not run twice
 PER_NODE = 2
+#: the tuned model steps until its decision, at most this many (a race of 5-step trials at 0.5 s
+#: each takes up to ~70 steps per trial on a fast model: 400 cut a loopback mlp search short)
+MAX_TUNING_STEPS = 3000
 
 
 def _build(model: str) -> Any:
@@ -132,8 +135,11 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
             steps += 1
             if tuner is None:
                 tuner = _tuner_of(fleet)
-            if tuner.done or steps >= 400:
+            if tuner.done or steps >= MAX_TUNING_STEPS:
                 break
+        if not tuner.done:  # its rounds would time a search still switching settings, not a decision
+            raise RuntimeError(f"{model}: the tuner had not decided after {steps} steps "
+                               f"({tuner.summary()}); raise MAX_TUNING_STEPS")
         fleet.barrier_worker()
         tuning = {"steps": steps, "seconds": time.perf_counter() - t0, "chosen": tuner.current.label(),
                   "done": tuner.done, "extended_races": tuner.extended_races,
