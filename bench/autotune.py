@@ -44,6 +44,8 @@ PER_NODE = 2
 #: the tuned model steps until its decision, at most this many (a race of 5-step trials at 0.5 s
 #: each takes up to ~70 steps per trial on a fast model: 400 cut a loopback mlp search short)
 MAX_TUNING_STEPS = 3000
+#: ``--twin``: a second model of the default setting, left out of the fixed settings' ranking
+TWIN = "twin flat 32MB x1"
 
 
 def _build(model: str) -> Any:
@@ -94,7 +96,7 @@ def _name(opts: dict[str, Any]) -> str:
 
 
 def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int,
-           tuned_first: bool = False, order_rule: str = "shuffle", block_warmup: int = 1) -> None:
+           tuned_first: bool = False, order_rule: str = "shuffle", block_warmup: int = 1, twin: bool = False) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, fleet
@@ -110,6 +112,8 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         sizes = [p.numel() * p.element_size() for p in net0.parameters()]
         two = two_level_possible(DistributedStrategy(), ctx.groups, ctx.role)[0]
         settings = {_name(o): o for o in grid(sizes, two)}
+        if twin:  # the default built twice: how far apart one fixed setting measures in this job
+            settings[TWIN] = {}
         tuned = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": trial_steps, "warmup_steps": 1}}
         # built and timed first or last: the two orders tell a place in the round from the tuner
         settings = {"tuned": tuned, **settings} if tuned_first else {**settings, "tuned": tuned}
@@ -200,7 +204,8 @@ def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None
     from fleetlike.testing import free_ports
 
     spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out,
-            "tuned_first": args.tuned_first, "order_rule": args.order, "block_warmup": args.block_warmup}
+            "tuned_first": args.tuned_first, "order_rule": args.order, "block_warmup": args.block_warmup,
+            "twin": args.twin}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if link == "loopback":
         ports = free_ports(2)
@@ -233,7 +238,7 @@ def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None
 
 def summarise(link: str, model: str, got: dict[str, Any]) -> dict[str, Any]:
     med = {n: statistics.median(v) for n, v in got["times"].items()}
-    fixed = {n: t for n, t in med.items() if n != "tuned"}
+    fixed = {n: t for n, t in med.items() if n not in ("tuned", TWIN)}
     best = min(fixed, key=fixed.get)
     default = "flat 32MB x1"
     tuned_sps, best_sps, default_sps = 1 / med["tuned"], 1 / fixed[best], 1 / fixed[default]
@@ -247,7 +252,8 @@ def summarise(link: str, model: str, got: dict[str, Any]) -> dict[str, Any]:
             "chosen": tuning["chosen"], "best_fixed": best, "best_fixed_steps_per_s": best_sps,
             "default_steps_per_s": default_sps, "tuned_vs_best": tuned_sps / best_sps,
             "tuned_vs_default": tuned_sps / default_sps, "best_vs_default": best_sps / default_sps,
-            "tuned_vs_same_fixed": same_ratio, "round_spread": spread, "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
+            "tuned_vs_same_fixed": same_ratio,
+            "twin_vs_default": fixed["flat 32MB x1"] / med[TWIN] if TWIN in med else float("nan"), "round_spread": spread, "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
             "cpu_share": got["cpu_seconds_all_ranks"] / (got["wall_seconds"] * (os.cpu_count() or 1)),
             "fixed_steps_per_s": {n: 1 / t for n, t in fixed.items()}, "trials": tuning["trials"]}
 
@@ -288,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="each round's order of models: shuffled (seeded), or the first order rotated by one "
                          "(each model then always follows the same one)")
     ap.add_argument("--block-warmup", type=int, default=1, help="untimed steps of a model before each timed block")
+    ap.add_argument("--twin", action="store_true",
+                    help="also time a second model of the default setting (the 'twin / default' column)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     args = parse_or_run_worker(ap, argv, worker)
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("best_fixed", "best fixed"), Column("best_fixed_steps_per_s", "best steps/s", "{:.2f}"),
             Column("default_steps_per_s", "default steps/s", "{:.2f}"), Column("tuned_vs_best", "tuned/best", "{:.2f}"),
             Column("tuned_vs_default", "tuned/default", "{:.2f}"), Column("best_vs_default", "best/default", "{:.2f}"),
-            Column("tuned_vs_same_fixed", "tuned/same fixed", "{:.2f}"), Column("round_spread", "round spread", "{:.2f}"),
+            Column("tuned_vs_same_fixed", "tuned/same fixed", "{:.2f}"), Column("twin_vs_default", "twin/default", "{:.2f}"), Column("round_spread", "round spread", "{:.2f}"),
             Column("tuning_steps", "tuning steps"), Column("tuning_seconds", "tuning s", "{:.1f}"),
             Column("tuning_cost_seconds", "cost s", "{:.1f}"), Column("cpu_share", "cpu share", "{:.2f}")]
     print(format_table(cols, rows))
