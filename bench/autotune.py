@@ -12,7 +12,8 @@ each model's block after one untimed step (``--order rotate --block-warmup 0``: 
 rule, where a rotated order makes each model always follow the same one and the switch from it
 is timed), each figure the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
 default (flat, 32 MB, one communicator); "tuned / same fixed" is the tuned model against the fixed
-model of its chosen setting (one setting measured twice: the noise floor), "round spread" the
+model of its chosen setting (one setting measured twice: the noise floor; ``--twin`` adds a second
+model of the default, "twin / default"), "round spread" the
 largest (max - min) / median of a model's rounds. Each rank's CPU seconds over the rounds are recorded:
 with 4 ranks on 2 cores the figures are bounded by the cores, not the link (``cpu_share``: CPU
 seconds of all ranks / (wall x cores)).
