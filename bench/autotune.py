@@ -7,10 +7,13 @@ network namespaces x 2 ranks joined by a rate-limited veth, `bench.netns`, root 
 cell one job builds one model per fixed setting of the tuner's grid (bucket size x communicators
 x allreduce mode where two levels can form; settings that give the same buckets are run once)
 and one with ``strategy.auto_tune``. The tuned one first tunes (its steps and wall time are the
-tuning cost), then every model is timed in rounds, the order rotated each round, each figure
-the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
+tuning cost), then every model is timed in rounds, each round in its own (seeded) order and
+each model's block after one untimed step (``--order rotate --block-warmup 0``: the earlier
+rule, where a rotated order makes each model always follow the same one and the switch from it
+is timed), each figure the median of its rounds: steady steps/s of the tuned job against every fixed setting and the
 default (flat, 32 MB, one communicator); "tuned / same fixed" is the tuned model against the fixed
-model of its chosen setting (one setting measured twice: the noise floor), "round spread" the
+model of its chosen setting (one setting measured twice: the noise floor; ``--twin`` adds a second
+model of the default, "twin / default"), "round spread" the
 largest (max - min) / median of a model's rounds. Each rank's CPU seconds over the rounds are recorded:
 with 4 ranks on 2 cores the figures are bounded by the cores, not the link (``cpu_share``: CPU
 seconds of all ranks / (wall x cores)).
@@ -25,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -38,6 +42,11 @@ OUT_DIR = ROOT / "docs" / "benchmarks"
 BATCH = {"mlp": 32, "convnet": 16, "mlp50m": 16, "resnet": 16}
 GRID_MB = (32, 1, 4, 64)  # the default first: a size giving its buckets again is not run twice
 PER_NODE = 2
+#: the tuned model steps until its decision, at most this many (a race of 5-step trials at 0.5 s
+#: each takes up to ~70 steps per trial on a fast model: 400 cut a loopback mlp search short)
+MAX_TUNING_STEPS = 3000
+#: ``--twin``: a second model of the default setting, left out of the fixed settings' ranking
+TWIN = "twin flat 32MB x1"
 
 
 def _build(model: str) -> Any:
@@ -87,7 +96,8 @@ def _name(opts: dict[str, Any]) -> str:
     return f"{mode} {opts.get('fuse_grad_size_in_MB', 32):g}MB x{opts.get('nccl_comm_num', 1)}"
 
 
-def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int) -> None:
+def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds: float, trial_steps: int,
+           tuned_first: bool = False, order_rule: str = "shuffle", block_warmup: int = 1, twin: bool = False) -> None:
     import torch
 
     from fleetlike import DistributedStrategy, fleet
@@ -103,7 +113,11 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         sizes = [p.numel() * p.element_size() for p in net0.parameters()]
         two = two_level_possible(DistributedStrategy(), ctx.groups, ctx.role)[0]
         settings = {_name(o): o for o in grid(sizes, two)}
-        settings["tuned"] = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": trial_steps, "warmup_steps": 1}}
+        if twin:  # the default built twice: how far apart one fixed setting measures in this job
+            settings[TWIN] = {}
+        tuned = {"auto_tune": True, "auto_tune_configs": {"steps_per_trial": trial_steps, "warmup_steps": 1}}
+        # built and timed first or last: the two orders tell a place in the round from the tuner
+        settings = {"tuned": tuned, **settings} if tuned_first else {**settings, "tuned": tuned}
         jobs: dict[str, Any] = {}
         for name, opts in settings.items():
             net, loss_fn, feed = _build(model)
@@ -126,8 +140,11 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
             steps += 1
             if tuner is None:
                 tuner = _tuner_of(fleet)
-            if tuner.done or steps >= 400:
+            if tuner.done or steps >= MAX_TUNING_STEPS:
                 break
+        if not tuner.done:  # its rounds would time a search still switching settings, not a decision
+            raise RuntimeError(f"{model}: the tuner had not decided after {steps} steps "
+                               f"({tuner.summary()}); raise MAX_TUNING_STEPS")
         fleet.barrier_worker()
         tuning = {"steps": steps, "seconds": time.perf_counter() - t0, "chosen": tuner.current.label(),
                   "done": tuner.done, "extended_races": tuner.extended_races,
@@ -147,10 +164,16 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         names = list(jobs)
         times: dict[str, list[float]] = {n: [] for n in names}
         cpu0, wall0 = time.process_time(), time.perf_counter()
+        rng = random.Random(1234)  # one seed: the same orders on every rank
         for rnd in range(rounds):
-            shift = rnd % len(names)
-            order = names[shift:] + names[:shift]
+            if order_rule == "rotate":
+                shift = rnd % len(names)
+                order = names[shift:] + names[:shift]
+            else:
+                order = rng.sample(names, len(names))
             for name in order:
+                for _ in range(block_warmup):  # the switch from the model before stays out of the timing
+                    jobs[name]()
                 fleet.barrier_worker()
                 t = time.perf_counter()
                 for _ in range(per[name]):
@@ -162,7 +185,9 @@ def worker(rank: int, eps: list[str], out: str, model: str, rounds: int, seconds
         if rank == 0:
             Path(out).write_text(json.dumps({"times": times, "tuning": tuning, "cpu_seconds_all_ranks": cpu,
                                              "wall_seconds": wall, "ranks": world.size,
-                                             "grad_bytes": sum(sizes), "two_level_possible": two}))
+                                             "grad_bytes": sum(sizes), "two_level_possible": two,
+                                             "order": names, "order_rule": order_rule,
+                                             "block_warmup": block_warmup}))
     finally:
         fleet.shutdown()
 
@@ -179,7 +204,9 @@ def _tuner_of(fleet: Any) -> Any:
 def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None:
     from fleetlike.testing import free_ports
 
-    spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out}
+    spec = {"model": model, "rounds": args.rounds, "seconds": args.seconds, "trial_steps": args.trial_steps, "out": out,
+            "tuned_first": args.tuned_first, "order_rule": args.order, "block_warmup": args.block_warmup,
+            "twin": args.twin}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     if link == "loopback":
         ports = free_ports(2)
@@ -212,7 +239,7 @@ def _run_cell(link: str, model: str, args: argparse.Namespace, out: str) -> None
 
 def summarise(link: str, model: str, got: dict[str, Any]) -> dict[str, Any]:
     med = {n: statistics.median(v) for n, v in got["times"].items()}
-    fixed = {n: t for n, t in med.items() if n != "tuned"}
+    fixed = {n: t for n, t in med.items() if n not in ("tuned", TWIN)}
     best = min(fixed, key=fixed.get)
     default = "flat 32MB x1"
     tuned_sps, best_sps, default_sps = 1 / med["tuned"], 1 / fixed[best], 1 / fixed[default]
@@ -226,7 +253,8 @@ def summarise(link: str, model: str, got: dict[str, Any]) -> dict[str, Any]:
             "chosen": tuning["chosen"], "best_fixed": best, "best_fixed_steps_per_s": best_sps,
             "default_steps_per_s": default_sps, "tuned_vs_best": tuned_sps / best_sps,
             "tuned_vs_default": tuned_sps / default_sps, "best_vs_default": best_sps / default_sps,
-            "tuned_vs_same_fixed": same_ratio, "round_spread": spread, "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
+            "tuned_vs_same_fixed": same_ratio,
+            "twin_vs_default": fixed["flat 32MB x1"] / med[TWIN] if TWIN in med else float("nan"), "round_spread": spread, "tuning_steps": tuning["steps"], "tuning_seconds": tuning["seconds"], "tuning_cost_seconds": cost,
             "cpu_share": got["cpu_seconds_all_ranks"] / (got["wall_seconds"] * (os.cpu_count() or 1)),
             "fixed_steps_per_s": {n: 1 / t for n, t in fixed.items()}, "trials": tuning["trials"]}
 
@@ -261,6 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.5, help="at least this long per model and round")
     ap.add_argument("--trial-steps", type=int, default=5, help="auto_tune_configs.steps_per_trial")
+    ap.add_argument("--tuned-first", action="store_true",
+                    help="build and time the tuned model first in each round's order (default: last)")
+    ap.add_argument("--order", choices=("shuffle", "rotate"), default="shuffle",
+                    help="each round's order of models: shuffled (seeded), or the first order rotated by one "
+                         "(each model then always follows the same one)")
+    ap.add_argument("--block-warmup", type=int, default=1, help="untimed steps of a model before each timed block")
+    ap.add_argument("--twin", action="store_true",
+                    help="also time a second model of the default setting (the 'twin / default' column)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out-dir", default=str(OUT_DIR))
     args = parse_or_run_worker(ap, argv, worker)
@@ -280,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             Column("best_fixed", "best fixed"), Column("best_fixed_steps_per_s", "best steps/s", "{:.2f}"),
             Column("default_steps_per_s", "default steps/s", "{:.2f}"), Column("tuned_vs_best", "tuned/best", "{:.2f}"),
             Column("tuned_vs_default", "tuned/default", "{:.2f}"), Column("best_vs_default", "best/default", "{:.2f}"),
-            Column("tuned_vs_same_fixed", "tuned/same fixed", "{:.2f}"), Column("round_spread", "round spread", "{:.2f}"),
+            Column("tuned_vs_same_fixed", "tuned/same fixed", "{:.2f}"), Column("twin_vs_default", "twin/default", "{:.2f}"), Column("round_spread", "round spread", "{:.2f}"),
             Column("tuning_steps", "tuning steps"), Column("tuning_seconds", "tuning s", "{:.1f}"),
             Column("tuning_cost_seconds", "cost s", "{:.1f}"), Column("cpu_share", "cpu share", "{:.2f}")]
     print(format_table(cols, rows))

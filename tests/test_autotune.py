@@ -464,3 +464,70 @@ def test_a_pause_keeps_the_gap_out_of_every_trial_and_stop_ends_the_search(tmp_p
     assert t.steps == steps + 1 and len(t.trials) == trials
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
     assert len(rows) == len(t.trials) and all(r["best"] == "0" for r in rows)  # nothing was chosen
+
+
+def _per_step(role):
+    """After its decision a tuned job runs the fixed job's path: per step, the same collectives
+    and bytes on the same kind of buckets, and no call into the tuner."""
+    fleet.init(role)
+    try:
+        def job(options):
+            model = make_model(100 + role.rank)
+            s = DistributedStrategy(**options)
+            model = fleet.distributed_model(model, strategy=s)
+            dopt = fleet.distributed_optimizer(make_opt("adam", model), s)
+
+            def step(i):
+                loss_fn(model, batch(i, role.rank)).backward()
+                dopt.step()
+                dopt.zero_grad()
+            step(0)
+            return step, fleet._engines()[-1]
+
+        tuned, engine = job(TUNE)
+        unit = next(u for u in engine.units if u.name == "auto_tune")
+        for i in range(1, 200):
+            if unit.tuner.done:
+                break
+            tuned(i)
+        calls = {"step_done": 0}
+        real = unit.tuner.step_done
+
+        def counted():
+            calls["step_done"] += 1
+            real()
+        unit.tuner.step_done = counted
+        fixed, fixed_engine = job(_fixed(unit.tuner.current))
+        world = fleet.context().groups.world
+        out = {"done": unit.tuner.done}
+        for name, step, eng in (("tuned", tuned, engine), ("fixed", fixed, fixed_engine)):
+            red = eng.ctx.reducer
+            comms = {id(c): c for c in (world, red.collective.world)}
+            before = [dict(c.stats.calls) for c in comms.values()], red.collectives_issued, red.bytes_issued
+            for i in range(4):
+                step(i)
+            after = [dict(c.stats.calls) for c in comms.values()], red.collectives_issued, red.bytes_issued
+            out[name] = {
+                "comm_calls": [{k: v - b.get(k, 0) for k, v in a.items() if v != b.get(k, 0)}
+                               for a, b in zip(after[0], before[0])],
+                "issued": after[1] - before[1], "bytes": after[2] - before[2],
+                "layout": [[tuple(p.shape) for p in b.params] for b in red.buckets],
+                "buckets": [(b.numel, b.nbytes, b.dtype) for b in red.buckets],
+                "collective": type(red.collective).__name__, "comms": len(getattr(red.collective, "comms", [0])),
+                "grads_are_views": all(p.grad is v for b in red.buckets for p, v in zip(b.params, b.views))}
+        out["step_done_after_decision"] = calls["step_done"]
+        return out
+    finally:
+        fleet.shutdown()
+
+
+def test_after_its_decision_a_tuned_job_runs_exactly_the_fixed_jobs_path():
+    for got in run_ranks(_per_step, 2, timeout=120):
+        assert got["done"]
+        assert got["step_done_after_decision"] == 0  # the tuner is out of the step
+        tuned, fixed = got["tuned"], got["fixed"]
+        assert tuned["issued"] == fixed["issued"] > 0 and tuned["bytes"] == fixed["bytes"]
+        assert tuned["comm_calls"] == fixed["comm_calls"]  # no allreduce of step times left
+        assert tuned["layout"] == fixed["layout"] and tuned["buckets"] == fixed["buckets"]
+        assert (tuned["collective"], tuned["comms"]) == (fixed["collective"], fixed["comms"])
+        assert tuned["grads_are_views"] and fixed["grads_are_views"]
