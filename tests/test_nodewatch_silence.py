@@ -81,3 +81,49 @@ def test_short_gaps_and_a_launcher_that_beats_on_time_are_not_silences(watch) ->
     plan.append((PERIOD, "9 up"))
     assert _looks(w, store, clock, plan) == "its launcher still answers: its workers left the world"
     assert OTHER not in w._silent
+
+
+class _Stops:
+    """A watch's ``_stopping`` whose waits move the test's clock: ``gaps`` are how long each
+    wait takes (a launcher stopped with SIGSTOP inside one: its clock ran on); then it stops."""
+
+    def __init__(self, clock: _Clock, gaps: list[float]) -> None:
+        self.clock, self.gaps = clock, list(gaps)
+
+    def wait(self, timeout: float) -> bool:
+        if not self.gaps:
+            return True
+        self.clock.now += self.gaps.pop(0)
+        return False
+
+    def set(self) -> None:
+        self.gaps = []
+
+
+def test_a_launcher_that_was_stopped_says_so_in_its_beats_when_no_look_fell_inside(watch) -> None:
+    """The other launcher is stopped for 12 s while this watch does not look at all (its thread
+    blocked too): the other's own next beats say how long it stood still, and this watch's first
+    look after it reports that silence."""
+    w, store, clock = watch
+    other = NodeWatch("127.0.0.1:1", OTHER, store=store)
+    other._stopping = _Stops(clock, [PERIOD, PERIOD, 12 * PERIOD, PERIOD])  # type: ignore[assignment]
+    _looks(w, store, clock, [(0.0, None)])
+    other.start()
+    other.join(10)
+    assert store.get(BEAT_PREFIX + OTHER).decode() == "4 up silent 11.0"
+    other.finish(0)
+    assert store.get(BEAT_PREFIX + OTHER).decode() == "5 done 0 silent 11.0"
+    why = _looks(w, store, clock, [(PERIOD, None)])
+    assert why == ("its launcher stopped answering for 11 s: stopped (SIGSTOP), paused or cut off, "
+                   "then answered again")
+
+
+def test_a_launcher_on_time_appends_nothing_and_odd_reports_count_for_nothing(watch) -> None:
+    w, store, clock = watch
+    other = NodeWatch("127.0.0.1:1", OTHER, store=store)
+    other._stopping = _Stops(clock, [PERIOD] * 5 + [PERIOD * (MISSED + 1)])  # type: ignore[assignment]
+    other.run()
+    assert store.get(BEAT_PREFIX + OTHER).decode() == "6 up"
+    for beat in ("7 up silent", "8 up silent x", "9 up silent nan", "10 up silent 2.0"):
+        why = _looks(w, store, clock, [(PERIOD, beat)])
+        assert why == "its launcher still answers: its workers left the world", beat

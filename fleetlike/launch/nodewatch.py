@@ -9,6 +9,9 @@ worker that failed and was restarted, each launcher
   ``fleetlike.launch/beat/<node ip>`` holds ``"<counter> up"``, then ``"<counter> done <code>"``
   when the launcher ends by itself; a counter that stops moving for `MISSED` periods (by this
   launcher's clock) means that launcher stopped answering: its machine died, or its link was cut;
+  a launcher whose own beat came more than `MISSED` periods late (it was stopped with SIGSTOP
+  and continued: its clock ran on meanwhile) says so in every later beat (``" silent <s>"``
+  appended), so the others learn its silence even when none of their looks fell inside it;
 - reads the re-formations the workers record there (`EVENTS_KEY`: rank 0 of each new world
   appends one JSON line: the nodes lost and joined, the commit the world rolled back to).
 
@@ -34,6 +37,7 @@ import dataclasses
 import datetime
 import enum
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -100,6 +104,8 @@ class NodeWatch(threading.Thread):
         self._still: dict[str, float] = {}
         self._store_lost: str | None = None  # guarded by _lock
         self._beat = 0
+        #: the longest time this launcher's own beat came late past `MISSED` periods
+        self._late = 0.0
 
     def _connect(self) -> Any:
         host, port = parse_endpoint(self._endpoint, name="--rdzv_endpoint")
@@ -112,13 +118,22 @@ class NodeWatch(threading.Thread):
                 self._store = self._connect()
             self._store.set(BEAT_PREFIX + self._ip, "0 up")
             self._store.set(f"{NODES_KEY}/{self._store.add(NODES_KEY, 1)}", self._ip)
+            last = time.monotonic()
             while not self._stopping.wait(PERIOD):
+                now = time.monotonic()
+                if now - last > PERIOD * (MISSED + 1):
+                    self._late = max(self._late, now - last - PERIOD)
+                last = now
                 self._beat += 1
-                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat} up")
+                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat} up{self._silence()}")
                 self._look()
         except Exception as exc:  # noqa: BLE001 - the store's host or the link is gone
             with self._lock:
                 self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+    def _silence(self) -> str:
+        """What this launcher's beats append once it stood still (see the module docstring)."""
+        return f" silent {self._late:.1f}" if self._late else ""
 
     def _look(self) -> None:
         began = time.monotonic()
@@ -129,6 +144,9 @@ class NodeWatch(threading.Thread):
         with self._lock:
             for ip, beat in zip(ips, beats):
                 text = beat.decode()
+                reported = _reported_silence(text)
+                if reported > PERIOD * MISSED:
+                    self._silent[ip] = max(self._silent.get(ip, 0.0), reported)
                 seen, since = self._seen.get(ip, ("", now))
                 if seen == text:
                     self._still[ip] = began
@@ -148,8 +166,9 @@ class NodeWatch(threading.Thread):
         if ip in self._silent:  # lost while it stood still: how it ended later is not why
             return (f"its launcher stopped answering for {self._silent[ip]:.0f} s: stopped (SIGSTOP), "
                     "paused or cut off, then answered again")
-        if " done " in beat:
-            return f"its launcher ended with code {beat.rsplit(' ', 1)[1]}"
+        words = beat.split()
+        if len(words) >= 3 and words[1] == "done":
+            return f"its launcher ended with code {words[2]}"
         if now - since > PERIOD * MISSED:
             return "its launcher stopped answering"
         return "its launcher still answers: its workers left the world"
@@ -182,7 +201,7 @@ class NodeWatch(threading.Thread):
             lost = self._store_lost
         if lost is None and self._store is not None:
             try:
-                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat + 1} done {code}")
+                self._store.set(BEAT_PREFIX + self._ip, f"{self._beat + 1} done {code}{self._silence()}")
             except Exception as exc:  # noqa: BLE001 - same as in run
                 with self._lock:
                     self._store_lost = f"{type(exc).__name__}: {str(exc)[:120]}"
@@ -223,3 +242,13 @@ class NodeWatch(threading.Thread):
         lost = [e.describe() for e in events if e.kind is EventKind.LOST]
         joined = [e.describe() for e in events if e.kind is EventKind.JOINED]
         return f"nodes lost: {', '.join(lost) or '-'}; nodes joined: {', '.join(joined) or '-'}"
+
+
+def _reported_silence(beat: str) -> float:
+    """The seconds a launcher's beat says it stood still (``"... silent <s>"``), else 0."""
+    words = beat.split()
+    try:
+        seconds = float(words[words.index("silent") + 1]) if "silent" in words else 0.0
+    except (IndexError, ValueError):
+        return 0.0
+    return seconds if math.isfinite(seconds) else 0.0
