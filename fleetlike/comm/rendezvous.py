@@ -63,6 +63,7 @@ __all__ = [
 
 #: The store's public marker: a fleetlike job is hosted here (its content says nothing more).
 JOB_KEY = "fleetlike/job"
+STORE_SERVER_ENV = "FLEETLIKE_STORE_SERVER"
 #: Where a process refused for want of the secret leaves its address for rank 0's log.
 KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20
@@ -232,23 +233,37 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
-    The server is `fleetlike.comm.store_server`'s, in a process of its own with the default
-    `StoreLimits` (bytes, keys and value size bounded), not torch's; it stops when the returned
-    store is collected or this process ends.
+    With ``FLEETLIKE_STORE_SERVER=bounded`` the server is `fleetlike.comm.store_server`'s, in a
+    process of its own with the default `StoreLimits` (bytes, keys and value size bounded), and
+    stops when the returned store is collected or this process ends; by default it is torch's
+    own (which holds whatever a client sends it: docs/security.md says what each allows).
     """
+    bounded = _bounded_server()  # a bad value raises before a port is taken
     fd, bound = _listen(host, port)
-    # torch's own server holds whatever a stranger sends it; this one has bounds (StoreLimits)
-    server = StoreServer.start(fd)
-    try:
-        store = dist.TCPStore(host, bound, None, False, _td(timeout))
-    except Exception:
-        server.close()
-        raise
-    weakref.finalize(store, server.close)  # the server lives as long as the host's store
+    if bounded:
+        server = StoreServer.start(fd)
+        try:
+            store = dist.TCPStore(host, bound, None, False, _td(timeout))
+        except Exception:
+            server.close()
+            raise
+        weakref.finalize(store, server.close)  # the server lives as long as the host's store
+    else:
+        store = dist.TCPStore(host, bound, None, True, _td(timeout), wait_for_workers=False,
+                              master_listen_fd=fd)
     secret = secret or secret_from_env()
     if secret is not None:
         greet(store, secret, job_id)
     return store
+
+
+def _bounded_server() -> bool:
+    """``FLEETLIKE_STORE_SERVER``: ``torch`` (default) or ``bounded``; anything else raises."""
+    value = os.environ.get(STORE_SERVER_ENV, "torch").strip().lower()
+    if value not in ("torch", "bounded"):
+        raise RendezvousError(f"{STORE_SERVER_ENV}={value!r} is not a store server: use 'torch' (the "
+                              "default, torch's own) or 'bounded' (fleetlike's, with limits)")
+    return value == "bounded"
 
 
 def _listen(host: str, port: int) -> tuple[int, int]:

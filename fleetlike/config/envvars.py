@@ -28,7 +28,7 @@ __all__ = [
     "JOB_ID", "JOB_SECRET", "KNOB_NAMES", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAX_NPROC_PER_NODE",
     "NAN_CHECK", "NODE_IP", "NODE_IPS", "OMP_NUM_THREADS", "PADDLE_CURRENT_ENDPOINT", "PADDLE_NODE_NUM",
     "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINER_ID", "PERF_CHECK_N_STEPS",
-    "PRELOAD", "PRELOAD_SOCKET", "PROCESS_TAG", "PROGRESS_DIR", "PYTHONPATH", "RANK", "RESTART_COUNT", "SECRET_DIR", "SELECTED_GPUS", "STRATEGY",
+    "PRELOAD", "PRELOAD_SOCKET", "PROCESS_TAG", "PROGRESS_DIR", "PYTHONPATH", "RANK", "RESTART_COUNT", "SECRET_DIR", "SELECTED_GPUS", "STORE_SERVER", "STRATEGY",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCH_MASTER_ADDR",
     "TORCH_MASTER_PORT", "WORLD_SIZE", "by_writer", "fleetlike_names", "table",
 ]
@@ -55,6 +55,7 @@ ACCELERATE_HOROVOD = "FLEETLIKE_ACCELERATE_HOROVOD"
 JOB_ID = "FLEETLIKE_JOB_ID"
 JOB_SECRET = "FLEETLIKE_JOB_SECRET"
 SECRET_DIR = "FLEETLIKE_SECRET_DIR"
+STORE_SERVER = "FLEETLIKE_STORE_SERVER"
 FILE_CACHE_DIR = "FLEETLIKE_FILE_CACHE_DIR"
 NODE_IP = "FLEETLIKE_NODE_IP"
 NODE_IPS = "FLEETLIKE_NODE_IPS"
@@ -151,6 +152,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(JOB_SECRET, "launch.env, user", "comm.secret, launch.config",
            "the job's secret: the rendezvous admits only processes holding it"),
     EnvVar(SECRET_DIR, "user", "comm.secret", "where rank 0 hands a made-up secret to local ranks (0700)"),
+    EnvVar(STORE_SERVER, "user", "comm.rendezvous",
+           "'bounded': the hosted store is fleetlike's bounded server (default 'torch': torch's own)"),
     EnvVar(FILE_CACHE_DIR, "user", "io.file_cache", "where get_file's disk cache of a dataset's files_path_list lives"),
     EnvVar(NODE_IP, "launch.env, launch.hostrun (-np/-H)", "roles.mpi, elastic.membership", "this node's address"),
     EnvVar(NODE_IPS, "launch.hostrun (-np/-H)", "roles", "every node's address, in node order"),
