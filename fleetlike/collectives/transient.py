@@ -245,7 +245,10 @@ class TransientReducer(GradReducer):
             self._attach(keep=False)
 
     def fold(self) -> None:
-        raise NotImplementedError("transient buckets fold the gradients as each is materialised")
+        """Refused: a transient bucket exists only while it is reduced (its gradients are folded
+        in as it is allocated, `TransientBucket.materialise`), so there is no resident view to fold."""
+        raise RuntimeError("transient (stage 2) buckets fold each gradient as the bucket is allocated; "
+                           "there is no resident bucket to fold between steps")
 
     def rebucket(self, cap_bytes: int | None, collective: Any) -> None:
         raise RuntimeError("transient (stage 2) buckets are laid out once per owner; they cannot be re-bucketed "
