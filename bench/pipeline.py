@@ -51,6 +51,7 @@ run of each.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -116,7 +117,8 @@ def pin_to_core(core: int | None) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> list[dict[str, Any]]:
+def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool, p2p: str = "auto") -> list[dict[str, Any]]:
+    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from fleetlike import DistributedStrategy, fleet
@@ -126,8 +128,8 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> li
     for mode, m in configs:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(m * MICRO_ROWS, WIDTH, generator=g), torch.randn(m * MICRO_ROWS, WIDTH, generator=g)
-        s = DistributedStrategy(pipeline=True, pipeline_configs={"accumulate_steps": m, "schedule_mode": mode},
-                                hybrid_configs={"pp_degree": 2})
+        s = DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2},
+                                pipeline_configs={"accumulate_steps": m, "schedule_mode": mode, "p2p": p2p})
         fleet.init(role, strategy=s)
         meter = SavedBytesMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
@@ -135,27 +137,33 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> li
         meter.params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         hcg = model.hcg
-        # torch's own: the same blocks' copies on the same pipe group
-        theirs = _net(SavedBytesMeter())
-        blocks = torch.nn.Sequential(*[theirs[int(n)] for n in model.stage.names])
-        stage = PipelineStage(blocks, hcg.stage_id, 2, torch.device("cpu"), group=hcg.get_pipe_parallel_process_group())
-        sched = (Schedule1F1B if mode == "1F1B" else ScheduleGPipe)(stage, m, loss_fn=F.mse_loss)
-        topt = torch.optim.AdamW(blocks.parameters(), lr=1e-4)
+        def torch_on(group: Any) -> Any:
+            """torch's own schedule: the same blocks' copies on ``group``."""
+            theirs = _net(SavedBytesMeter())
+            blocks = torch.nn.Sequential(*[theirs[int(n)] for n in model.stage.names])
+            stage = PipelineStage(blocks, hcg.stage_id, 2, torch.device("cpu"), group=group)
+            sched = (Schedule1F1B if mode == "1F1B" else ScheduleGPipe)(stage, m, loss_fn=F.mse_loss)
+            topt = torch.optim.AdamW(blocks.parameters(), lr=1e-4)
 
-        def torch_step() -> None:
-            topt.zero_grad()
-            if hcg.is_first_stage():
-                sched.step(x)
-            else:
-                sched.step(target=y, losses=[])
-            topt.step()
+            def torch_step() -> None:
+                topt.zero_grad()
+                if hcg.is_first_stage():
+                    sched.step(x)
+                else:
+                    sched.step(target=y, losses=[])
+                topt.step()
+            return torch_step
 
         def fleet_step() -> None:
             model.train_batch((x, y), opt)
 
+        # torch's schedule on the pipeline's own group (the same handoffs: the schedules
+        # compared) and, when that group shares memory, on a plain gloo group (torch's default)
+        fns = {"fleetlike": fleet_step, "torch": torch_on(hcg.get_pipe_parallel_process_group())}
+        if p2p == "auto":
+            fns["torch_gloo"] = torch_on(dist.new_group([0, 1]))
         barrier = hcg.get_pipe_parallel_group().barrier
-        times = interleaved_timings({"fleetlike": fleet_step, "torch": torch_step}, reps=reps, inner=1,
-                                    sync=barrier, warmup=2)
+        times = interleaved_timings(fns, reps=reps, inner=1, sync=barrier, warmup=2)
         # the activations each schedule keeps: one metered step
         meter.reset()
         meter.enabled = True
@@ -177,6 +185,9 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> li
         total = spent["total"]
         rows.append({"schedule": mode, "m": m, "stage": hcg.stage_id, "fleetlike_steps_s": 1 / step,
                      "torch_steps_s": 1 / median(times["torch"]), "ratio": median(times["torch"]) / step,
+                     **({"torch_gloo_steps_s": 1 / median(times["torch_gloo"]),
+                         "ratio_gloo": median(times["torch_gloo"]) / step} if "torch_gloo" in times else {}),
+                     "p2p": p2p,
                      "idle": spent["blocked"] / total, "runnable": spent["runnable"] / total,
                      "not_computing": 1 - (spent["compute"] + spent["update"]) / total,
                      "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
@@ -186,6 +197,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool) -> li
                      "first_forward_ratio": spent["first_forward_ratio"],
                      "forward_spread": spent["forward_spread"], "backward_spread": spent["backward_spread"],
                      "timeline": spent["timeline"], "step_times": spent["step_times"],
+                     "gc_per_step": spent["gc_per_step"], "gc_s": spent["gc_s"], "gc_max_ms": spent["gc_max_ms"],
                      "peak_bytes": peak, "micro_bytes": one, "peak_micro": peak / max(one, 1)})
         barrier()
         fleet.shutdown()
@@ -248,6 +260,16 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     opt.step = timed_step
     waits = _WaitLog(model)
     step_times: list[float] = []
+    collections: list[float] = []  # seconds of each garbage collection inside the steps
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
     try:
         model.hcg.get_pipe_parallel_group().barrier()
         cpu0, wait0 = _thread_sched()
@@ -263,6 +285,7 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
     finally:
+        gc.callbacks.remove(on_gc)
         stage._run = plain
         del opt.step
         handle.remove()
@@ -270,7 +293,9 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     on_cpu, runnable = cpu1 - cpu0, wait1 - wait0
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
             "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage()),
-            **_uniformity(forwards, backwards), "timeline": timeline, "step_times": step_times}
+            **_uniformity(forwards, backwards), "timeline": timeline, "step_times": step_times,
+            "gc_per_step": len(collections) / reps, "gc_s": sum(collections) / total,
+            "gc_max_ms": max(collections, default=0.0) * 1e3}
 
 
 def _uniformity(forwards: list[list[float]], backwards: list[list[float]]) -> dict[str, float]:
@@ -367,13 +392,15 @@ def torch_ping_pong(buf: torch.Tensor, me: int, pg: Any) -> None:
         dist.send(buf, group_dst=0, group=pg)
 
 
-def _p2p(role: Any, sizes: list[int], reps: int, pin: bool) -> list[dict[str, Any]]:
-    """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over torch's process group (what
-    the stages send on) and over fleetlike's own gloo communicator's point-to-point calls."""
+def _p2p(role: Any, sizes: list[int], reps: int, pin: bool, p2p: str = "auto") -> list[dict[str, Any]]:
+    """Ping-pong seconds of ``sizes`` bytes between the 2 ranks: over the pipeline's torch
+    process group (what the stages send on) and over fleetlike's own gloo communicator's
+    point-to-point calls."""
     from fleetlike import DistributedStrategy, fleet
 
     pin_to_core(role.rank if pin else None)
-    fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2}))
+    fleet.init(role, strategy=DistributedStrategy(pipeline=True, hybrid_configs={"pp_degree": 2},
+                                                  pipeline_configs={"p2p": p2p}))
     hcg = fleet.get_hybrid_communicate_group()
     comm, pg, me = hcg.get_pipe_parallel_group(), hcg.get_pipe_parallel_process_group(), hcg.get_stage_id()
     rows = []
@@ -422,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="the JSON to write (default docs/benchmarks/pipeline.json, "
                     "pipeline_shared.json under --no-pin); the docs section reads both defaults")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    ap.add_argument("--p2p", choices=("auto", "gloo"), default="auto",
+                    help="pipeline_configs.p2p of fleetlike's pipeline (auto: shared memory between the stages)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                     help="each rank (both schedules) on its own core, one thread; default: on where this "
                          f"process may use at least {STAGES} CPUs")
@@ -431,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = len(os.sched_getaffinity(0)) >= STAGES if args.pin is None else args.pin
 
     configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
-    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, timeout=1200)
+    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, args.p2p, timeout=1200)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
     predicted = _predicted(configs)
@@ -444,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         r["bubble_measured_stages"] = 1 - r["compute_s"] / pipeline_step_seconds(per_micro, r["m"])
     add_replays(rows)
     print(format_table(COLUMNS, rows))
-    p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, timeout=600)[0]
+    p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, args.p2p, timeout=600)[0]
     print(format_table(P2P_COLUMNS, p2p))
     out = Path(args.out if args.out else _default_out(pin))
     for r in rows:  # the replays above read them; thousands of numbers a reader does not need
@@ -456,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         pinned, shared = load(_default_out(True)), load(_default_out(False))
         plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
         setup = f"{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows"
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES))
+        runs = load(ROOT / "docs" / "benchmarks" / "pipeline_runs.json")
+        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES, runs))
     else:
         plot(load(out) if pin else None, None if pin else load(out), out.with_suffix(".png"))
     return 0

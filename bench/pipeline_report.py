@@ -23,7 +23,8 @@ __all__ = ["COLUMNS", "P2P_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "load", "
 COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
     Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
-    Column("ratio", "ratio", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("ratio", "ratio", "{:.2f}"), Column("torch_gloo_steps_s", "torch on gloo steps/s", "{:.1f}"),
+    Column("ratio_gloo", "ratio to torch on gloo", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
     Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
     Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
     Column("handoffs", "per-micro-batch waits", "{:.3f}"),
@@ -37,6 +38,7 @@ COLUMNS = [
            lambda v: "-" if v != v else f"{v:.0f}"),
     Column("first_forward_ratio", "first / median forward", "{:.2f}"),
     Column("forward_spread", "forward p90 / p10", "{:.2f}"),
+    Column("gc_per_step", "garbage collections per step", "{:.1f}"), Column("gc_max_ms", "longest collection (ms)", "{:.2f}"),
     Column("runnable", "waiting for a core", "{:.3f}"), Column("not_computing", "not computing", "{:.2f}"),
     Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
     Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
@@ -83,9 +85,10 @@ def _run_line(run: dict[str, Any], how: str, stages: int) -> str:
 
 
 def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title: str, setup: str,
-            stages: int) -> str:
+            stages: int, runs: dict[str, Any] | None = None) -> str:
     """The "## Pipeline" section from the last run with a core per stage and the last run
-    with the stages sharing the cores (whichever exist)."""
+    with the stages sharing the cores (whichever exist), and ``runs`` (`bench.pipeline_runs`'
+    summary of repeated runs) when given."""
     nan = float("nan")
     parts = [f"{title}\n\n{setup}, {stages} stages on {stages} gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule "
              "on the same split in the same processes, interleaved rep by rep. A step ends when stage 0's last "
@@ -97,7 +100,7 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
              "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
              "micro-batch), against the bubble (p-1)/(m+p-1):\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
-             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _GLOSSARY]
+             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _GLOSSARY]
     for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
         if run is None:
             continue
@@ -107,6 +110,18 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
                      "sends ride) and over fleetlike's own gloo communicator (both a ProcessGroupGloo on "
                      "the job's store):\n\n" + format_table(P2P_COLUMNS, run["p2p"], markdown=True))
     return "".join(parts) + "\n"
+
+
+def _repeated(runs: dict[str, Any] | None) -> str:
+    if not runs:
+        return ""
+    from bench.pipeline_runs import RUN_COLUMNS
+
+    dates = sorted(r["date"] for r in runs["runs"])
+    how = "a core per stage" if all(r["pinned"] for r in runs["runs"]) else "some runs sharing the cores"
+    return (f"Repeated runs ({len(runs['runs'])} of `{runs['runs'][0]['command']}`, {how}, {dates[0]} to "
+            f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON):\n\n"
+            + format_table(RUN_COLUMNS, runs["rows"], markdown=True) + "\n\n")
 
 
 _GLOSSARY = (

@@ -43,6 +43,7 @@ __all__ = [
     "OuterOptimizer",
     "PipelineSchedule",
     "PipelineBalance",
+    "PipelineP2P",
     "EplPipelineStrategy",
     "REDUCE_METHOD",
     "ReduceMethod",
@@ -155,6 +156,15 @@ class PipelineBalance(_StrEnum):
 
     PARAMS = "params"
     TIME = "time"
+
+
+class PipelineP2P(_StrEnum):
+    """``pipeline_configs.p2p``: how a pipeline's neighbouring stages hand over activations and
+    gradients: through shared memory where both ranks are on one machine, gloo otherwise
+    (auto), or always over gloo."""
+
+    AUTO = "auto"
+    GLOO = "gloo"
 
 
 class EplPipelineStrategy(_StrEnum):
@@ -547,6 +557,11 @@ ENTRIES: tuple[Field | Section, ...] = (
             "without split points: 'params' gives each stage an equal share of the parameters; "
             "'time' an equal share of the blocks' forward + backward time, measured on rank 0 on "
             "fleet.distributed_model's example_input (one micro-batch) and broadcast")),
+        Field("p2p", Choice(PipelineP2P), PipelineP2P.AUTO, note=(
+            "'auto': stages on one machine hand over activations and gradients through shared "
+            "memory (a ring per direction), stages on different machines over gloo; 'gloo': "
+            "every handoff over gloo (the handoff then costs a round of gloo's threads and "
+            "loopback TCP, which at 2 stages under 1F1B lands on the step once per micro-batch)")),
     )),
     Section("hybrid_configs", note="how the ranks divide: dp_degree x pp_degree = world size",
             check=_hybrid_check, fields=(

@@ -30,7 +30,8 @@ def hybrid_group(ctx: FleetContext, strategy: DistributedStrategy) -> HybridComm
     pp = int(cfg["pp_degree"]) if strategy.pipeline else 1
     resolve_degrees(ctx.role.world_size, int(cfg["dp_degree"]), pp)  # the clear error before any group
     return HybridCommunicateGroup(ctx.groups, ctx.role, int(cfg["dp_degree"]), pp, ctx.timeout,
-                                  torch_groups=bool(strategy.pipeline))
+                                  torch_groups=bool(strategy.pipeline),
+                                  p2p=str(strategy.pipeline_configs["p2p"]))
 
 
 def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: DistributedStrategy, loss_fn: Any,
@@ -53,7 +54,8 @@ def build_pipeline(ctx: FleetContext, model: torch.nn.Module, strategy: Distribu
         plan_stages(model, pp, points, seconds=[])  # the clear error, before any measurement
     seconds = agreed_block_seconds(ctx.world, model, example_input) if by_time else None
     plan = plan_stages(model, pp, points, seconds=seconds)
-    if hcg is None or hcg.pp_degree != pp or hcg.get_pipe_parallel_process_group() is None:
+    if hcg is None or hcg.pp_degree != pp or hcg.get_pipe_parallel_process_group() is None \
+            or hcg.p2p != str(strategy.pipeline_configs["p2p"]):
         hcg = hybrid_group(ctx, strategy)
     wrapped = PipelineModel(model, plan, hcg, strategy, loss_fn, ctx.device, error_store(ctx.world))
     return wrapped, hcg

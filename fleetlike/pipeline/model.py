@@ -128,7 +128,7 @@ class PipelineModel(torch.nn.Module):
         self.applied.insert(0, AppliedEntry("pipeline", True, (
             f"{p} stages ({plan.how}; parameters per stage {counts}), {self.num_micro} micro-batches, "
             f"{'1F1B' if self.schedule_mode == '1F1B' else 'FThenB (GPipe)'}; this rank: stage {stage_id} "
-            f"{self.stage.names}, pipeline {hcg.dp_rank} of {hcg.dp_degree}")))
+            f"{self.stage.names}, pipeline {hcg.dp_rank} of {hcg.dp_degree}; handoffs: {hcg.p2p_transport}")))
         if recompute:
             mine = [n for n in recompute if any(n == b or n.startswith(b + ".") for b in self.stage.names)]
             self.applied.append(AppliedEntry("recompute", True, f"this stage recomputes {mine or 'nothing'}"))

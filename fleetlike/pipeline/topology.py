@@ -10,7 +10,10 @@ Two kinds of communicator serve a pipelined model:
 * the stages' activations and gradients travel over a ``torch.distributed`` process group per
   pipeline, because torch's `PipelineStage` sends through ``torch.distributed`` point-to-point
   calls. fleetlike forms torch's default group on a prefix of the job's own store (no second
-  store, no second port) unless the script already formed one of the same rank and size;
+  store, no second port) unless the script already formed one of the same rank and size.
+  Under ``pipeline_configs.p2p = "auto"`` a pipeline's group is of fleetlike's
+  ``fleetlike_shm`` backend (`fleetlike.comm.torch_shm`): neighbours on one machine hand over
+  through shared memory, others, and every collective on the group, over gloo;
 * each stage's gradients are averaged over its data-parallel group with fleetlike's own
   communicators (a split of the job's world), so buckets, hierarchical and 16-bit averaging act.
 
@@ -28,7 +31,10 @@ import torch
 import torch.distributed as dist
 
 from fleetlike.comm import CommGroups, Communicator
+from fleetlike.comm.shm import shm_unsupported
 from fleetlike.comm.torch_group import torch_process_group
+from fleetlike.comm.torch_shm import BACKEND as SHM_BACKEND
+from fleetlike.comm.torch_shm import register as register_shm
 from fleetlike.roles import Role
 
 __all__ = ["HybridCommunicateGroup", "ParallelMode", "error_store", "resolve_degrees"]
@@ -78,7 +84,7 @@ class HybridCommunicateGroup:
     the same groups in the same order)."""
 
     def __init__(self, groups: CommGroups, role: Role, dp_degree: int, pp_degree: int, timeout: float,
-                 torch_groups: bool = True) -> None:
+                 torch_groups: bool = True, p2p: str = "auto") -> None:
         self.groups = groups
         self.role = role
         self.dp_degree, self.pp_degree = resolve_degrees(role.world_size, dp_degree, pp_degree)
@@ -88,14 +94,24 @@ class HybridCommunicateGroup:
         # torch's groups carry a pipeline's activations; a plain data-parallel job (a script
         # asking for its data slice) gets none, and torch's world is left to the script
         self._pipe_group: Any = None
+        self.p2p = p2p
+        #: how this rank's stage hands over to its neighbours, in words (the applied strategy's)
+        self.p2p_transport = "none (one stage)"
         if torch_groups:  # formed on the job's store, destroyed with the world (fleet.shutdown)
             device = torch.device("cuda", torch.cuda.current_device()) if groups.world.backend == "nccl" \
                 else torch.device("cpu")
             torch_process_group(groups.world, device, purpose="a pipeline's activations", timeout=timeout)
+            # every rank decides alike: the machine's support is probed again per pair when the
+            # group forms, so a rank that cannot share memory only costs its pairs the rings
+            shm = p2p == "auto" and device.type == "cpu" and self.pp_degree > 1
+            if shm:
+                register_shm()
             for j in range(self.dp_degree):  # every rank creates every pipeline's group, in order
-                pg = dist.new_group(self.pipe_ranks(j), timeout=datetime.timedelta(seconds=timeout))
+                pg = dist.new_group(self.pipe_ranks(j), timeout=datetime.timedelta(seconds=timeout),
+                                    backend=SHM_BACKEND if shm else None)
                 if j == self.dp_rank:
                     self._pipe_group = pg
+            self.p2p_transport = self._describe_transport(shm, device)
         # named by the shape too: the groups are cached by name, and another shape splits anew
         shape = f"{self.dp_degree}x{self.pp_degree}"
         dp_comm = groups.extra(f"pipeline {shape} dp of stage {self.stage_id}", self.stage_id, self.dp_rank)
@@ -109,6 +125,22 @@ class HybridCommunicateGroup:
                                            source=role.source, job_id=f"{role.job_id}-pp{self.stage_id}"[:64])
         #: fleetlike's communicators of this stage's data-parallel group (for its gradients)
         self.dp_groups = CommGroups(dp_comm, self.dp_role)
+
+    def _describe_transport(self, shm: bool, device: torch.device) -> str:
+        if self.pp_degree == 1:
+            return "none (one stage)"
+        if device.type != "cpu":
+            return f"{self.groups.world.backend} (stages on {device.type})"
+        if not shm:
+            return "gloo (pipeline_configs.p2p='gloo')"
+        local = self._pipe_group.local
+        neighbours = [s for s in (self.stage_id - 1, self.stage_id + 1) if 0 <= s < self.pp_degree]
+        shared = [s for s in neighbours if s in local]
+        if len(shared) == len(neighbours):
+            return "shared memory with its neighbour stage(s)"
+        why = shm_unsupported() or "not on this machine, or another /dev/shm"
+        return (f"shared memory with stage(s) {shared}, gloo with stage(s) "
+                f"{[s for s in neighbours if s not in local]} ({why})")
 
     def pipe_ranks(self, dp_rank: int) -> list[int]:
         """Global ranks of pipeline ``dp_rank``, stage order."""

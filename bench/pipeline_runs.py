@@ -1,0 +1,74 @@
+"""Several runs of `bench.pipeline` side by side: per schedule and micro-batch count, the slower
+stage's idle over the bubble (p-1)/(m+p-1) in each run, their median, how many runs are within
+20 %, and fleetlike's steps/s over torch's schedule (stage 0: the pipeline's step).
+
+One run is one machine moment; the idle at m = 16 moves with the load, so the docs quote
+repeated runs. Each run takes the CPU lock by itself (the loop is the caller's)::
+
+    for i in 1 2 3 4 5; do
+        flock /tmp/fleetlike-cpu.lock python -m bench.pipeline --no-docs --out /tmp/pipe_$i.json
+    done
+    python -m bench.pipeline_runs /tmp/pipe_*.json
+
+Writes ``docs/benchmarks/pipeline_runs.json``, which ``bench.pipeline`` puts in its docs
+section, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench._common import Column, format_table, run_info, save_json
+from bench.pipeline_report import slower
+
+__all__ = ["RUN_COLUMNS", "main", "summarise"]
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "benchmarks" / "pipeline_runs.json"
+
+RUN_COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("per_run", "slower stage's idle / bubble, per run", lambda v: ", ".join(f"{x:.2f}" for x in v)),
+    Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
+    Column("ratio", "fleetlike / torch, same group (min-max)", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
+    Column("ratio_gloo", "fleetlike / torch on gloo (min-max)",
+           lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"),
+]
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (schedule, m) over ``runs`` (each a `bench.pipeline` JSON)."""
+    keys = sorted({(r["schedule"], r["m"]) for run in runs for r in run["rows"]})
+    out = []
+    for mode, m in keys:
+        have = [run for run in runs if any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])]
+        ratios = [slower(run["rows"], mode, m)["idle"] * (m + 1) for run in have]
+        firsts = [next(r for r in run["rows"] if (r["schedule"], r["m"], r["stage"]) == (mode, m, 0)) for run in have]
+        out.append({"schedule": mode, "m": m, "bubble": 1 / (m + 1), "per_run": ratios,
+                    "median": statistics.median(ratios), "within": f"{sum(0.8 <= x <= 1.2 for x in ratios)} of {len(ratios)}",
+                    "ratio": [r["ratio"] for r in firsts],
+                    "ratio_gloo": [r["ratio_gloo"] for r in firsts if "ratio_gloo" in r]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="bench.pipeline JSON files")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    runs = [json.loads(Path(p).read_text()) for p in args.runs]
+    rows = summarise(runs)
+    print(format_table(RUN_COLUMNS, rows))
+    save_json(Path(args.out), {"info": run_info("bench.pipeline_runs", argv), "rows": rows,
+                               "runs": [{"date": r["info"]["date"], "command": r["info"]["command"],
+                                         "pinned": r["pinned"], "load_end": r["load_end"]} for r in runs]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
