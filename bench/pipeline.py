@@ -2,12 +2,15 @@
 the activations each schedule keeps.
 
 The model is an ``nn.Sequential`` of 8 blocks (Linear 1024x1024 + GELU), batches of m micro-batches of 16 rows
-(width 1024), split by fleetlike into 2 balanced stages on 2 ranks (gloo, one thread each), AdamW.
+(width 1024), split by fleetlike into 2 balanced stages on 2 ranks (handing over through shared
+memory, collectives on gloo; one thread each), AdamW.
 Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 
 - steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
-  schedule + ``opt.step()`` on the same split and the same process group, interleaved rep by rep
-  (`bench._common.interleaved_timings`), median of ``--reps``; the ratio fleetlike / torch;
+  schedule + ``opt.step()`` on the same split and the same process group (the pipeline's:
+  shared memory under ``--p2p auto``, the default), and on a plain gloo group (torch's
+  default, under ``--p2p auto``), interleaved rep by rep (`bench._common.interleaved_timings`),
+  median of ``--reps``; the ratios fleetlike / torch;
 - where a stage's time goes inside ``--reps`` real steps, from the kernel's schedstat of its
   thread: idle = asleep in a receive, waiting for a neighbour (the pipeline bubble, beside
   (p-1)/(m+p-1) and beside the bubble at the stages' measured compute, ``sum(t) + (m-1) max(t)``
@@ -26,8 +29,10 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   recorded times and with the recorded handoff latency, which splits the idle into the bubble
   at the stages' balance, the jitter and the handoffs (and, for 1F1B, what one more warm-up
   forward on stage 0 would leave);
-- point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over torch's process group
-  (what the stages send on) and over fleetlike's own gloo communicator;
+- the garbage collections inside the timed steps (``gc.callbacks``): how many per step and the
+  longest, a source of jitter the process controls;
+- point-to-point: a ping-pong of 64 KiB - 4 MiB between the ranks over the pipeline's torch
+  process group (what the stages send on) and over fleetlike's own gloo communicator;
 - peak activation bytes held per stage: every tensor autograd saves in the stage's blocks
   (``torch.autograd.graph.saved_tensors_hooks``), counted per storage from when it is saved to
   when it is freed, parameters left out; reported in micro-batches' worth (the peak over one
@@ -42,6 +47,8 @@ Usage (from the repository root)::
     python -m bench.pipeline                 # ~2 minutes; a core per stage
     python -m bench.pipeline --no-pin        # stages sharing the cores: pipeline_shared.json
     python -m bench.pipeline --micro 16 --no-docs --out /tmp/p.json
+    python -m bench.pipeline --p2p gloo      # the stages' handoffs over gloo instead of shared memory
+    python -m bench.pipeline --docs-only     # the docs section from the saved JSON files
 
 Writes ``docs/benchmarks/pipeline.json`` (``pipeline_shared.json`` under ``--no-pin``) and
 (re)writes the "## Pipeline" section of ``docs/BENCHMARKS.md`` and ``pipeline.png`` from the last
@@ -449,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="the JSON to write (default docs/benchmarks/pipeline.json, "
                     "pipeline_shared.json under --no-pin); the docs section reads both defaults")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    ap.add_argument("--docs-only", action="store_true",
+                    help="run nothing: rewrite the docs section and plot from the saved JSON files")
     ap.add_argument("--p2p", choices=("auto", "gloo"), default="auto",
                     help="pipeline_configs.p2p of fleetlike's pipeline (auto: shared memory between the stages)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
@@ -457,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from fleetlike.testing import run_ranks
 
+    if args.docs_only:
+        _write_docs()
+        return 0
     pin = len(os.sched_getaffinity(0)) >= STAGES if args.pin is None else args.pin
 
     configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
@@ -482,14 +494,19 @@ def main(argv: list[str] | None = None) -> int:
                     "load_end": os.getloadavg()[0],
                     "rows": rows, "p2p": p2p})
     if not args.no_docs:
-        pinned, shared = load(_default_out(True)), load(_default_out(False))
-        plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
-        setup = f"{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows"
-        runs = load(ROOT / "docs" / "benchmarks" / "pipeline_runs.json")
-        replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES, runs))
+        _write_docs()
     else:
         plot(load(out) if pin else None, None if pin else load(out), out.with_suffix(".png"))
     return 0
+
+
+def _write_docs() -> None:
+    """The "## Pipeline" section of docs/BENCHMARKS.md and its plot, from the saved runs."""
+    pinned, shared = load(_default_out(True)), load(_default_out(False))
+    plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
+    setup = f"{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows"
+    runs = load(ROOT / "docs" / "benchmarks" / "pipeline_runs.json")
+    replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES, runs))
 
 
 def _default_out(pin: bool) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench._common import Column, format_table
 
-__all__ = ["COLUMNS", "P2P_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "load", "plot", "section", "slower"]
+__all__ = ["COLUMNS", "P2P_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "idle_of", "load", "plot", "section", "slower"]
 
 
 COLUMNS = [
@@ -63,6 +63,13 @@ def slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
     return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["compute_s"])
 
 
+def idle_of(row: dict[str, Any]) -> float:
+    """A stage's idle fraction: the clock's time inside the schedule's waits (and the loss's
+    broadcast) over the steps' time. Not the kernel's sleeping time: a shared-memory receive
+    polls for 50 us before it sleeps, and the kernel counts that poll as running."""
+    return float(row["waited"])
+
+
 def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:
     keys = sorted({(r["schedule"], r["m"]) for run in (pinned, shared) if run for r in run["rows"]})
     out = []
@@ -71,8 +78,8 @@ def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> li
         for name, run in (("pinned", pinned), ("shared", shared)):
             have = run is not None and any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])
             slow = slower(run["rows"], mode, m) if have and run else None
-            row[f"{name}_idle"] = slow["idle"] if slow else float("nan")
-            row[f"{name}_x"] = slow["idle"] * (m + 1) if slow else float("nan")
+            row[f"{name}_idle"] = idle_of(slow) if slow else float("nan")
+            row[f"{name}_x"] = idle_of(slow) * (m + 1) if slow else float("nan")
             row[f"{name}_core"] = slow["runnable"] if slow else float("nan")
         out.append(row)
     return out
@@ -201,7 +208,7 @@ def plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Pat
         for run, ls, how in ((pinned, "-", "a core per stage"), (shared, ":", "sharing cores")):
             if run is not None:
                 run_ms = sorted({r["m"] for r in run["rows"] if r["schedule"] == mode})
-                axes[1].plot(run_ms, [slower(run["rows"], mode, m)["idle"] for m in run_ms], marker=marker, ls=ls,
+                axes[1].plot(run_ms, [idle_of(slower(run["rows"], mode, m)) for m in run_ms], marker=marker, ls=ls,
                              label=f"{mode}, {how}")
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})

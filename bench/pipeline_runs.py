@@ -1,5 +1,6 @@
 """Several runs of `bench.pipeline` side by side: per schedule and micro-batch count, the slower
-stage's idle over the bubble (p-1)/(m+p-1) in each run, their median, how many runs are within
+stage's idle (the clock's time in the schedule's waits, `bench.pipeline_report.idle_of`) over
+the bubble (p-1)/(m+p-1) in each run, their median, how many runs are within
 20 %, and fleetlike's steps/s over torch's schedule (stage 0: the pipeline's step).
 
 One run is one machine moment; the idle at m = 16 moves with the load, so the docs quote
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Column, format_table, run_info, save_json
-from bench.pipeline_report import slower
+from bench.pipeline_report import idle_of, slower
 
 __all__ = ["RUN_COLUMNS", "main", "summarise"]
 
@@ -47,7 +48,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mode, m in keys:
         have = [run for run in runs if any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])]
-        ratios = [slower(run["rows"], mode, m)["idle"] * (m + 1) for run in have]
+        ratios = [idle_of(slower(run["rows"], mode, m)) * (m + 1) for run in have]
         firsts = [next(r for r in run["rows"] if (r["schedule"], r["m"], r["stage"]) == (mode, m, 0)) for run in have]
         out.append({"schedule": mode, "m": m, "bubble": 1 / (m + 1), "per_run": ratios,
                     "median": statistics.median(ratios), "within": f"{sum(0.8 <= x <= 1.2 for x in ratios)} of {len(ratios)}",

@@ -37,20 +37,22 @@ def test_ring_carries_bytes_in_order_wrapping_and_streaming():
     try:
         for i in range(300):  # messages of odd sizes wrap around the 4 KiB ring
             sent = torch.arange(i % 53 + 1, dtype=torch.float64) * i
-            writer.send(sent.view(torch.uint8), 5, deadline)
+            writer.send(sent.data_ptr(), sent.nbytes, 5, deadline)
             got = torch.empty_like(sent)
-            reader.recv(got.view(torch.uint8), 5, deadline)
+            reader.recv(got.data_ptr(), got.nbytes, 5, deadline)
             assert torch.equal(got, sent), i
         big = torch.randn(100_000)  # 400 KB through 4 KiB: streams as the reader frees space
-        sender = threading.Thread(target=writer.send, args=(big.view(torch.uint8), 1, deadline))
+        sender = threading.Thread(target=writer.send, args=(big.data_ptr(), big.nbytes, 1, deadline))
         sender.start()
         got = torch.empty_like(big)
-        reader.recv(got.view(torch.uint8), 1, deadline)
+        reader.recv(got.data_ptr(), got.nbytes, 1, deadline)
         sender.join()
         assert torch.equal(got, big)
-        writer.send(torch.ones(3).view(torch.uint8), 2, deadline)
+        three = torch.ones(3)
+        writer.send(three.data_ptr(), three.nbytes, 2, deadline)
+        four = torch.empty(4)
         with pytest.raises(RuntimeError, match="12 bytes with tag 2, but the receive posted is 16 bytes with tag 2"):
-            reader.recv(torch.empty(4).view(torch.uint8), 2, deadline)
+            reader.recv(four.data_ptr(), four.nbytes, 2, deadline)
     finally:
         writer.close()
         reader.close()
@@ -61,10 +63,11 @@ def test_a_closed_ring_wakes_its_waiter_with_the_reason():
     reader = Ring.open(writer.path)
     reader.unlink()
     try:
+        four = torch.empty(4)
         threading.Timer(0.2, writer.close_link).start()
         start = time.monotonic()
         with pytest.raises(RingClosedError, match="aborted its links"):
-            reader.recv(torch.empty(4).view(torch.uint8), 0, time.monotonic() + 30)
+            reader.recv(four.data_ptr(), four.nbytes, 0, time.monotonic() + 30)
         assert time.monotonic() - start < 5
     finally:
         writer.close()
@@ -119,7 +122,6 @@ def _semantics(role):
     gathered: list[object] = [None, None]
     dist.all_gather_object(gathered, me * 10, group=shm)
     out["gathered"] = gathered
-    out["left"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("fleetlike-probe"))
     release_torch_group(world)
     world.close()
     return out
@@ -170,3 +172,45 @@ def test_p2p_gloo_keeps_the_handoffs_on_gloo():
         assert kind != "ShmProcessGroup"
         assert any("handoffs: gloo (pipeline_configs.p2p='gloo')" in a for a in applied), applied
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _FirstForwardRaises(torch.nn.Module):
+    """Raises in rank 0's first forward: before that stage has sent anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(pc.IN, pc.IN)
+
+    def forward(self, x):
+        if dist.get_rank() == 0:
+            raise FloatingPointError("boom before the first send")
+        return self.lin(x)
+
+
+def _raises_before_first_send(role):
+    import torch.nn.functional as F
+
+    from fleetlike import fleet
+
+    fleet.init(role, strategy=pc.strategy("1F1B", 2, 1))
+    net = pc.make_net()
+    net[1] = _FirstForwardRaises()
+    model = fleet.distributed_model(net, loss_fn=F.cross_entropy)
+    opt = fleet.distributed_optimizer(pc.make_opt("momentum", model.parameters()))
+    start = time.monotonic()
+    try:
+        model.train_batch(pc.my_batch(0, 0, 1), opt)
+        return "no error", 0.0
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    finally:
+        fleet.shutdown()
+
+
+def test_a_stage_failing_before_its_first_send_ends_its_neighbour_too():
+    """The neighbour waits for a ring that will never be made: the store's abort mark ends it."""
+    results = run_ranks(_raises_before_first_send, 2, timeout=60)
+    for rank, (message, took) in enumerate(results):
+        assert "boom before the first send" in message, (rank, message)
+        assert took < 20, (rank, took)
+    assert results[0][0].startswith("FloatingPointError") and results[1][0].startswith("PipelineStageError")

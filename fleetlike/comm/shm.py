@@ -20,9 +20,9 @@ and on Linux's futex: `shm_unsupported` says why another machine takes gloo inst
 
 Example:
     >>> ring = Ring.create("/dev/shm/fleetlike-abc", 1 << 22)     # the sender
-    >>> ring.send(torch.ones(4), tag=0, deadline=time.monotonic() + 60)
+    >>> ring.send(t.data_ptr(), t.nbytes, tag=0, deadline=time.monotonic() + 60)
     >>> peer = Ring.open("/dev/shm/fleetlike-abc")                # the receiver (another process)
-    >>> peer.recv(out, tag=0, deadline=time.monotonic() + 60)
+    >>> peer.recv(out.data_ptr(), out.nbytes, tag=0, deadline=time.monotonic() + 60)
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import struct
 import sys
 import time
 from typing import Any
-
-import torch
 
 __all__ = ["Ring", "RingClosedError", "SHM_DIR", "shm_unsupported"]
 
@@ -58,6 +56,7 @@ _F_HEAD, _F_TAIL = 128, 160  # offsets 512 and 640, after the 8-byte words
 _MSG = struct.Struct("<qQ")  # tag, byte count
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = 202  # x86-64
+_memmove = ctypes.memmove  # releases the GIL, as every ctypes foreign call
 
 
 def shm_unsupported() -> str | None:
@@ -118,9 +117,12 @@ class Ring:
         else:
             self._w[_W_PIDS + 1] = os.getpid()
         self.capacity = int(self._w[_W_CAP])
-        self.data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER, count=self.capacity)
         self._base = ctypes.c_char.from_buffer(self._mm)
         self._addr = ctypes.addressof(self._base)
+        self._data = self._addr + _HEADER  # the bytes are copied by address: a torch copy's
+        # dispatch, and slicing a view per piece, cost more than the 64 KiB copy itself
+        self._words = {w: ctypes.c_void_p(self._addr + 4 * w) for w in (_F_HEAD, _F_TAIL)}
+        self._syscall = _syscall()
         self._sender = created
         self._pending = 0  # bytes of a streamed message still to write or read
         self._check_pid = True
@@ -142,7 +144,7 @@ class Ring:
 
     def _wake(self, word: int) -> None:
         self._f[word] = (self._f[word] + 1) & 0xFFFFFFFF
-        _syscall()(_SYS_FUTEX, ctypes.c_void_p(self._addr + 4 * word), _FUTEX_WAKE, 1, None, None, 0)
+        self._syscall(_SYS_FUTEX, self._words[word], _FUTEX_WAKE, 1, None, None, 0)
 
     def _closed(self) -> str | None:
         if self._w[_W_CLOSED]:
@@ -166,8 +168,7 @@ class Ring:
         while time.perf_counter() < end_spin:
             if ready():
                 return
-        syscall = _syscall()
-        addr = ctypes.c_void_p(self._addr + 4 * word)
+        syscall, addr = self._syscall, self._words[word]
         slice_ns = int(SLICE_S * 1e9)
         ts = _Timespec(slice_ns // 1_000_000_000, slice_ns % 1_000_000_000)
         while True:
@@ -186,44 +187,43 @@ class Ring:
     def free(self) -> int:
         return self.capacity - (int(self._w[_W_HEAD]) - int(self._w[_W_TAIL]))
 
-    def _put(self, src: torch.Tensor, at: int) -> None:
-        """Copy the bytes ``src`` (uint8, 1-D) to the ring at byte count ``at`` (wrapping)."""
-        pos, n = at % self.capacity, src.numel()
+    def _put(self, src: int, n: int, at: int) -> None:
+        """Copy ``n`` bytes from address ``src`` to the ring at byte count ``at`` (wrapping)."""
+        pos = at % self.capacity
         first = min(n, self.capacity - pos)
-        self.data[pos:pos + first].copy_(src[:first])
+        _memmove(self._data + pos, src, first)
         if n > first:
-            self.data[:n - first].copy_(src[first:])
+            _memmove(self._data, src + first, n - first)
 
-    def try_send(self, payload: torch.Tensor, tag: int) -> bool:
-        """Copy the whole message now if it fits in the free space (False: it does not)."""
-        n = payload.numel()
+    def try_send(self, src: int, n: int, tag: int) -> bool:
+        """Copy the whole message (``n`` bytes at address ``src``) now if it fits in the free
+        space (False: it does not)."""
         total = _ALIGN + _padded(n)
         if self._pending or total > self.free():
             return False
         head = int(self._w[_W_HEAD])
         pos = head % self.capacity  # messages start 64-aligned, so a header never wraps
-        self._mm[_HEADER + pos:_HEADER + pos + _MSG.size] = _MSG.pack(tag, n)
+        _MSG.pack_into(self._mm, _HEADER + pos, tag, n)
         if n:
-            self._put(payload, head + _ALIGN)
+            self._put(src, n, head + _ALIGN)
         self._w[_W_HEAD] = head + total
         self._wake(_F_HEAD)
         return True
 
-    def send(self, payload: torch.Tensor, tag: int, deadline: float) -> None:
-        """Write one message (``payload``: its bytes, uint8 1-D), streaming it as the receiver
-        frees space when it does not fit at once."""
-        if self.try_send(payload, tag):
+    def send(self, src: int, n: int, tag: int, deadline: float) -> None:
+        """Write one message (``n`` bytes at address ``src``, which must stay valid until this
+        returns), streaming it as the receiver frees space when it does not fit at once."""
+        if self.try_send(src, n, tag):
             return
-        n = payload.numel()
         self._wait(lambda: self.free() >= _ALIGN, _F_TAIL, deadline, "send (header)")
         head = int(self._w[_W_HEAD])
         pos = head % self.capacity
-        self._mm[_HEADER + pos:_HEADER + pos + _MSG.size] = _MSG.pack(tag, n)
+        _MSG.pack_into(self._mm, _HEADER + pos, tag, n)
         self._w[_W_HEAD] = head + _ALIGN
         self._wake(_F_HEAD)
         self._pending = n
         self._stream(n, self.free, _F_TAIL, _W_HEAD, _F_HEAD, deadline, "send",
-                     lambda done, real, at: self._put(payload[done:done + real], at))
+                     lambda done, real, at: self._put(src + done, real, at))
         self._pending = 0
 
     # ---------------------------------------------------------------- the receiver's side
@@ -231,36 +231,36 @@ class Ring:
     def available(self) -> int:
         return int(self._w[_W_HEAD]) - int(self._w[_W_TAIL])
 
-    def _get(self, dst: torch.Tensor, at: int) -> None:
-        pos, n = at % self.capacity, dst.numel()
+    def _get(self, dst: int, n: int, at: int) -> None:
+        pos = at % self.capacity
         first = min(n, self.capacity - pos)
-        dst[:first].copy_(self.data[pos:pos + first])
+        _memmove(dst, self._data + pos, first)
         if n > first:
-            dst[first:].copy_(self.data[:n - first])
+            _memmove(dst + first, self._data, n - first)
 
-    def recv(self, out: torch.Tensor, tag: int, deadline: float) -> None:
-        """Read the next message into ``out`` (uint8 1-D of exactly its byte count); its tag and
-        size must be the ones expected (point-to-point calls are matched in order)."""
+    def recv(self, dst: int, size: int, tag: int, deadline: float) -> None:
+        """Read the next message into the ``size`` bytes at address ``dst``; its tag and size
+        must be the ones expected (point-to-point calls are matched in order)."""
         self._wait(lambda: self.available() >= _ALIGN, _F_HEAD, deadline, "recv")
         tail = int(self._w[_W_TAIL])
         pos = tail % self.capacity
-        got_tag, n = _MSG.unpack(self._mm[_HEADER + pos:_HEADER + pos + _MSG.size])
-        if n != out.numel() or got_tag != tag:
+        got_tag, n = _MSG.unpack_from(self._mm, _HEADER + pos)
+        if n != size or got_tag != tag:
             raise RuntimeError(
                 f"recv on {self.path}: the next message is {n} bytes with tag {got_tag}, but the receive "
-                f"posted is {out.numel()} bytes with tag {tag}: the two ranks' sends and receives disagree "
+                f"posted is {size} bytes with tag {tag}: the two ranks' sends and receives disagree "
                 "(each receive must match the peer's send of the same order, size and tag)")
         tail += _ALIGN
         if _ALIGN + _padded(n) <= self.available():  # all there: one copy, one release
             if n:
-                self._get(out, tail)
+                self._get(dst, n, tail)
             self._w[_W_TAIL] = tail + _padded(n)
             self._wake(_F_TAIL)
             return
         self._w[_W_TAIL] = tail
         self._wake(_F_TAIL)
         self._stream(n, self.available, _F_HEAD, _W_TAIL, _F_TAIL, deadline, "recv",
-                     lambda done, real, at: self._get(out[done:done + real], at))
+                     lambda done, real, at: self._get(dst + done, real, at))
 
     def _stream(self, n: int, room: Any, wait_word: int, counter: int, wake_word: int, deadline: float,
                 what: str, move: Any) -> None:
@@ -300,7 +300,7 @@ class Ring:
 
     def close(self) -> None:
         """Unmap this end (the ring must not be used after)."""
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self._words.clear()
         del self._base
         try:
             self._release()

@@ -117,12 +117,9 @@ class _RecvWork(dist.Work):
         return self.done
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 view (a contiguous copy when ``t`` is not contiguous)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it: the ring copies its bytes by address."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class ShmProcessGroup(ProcessGroup):
@@ -141,6 +138,7 @@ class ShmProcessGroup(ProcessGroup):
         self._send_lock = threading.Lock()
         self._recv_locks: dict[int, threading.Lock] = {r: threading.Lock() for r in range(size)}
         self._aborted = False
+        self._pids: dict[int, int] = {}  # the processes of the peers sharing memory
         self._why_not = shm_unsupported()
         self.local = self._agree_local()
 
@@ -156,7 +154,7 @@ class ShmProcessGroup(ProcessGroup):
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(token)
-        store.set(f"probe/{me}", json.dumps({"path": probe, "token": token}))
+        store.set(f"probe/{me}", json.dumps({"path": probe, "token": token, "pid": os.getpid()}))
         reach = []
         for r in range(size):
             if r == me or probe is None:
@@ -167,6 +165,7 @@ class ShmProcessGroup(ProcessGroup):
                     with open(theirs["path"]) as f:
                         if f.read() == theirs["token"]:
                             reach.append(r)
+                            self._pids[r] = int(theirs["pid"])
             except OSError:  # another machine's, or a /dev/shm of its own
                 pass
         store.set(f"reach/{me}", json.dumps(reach))
@@ -193,10 +192,33 @@ class ShmProcessGroup(ProcessGroup):
     def _in_ring(self, src: int) -> Ring:
         ring = self._in.get(src)
         if ring is None:
-            path = self._store.get(f"ring/{src}/{self.rank()}").decode()
+            path = self._await_ring(src)
             ring = self._in[src] = Ring.open(path)
             ring.unlink()  # both ends mapped: the name is no longer needed
         return ring
+
+    def _await_ring(self, src: int) -> str:
+        """The name of ``src``'s ring to this rank, published at its first send; raises when
+        ``src`` aborts or ends first (a stage failing before its first send)."""
+        key, gone = f"ring/{src}/{self.rank()}", f"aborted/{src}"
+        deadline, pause = self._deadline(), 1e-4
+        while not self._store.check([key]):
+            self._check("recv")
+            if self._store.check([gone]):
+                raise RuntimeError(f"recv from rank {src} of the {BACKEND} group: it aborted its links")
+            try:
+                os.kill(self._pids[src], 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"recv from rank {src} of the {BACKEND} group: its process "
+                                   f"(pid {self._pids[src]}) has ended") from None
+            except PermissionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"recv from rank {src} of the {BACKEND} group: no send within the "
+                                   f"group's timeout ({self._timeout_s:g} s)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        return self._store.get(key).decode()
 
     def _check(self, what: str) -> None:
         if self._aborted:
@@ -210,11 +232,12 @@ class ShmProcessGroup(ProcessGroup):
         self._check("send")
         if len(tensors) != 1:
             raise ValueError(f"{BACKEND} send takes one tensor, got {len(tensors)}")
-        payload = _bytes_of(tensors[0])
-        ring = self._out_ring(dstRank, payload.numel())
+        payload = _contiguous(tensors[0])
+        nbytes = payload.numel() * payload.element_size()
+        ring = self._out_ring(dstRank, nbytes)
         with self._send_lock:
             queue = self._queues.setdefault(dstRank, collections.deque())
-            if not queue and ring.try_send(payload, tag):
+            if not queue and ring.try_send(payload.data_ptr(), nbytes, tag):
                 return _Done()
             work = _SendWork()
             queue.append((payload, tag, work))
@@ -236,7 +259,7 @@ class ShmProcessGroup(ProcessGroup):
                 payload, tag, work = queue[0]
             error: BaseException | None = None
             try:
-                ring.send(payload, tag, self._deadline())
+                ring.send(payload.data_ptr(), payload.numel() * payload.element_size(), tag, self._deadline())
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 error = exc
             with self._send_lock:
@@ -264,12 +287,10 @@ class ShmProcessGroup(ProcessGroup):
                 self._check("recv")
                 head = posted[0]
                 t = head.tensor
-                if t.is_contiguous():
-                    ring.recv(t.detach().reshape(-1).view(torch.uint8), head.tag, self._deadline())
-                else:
-                    tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
-                    ring.recv(tmp.reshape(-1).view(torch.uint8), head.tag, self._deadline())
-                    t.detach().copy_(tmp)
+                into = _contiguous(t)
+                ring.recv(into.data_ptr(), into.numel() * into.element_size(), head.tag, self._deadline())
+                if into is not t:
+                    t.detach().copy_(into)
                 posted.popleft()
                 head.done = True
 
@@ -303,6 +324,10 @@ class ShmProcessGroup(ProcessGroup):
         self._aborted = True
         for ring in [*self._out.values(), *self._in.values()]:
             ring.close_link()
+        try:  # a peer still waiting for this rank's first send learns it from the store
+            self._store.set(f"aborted/{self.rank()}", "1")
+        except Exception:  # noqa: BLE001 - the store itself may be gone: the rings are closed
+            pass
         self._gloo.abort()
 
     def shutdown(self) -> None:
