@@ -506,7 +506,9 @@ def _write_docs() -> None:
     plot(pinned, shared, ROOT / "docs" / "benchmarks" / "pipeline.png")
     setup = f"{BLOCKS} blocks Linear {WIDTH}x{WIDTH} + GELU, micro-batches of {MICRO_ROWS} rows"
     runs = load(ROOT / "docs" / "benchmarks" / "pipeline_runs.json")
-    replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION, section(pinned, shared, SECTION, setup, STAGES, runs))
+    handoff = load(ROOT / "docs" / "benchmarks" / "pipeline_handoff.json")
+    replace_section(ROOT / "docs" / "BENCHMARKS.md", SECTION,
+                    section(pinned, shared, SECTION, setup, STAGES, runs, handoff))
 
 
 def _default_out(pin: bool) -> Path:

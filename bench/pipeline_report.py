@@ -42,7 +42,7 @@ COLUMNS = [
     Column("runnable", "waiting for a core", "{:.3f}"), Column("not_computing", "not computing", "{:.2f}"),
     Column("peak_micro", "peak activations (micro-batches)", "{:.1f}"),
     Column("predicted_steps_s", "planner steps/s", "{:.1f}"), Column("predicted_ratio", "planner / measured", "{:.2f}")]
-P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "torch group (us)", "{:.0f}"),
+P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("torch_us", "pipeline's group (us)", "{:.0f}"),
                 Column("fleetlike_us", "fleetlike gloo communicator (us)", "{:.0f}"),
                 Column("ratio", "torch / fleetlike", "{:.2f}")]
 SUMMARY_COLUMNS = [
@@ -92,31 +92,49 @@ def _run_line(run: dict[str, Any], how: str, stages: int) -> str:
 
 
 def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title: str, setup: str,
-            stages: int, runs: dict[str, Any] | None = None) -> str:
+            stages: int, runs: dict[str, Any] | None = None, handoff: dict[str, Any] | None = None) -> str:
     """The "## Pipeline" section from the last run with a core per stage and the last run
     with the stages sharing the cores (whichever exist), and ``runs`` (`bench.pipeline_runs`'
     summary of repeated runs) when given."""
     nan = float("nan")
-    parts = [f"{title}\n\n{setup}, {stages} stages on {stages} gloo ranks, AdamW; fleetlike's `train_batch` and torch's own schedule "
-             "on the same split in the same processes, interleaved rep by rep. A step ends when stage 0's last "
+    handing = ("handing over through shared memory (`pipeline_configs.p2p = \"auto\"`), collectives on gloo"
+               if (pinned or shared or {}).get("rows", [{}])[0].get("p2p", "gloo") == "auto" else "over gloo")
+    parts = [f"{title}\n\n{setup}, {stages} stages on {stages} ranks {handing}, AdamW; fleetlike's `train_batch` and "
+             "torch's own schedule on the same split and the pipeline's own group (*ratio*), and torch's schedule "
+             "on a plain gloo group, torch's default (*ratio to torch on gloo*), in the same processes, "
+             "interleaved rep by rep. A step ends when stage 0's last "
              "backward does: the stage 0 rows are the pipeline's steps/s (stage 1 times torch's step without "
              "the wait for stage 0's tail, which its next step pays). `--pin` (the default where the job may "
              f"use at least {stages} CPUs) runs each rank -- its gloo and torch threads with it, both schedules "
              "-- on its own core, one intra-op and one inter-op thread; `--no-pin` leaves the ranks to share "
              "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
              "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
-             "micro-batch), against the bubble (p-1)/(m+p-1):\n\n"
+             "micro-batch): the clock's time inside the schedule's waits and the loss's broadcast over the "
+             "steps' time (*in waits* below; a shared-memory receive polls 50 us before it sleeps, so the "
+             "kernel's sleeping time, *idle* below, leaves part of each wait out), against the bubble "
+             "(p-1)/(m+p-1):\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
-             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _GLOSSARY]
+             + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _handoff(handoff) + _GLOSSARY]
     for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
         if run is None:
             continue
         parts.append(f"\n\n### {how[0].upper() + how[1:]}\n\n{_run_line(run, how, stages)}\n\n"
                      + format_table(COLUMNS, run["rows"], markdown=True).replace(f"{nan}", "-")
-                     + "\n\nPing-pong between the two ranks over torch's process group (what the stages' "
-                     "sends ride) and over fleetlike's own gloo communicator (both a ProcessGroupGloo on "
-                     "the job's store):\n\n" + format_table(P2P_COLUMNS, run["p2p"], markdown=True))
+                     + "\n\nPing-pong between the two ranks over the pipeline's torch process group (what "
+                     "the stages' sends ride) and over fleetlike's own gloo communicator:\n\n" + format_table(P2P_COLUMNS, run["p2p"], markdown=True))
     return "".join(parts) + "\n"
+
+
+def _handoff(handoff: dict[str, Any] | None) -> str:
+    if not handoff:
+        return ""
+    from bench.pipeline_handoff import COLUMNS as HANDOFF_COLUMNS
+
+    how = "a core per rank" if handoff["pinned"] else "the ranks sharing the cores"
+    return (f"One handoff between the two ranks, by transport (`{handoff['info']['command']}`, {how}, "
+            f"{handoff['info']['date']}; a ping-pong through torch's `isend` / `irecv`, except the raw socket; "
+            "one way = half the round trip; posting = what `isend` costs the sender before it returns):\n\n"
+            + format_table(HANDOFF_COLUMNS, handoff["rows"], markdown=True) + "\n\n")
 
 
 def _repeated(runs: dict[str, Any] | None) -> str:

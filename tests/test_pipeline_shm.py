@@ -9,6 +9,7 @@ rank wakes its peer with an error.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -147,6 +148,7 @@ def _pipeline_vs_torch_on_gloo(role, mode, p2p):
         got = fleet.full_state_dict(model)
         hcg = fleet.get_hybrid_communicate_group()
         applied = [str(e) for e in fleet.applied_strategy()]
+        applied.append(f"frozen {gc.get_freeze_count()}")
         kind = type(hcg.get_pipe_parallel_process_group()).__name__
         plain = dist.new_group([0, 1])  # gloo, as torch's default
         hcg._pipe_group, shared = plain, hcg._pipe_group
@@ -162,6 +164,9 @@ def test_pipeline_over_shared_memory_equals_torchs_schedule_over_gloo_bit_for_bi
     for got, want, losses, applied, kind in run_ranks(_pipeline_vs_torch_on_gloo, 2, mode, "auto", timeout=90):
         assert kind == "ShmProcessGroup"
         assert any("handoffs: shared memory with its neighbour" in a for a in applied), applied
+        # after the first step the heap is frozen out of the collector (a full collection stalls a stage)
+        assert any(a.startswith("pipeline_gc: applied") for a in applied), applied
+        assert int(applied[-1].split()[1]) > 10_000, applied[-1]
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
         assert len(losses) == pc.STEPS

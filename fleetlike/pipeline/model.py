@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -43,9 +44,35 @@ from fleetlike.strategies.data_parallel import gradient_collective
 from fleetlike.strategies.recompute import apply_recompute, auto_checkpoints
 from fleetlike.strategies.step import AppliedEntry
 
-__all__ = ["PipelineModel", "StageModule"]
+__all__ = ["PipelineModel", "StageModule", "freeze_heap"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: whether this process has frozen its heap out of the garbage collector (`freeze_heap`)
+_FROZEN: list[bool] = []
+
+
+def freeze_heap() -> bool:
+    """Collect once, then move every object alive now out of the garbage collector's reach
+    (``gc.freeze``), once per process; True the first time.
+
+    Why: a pipeline's stages wait on each other, so a stall on one stage idles its neighbour
+    too. A full collection scans every tracked object -- torch's and the model's, hundreds of
+    thousands after the imports -- and took 6.7-11.7 ms inside a step of the pipeline benchmark
+    (140 ms in a process with fleetlike's whole API imported); after the freeze it scans only
+    the objects made since (0.01 ms). Called after a pipelined model's first step, when the
+    model, its optimizer state and the schedules exist. Objects frozen are still freed when
+    their last reference goes; only cycles among them are no longer collected.
+
+    Example:
+        >>> freeze_heap()   # after the first train_batch
+    """
+    if _FROZEN:
+        return False
+    _FROZEN.append(True)
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 class StageModule(torch.nn.Module):
@@ -245,7 +272,14 @@ class PipelineModel(torch.nn.Module):
         optimizer.step()
         if lr_scheduler is not None:
             lr_scheduler.step()
-        return self._shared_loss(losses)
+        loss = self._shared_loss(losses)
+        freeze_heap()
+        if not any(e.name == "pipeline_gc" for e in self.applied):
+            self.applied.append(AppliedEntry("pipeline_gc", True, (
+                "after the first step the objects alive were frozen out of the garbage collector "
+                "(gc.freeze): a full collection, a stall its neighbour stage would wait out, then "
+                "scans only newer objects")))
+        return loss
 
     def _average_gradients(self) -> None:
         if self._collective is None:
