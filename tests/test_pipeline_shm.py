@@ -219,3 +219,18 @@ def test_a_stage_failing_before_its_first_send_ends_its_neighbour_too():
         assert "boom before the first send" in message, (rank, message)
         assert took < 20, (rank, took)
     assert results[0][0].startswith("FloatingPointError") and results[1][0].startswith("PipelineStageError")
+
+
+def test_a_ring_without_room_in_dev_shm_is_refused_with_the_fix(monkeypatch):
+    """tmpfs grants a file's size at once but its pages only when touched: a full /dev/shm would
+    kill the process at the first copy (SIGBUS), so the pages are claimed when the ring is made."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = _path("full")
+    with pytest.raises(OSError, match=r"no room for a \d+-byte ring .*--shm-size.*p2p='gloo'"):
+        Ring.create(path, 4096)
+    assert not os.path.exists(path)

@@ -100,7 +100,13 @@ class Ring:
         self.path = path
         try:
             if created:
-                os.ftruncate(fd, _HEADER + capacity)
+                try:  # the pages now: a tmpfs out of room would kill the process (SIGBUS) at first touch
+                    os.posix_fallocate(fd, 0, _HEADER + capacity)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise OSError(exc.errno, (
+                        f"{SHM_DIR} has no room for a {_HEADER + capacity}-byte ring ({exc.strerror}). Fix: give "
+                        f"the job a larger {SHM_DIR} (docker --shm-size), or pipeline_configs.p2p='gloo'")) from exc
             size = os.fstat(fd).st_size
             self._mm = mmap.mmap(fd, size)
         finally:

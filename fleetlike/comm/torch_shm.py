@@ -41,13 +41,15 @@ from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
 
 from fleetlike.comm.shm import SHM_DIR, Ring, shm_unsupported
 
-__all__ = ["BACKEND", "RING_BYTES", "ShmProcessGroup", "register"]
+__all__ = ["BACKEND", "RING_BYTES", "RING_MAX_BYTES", "ShmProcessGroup", "register"]
 
 #: the backend's name for ``dist.new_group(..., backend=BACKEND)``
 BACKEND = "fleetlike_shm"
 #: data bytes of each direction's ring (at least 4 of the first message, so a few activations
-#: can wait in it while the receiver computes)
+#: can wait in it while the receiver computes, up to ``RING_MAX_BYTES``)
 RING_BYTES = 4 << 20
+#: the most a ring takes of ``/dev/shm`` (a longer message streams through it)
+RING_MAX_BYTES = 64 << 20
 
 _REGISTERED: list[bool] = []
 _REGISTER_LOCK = threading.Lock()
@@ -183,7 +185,7 @@ class ShmProcessGroup(ProcessGroup):
     def _out_ring(self, dst: int, first: int) -> Ring:
         ring = self._out.get(dst)
         if ring is None:
-            capacity = max(RING_BYTES, -(-4 * (first + 64) // 4096) * 4096)
+            capacity = max(RING_BYTES, min(RING_MAX_BYTES, -(-4 * (first + 64) // 4096) * 4096))
             path = os.path.join(SHM_DIR, f"fleetlike-ring-{secrets.token_hex(8)}-{self.rank()}to{dst}")
             ring = self._out[dst] = Ring.create(path, capacity)
             self._store.set(f"ring/{self.rank()}/{dst}", path)
