@@ -68,7 +68,7 @@ import torch
 from torch.utils.data import Dataset
 
 from bench._common import Column, format_table, median, replace_section, run_info, save_figure, save_json
-from bench.image_libs import drop_cache, library_modes
+from bench.image_libs import decode_sample, drop_cache, library_modes
 from bench.throttled_disk import Throttle, ThrottledDisk, unavailable
 from bench.io import make_images
 from fleetlike.io import Decoder, ImageListDataset, IndexTFRDataset, PILToTensor, get_data_loader
@@ -94,13 +94,13 @@ class InMemory(Dataset[Any]):
     """The decode bound: the JPEG bytes held in memory, decoded as the other datasets do."""
 
     def __init__(self, blobs: list[bytes], labels: list[int]) -> None:
-        self.blobs, self.labels, self.decoder, self.transform = blobs, labels, Decoder("auto"), PILToTensor()
+        self.blobs, self.labels = blobs, labels
 
     def __len__(self) -> int:
         return len(self.blobs)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.transform(self.decoder(self.blobs[index])), self.labels[index]
+        return decode_sample(self.blobs[index]), self.labels[index]
 
 
 def version(package: str) -> str | None:
