@@ -10,14 +10,14 @@ other in one process with one torch thread, ``--reps`` interleaved rounds, the m
   fast DCT + upsampling** (``fastdct=True, fastupsample=True``: other pixels, not used by
   fleetlike);
 - **DCT-domain scaling to half size** (what a transform that shrinks an image 2x or more could
-  ask of the decoder): Pillow's ``Image.draft`` and simplejpeg's ``min_factor=2``;
+  ask of the decoder): Pillow's ``Image.draft`` and simplejpeg's ``min_height``/``min_width``;
 - **torchvision** ``io.decode_jpeg``: a row where ``torchvision`` imports beside the installed
   torch (the reason is recorded otherwise);
 - the paths from bytes to the tensor fleetlike's datasets hand to the collate: ``Decoder`` (PIL
   image) + ``PILToTensor`` against ``Decoder.array`` + ``PILToTensor`` (no PIL image), for the
   bench's transform and for the ResNet example's training transform
   (``RandomResizedCrop(224)``, flip, ``ToTensor``, ``Normalize``), and the collate's copy per
-  image (a batch of 64 stacked).
+  image (a batch of 64 stacked; in a DataLoader worker the batch is a new shared-memory segment).
 
 Writes ``docs/benchmarks/image_decode.json`` / ``.png`` and the section of docs/BENCHMARKS.md.
 
@@ -65,8 +65,8 @@ def torchvision_decoder() -> tuple[Callable[[bytes], Any] | None, str | None]:
     return decode, None
 
 
-def rows_for(blobs: list[bytes]) -> dict[str, Callable[[int], Any]]:
-    """Every row's work on image ``i``."""
+def rows_for(blobs: list[bytes], size: int) -> dict[str, Callable[[int], Any]]:
+    """Every row's work on image ``i`` (``size`` x ``size`` JPEGs)."""
     import simplejpeg
     from PIL import Image
 
@@ -88,7 +88,8 @@ def rows_for(blobs: list[bytes]) -> dict[str, Callable[[int], Any]]:
         "simplejpeg": lambda i: simplejpeg.decode_jpeg(blobs[i]),
         "simplejpeg, fast DCT + upsampling": lambda i: simplejpeg.decode_jpeg(blobs[i], fastdct=True, fastupsample=True),
         "Pillow, draft to half size": draft,
-        "simplejpeg, min_factor=2 (half size)": lambda i: simplejpeg.decode_jpeg(blobs[i], min_factor=2),
+        "simplejpeg, scaled to half size": lambda i: simplejpeg.decode_jpeg(blobs[i], min_height=size // 2,
+                                                                            min_width=size // 2),
         "Decoder('pillow') + PILToTensor": lambda i: to_tensor(pil_decoder(blobs[i])),
         "Decoder (PIL image) + PILToTensor": lambda i: to_tensor(decoder(blobs[i])),
         "Decoder.array + PILToTensor": lambda i: to_tensor(decoder.array(blobs[i])),
@@ -102,20 +103,27 @@ def rows_for(blobs: list[bytes]) -> dict[str, Callable[[int], Any]]:
 
 
 def collate_us(blobs: list[bytes], batch: int = 64) -> dict[str, float]:
-    """µs per image of the collate's copy into a batch, for contiguous and array-made tensors."""
+    """µs per image of the collate into a batch of ``batch``: in this process's memory, and in
+    shared memory as a DataLoader worker does it (a new segment per batch, which the main process
+    maps)."""
+    from torch.utils.data._utils import worker
+
     decoder, to_tensor = Decoder("auto"), PILToTensor()
-    made = {"collate (PIL-made, contiguous)": [to_tensor(decoder(b)) for b in blobs[:batch]],
-            "collate (array-made, channels-last view)": [to_tensor(decoder.array(b)) for b in blobs[:batch]]}
+    samples = [(to_tensor(decoder.array(b)), 0) for b in blobs[:batch]]
     out = {}
-    for name, tensors in made.items():
-        samples = [(t, 0) for t in tensors]
-        default_collate(samples)
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
+    for name, info in ((f"collate, batch of {batch} (per image)", None),
+                       (f"collate in a worker, shared memory, batch of {batch} (per image)", object())):
+        saved, worker._worker_info = worker._worker_info, info  # what get_worker_info() reads
+        try:
             default_collate(samples)
-            times.append(time.perf_counter() - t0)
-        out[name] = median(times) / len(tensors) * 1e6
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                default_collate(samples)
+                times.append(time.perf_counter() - t0)
+        finally:
+            worker._worker_info = saved
+        out[name] = median(times) / len(samples) * 1e6
     return out
 
 
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         listing, _ = make_images(data, args.images, size)
         blobs = [(data / line.rsplit(None, 1)[0]).read_bytes() for line in listing.read_text().splitlines()]
-        work = rows_for(blobs)
+        work = rows_for(blobs, size)
         times: dict[str, list[float]] = {name: [] for name in work}
         for name, fn in work.items():  # warm-up
             fn(0)
@@ -208,8 +216,11 @@ def section(payload: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     reading = (f"Reading ({size}): simplejpeg decodes in {us(size, 'simplejpeg'):.0f} µs against Pillow's "
                f"{us(size, 'Pillow'):.0f} µs; from bytes to the tensor, `Decoder.array` + `PILToTensor` takes "
                f"{us(size, 'Decoder.array + PILToTensor'):.0f} µs against {us(size, 'Decoder (PIL image) + PILToTensor'):.0f}"
-               f" µs through the PIL image ({saved:.0f} µs saved per image: the PIL image's copy, its conversion "
-               "back to an array and the channel-first copy, which the collate's copy into the batch now does). "
+               f" µs through the PIL image ({saved:.0f} µs saved per image: the PIL image's copy and its conversion "
+               "back to an array). In a loader worker the collate's copy into a new shared-memory batch costs "
+               f"{us(size, 'collate in a worker, shared memory, batch of 64 (per image)'):.0f} µs per image "
+               f"(against {us(size, 'collate, batch of 64 (per image)'):.0f} µs in the process's own memory): "
+               "torch's DataLoader pays it for every reader, packed, folder or library. "
                "DCT-domain scaling halves the decode where a transform shrinks an image at least 2x; fleetlike does "
                "not use it (it changes the pixels against a full decode and a resize, and the ResNet example's "
                "crops are resized up as often as down).")
