@@ -42,7 +42,8 @@ are counted. Where the machine cannot host it (not root, no loop device, no cgro
 rows are skipped with the reason printed and recorded (``--throttle none`` skips them too).
 
 Rows run in groups (a reader's cold pass, then its warm pass), the groups interleaved over
-``--reps`` rounds in rotated order; every group runs once first to warm up and check its counts
+``--local-reps`` (local disk) or ``--reps`` (throttled storage) rounds in rotated order, one
+storage's rounds at a time (under ``--lock`` where given); every group runs once first to warm up and check its counts
 (not on throttled storage, where a pass is slow and every pass checks its count). The table gives
 the median images/s and each row's ratio to the folder read cold on the same storage and to the
 decode bound. Writes ``docs/benchmarks/image_input.json`` / ``.png`` and the section of
@@ -52,7 +53,7 @@ Usage (from the repository root; CPU-heavy, run it alone)::
 
     python -m bench.image_input                  # ~3-4 minutes on 2 busy cores, root: throttled rows
     python -m bench.image_input --throttle none  # ~1-2 minutes, the local disk only
-    python -m bench.image_input --lock /tmp/fleetlike-cpu.lock   # a shared machine: each group under its lock
+    python -m bench.image_input --lock /tmp/fleetlike-cpu.lock   # a shared machine: each storage under the lock
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def storage_label(t: Throttle) -> str:
 
 @contextlib.contextmanager
 def cpu_lock(path: str | None) -> Iterator[None]:
-    """Hold the machine's CPU lock (``flock`` on ``path``) for one group of passes, so a shared
-    machine's other jobs run between groups and never during a timed pass; nothing without a path."""
+    """Hold the machine's CPU lock (``flock`` on ``path``) for one storage's passes, so a shared
+    machine's other jobs run between storages and never during a timed pass; nothing without a path."""
     if not path:
         yield
         return
@@ -143,20 +144,17 @@ def cpu_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def grouped_timings(groups: list[list[tuple[str, str, Pass]]], reps: int,
-                    lock: str | None = None) -> dict[tuple[str, str], list[float]]:
+def grouped_timings(groups: list[list[tuple[str, str, Pass]]], reps: int) -> dict[tuple[str, str], list[float]]:
     """Seconds per pass of every (storage, mode): ``reps`` rounds, the groups in rotated order
-    (none always first), a group's passes in their order (a cold pass, then the warm one it warms),
-    each group under ``lock`` (`cpu_lock`)."""
+    (none always first), a group's passes in their order (a cold pass, then the warm one it warms)."""
     out: dict[tuple[str, str], list[float]] = {(st, mode): [] for g in groups for st, mode, _ in g}
     for rep in range(reps):
         k = rep % len(groups)
         for group in groups[k:] + groups[:k]:
-            with cpu_lock(lock):
-                for st, mode, fn in group:
-                    t0 = time.perf_counter()
-                    fn()
-                    out[(st, mode)].append(time.perf_counter() - t0)
+            for st, mode, fn in group:
+                t0 = time.perf_counter()
+                fn()
+                out[(st, mode)].append(time.perf_counter() - t0)
     return out
 
 
@@ -213,12 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=int, default=2000)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="rounds on throttled storage")
+    p.add_argument("--local-reps", type=int, default=5, help="rounds on the local disk (a pass is short there)")
     p.add_argument("--throttle", action="append", default=None,
                    help=f"NAME=IOPS/MBPS, repeatable (default: {' '.join(THROTTLES)}; 'none': local disk only)")
     p.add_argument("--data", default="/tmp/fleetlike-bench-image-input")
-    p.add_argument("--lock", default=None, help="a file to flock around each group of passes (a shared machine's "
-                   "CPU lock), so other jobs run between groups, never during a timed pass")
+    p.add_argument("--lock", default=None, help="a file to flock around each storage's passes (a shared machine's "
+                   "CPU lock), so other jobs run between storages, never during a timed pass")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "image_input"))
     p.add_argument("--doc", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="Markdown file to update ('' = none)")
     args = p.parse_args(argv)
@@ -266,21 +265,23 @@ def main(argv: list[str] | None = None) -> None:
         if f"{lib}, cold" in lib_modes:
             local.append([(LOCAL, f"{lib}, cold", lib_modes[f"{lib}, cold"]), (LOCAL, f"{lib}, warm", lib_modes[f"{lib}, warm"])])
     local.append([(MEMORY, BOUND, lambda: count(loader(memory_ds)))])
-    for group in local:  # warm-up, and each reads every image once per pass
-        with cpu_lock(args.lock):
-            for st, mode, fn in group:
-                assert fn() == args.images, (st, mode)
     why = unavailable() if throttles else "--throttle none"
     reads: dict[tuple[str, str], list[int]] = {}
     if why is not None:
         print(f"bench.image_input: no throttled-storage rows: {why}")
+    with cpu_lock(args.lock):  # one storage's passes under one hold of the lock
+        for group in local:  # warm-up, and each reads every image once per pass
+            for st, mode, fn in group:
+                assert fn() == args.images, (st, mode)
+        times = grouped_timings(local, args.local_reps)
     with contextlib.ExitStack() as stack:
-        groups = local
         if why is None:  # a SIGTERM (timeout) unwinds too, so the mount, loop device and cgroups go
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
             disk = stack.enter_context(ThrottledDisk(data / "throttled", max(256 << 20, 8 * total), throttles))
-            groups = local + throttled_groups(disk, data, listing, packed, args, loader, reads)
-        times = grouped_timings(groups, args.reps, args.lock)
+            groups = throttled_groups(disk, data, listing, packed, args, loader, reads)
+            for storage in dict.fromkeys(g[0][0] for g in groups):
+                with cpu_lock(args.lock):
+                    times.update(grouped_timings([g for g in groups if g[0][0] == storage], args.reps))
     rows = []
     for (st, mode), t in times.items():
         row: dict[str, Any] = {"storage": st, "mode": mode, "images_s": args.images / median(t), "seconds": median(t)}
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(COLUMNS, rows))
     info = run_info("bench.image_input", argv if argv is not None else sys.argv[1:])
     payload = {**info, "images": args.images, "size": args.size, "bytes": total, "workers": args.workers,
-               "batch": BATCH, "reps": args.reps, "decoder": Decoder("auto").name, "rows": rows,
+               "batch": BATCH, "reps": args.reps, "local_reps": args.local_reps, "decoder": Decoder("auto").name, "rows": rows,
                "throttles": [{"name": t.name, "iops": t.iops, "mb_s": t.mb_s} for t in throttles],
                "throttle_skipped": why,
                "libraries": {name: version(name) for name in ("webdataset", "litdata", "mosaicml-streaming")},
@@ -345,7 +346,7 @@ def section(payload: dict[str, Any], columns: list[Column], rows: list[dict[str,
         f"`{payload['command']}` ({payload['date']}; {m['cpus']} CPUs, {m['cpu_model']}, shared with other jobs): "
         f"{payload['images']} JPEGs of {payload['size']}x{payload['size']} ({payload['bytes'] / 1e6:.1f} MB), one "
         f"pass each through `get_data_loader` (batch {payload['batch']}, {payload['workers']} workers), decode + "
-        f"`PILToTensor`, median of {payload['reps']} interleaved passes; JPEG decoder chosen at run time: "
+        f"`PILToTensor`, median of {payload['local_reps']} interleaved passes on the local disk and {payload['reps']} on throttled storage; JPEG decoder chosen at run time: "
         f"`{payload['decoder']}`. Local disk: the machine's own (virtual) disk; cold there: the files' pages "
         f"dropped (`posix_fadvise(DONTNEED)`) before each pass.{storage} *x folder cold* is against the folder "
         "read cold on the same storage.",

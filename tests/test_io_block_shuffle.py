@@ -221,8 +221,13 @@ def test_hinting_sampler_hints_every_index_lookahead_positions_before_handing_it
         rec.taken += 1
     assert out == order and len(HintingSampler(order, rec, lookahead)) == len(order)
     assert rec.calls[0] == (None, 0)  # a pass starts by forgetting the blocks hinted
+    assert rec.calls[-1] == (None, len(order))  # and ends closing what it opened
     # index at position p is hinted when p - lookahead indices were handed out (0 at the start)
-    assert rec.calls[1:] == [(i, max(0, p - lookahead)) for p, i in enumerate(order)]
+    assert rec.calls[1:-1] == [(i, max(0, p - lookahead)) for p, i in enumerate(order)]
+    rec.calls.clear()
+    for _ in zip(range(3), HintingSampler(order, rec, lookahead)):  # a pass dropped early ends too
+        pass
+    assert rec.calls[-1][0] is None and len(rec.calls) == min(len(order), lookahead + 3) + 2
     with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
         HintingSampler(order, rec, -1)
 
@@ -268,6 +273,7 @@ def test_loader_hints_each_block_once_per_pass_from_its_process_and_reads_the_sa
             wanted[os.path.realpath(path)] += range(offset, offset + length)
         # every record's bytes once per pass: each block hinted once, nothing else
         assert {p: sorted(b) for p, b in per_file.items()} == {p: sorted(b) for p, b in wanted.items()}
+        assert ahead._fds == {}  # after the pass this process holds no record file open
     # without the loader (a worker of torch's own loader), a read hints as before
     fresh = IndexTFRDataset(out, "train.index", pixels, readahead_block=4)
     log.write_text("")

@@ -133,8 +133,9 @@ class BlockReadahead:
 class HintingSampler(Sampler[int]):
     """``sampler``'s indices, each handed out after the next ``lookahead`` ones were read from
     ``sampler`` and ``dataset.hint_ahead(index)`` was called on each, in order (module
-    docstring). ``dataset.hint_ahead`` hints a block once per pass (`IndexTFRDataset`); a new
-    pass (``iter``) calls ``dataset.hint_ahead(None)`` first, which forgets the blocks hinted.
+    docstring). ``dataset.hint_ahead`` hints a block once per pass (`IndexTFRDataset`); a pass
+    (``iter``) calls ``dataset.hint_ahead(None)`` first and last, which forgets the blocks hinted
+    and closes the files it opened.
 
     Example:
         >>> loader = DataLoader(ds, 64, sampler=HintingSampler(sampler, ds, lookahead=512))
@@ -147,13 +148,16 @@ class HintingSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         self.dataset.hint_ahead(None)
-        ahead: deque[int] = deque()
-        for index in self.sampler:
-            self.dataset.hint_ahead(index)
-            ahead.append(index)
-            if len(ahead) > self.lookahead:
-                yield ahead.popleft()
-        yield from ahead
+        try:
+            ahead: deque[int] = deque()
+            for index in self.sampler:
+                self.dataset.hint_ahead(index)
+                ahead.append(index)
+                if len(ahead) > self.lookahead:
+                    yield ahead.popleft()
+            yield from ahead
+        finally:  # the pass is over (or dropped): the dataset closes what it opened to hint
+            self.dataset.hint_ahead(None)
 
     def __len__(self) -> int:
         assert isinstance(self.sampler, Sized)

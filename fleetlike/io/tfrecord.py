@@ -239,15 +239,24 @@ class IndexTFRDataset(Dataset[Any]):
     def hint_ahead(self, index: int | None) -> bool:
         """Hint the block of sample ``index`` to the kernel, once per pass, from the calling
         process (`HintingSampler`, which `get_data_loader` puts in front of the sampler, calls it
-        in the loader's process ahead of the reads; the workers then hint nothing); ``None``
-        starts a pass. Whether it hinted (False without ``readahead_block``)."""
+        in the loader's process ahead of the reads; the workers then hint nothing). ``None``: a
+        pass starts or ends, the blocks hinted are forgotten and this process's descriptors
+        closed (a pass holds no file open after it, so the files can be unmounted or replaced).
+        Whether it hinted (False without ``readahead_block``)."""
         if self._readahead is None:
             return False
         self._readahead.driven = True
         if index is None:
             self._readahead.forget()
+            self._close_files()
             return False
         return self._readahead.hint(index % len(self), self._fd)
+
+    def _close_files(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds, self._pid = {}, os.getpid()
 
     def location(self, index: int) -> tuple[Path, int, int]:
         """``(record file, offset, framed length)`` of sample ``index``."""
