@@ -418,8 +418,9 @@ def reading(rows: list[dict[str, Any]], skipped: dict[str, str], passes: dict[st
     if storages:
         text += (" The folder reads an inode, directory blocks and the data per image; a shuffled `pread` of one "
                  "record gets no readahead, so packed in shuffled order saves the folder's metadata reads and no "
-                 "more; read in file order, one readahead fetches several records; the block shuffle hints a "
-                 f"block of {BLOCK} records at its first read, so a block costs a few large reads in any order.")
+                 "more; read in file order, one readahead fetches several records; the block shuffle hints each "
+                 f"block of {BLOCK} records once, from the loader's process one window ahead of its reads, so a "
+                 "block costs a few large reads in any order and arrives before the workers ask for it.")
     for name, reason in skipped.items():
         text += f" No {name} row: {reason}."
     return text
