@@ -3,8 +3,9 @@
 Why a module of its own: each library is optional (the ``bench-io`` extra), so each row is built
 only when its package imports, and a missing one is a printed reason, never a failed bench. Each
 library writes the images with its own writer and reads them with its own loader, ``workers``
-loader workers, batch ``batch``, decoded by the same `Decoder` and ``PILToTensor`` as every other
-row, so the rows differ only in how the bytes reach the decoder.
+loader workers, batch ``batch``, decoded and transformed by `decode_sample` (what the fleetlike
+datasets do per sample: `Decoder.array` + ``PILToTensor``), so the rows differ only in how the
+bytes reach the decoder.
 
 - **WebDataset**: tar shards (``key.jpg`` + ``key.cls``), ``webdataset.WebDataset`` split over the
   workers, batched in the workers, torch's ``DataLoader`` with ``batch_size=None``;
@@ -32,11 +33,25 @@ import torch
 from torch.utils.data import DataLoader
 
 from fleetlike.io import Decoder, PILToTensor
+from fleetlike.io.transforms import takes_arrays
 
-__all__ = ["drop_cache", "library_modes", "write_shards", "write_litdata"]
+__all__ = ["DecodeSample", "decode_sample", "drop_cache", "library_modes", "write_shards", "write_litdata"]
 
-_DECODER = Decoder("auto")
-_TO_TENSOR = PILToTensor()
+
+class DecodeSample:
+    """``transform(decoded bytes)`` as the fleetlike datasets do it: straight from the decoder's
+    array where the transform takes arrays, else through the PIL image."""
+
+    def __init__(self, transform: Callable[[Any], Any], decoder: str = "auto") -> None:
+        self.transform, self.decoder = transform, Decoder(decoder)
+        self.arrays = takes_arrays(transform)
+
+    def __call__(self, data: bytes | memoryview) -> Any:
+        return self.transform(self.decoder.array(data) if self.arrays else self.decoder(data))
+
+
+#: every row's per-sample work: decode + ``PILToTensor``
+decode_sample = DecodeSample(PILToTensor())
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -51,11 +66,11 @@ def drop_cache(paths: list[Path]) -> None:
 
 
 def _wds_decode(sample: tuple[bytes, bytes]) -> tuple[torch.Tensor, int]:
-    return _TO_TENSOR(_DECODER(sample[0])), int(sample[1])
+    return decode_sample(sample[0]), int(sample[1])
 
 
 def _litdata_decode(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
-    return _TO_TENSOR(_DECODER(sample["jpg"])), int(sample["cls"])
+    return decode_sample(sample["jpg"]), int(sample["cls"])
 
 
 def write_shards(folder: Path, entries: list[tuple[Path, int]], shards: int) -> list[Path]:

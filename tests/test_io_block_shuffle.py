@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler as TorchSampler
 
 from fleetlike.io import DistributedSampler, IndexTFRDataset, Tail, get_data_loader
-from fleetlike.io.readahead import BlockReadahead
+from fleetlike.io.readahead import BlockReadahead, HintingSampler
 from fleetlike.io.sampler import block_order
 from test_io_tfrecord import pack, pixels
 
@@ -198,3 +198,84 @@ def test_block_ranges_merge_adjacent_records_per_file():
     assert ahead.ranges(1, gap=62) == [(0, 30, 107)]
     with pytest.raises(ValueError, match="readahead_block must be a positive int"):
         BlockReadahead(files, offsets, lengths, block_size=0)
+
+
+class _Recorder:
+    """A dataset's ``hint_ahead`` that records, per call, how many indices the consumer had taken."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.calls: list[tuple[int | None, int]] = []
+
+    def hint_ahead(self, index):
+        self.calls.append((index, self.taken))
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 5, 40])
+def test_hinting_sampler_hints_every_index_lookahead_positions_before_handing_it_out(lookahead):
+    order = block_order(37, 4, 2, torch.Generator().manual_seed(2))
+    rec = _Recorder()
+    out = []
+    for index in HintingSampler(order, rec, lookahead):
+        out.append(index)
+        rec.taken += 1
+    assert out == order and len(HintingSampler(order, rec, lookahead)) == len(order)
+    assert rec.calls[0] == (None, 0)  # a pass starts by forgetting the blocks hinted
+    assert rec.calls[-1] == (None, len(order))  # and ends closing what it opened
+    # index at position p is hinted when p - lookahead indices were handed out (0 at the start)
+    assert rec.calls[1:-1] == [(i, max(0, p - lookahead)) for p, i in enumerate(order)]
+    rec.calls.clear()
+    for _ in zip(range(3), HintingSampler(order, rec, lookahead)):  # a pass dropped early ends too
+        pass
+    assert rec.calls[-1][0] is None and len(rec.calls) == min(len(order), lookahead + 3) + 2
+    with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+        HintingSampler(order, rec, -1)
+
+
+def _hints_to(path):
+    """``os.posix_fadvise`` that appends ``pid file offset length`` to ``path`` (forked workers too)."""
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        with open(path, "a") as fh:
+            fh.write(f"{os.getpid()} {os.readlink(f'/proc/self/fd/{fd}')} {offset} {length}\n")
+        return real(fd, offset, length, advice)
+    return record
+
+
+@pytest.mark.timeout(120)
+def test_loader_hints_each_block_once_per_pass_from_its_process_and_reads_the_same(tmp_path, monkeypatch):
+    _, _, out = pack(tmp_path, per_class=7)  # 21 records in 2 files: blocks of 4, windows of 2 blocks
+    plain = IndexTFRDataset(out, "train.index", pixels)
+    ahead = IndexTFRDataset(out, "train.index", pixels, readahead_block=4)
+    log = tmp_path / "hints"
+    monkeypatch.setattr(os, "posix_fadvise", _hints_to(log))
+    hinted = get_data_loader(ahead, 5, 1, 0, seed=3, blocks_per_window=2, num_workers=2, prefetch=1)
+    reference = get_data_loader(plain, 5, 1, 0, seed=3, block_size=4, blocks_per_window=2, num_workers=2,
+                                prefetch=1)
+    assert isinstance(hinted.loader.sampler, HintingSampler) and hinted.loader.sampler.lookahead == 8
+    assert hinted.sampler.block_size == 4  # the state is still the DistributedSampler's
+    for epoch in (0, 1):
+        hinted.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        log.write_text("")
+        for (x, y), (rx, ry) in zip(hinted, reference, strict=True):
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+        hints = [line.split() for line in log.read_text().splitlines()]
+        assert {int(pid) for pid, *_ in hints} == {os.getpid()}  # the loader's process; no worker hinted
+        per_file: dict[str, list[int]] = collections.defaultdict(list)
+        for _, path, offset, length in hints:
+            per_file[path] += range(int(offset), int(offset) + int(length))
+        wanted: dict[str, list[int]] = collections.defaultdict(list)
+        for i in range(len(plain)):
+            path, offset, length = plain.location(i)
+            wanted[os.path.realpath(path)] += range(offset, offset + length)
+        # every record's bytes once per pass: each block hinted once, nothing else
+        assert {p: sorted(b) for p, b in per_file.items()} == {p: sorted(b) for p, b in wanted.items()}
+        assert ahead._fds == {}  # after the pass this process holds no record file open
+    # without the loader (a worker of torch's own loader), a read hints as before
+    fresh = IndexTFRDataset(out, "train.index", pixels, readahead_block=4)
+    log.write_text("")
+    fresh[0]
+    assert len(log.read_text().splitlines()) >= 1

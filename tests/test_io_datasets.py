@@ -137,6 +137,58 @@ def test_transforms_match_references():
     assert isinstance(pipeline(image), torch.Tensor)
 
 
+def test_transforms_give_the_same_from_the_decoded_array_as_from_its_image():
+    from fleetlike.io import Decoder
+    from fleetlike.io.transforms import takes_arrays
+    import io as _io
+
+    rng = np.random.default_rng(2)
+    buf = _io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    png = _io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (30, 40), dtype=np.uint8)).save(png, "PNG")
+    for data, mode in ((buf.getvalue(), "RGB"), (buf.getvalue(), "L"), (png.getvalue(), "RGB"), (png.getvalue(), "L")):
+        for name in ("auto", "pillow"):
+            decoder = Decoder(name, mode)
+            array, image = decoder.array(data), decoder(data)
+            assert array.dtype == np.uint8 and array.shape == (30, 40, 3 if mode == "RGB" else 1)
+            assert np.array_equal(array.reshape(np.asarray(image).shape), np.asarray(image))
+    decoder = Decoder("auto")
+    pipelines = [PILToTensor(), ToTensor(), Compose([CenterCrop(20), ToTensor()]),
+                 Compose([CenterCrop((50, 44)), PILToTensor()]),  # larger than the image: zero padding
+                 Compose([RandomResizedCrop(16), RandomHorizontalFlip(), ToTensor(), Normalize([0.5] * 3, [0.2] * 3)]),
+                 Compose([RandomResizedCrop((30, 40), scale=(1, 1), ratio=(4 / 3, 4 / 3)), RandomHorizontalFlip(1.0),
+                          PILToTensor()]),
+                 Compose([Resize(20), CenterCrop(16), RandomHorizontalFlip(), PILToTensor()])]
+    for pipeline in pipelines:
+        assert takes_arrays(pipeline)
+        for seed in range(12):
+            torch.manual_seed(seed)
+            x = pipeline(decoder.array(buf.getvalue()))
+            torch.manual_seed(seed)
+            y = pipeline(decoder(buf.getvalue()))
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (pipeline, seed)
+    # a pipeline that ends on an image, or passes it to another library's transform, gets the image
+    assert not takes_arrays(CenterCrop(3)) and not takes_arrays(Compose([CenterCrop(3)]))
+    assert not takes_arrays(Compose([lambda x: x, ToTensor()])) and not takes_arrays(None)
+    with pytest.raises(ValueError, match="not mode='RGBA'"):
+        Decoder("auto", "RGBA").array(buf.getvalue())
+
+
+def test_datasets_decode_to_the_array_when_the_transform_takes_it(tmp_path, monkeypatch):
+    from fleetlike.io import Decoder
+
+    entries = make_images(tmp_path)
+    lst = write_list(tmp_path / "train.txt", entries)
+    through_image = Compose([lambda image: image, PILToTensor()])  # not array-taking: the PIL image
+    reference = [ImageListDataset(tmp_path, lst, transform=through_image)[i] for i in range(len(entries))]
+    monkeypatch.setattr(Decoder, "__call__", lambda self, data: pytest.fail("the PIL image was made"))
+    direct = ImageListDataset(tmp_path, lst, transform=PILToTensor())
+    for i, (x, y) in enumerate(reference):
+        got = direct[i]
+        assert got[1] == y and torch.equal(got[0], x)
+
+
 def test_io_imports_without_pillow_and_says_how_to_install_it(tmp_path):
     """Pillow is an optional extra: the sampler and loader work without it; decoding names the extra."""
     write_list(tmp_path / "l.txt", [("a.jpg", 0)])

@@ -371,6 +371,19 @@ def test_decoder_choice_and_fallback():
         Decoder("turbo")
 
 
+def test_packed_records_decode_to_the_array_when_the_transform_takes_it(tmp_path, monkeypatch):
+    from fleetlike.io import Compose, PILToTensor
+
+    _, _, out = pack(tmp_path, per_class=3)
+    through_image = IndexTFRDataset(out, "train.index", Compose([lambda image: image, PILToTensor()]))
+    reference = [through_image[i] for i in range(len(through_image))]
+    monkeypatch.setattr(Decoder, "__call__", lambda self, data: pytest.fail("the PIL image was made"))
+    direct = IndexTFRDataset(out, "train.index", PILToTensor())
+    for i, (x, y) in enumerate(reference):
+        got = direct[i]
+        assert got[1] == y and torch.equal(got[0], x)
+
+
 # ----------------------------------------------------------------------------------- ranks
 
 N_SAMPLES = 19  # batch 4, tail even: 10/9 and 7/6/6 samples, the same batch count per rank

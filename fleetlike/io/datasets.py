@@ -33,9 +33,10 @@ from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.cached import CachedDataset, CacheType
-from fleetlike.io.decode import Decoder, DecoderName
+from fleetlike.io.decode import ARRAY_MODES, Decoder, DecoderName
 from fleetlike.io.loader import Skipped
 from fleetlike.io.pillow import pil
+from fleetlike.io.transforms import takes_arrays
 
 __all__ = ["DataRootError", "IMAGE_EXTENSIONS", "ImageFolder", "ImageListDataset", "ImageReadError", "OnError", "inside_root",
            "read_image_list"]
@@ -155,21 +156,26 @@ class _Images(Dataset[Any]):
     def path(self, index: int) -> Path:
         return self.root / self.samples[index][0]
 
-    def load(self, index: int) -> Any:
-        """The decoded PIL image of sample ``index`` (no transform); raises `ImageReadError`."""
+    def _arrays(self) -> bool:
+        """Whether the transform takes the decoded array (then the PIL image is never made)."""
+        return self.mode in ARRAY_MODES and takes_arrays(self.transform)
+
+    def load(self, index: int, array: bool = False) -> Any:
+        """The decoded PIL image of sample ``index`` (no transform), or with ``array`` its
+        ``H x W x C`` uint8 array (`Decoder.array`); raises `ImageReadError`."""
         path = self.path(index)
         inside_root(self._real_root, path)
         Image = pil()
         try:
             data = self.file_cache.read_bytes(path) if self.file_cache is not None else path.read_bytes()
-            return self.decoder(data)
+            return self.decoder.array(data) if array else self.decoder(data)
         except (OSError, ValueError, Image.DecompressionBombError) as error:
             raise ImageReadError(f"sample {index}: cannot read image {path}: {error}") from error
 
     def read(self, index: int, transform: bool) -> Any:
         """``(image, label)`` (the image transformed if ``transform``), or a `Skipped`."""
         try:
-            image: Any = self.load(index)
+            image: Any = self.load(index, transform and self._arrays())
         except ImageReadError as error:
             if self.on_error is OnError.SKIP:
                 return Skipped(index, str(self.path(index)), str(error.__cause__ or error))

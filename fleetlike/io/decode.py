@@ -6,12 +6,16 @@ faster than Pillow's build of libjpeg (figures: docs/BENCHMARKS.md, ``bench/imag
 it is used for JPEGs when installed (``pip install simplejpeg``), and Pillow decodes everything
 else (PNG, BMP, ...), a JPEG simplejpeg refuses (CMYK, 12-bit), and everything when simplejpeg
 is absent. The result is the same RGB/L PIL image either way, so transforms are unchanged.
+`Decoder.array` gives the pixels as an ``H x W x C`` uint8 array instead, without the PIL image
+(simplejpeg's output as it is): the datasets use it where the transform takes arrays
+(`fleetlike.io.transforms.takes_arrays`), which saves the image's two copies per sample.
 
 Example:
     >>> decoder = Decoder("auto")
     >>> decoder.name
     'simplejpeg'
     >>> image = decoder(jpeg_bytes)          # PIL.Image in RGB
+    >>> decoder.array(jpeg_bytes).shape      # (height, width, 3), uint8
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import io as _io
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from fleetlike.comm import parse_choice
 from fleetlike.io.pillow import pil
 
-__all__ = ["DecoderName", "Decoder", "available_decoders"]
+__all__ = ["ARRAY_MODES", "DecoderName", "Decoder", "available_decoders"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _SIMPLE_MODES = {"RGB": "RGB", "L": "GRAY"}
+#: the modes `Decoder.array` decodes to (uint8, 3 or 1 channels)
+ARRAY_MODES = tuple(_SIMPLE_MODES)
 
 
 class DecoderName(str, enum.Enum):
@@ -83,17 +91,34 @@ class Decoder:
         self.choice, self.mode = state["choice"], state["mode"]
         self._simple, self._ready = None, False
 
+    def _simple_array(self, data: bytes | memoryview) -> np.ndarray | None:
+        """simplejpeg's ``H x W x C`` array, or None where Pillow is to decode the bytes."""
+        self._prepare()
+        if self._simple is None or bytes(data[:3]) != _JPEG_MAGIC:
+            return None
+        try:
+            return self._simple.decode_jpeg(data, colorspace=_SIMPLE_MODES[self.mode])
+        except (ValueError, OSError):  # CMYK, 12-bit or damaged: Pillow decodes it or names the fault
+            if self.choice is DecoderName.SIMPLEJPEG:
+                raise
+            return None
+
     def __call__(self, data: bytes | memoryview) -> Any:
         """The decoded image; OSError/ValueError from the decoder when the bytes are not an image."""
-        self._prepare()
+        array = self._simple_array(data)
         Image = pil()
-        if self._simple is not None and bytes(data[:3]) == _JPEG_MAGIC:
-            try:
-                array = self._simple.decode_jpeg(data, colorspace=_SIMPLE_MODES[self.mode])
-            except (ValueError, OSError):  # CMYK, 12-bit or damaged: Pillow decodes it or names the fault
-                if self.choice is DecoderName.SIMPLEJPEG:
-                    raise
-            else:
-                return Image.fromarray(array[:, :, 0] if array.ndim == 3 and self.mode == "L" else array)
+        if array is not None:
+            return Image.fromarray(array[:, :, 0] if array.ndim == 3 and self.mode == "L" else array)
         with Image.open(_io.BytesIO(data)) as image:
             return image.convert(self.mode)
+
+    def array(self, data: bytes | memoryview) -> np.ndarray:
+        """The decoded pixels, ``H x W x C`` uint8 (C = 3 for RGB, 1 for L): the same values as
+        ``np.asarray(self(data))``, without making the PIL image where simplejpeg decodes."""
+        if self.mode not in ARRAY_MODES:
+            raise ValueError(f"Decoder.array decodes to the modes {', '.join(ARRAY_MODES)}, not mode={self.mode!r}; "
+                             "call the decoder for a PIL image")
+        array = self._simple_array(data)
+        if array is None:
+            array = np.array(self(data))
+        return array[:, :, None] if array.ndim == 2 else array

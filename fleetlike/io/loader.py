@@ -42,6 +42,7 @@ from torch.utils.data._utils.collate import default_collate
 from fleetlike.comm.cuda import use_device
 from fleetlike.io.file_cache import files_cache, register_cache
 from fleetlike.io.job import current_device, io_settings
+from fleetlike.io.readahead import HintingSampler
 from fleetlike.io.sampler import DistributedSampler, Tail
 from fleetlike.strategies.health import DATA_WAIT
 
@@ -389,6 +390,8 @@ def get_data_loader(
         return DataLoader(dataset, num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin, timeout=timeout,
                           worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                           generator=generator, **extra)
+    if "sampler" in extra:
+        extra["sampler"] = _hinting(dataset, sampler)
     loader = DataLoader(
         dataset, num_workers=num_workers, collate_fn=_SkipCollate(collate_fn or default_collate),
         pin_memory=pin, timeout=timeout, worker_init_fn=worker_init_fn,
@@ -396,6 +399,19 @@ def get_data_loader(
     )
     return DistributedDataLoader(loader, sampler if batch_sampler is None else batch_sampler,  # type: ignore[arg-type]
                                  batch_size, drop_last, prefetch, target)
+
+
+def _hinting(dataset: Dataset[Any], sampler: Sampler[int] | None) -> Sampler[int] | None:
+    """The sampler the torch loader iterates: ``sampler``, or under a block shuffle over a dataset
+    that reads blocks ahead (``hint_ahead``: `IndexTFRDataset` ``readahead_block``) a
+    `HintingSampler` one window of this rank's share ahead, so this process hints each block
+    before its samples reach a worker (the dataset's workers then hint nothing)."""
+    if not (isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler.block_size is not None
+            and getattr(dataset, "readahead_block", None) == sampler.block_size and hasattr(dataset, "hint_ahead")):
+        return sampler
+    dataset.hint_ahead(None)  # marks the hints as the loader's before any worker starts
+    window = sampler.block_size * sampler.blocks_per_window
+    return HintingSampler(sampler, dataset, max(1, -(-window // sampler.num_replicas)))
 
 
 def _check_batch_sampler(batch_size: int, shuffle: bool | None, sampler: Any, drop_last: bool, iterable: bool) -> None:

@@ -16,6 +16,15 @@ only their bytes, plus gaps of at most one chunk, are fetched). A process rememb
 ``memory`` blocks it hinted, so a block is hinted once per window while a later epoch hints it
 again.
 
+Hinted at a block's first read, a window's blocks arrive when the window starts, and on slow
+storage the workers wait for them there. `HintingSampler` hints ahead instead: it walks the
+loader's sampler (in the loader's main process, which hands the indices out) ``lookahead``
+positions ahead of what it yields and hints each block once per pass when the block's first index
+enters that look-ahead, so the next window's bytes are read while the current one is decoded;
+`get_data_loader` puts it in front of a block-shuffle sampler over a dataset that reads ahead
+(one window of the rank's share ahead), and the workers then hint nothing (``driven``). Bounded:
+at most ``lookahead`` positions (plus the blocks they start) are fetched ahead of the loader.
+
 Example:
     >>> ahead = BlockReadahead(files, offsets, lengths, block_size=64)
     >>> ahead.touch(index, fd_of)      # before os.pread of sample index
@@ -24,13 +33,15 @@ Example:
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from torch.utils.data import Sampler
 
-__all__ = ["DEFAULT_CHUNK", "BlockReadahead", "hint_chunk"]
+__all__ = ["DEFAULT_CHUNK", "BlockReadahead", "HintingSampler", "hint_chunk"]
 
 #: the kernel's default readahead (``read_ahead_kb``), the chunk where sysfs says nothing
 DEFAULT_CHUNK = 128 << 10
@@ -67,6 +78,7 @@ class BlockReadahead:
         self._chunks: dict[int, int] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._pid = os.getpid()
+        self.driven = False  #: a `HintingSampler` hints (in the loader's process): `touch` does nothing
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_recent": OrderedDict(), "_chunks": {}}
@@ -88,8 +100,18 @@ class BlockReadahead:
         return merged
 
     def touch(self, index: int, fd_of: Callable[[int], int]) -> bool:
+        """At a read of sample ``index``: hint its block unless this process hinted it recently
+        or a `HintingSampler` hints (``driven``); whether it did. ``fd_of(file id)``: the
+        process's descriptor of that file."""
+        return False if self.driven else self.hint(index, fd_of)
+
+    def forget(self) -> None:
+        """Forget the blocks hinted (a new pass hints each block again)."""
+        self._recent.clear()
+
+    def hint(self, index: int, fd_of: Callable[[int], int]) -> bool:
         """Hint the block of sample ``index`` unless this process hinted it recently; whether it
-        did. ``fd_of(file id)``: the process's descriptor of that file."""
+        did."""
         if self._pid != os.getpid():  # a forked worker: its own memory of what it hinted
             self._recent, self._chunks, self._pid = OrderedDict(), {}, os.getpid()
         block = index // self.block_size
@@ -106,3 +128,37 @@ class BlockReadahead:
             for at in range(start, end, chunk):
                 os.posix_fadvise(fd, at, min(chunk, end - at), os.POSIX_FADV_WILLNEED)
         return True
+
+
+class HintingSampler(Sampler[int]):
+    """``sampler``'s indices, each handed out after the next ``lookahead`` ones were read from
+    ``sampler`` and ``dataset.hint_ahead(index)`` was called on each, in order (module
+    docstring). ``dataset.hint_ahead`` hints a block once per pass (`IndexTFRDataset`); a pass
+    (``iter``) calls ``dataset.hint_ahead(None)`` first and last, which forgets the blocks hinted
+    and closes the files it opened.
+
+    Example:
+        >>> loader = DataLoader(ds, 64, sampler=HintingSampler(sampler, ds, lookahead=512))
+    """
+
+    def __init__(self, sampler: Sampler[int], dataset: Any, lookahead: int) -> None:
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"HintingSampler: lookahead must be an int >= 0 (positions), got {lookahead!r}")
+        self.sampler, self.dataset, self.lookahead = sampler, dataset, lookahead
+
+    def __iter__(self) -> Iterator[int]:
+        self.dataset.hint_ahead(None)
+        try:
+            ahead: deque[int] = deque()
+            for index in self.sampler:
+                self.dataset.hint_ahead(index)
+                ahead.append(index)
+                if len(ahead) > self.lookahead:
+                    yield ahead.popleft()
+            yield from ahead
+        finally:  # the pass is over (or dropped): the dataset closes what it opened to hint
+            self.dataset.hint_ahead(None)
+
+    def __len__(self) -> int:
+        assert isinstance(self.sampler, Sized)
+        return len(self.sampler)

@@ -23,7 +23,10 @@ the label against the index's: the record file and its offset).
 ``block_size=k``, which `get_data_loader` then picks by itself), the first read of a block of
 ``k`` consecutive samples asks the kernel for the whole block's bytes (`BlockReadahead`), so on
 storage that charges per read a block costs a few large reads instead of ``k`` small ones. The
-records returned are the same.
+records returned are the same. Through `get_data_loader` the hints go ahead of the reads: the
+loader's process hints each block once per pass, one window (of the rank's share) before its
+first sample is handed to a worker (`HintingSampler`), so the next window arrives while the
+current one is decoded.
 
 ``dataset_type="coco"`` records (``img2tfrecord --dataset_type coco``) carry a detection target:
 the dataset returns ``(image, {"image_id", "boxes" (N x 4, xywh), "labels" (N)})``.
@@ -47,11 +50,12 @@ from torch.utils.data import Dataset
 
 from fleetlike.comm import parse_choice
 from fleetlike.io.datasets import ImageReadError, OnError
-from fleetlike.io.decode import Decoder, DecoderName
+from fleetlike.io.decode import ARRAY_MODES, Decoder, DecoderName
 from fleetlike.io.example import ExampleError, Feature, Kind, decode_example
 from fleetlike.io.loader import Skipped
 from fleetlike.io.readahead import BlockReadahead
 from fleetlike.io.records import RecordError, iter_records, parse_record
+from fleetlike.io.transforms import takes_arrays
 
 __all__ = ["BBOX_KEY", "COCO_LABELS_KEY", "IMAGE_ID_KEY", "IMAGE_KEY", "INDEX_HEADER", "LABEL_KEY",
            "IndexEntry", "IndexTFRDataset", "build_index", "read_index", "write_index"]
@@ -232,6 +236,28 @@ class IndexTFRDataset(Dataset[Any]):
                 except OSError:
                     pass
 
+    def hint_ahead(self, index: int | None) -> bool:
+        """Hint the block of sample ``index`` to the kernel, once per pass, from the calling
+        process (`HintingSampler`, which `get_data_loader` puts in front of the sampler, calls it
+        in the loader's process ahead of the reads; the workers then hint nothing). ``None``: a
+        pass starts or ends, the blocks hinted are forgotten and this process's descriptors
+        closed (a pass holds no file open after it, so the files can be unmounted or replaced).
+        Whether it hinted (False without ``readahead_block``)."""
+        if self._readahead is None:
+            return False
+        self._readahead.driven = True
+        if index is None:
+            self._readahead.forget()
+            self._close_files()
+            return False
+        return self._readahead.hint(index % len(self), self._fd)
+
+    def _close_files(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds, self._pid = {}, os.getpid()
+
     def location(self, index: int) -> tuple[Path, int, int]:
         """``(record file, offset, framed length)`` of sample ``index``."""
         return (self._paths[int(self._file[index])], int(self._offset[index]), int(self._length[index]))
@@ -244,7 +270,7 @@ class IndexTFRDataset(Dataset[Any]):
         fid, offset, length = int(self._file[index]), int(self._offset[index]), int(self._length[index])
         path = self._paths[fid]
         if self._readahead is not None:
-            self._readahead.touch(index, self._fd)
+            self._readahead.touch(index, self._fd)  # nothing when the loader hints ahead (hint_ahead)
         raw = os.pread(self._fd(fid), length, offset)
         data = parse_record(raw, path, offset, self.verify)
         try:
@@ -265,8 +291,9 @@ class IndexTFRDataset(Dataset[Any]):
         labels = torch.tensor(features.get(COCO_LABELS_KEY, Feature(Kind.INT64, [])).values, dtype=torch.int64)
         return {"image_id": int(self._label[index]), "boxes": boxes, "labels": labels}
 
-    def load(self, index: int) -> tuple[Any, Any]:
-        """``(decoded image, target)`` of sample ``index``, before the transforms."""
+    def load(self, index: int, array: bool = False) -> tuple[Any, Any]:
+        """``(decoded image, target)`` of sample ``index``, before the transforms (the image as an
+        ``H x W x C`` uint8 array with ``array``: `Decoder.array`)."""
         features = self.record(index)
         image = features.get(self.image_key)
         if image is None or image.kind is not Kind.BYTES or len(image.values) != 1:
@@ -274,7 +301,8 @@ class IndexTFRDataset(Dataset[Any]):
             raise RecordError(f"{path}: record at offset {offset} (sample {index}) has no single bytes feature "
                               f"{self.image_key!r} (features: {sorted(features)}); pass image_key=")
         try:
-            decoded = self.decoder(image.values[0])
+            data = image.values[0]
+            decoded = self.decoder.array(data) if array else self.decoder(data)
         except (OSError, ValueError) as error:
             path, offset, _ = self.location(index)
             raise ImageReadError(f"{path}: record at offset {offset} (sample {index}): the image does not "
@@ -283,7 +311,7 @@ class IndexTFRDataset(Dataset[Any]):
 
     def __getitem__(self, index: int) -> Any:
         try:
-            image, target = self.load(index)
+            image, target = self.load(index, self.decoder.mode in ARRAY_MODES and takes_arrays(self.transform))
         except (RecordError, ImageReadError) as error:
             if self.on_error is OnError.SKIP:
                 path, _, _ = self.location(index % len(self))
