@@ -8,8 +8,10 @@ found so, in its handler, under load). These tests run the handler at every line
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -51,11 +53,23 @@ def test_the_handler_run_inside_the_wait_ends_it() -> None:
     assert stop.signum == signal.SIGTERM and stop.event.is_set()
 
 
-def test_a_threading_event_hangs_there() -> None:
-    """Why the stop is no `threading.Event`: the same handler, setting one, never returns."""
+def _both_cases() -> dict[str, list[bool]]:
+    """The harness on the stop's own flag, then on a `threading.Event` (whose wait hangs)."""
+    stop = _StopRequest()
+    flag = _wait_with_the_handler_at_every_line(stop, stop.event)
     stop = _StopRequest()
     stop.event = threading.Event()  # type: ignore[assignment]
-    assert _wait_with_the_handler_at_every_line(stop, stop.event) == []  # its thread hangs (a daemon)
+    return {"flag": flag, "threading_event": _wait_with_the_handler_at_every_line(stop, stop.event)}
+
+
+def test_a_threading_event_hangs_there() -> None:
+    """Why the stop is no `threading.Event`: the same handler, setting one, never returns. Run in
+    a process of its own, since the hung thread holds the event's lock until its process ends;
+    the same harness on the stop's own flag in that process returns, so the hang is the event's."""
+    proc = subprocess.run([sys.executable, __file__, "both-cases"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"flag": [True], "threading_event": []}
 
 
 def test_a_real_signal_ends_a_wait_within_a_slice() -> None:
@@ -80,3 +94,8 @@ def test_a_wait_without_a_stop_returns_false_after_its_timeout(timeout: float) -
     assert time.monotonic() - start >= timeout
     flag.set()
     assert flag.wait(None) and flag.wait(0)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["both-cases"]:
+    print(json.dumps(_both_cases()), flush=True)
+    os._exit(0)  # the hung daemon thread holds a lock: leave without waiting on anything
