@@ -86,6 +86,13 @@ def size_ladder(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     return sorted(set(sizes))
 
 
+def proc_status(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of this process, in bytes (Linux's
+    ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

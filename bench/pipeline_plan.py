@@ -46,8 +46,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench._common import Column, format_table, median, plot_panels, replace_section, run_info, save_json
+from bench._common import Column, format_table, median, plot_panels, proc_status, replace_section, run_info, save_json
 from bench.pipeline import BLOCKS, MICRO_ROWS, WIDTH, _net, _plain_net, torch_ping_pong
+from fleetlike.plan.memory import optimizer_state_bytes
 from fleetlike.plan.saved import SavedBytesMeter
 from fleetlike.testing import run_ranks
 
@@ -56,12 +57,6 @@ __all__ = ["main", "predictions"]
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Pipeline planner: predicted vs measured"
 LR = 1e-4
-
-
-def _status(field: str) -> int:
-    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
 
 
 def _reset_peak() -> None:
@@ -128,7 +123,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, memory: bool) ->
                                 hybrid_configs={"pp_degree": 2})
         fleet.init(role, strategy=s)
         gc.collect()
-        base = _status("VmRSS")
+        base = proc_status("VmRSS")
         meter = SavedBytesMeter()
         model = fleet.distributed_model(_net(meter), loss_fn=F.mse_loss)
         opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
@@ -150,11 +145,10 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, memory: bool) ->
             times.append(time.perf_counter() - t0)
         row: dict[str, Any] = {"schedule": mode, "m": m, "stage": hcg.stage_id}
         if memory:
-            row["rss_peak"] = _status("VmHWM") - base
+            row["rss_peak"] = proc_status("VmHWM") - base
             params = list(model.parameters())
             row.update(param_bytes=sum(_nbytes(p) for p in params), grad_bytes=sum(_nbytes(p.grad) for p in params),
-                       optimizer_bytes=sum(_nbytes(t) for st in opt.state.values() for t in st.values()
-                                           if torch.is_tensor(t) and t.dim() > 0))
+                       optimizer_bytes=optimizer_state_bytes(opt))
             # the bytes autograd saves during one step: parameters and the batch are no activations
             meter.params = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
             meter.reset()

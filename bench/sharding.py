@@ -60,11 +60,9 @@ def _model(layers: int, width: int) -> Any:
 
 
 def _state_bytes(opt: Any) -> int:
-    import torch
+    from fleetlike.plan.memory import optimizer_state_bytes
 
-    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return optimizer_state_bytes(opt)  # ZeroRedundancyOptimizer's: its shard's optimizer, ``optim``
 
 
 def _trainers(role: Any, kinds: tuple[str, ...], args: argparse.Namespace, rdv: str) -> dict[str, Any]:

@@ -44,7 +44,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import Column, format_table, interleaved_timings, median, replace_section, run_info, save_figure, save_json
+from bench._common import (Column, format_table, interleaved_timings, median, proc_status, replace_section, run_info,
+                           save_figure, save_json)
 
 __all__ = ["KINDS", "main"]
 
@@ -175,11 +176,11 @@ def _rss(role: Any, kind: str, args: argparse.Namespace) -> tuple[float, int]:
 
         torch_process_group(fleet.context().world, fleet.device())
     del DistributedStrategy
-    base = _status("VmRSS")  # what this rank holds now (its high-water mark may be an import's)
+    base = proc_status("VmRSS")  # what this rank holds now (its high-water mark may be an import's)
     step = _trainer(role, kind, args)
     for _ in range(args.steps):
         step()
-    peak = _status("VmHWM")  # the process's peak RSS: building the model whole included
+    peak = proc_status("VmHWM")  # the process's peak RSS: building the model whole included
     held = step.held()  # type: ignore[attr-defined]
     del step
     gc.collect()
@@ -218,13 +219,6 @@ def _planned(args: argparse.Namespace, kinds: list[str]) -> dict[str, dict[str, 
     spec = ModelSpec(_builder(args), args.batch, OptimizerKind.ADAMW.factory(1e-4))
     result = plan(spec, cluster, links, only=list(wanted))
     return {wanted[r.name]: r.memory.as_dict() for r in result.rows}
-
-
-def _status(field: str) -> int:
-    """``VmRSS`` or ``VmHWM`` of this process, in bytes (Linux's /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
 
 
 def _bounds(by: dict[str, dict[str, Any]], world: int, block: float) -> list[dict[str, Any]]:

@@ -39,6 +39,12 @@ def preload_env() -> dict[str, str]:
     return {k: os.environ[k] for k in PRELOAD_VARIABLES if k in os.environ}
 
 
+def proc_status(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     """The largest absolute difference between two lists of same-shaped arrays."""
     assert len(a) == len(b), (len(a), len(b))

@@ -39,6 +39,15 @@ def test_every_fleetlike_name_in_the_source_is_in_the_table() -> None:
     assert unused == set()
 
 
+def test_a_name_is_spelled_as_a_constant_in_the_table_only() -> None:
+    """Modules take a variable's name from `envvars` (``X = envvars.NAME``), never spell it
+    again: a second spelling drifts from the table's without any test noticing."""
+    constant = re.compile(r"^\s*[A-Za-z_][A-Za-z_0-9]*\s*(?::[^=]+)?=\s*[\"']FLEETLIKE_", re.MULTILINE)
+    again = [str(path.relative_to(ROOT.parent)) for path in sorted(ROOT.rglob("*.py"))
+             if path.name != "envvars.py" and constant.search(path.read_text(encoding="utf-8"))]
+    assert again == [], f"take these names from fleetlike.config.envvars: {again}"
+
+
 def test_the_table_is_well_formed() -> None:
     assert len(envvars.BY_NAME) == len(envvars.ENV_VARS)
     for v in envvars.ENV_VARS:

@@ -40,8 +40,9 @@ def _run(tmp: Path, mode: str) -> tuple[int, list[str], dict[str, dict], str]:
     env = {k: v for k, v in os.environ.items() if k not in (PRELOAD_ENV, SOCKET_ENV)}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen(
+        # a grace the handlers' files outlast on a loaded machine: SIGKILL never cuts one short
         [sys.executable, "-m", "fleetlike.launch", "--nproc_per_node=2", "--started_port=auto",
-         "--max_restarts=2", f"--preload={mode}", f"--log_dir={out}/log", str(PROBE), str(out)],
+         "--max_restarts=2", "--kill_grace=20", f"--preload={mode}", f"--log_dir={out}/log", str(PROBE), str(out)],
         cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import pipeline_common as pc
 from fleetlike.plan import Cluster, Links
+from fleetlike.plan.memory import optimizer_state_bytes
 from fleetlike.plan.pipeline import format_pipeline_table, pipeline_step_seconds, predict_pipeline, rank_shapes
 
 
@@ -90,8 +91,7 @@ def _held(role):
         meter.enabled = False
         out[mode] = {"stage": model.hcg.stage_id, "params": sum(nbytes(p) for p in params),
                      "grads": sum(nbytes(p.grad) for p in params),
-                     "optimizer": sum(nbytes(t) for st in opt.state.values() for t in st.values()
-                                      if torch.is_tensor(t) and t.dim() > 0),
+                     "optimizer": optimizer_state_bytes(opt),
                      "activations": meter.peak}
         fleet.shutdown()
     return out

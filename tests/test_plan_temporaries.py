@@ -13,17 +13,13 @@ import torch
 
 from fleetlike.plan.temporaries import update_temporaries
 from fleetlike.strategies.apply_groups import split_groups
+from helpers import proc_status
 
 #: the step's measured rise lies within this fraction of the predicted temporaries (plus a page
 #: or two of allocator slack, `SLACK`)
 TOLERANCE = 0.1
 SLACK = 1 << 20
 SIZES = [(1024, 1024), (1024, 512), (512,), (2048, 512)]
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
 
 
 def _rise(opt: torch.optim.Optimizer, params: list[torch.Tensor], groups: int) -> int:
@@ -34,7 +30,7 @@ def _rise(opt: torch.optim.Optimizer, params: list[torch.Tensor], groups: int) -
     chunks = [[params[i] for i in r] for r in split_groups([p.numel() for p in params], groups)]
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     for chunk in chunks:  # one call per group, the others' gradients hidden (ApplyGroups' way)
         held = {id(p): p.grad for p in params}
         for p in params:
@@ -42,7 +38,7 @@ def _rise(opt: torch.optim.Optimizer, params: list[torch.Tensor], groups: int) -
         opt.step()
         for p in params:
             p.grad = held[id(p)]
-    return _status("VmHWM") - before
+    return proc_status("VmHWM") - before
 
 
 @pytest.mark.parametrize("name,kwargs,groups", [

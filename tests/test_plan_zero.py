@@ -25,6 +25,7 @@ from fleetlike.plan import Cluster, Links, ModelSpec, plan
 from fleetlike.plan.cli import main as plan_main
 from fleetlike.plan.spec import OptimizerKind
 from fleetlike.testing import run_ranks
+from helpers import proc_status
 
 #: measured peak / predicted peak lies within these; nothing is fitted: the temporaries are
 #: derived from the optimizer (`fleetlike.plan.temporaries`) and from FSDP2's order of gathers
@@ -48,11 +49,6 @@ def build_small(batch_size: int):
     return build(batch_size, 8, 256)
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
-
-
 def _measure(role, shape: str, stage: int) -> tuple[int, int]:
     """(tensor bytes held between steps, measured peak: those plus the RSS's rise above its level
     after the first step during three more); stage 0 is data parallel; one kind per job (the
@@ -73,13 +69,13 @@ def _measure(role, shape: str, stage: int) -> tuple[int, int]:
 
         for step in range(4):
             if step == 1:  # built, sharded, optimizer state made: from here on, the steps' own peak
-                steady = _status("VmRSS")
+                steady = proc_status("VmRSS")
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
             opt.zero_grad(set_to_none=False)
             loss_fn(model, feed).backward()
             opt.step()
-        rise = _status("VmHWM") - steady
+        rise = proc_status("VmHWM") - steady
         held = sum(own(p) + own(p.grad) for p in net.parameters())
         held += sum(own(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
         return held, held + rise

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.collectives import sharded
+from fleetlike.plan.memory import optimizer_state_bytes
 from fleetlike.testing import run_ranks
 from dp_common import torch_group
 from sharding_common import (
@@ -35,9 +36,7 @@ STEPS = 4
 SHARDED = {**SMALL, "sharding": True, "sharding_configs": {"sharding_degree": 0, "segment_broadcast_MB": 0.003}}
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+_state_bytes = optimizer_state_bytes
 
 
 def _eager(role, options: dict, name: str, steps: int = STEPS) -> tuple[list[np.ndarray], int, dict]:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fleetlike import DistributedStrategy, fleet
 from fleetlike.collectives.sharded import PAD_MIN_BYTES, plan_shards
+from fleetlike.plan.memory import optimizer_state_bytes
 from fleetlike.testing import run_ranks
 from dp_common import torch_group
 
@@ -34,9 +35,7 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+_state_bytes = optimizer_state_bytes
 
 
 def _grad_buffer_bytes(model: torch.nn.Module) -> int:

@@ -17,6 +17,7 @@ import torch
 from fleetlike import DistributedStrategy, Executor, fleet
 from fleetlike.strategies.sharded_init import ShardedInitError, pending_bytes, sharded_init
 from fleetlike.testing import run_ranks
+from helpers import proc_status
 from zero_common import BLOCKS, DIM, SEQ, VOCAB, Block, TinyLM, batch, loss_fn, make_opt
 
 TRAIN = 3
@@ -149,18 +150,13 @@ def _layers() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
-
-
 def _peak_of(build) -> tuple[int, object]:
     """Peak RSS above the current RSS while ``build()`` runs, and what it returned."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     out = build()
-    return _status("VmHWM") - base, out
+    return proc_status("VmHWM") - base, out
 
 
 def _construction_memory(role) -> dict:

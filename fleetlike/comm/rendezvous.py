@@ -54,6 +54,7 @@ from fleetlike.comm.secret import (
 )
 from fleetlike.comm.signed_store import SignedStore, StoreTampered, read_now
 from fleetlike.comm.store_server import StoreServer
+from fleetlike.config import envvars
 from fleetlike.roles.role import Role, parse_endpoint
 
 __all__ = [
@@ -63,7 +64,7 @@ __all__ = [
 
 #: The store's public marker: a fleetlike job is hosted here (its content says nothing more).
 JOB_KEY = "fleetlike/job"
-STORE_SERVER_ENV = "FLEETLIKE_STORE_SERVER"
+STORE_SERVER_ENV = envvars.STORE_SERVER
 #: Where a process refused for want of the secret leaves its address for rank 0's log.
 KNOCK_KEY = "fleetlike/knock"
 _MAX_KNOCKS_LOGGED = 20

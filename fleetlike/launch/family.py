@@ -85,15 +85,31 @@ def tagged(tags: Collection[str]) -> list[int]:
     return found
 
 
-def signal_tagged(tags: Collection[str], sig: int) -> list[int]:
-    """Send ``sig`` to every process `tagged` with one of ``tags``; return their pids."""
+def signal_tagged(tags: Collection[str], sig: int, *, signalled_groups: Collection[int] = ()) -> list[int]:
+    """Send ``sig`` to every process `tagged` with one of ``tags`` but those in
+    ``signalled_groups`` (process groups just sent ``sig``); return the pids signalled here.
+
+    Why the groups are left out: a worker is in its own group and carries its tag, so it would
+    get the signal twice, and a second SIGTERM runs its handler again inside the first (a
+    checkpoint being saved on SIGTERM is cut short by the second run's exit), or late in the
+    interpreter's shutdown, where its ``open(path, "w")`` truncates the file and then fails."""
     pids = tagged(tags)
+    if signalled_groups:
+        groups = set(signalled_groups)
+        pids = [pid for pid in pids if _group_of(pid) not in groups]
     for pid in pids:
         try:
             os.kill(pid, sig)
         except OSError:
             pass
     return pids
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None  # ended meanwhile
 
 
 def alive(pids: Iterable[int]) -> bool:

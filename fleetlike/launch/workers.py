@@ -186,7 +186,8 @@ def stop_workers(workers: Sequence[Worker], *, grace: float, first_signal: int =
     tags = {w.tag for w in workers if w.tag}
     for worker in workers:
         _signal_group(worker, first_signal)
-    strays = signal_tagged(tags, first_signal)
+    # the workers' own processes got it with their group: the tagged ones are those that left it
+    strays = signal_tagged(tags, first_signal, signalled_groups=[w.process.pid for w in workers])
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and (any(w.group_alive() for w in workers) or alive(strays)):
         time.sleep(0.05)

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import resource
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm import CompletedWork, Communicator, ReduceOp, Work, dtype_name
+from fleetlike.plan.faults import work_faults
 
 __all__ = ["DryCommunicator", "DryFabric", "Event"]
 
@@ -109,11 +109,12 @@ class DryFabric:
 
     def now(self) -> float:
         """Seconds since the fabric started (the clock of `Event.at`), less ``fault_seconds``
-        per minor page fault this process took: the planner times on a clock without this
+        per minor page fault the calling thread's work took (`fleetlike.plan.faults`: its own and
+        its intra-op helpers', not other threads'): the planner times on a clock without this
         process's page faults, which come from its own heap's state (`fleetlike.plan.trace`)."""
         t = time.perf_counter() - self._t0
         if self.fault_seconds:
-            t -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt * self.fault_seconds
+            t -= work_faults() * self.fault_seconds
         return t
 
     def log(self, rank: int, op: str, nbytes: int, comm: Communicator, root: int | None = None,

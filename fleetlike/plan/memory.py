@@ -46,7 +46,7 @@ from fleetlike.config import DistributedStrategy
 from fleetlike.plan.temporaries import update_temporaries
 from fleetlike.strategies.engine import Engine
 
-__all__ = ["MemoryBreakdown", "activation_bytes", "measure_state", "storage_key"]
+__all__ = ["MemoryBreakdown", "activation_bytes", "measure_state", "optimizer_state_bytes", "storage_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,21 @@ def _tensors(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
             if k in ("ctx", "groups", "model", "optimizer", "reducer", "fabric"):
                 continue
             yield from _tensors(v, depth - 1, seen)
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors ``optimizer`` keeps per parameter (Adam's moments, momentum buffers),
+    its 0-dim step counters aside: what sharding divides among the ranks. A wrapper that keeps
+    the optimizer of its shard as ``optim`` (torch's ``ZeroRedundancyOptimizer``) is read there.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(10)); opt = torch.optim.Adam([p])
+        >>> p.grad = torch.ones(10); opt.step(); optimizer_state_bytes(opt)   # exp_avg, exp_avg_sq
+        80
+    """
+    optimizer = getattr(optimizer, "optim", optimizer)
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 def measure_state(engine: Engine, activations: int, strategy: DistributedStrategy) -> MemoryBreakdown:

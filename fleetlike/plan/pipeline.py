@@ -45,7 +45,7 @@ import torch
 
 from fleetlike.pipeline.split import plan_stages
 from fleetlike.plan.cost import Links, group_kind
-from fleetlike.plan.memory import MemoryBreakdown, activation_bytes
+from fleetlike.plan.memory import MemoryBreakdown, activation_bytes, optimizer_state_bytes
 from fleetlike.plan.spec import Cluster
 from fleetlike.plan.temporaries import update_temporaries
 
@@ -178,8 +178,7 @@ def predict_pipeline(model: torch.nn.Sequential, x: torch.Tensor, y: Any, loss_f
         opt = make_opt(params)
         opt.step()
         updates.append(_median_time(opt.step, reps))
-        state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                    if torch.is_tensor(t) and t.dim() > 0)
+        state = optimizer_state_bytes(opt)
         send = 0.0
         if links is not None and cluster is not None and pp > 1:
             ranks = (s, s + 1) if not last else (s - 1, s)

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import enum
 import importlib
-import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm import parse_choice
+from fleetlike.plan.faults import work_faults
 
 __all__ = ["Cluster", "ModelSpec", "OptimizerKind", "load_builder", "model_work", "parse_cluster"]
 
@@ -146,8 +146,8 @@ def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter,
     so no run allocates them afresh but the first); with ``amp`` ("bfloat16" or "float16") the
     loss under that autocast, as AMP runs it (``amp_compute_seconds``). Returns a function that
     runs it once and returns its seconds on ``clock``, less ``fault_seconds`` per minor page
-    fault the process took meanwhile. The job times it on every rank at once, the planner
-    alongside each trace, both without page faults: the planner's traces leave their faults out
+    fault its work took meanwhile (`fleetlike.plan.faults`: not other threads'). The job times
+    it on every rank at once, the planner alongside each trace, both without page faults: the planner's traces leave their faults out
     (`fleetlike.plan.dry`), so the ratio must too (a rank faulting in its 16 MiB temporaries
     made the MLP's ratio x3-6 against x2-3 without)."""
     if amp not in (None, "bfloat16", "float16"):
@@ -156,7 +156,7 @@ def model_work(spec: ModelSpec, clock: Callable[[], float] = time.perf_counter,
     device = next((p.device.type for p in net.parameters()), "cpu")
 
     def faults() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if fault_seconds else 0
+        return work_faults() if fault_seconds else 0
 
     def run() -> float:
         f0, t0 = faults(), clock()

@@ -21,7 +21,8 @@ the gradients backward allocated fresh, at the first-touch cost per page measure
 resident (the 14 MB transformer's gradients refault ~10% of their pages on its ranks).
 
 **A clock without this process's faults.** Every time the trace takes (op times, bucket ready
-times and work, call times) is on `DryFabric.now` with this process's own minor faults taken
+times and work, call times) is on `DryFabric.now` with the minor faults of the traced thread's
+work (its own and its intra-op helpers', not another thread's: `fleetlike.plan.faults`) taken
 off at that per-page cost. This process's heap faults at random: the MLP's backward, with
 its gradients in buckets, took 0, 4k, 8k or 12k faults from one step to the next and 39, 55,
 61 or 72 ms; the ranks' steady state took none (counted with getrusage). Left in, it was part of what moved
