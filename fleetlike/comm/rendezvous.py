@@ -120,7 +120,11 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
 
     ``only_if_absent``: leave a challenge already there (rank 0 on a store another holder of
     the secret hosts: the launcher); returns whether this call wrote it."""
-    private = job_store(raw, secret)
+    return _write_greeting(raw, job_store(raw, secret), job_id, only_if_absent, marker)
+
+
+def _write_greeting(raw: dist.Store, private: dist.Store, job_id: str, only_if_absent: bool,
+                    marker: str) -> bool:
     challenge = _random.token_hex(16)
     wrote = True
     if only_if_absent:
@@ -131,6 +135,27 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
         private.set("job_id", job_id)
     raw.set(JOB_KEY, marker)
     return wrote
+
+
+class _Recorder(dist.Store):
+    """Keeps what is set on it, as a TCPStore server holds it (torch's client puts ``/`` before
+    every key it sends): the greeting, for a server to hold before it serves anyone
+    (`host_store`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: dict[bytes, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.keys[b"/" + key.encode()] = value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _greeting(secret: JobSecret, job_id: str) -> dict[bytes, bytes]:
+    """The keys and values `greet` would write on an empty store, without a store."""
+    recorder = _Recorder()  # referenced here: the prefix store keeps only its C++ half
+    private = SignedStore(dist.PrefixStore(secret.prefix, recorder), secret)
+    _write_greeting(recorder, private, job_id, False, "fleetlike")
+    return recorder.keys
 
 
 def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
@@ -234,14 +259,19 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
     With ``FLEETLIKE_STORE_SERVER=bounded`` the server is `fleetlike.comm.store_server`'s, in a
-    process of its own with the default `StoreLimits` (bytes, keys and value size bounded), and
-    stops when the returned store is collected or this process ends; by default it is torch's
-    own (which holds whatever a client sends it: docs/security.md says what each allows).
+    process of its own with the default `StoreLimits` (bytes, keys and value size bounded),
+    holding the greeting before it answers anyone, and stops when the returned store is
+    collected or this process ends; by default it is torch's own (which holds whatever a client
+    sends it: docs/security.md says what each allows).
     """
     bounded = _bounded_server()  # a bad value raises before a port is taken
+    secret = secret or secret_from_env()
     fd, bound = _listen(host, port)
     if bounded:
-        server = StoreServer.start(fd)
+        # the port takes connections from here on: a member or a launcher that reaches it while
+        # the server's process starts must find the greeting, not an empty store it would take
+        # for a store without its secret (torch's own server starts empty and is greeted after)
+        server = StoreServer.start(fd, initial=_greeting(secret, job_id) if secret is not None else None)
         try:
             store = dist.TCPStore(host, bound, None, False, _td(timeout))
         except Exception:
@@ -251,9 +281,8 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     else:
         store = dist.TCPStore(host, bound, None, True, _td(timeout), wait_for_workers=False,
                               master_listen_fd=fd)
-    secret = secret or secret_from_env()
-    if secret is not None:
-        greet(store, secret, job_id)
+        if secret is not None:
+            greet(store, secret, job_id)
     return store
 
 

@@ -12,13 +12,19 @@ whose request is refused gets torch's "connection reset" error on that call; the
 requests are never near the limits (the defaults are sized from what a job writes: a few hundred
 keys of at most a few KiB each, per rank).
 
+The store's host hands the server its first keys (the job's greeting) before the server serves
+anyone: the listening socket takes connections from the moment it is bound, and a client whose
+request waits there while the server's process starts must find the greeting, not an empty store
+that it would take for a store without its job's secret. (torch's own server starts empty, and
+its host writes the greeting a moment later.)
+
 The server runs in its own small process (standard library only, no torch): a torch client call
 that holds the GIL while it waits for its answer (its queue operations do) would otherwise wait
 on a server that needs the same GIL. The process ends when the process that started it ends
 (it watches a pipe only the starter holds open) or on `StoreServer.close`.
 
 Example:
-    >>> server = StoreServer.start(listen_fd)          # a socket already bound and listening
+    >>> server = StoreServer.start(listen_fd, initial={b"k": b"v"})  # bound and listening
     >>> client = dist.TCPStore(host, server.port, None, False)
 """
 
@@ -520,8 +526,34 @@ class _Server:
             client.barrier = key
 
 
-def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None) -> None:
-    """Serve on the listening socket ``listen_fd`` until ``watch_fd`` becomes readable (EOF)."""
+def _pack_initial(initial: dict[bytes, bytes]) -> bytes:
+    return b"".join(_U64.pack(len(k)) + k + _U64.pack(len(v)) + v for k, v in initial.items())
+
+
+def _unpack_initial(data: bytes, limits: StoreLimits) -> dict[bytes, bytes]:
+    reader, out = _Reader(bytearray(data), limits), {}
+    try:
+        while reader.pos < len(data):
+            key = reader.key()
+            out[key] = reader.value()
+    except (_Incomplete, _Refused) as exc:
+        raise ValueError(f"the store's first keys are cut or over its limits ({exc!r})") from None
+    return out
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None,
+          initial: dict[bytes, bytes] | None = None) -> None:
+    """Serve on the listening socket ``listen_fd`` until ``watch_fd`` becomes readable (EOF),
+    holding ``initial`` from before the first request is read."""
     # every member holds a connection or two: let the descriptor limit, not the soft default of
     # 1024, bound them with the clients limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -529,7 +561,10 @@ def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None) -> N
     if want > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     listener = socket.socket(fileno=listen_fd)
-    _Server(listener, limits, watch_fd).run()
+    server = _Server(listener, limits, watch_fd)
+    for key, value in (initial or {}).items():
+        server.store.put(key, value)
+    server.run()
 
 
 class StoreServer:
@@ -547,7 +582,10 @@ class StoreServer:
         self._owner = os.getpid()
 
     @classmethod
-    def start(cls, listen_fd: int, limits: StoreLimits | None = None) -> "StoreServer":
+    def start(cls, listen_fd: int, limits: StoreLimits | None = None, *,
+              initial: dict[bytes, bytes] | None = None) -> "StoreServer":
+        """Serve ``listen_fd`` (bound and listening; the server's process owns it from here on)
+        in a process of its own, holding ``initial`` (key -> value) before it answers anyone."""
         import subprocess  # here, not at the top: the server's own process never needs it
 
         limits = limits or StoreLimits()
@@ -562,13 +600,21 @@ class StoreServer:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(listen_fd), str(pipe_r),
                  *limits.argv()],
-                pass_fds=(listen_fd, pipe_r), stdin=subprocess.DEVNULL, close_fds=True,
+                pass_fds=(listen_fd, pipe_r), stdin=subprocess.PIPE, close_fds=True,
                 # large values are mapped on their own, so a value deleted or refused goes back
                 # to the system instead of staying in the heap at its peak
                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
         finally:
             os.close(pipe_r)
             os.close(listen_fd)  # the server's process holds the listening socket now
+        try:  # a few hundred bytes: the pipe's buffer takes them at once
+            proc.stdin.write(_pack_initial(initial or {}))
+            proc.stdin.close()
+        except OSError as exc:  # the process could not start its interpreter
+            os.close(pipe_w)
+            proc.kill()
+            proc.wait()
+            raise OSError(f"the store server's process ended as it started ({exc})") from None
         return cls(proc, pipe_w, bound)
 
     def close(self) -> None:
@@ -604,4 +650,6 @@ if __name__ == "__main__":
     # launcher winding down still reads the store); this process ends when the host does
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    serve(int(sys.argv[1]), StoreLimits.from_argv(sys.argv[3:]), int(sys.argv[2]))
+    _limits = StoreLimits.from_argv(sys.argv[3:])
+    # the first keys come on standard input, and are all there before the first request is read
+    serve(int(sys.argv[1]), _limits, int(sys.argv[2]), _unpack_initial(_read_all(0), _limits))
