@@ -258,11 +258,11 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
-    With ``FLEETLIKE_STORE_SERVER=bounded`` the server is `fleetlike.comm.store_server`'s, in a
-    process of its own with the default `StoreLimits` (bytes, keys and value size bounded),
-    holding the greeting before it answers anyone, and stops when the returned store is
-    collected or this process ends; by default it is torch's own (which holds whatever a client
-    sends it: docs/security.md says what each allows).
+    The server is `fleetlike.comm.store_server`'s (``FLEETLIKE_STORE_SERVER=bounded``, the
+    default), in a process of its own with the default `StoreLimits` (bytes, keys and value size
+    bounded), holding the greeting before it answers anyone, and stops when the returned store is
+    collected or this process ends; with ``FLEETLIKE_STORE_SERVER=torch`` it is torch's own
+    (which holds whatever a client sends it: docs/security.md says what each allows).
     """
     bounded = _bounded_server()  # a bad value raises before a port is taken
     secret = secret or secret_from_env()
@@ -287,11 +287,11 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
 
 
 def _bounded_server() -> bool:
-    """``FLEETLIKE_STORE_SERVER``: ``torch`` (default) or ``bounded``; anything else raises."""
-    value = os.environ.get(STORE_SERVER_ENV, "torch").strip().lower()
+    """``FLEETLIKE_STORE_SERVER``: ``bounded`` (default) or ``torch``; anything else raises."""
+    value = os.environ.get(STORE_SERVER_ENV, "bounded").strip().lower()
     if value not in ("torch", "bounded"):
-        raise RendezvousError(f"{STORE_SERVER_ENV}={value!r} is not a store server: use 'torch' (the "
-                              "default, torch's own) or 'bounded' (fleetlike's, with limits)")
+        raise RendezvousError(f"{STORE_SERVER_ENV}={value!r} is not a store server: use 'bounded' (the "
+                              "default, fleetlike's, with limits) or 'torch' (torch's own)")
     return value == "bounded"
 
 
