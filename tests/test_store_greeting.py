@@ -113,3 +113,46 @@ def test_a_launchers_watch_on_a_store_that_never_greets_says_so() -> None:
     watch.finish(0)
     assert watch.summary() == (f"nodes: unknown (the rendezvous store at {endpoint} was lost: TimeoutError: "
                                f"the store at {endpoint} did not greet with this job's secret within 1 s)")
+
+
+def test_the_greeting_of_a_store_fleetlike_hosts_cannot_be_replaced_or_deleted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs of one job with the same secret (same key names). A stranger who read the first
+    run's greeting and a signed value off the wire writes them back in the second run's store
+    at their keys, then tries to delete the greeting: each request that touches the greeting is
+    refused (its connection closed), so a member that joins late reads the second run's greeting
+    and refuses the replayed value. The job's own keys beside it (the job id) still change."""
+    monkeypatch.setenv(rendezvous.STORE_SERVER_ENV, "bounded")
+    secret = JobSecret(secrets.token_hex(32))
+    challenge_key, value_key = f"{secret.prefix}/challenge", f"{secret.prefix}/torch.rendezvous.demo"
+    first = host_store("127.0.0.1", "job", 30.0, secret=secret)
+    job_store(first, secret).set("torch.rendezvous.demo", b"state of run 1")
+    captured = {key: first.get(key) for key in (challenge_key, value_key)}  # what the wire shows
+    second = host_store("127.0.0.1", "job", 30.0, secret=secret)
+    greeting = second.get(challenge_key)
+    assert greeting != captured[challenge_key]
+
+    def stranger() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", second.port, None, False, _T(seconds=5))
+
+    attempts = {
+        "set": lambda s: (s.set(challenge_key, captured[challenge_key]), s.num_keys()),
+        "compare_set": lambda s: s.compare_set(challenge_key, greeting, captured[challenge_key]),
+        "delete": lambda s: s.delete_key(challenge_key),
+        "multi_set": lambda s: (s.multi_set([challenge_key], [captured[challenge_key]]), s.num_keys()),
+        "append": lambda s: (s.append(challenge_key, b"x"), s.num_keys()),
+        "add": lambda s: s.add(challenge_key, 1),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(dist.DistError):
+            attempt(stranger())
+        assert second.get(challenge_key) == greeting, what
+    unchanged = stranger()
+    assert unchanged.compare_set(challenge_key, b"not it", b"other") == greeting  # a read, as read_now's
+    stranger().set(value_key, captured[value_key])
+    late = dist.TCPStore("127.0.0.1", second.port, None, False, _T(seconds=5))
+    assert challenge_of(late, secret) == challenge_of(second, secret) != challenge_of(first, secret)
+    with pytest.raises(Exception, match="is not signed with this job's secret for this run"):
+        job_store(late, secret).get("torch.rendezvous.demo")
+    job_store(second, secret).set("job_id", "job-g1")  # a launcher's next start rewrites it
+    assert rendezvous.read_job_id(late, secret) == "job-g1"

@@ -52,7 +52,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
-from fleetlike.comm.signed_store import SignedStore, StoreTampered, read_now
+from fleetlike.comm.signed_store import NONCE_KEY, SignedStore, StoreTampered, read_now
 from fleetlike.comm.store_server import StoreServer
 from fleetlike.roles.role import Role, parse_endpoint
 
@@ -150,12 +150,15 @@ class _Recorder(dist.Store):
         self.keys[b"/" + key.encode()] = value.encode() if isinstance(value, str) else bytes(value)
 
 
-def _greeting(secret: JobSecret, job_id: str) -> dict[bytes, bytes]:
-    """The keys and values `greet` would write on an empty store, without a store."""
+def _greeting(secret: JobSecret, job_id: str) -> tuple[dict[bytes, bytes], tuple[bytes, ...]]:
+    """The keys and values `greet` would write on an empty store, without a store, and the
+    key of the challenge among them (the run's nonce: it never changes within a run)."""
     recorder = _Recorder()  # referenced here: the prefix store keeps only its C++ half
     private = SignedStore(dist.PrefixStore(secret.prefix, recorder), secret)
     _write_greeting(recorder, private, job_id, False, "fleetlike")
-    return recorder.keys
+    challenge = f"/{secret.prefix}/{NONCE_KEY}".encode()
+    assert challenge in recorder.keys, "the prefix store joins keys with '/'"
+    return recorder.keys, (challenge,)
 
 
 def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
@@ -271,7 +274,10 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
         # the port takes connections from here on: a member or a launcher that reaches it while
         # the server's process starts must find the greeting, not an empty store it would take
         # for a store without its secret (torch's own server starts empty and is greeted after)
-        server = StoreServer.start(fd, initial=_greeting(secret, job_id) if secret is not None else None)
+        # ... and the greeting stays this run's: a stranger who read an earlier run's greeting
+        # off the wire (same secret, same key) cannot put it back for a late member to take
+        initial, fixed = _greeting(secret, job_id) if secret is not None else ({}, ())
+        server = StoreServer.start(fd, initial=initial, fixed=fixed)
         try:
             store = dist.TCPStore(host, bound, None, False, _td(timeout))
         except Exception:
