@@ -203,19 +203,24 @@ def test_past_the_in_flight_bound_the_connection_holding_most_is_closed_not_the_
         server.close()
 
 
-def test_host_store_serves_with_the_bounded_server_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FLEETLIKE_STORE_SERVER=bounded``: the job's store is this server (a 5 KiB key, which
-    torch's own server holds, is refused); by default it is torch's; a value that names no server
-    is refused before a port is taken."""
+def test_host_store_serves_with_the_bounded_server_unless_torchs_is_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (and with ``FLEETLIKE_STORE_SERVER=bounded``) the job's store is this server (a
+    5 KiB key, which torch's own server holds, is refused); ``torch`` gives torch's; a value that
+    names no server is refused before a port is taken."""
     from fleetlike.comm.rendezvous import RendezvousError, host_store
 
-    monkeypatch.setenv("FLEETLIKE_STORE_SERVER", "bounded")
-    store = host_store("127.0.0.1", "job", timeout=10)
-    store.set("mine", "kept")
-    assert store.get("mine") == b"kept"
-    assert not _raw_set(store.port, b"/" + b"k" * 5000, b"v")
-    assert store.get("mine") == b"kept"
-    monkeypatch.delenv("FLEETLIKE_STORE_SERVER")
+    for value in (None, "bounded", " Bounded "):
+        if value is None:
+            monkeypatch.delenv("FLEETLIKE_STORE_SERVER", raising=False)
+        else:
+            monkeypatch.setenv("FLEETLIKE_STORE_SERVER", value)
+        store = host_store("127.0.0.1", "job", timeout=10)
+        store.set("mine", "kept")
+        assert store.get("mine") == b"kept"
+        assert not _raw_set(store.port, b"/" + b"k" * 5000, b"v")
+        assert store.get("mine") == b"kept"
+    monkeypatch.setenv("FLEETLIKE_STORE_SERVER", "torch")
     assert _raw_set(host_store("127.0.0.1", "job", timeout=10).port, b"/" + b"k" * 5000, b"v")
     monkeypatch.setenv("FLEETLIKE_STORE_SERVER", "fast")
     with pytest.raises(RendezvousError, match="FLEETLIKE_STORE_SERVER='fast' is not a store server"):

@@ -52,7 +52,7 @@ from fleetlike.comm.secret import (
     SECRET_ENV, JobSecret, SecretError, new_secret, secret_from_env, read_private, secret_file,
     set_current, write_private,
 )
-from fleetlike.comm.signed_store import SignedStore, StoreTampered, read_now
+from fleetlike.comm.signed_store import NONCE_KEY, SignedStore, StoreTampered, read_now
 from fleetlike.comm.store_server import StoreServer
 from fleetlike.config import envvars
 from fleetlike.roles.role import Role, parse_endpoint
@@ -121,7 +121,11 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
 
     ``only_if_absent``: leave a challenge already there (rank 0 on a store another holder of
     the secret hosts: the launcher); returns whether this call wrote it."""
-    private = job_store(raw, secret)
+    return _write_greeting(raw, job_store(raw, secret), job_id, only_if_absent, marker)
+
+
+def _write_greeting(raw: dist.Store, private: dist.Store, job_id: str, only_if_absent: bool,
+                    marker: str) -> bool:
     challenge = _random.token_hex(16)
     wrote = True
     if only_if_absent:
@@ -132,6 +136,30 @@ def greet(raw: dist.Store, secret: JobSecret, job_id: str, *, only_if_absent: bo
         private.set("job_id", job_id)
     raw.set(JOB_KEY, marker)
     return wrote
+
+
+class _Recorder(dist.Store):
+    """Keeps what is set on it, as a TCPStore server holds it (torch's client puts ``/`` before
+    every key it sends): the greeting, for a server to hold before it serves anyone
+    (`host_store`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: dict[bytes, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.keys[b"/" + key.encode()] = value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _greeting(secret: JobSecret, job_id: str) -> tuple[dict[bytes, bytes], tuple[bytes, ...]]:
+    """The keys and values `greet` would write on an empty store, without a store, and the
+    key of the challenge among them (the run's nonce: it never changes within a run)."""
+    recorder = _Recorder()  # referenced here: the prefix store keeps only its C++ half
+    private = SignedStore(dist.PrefixStore(secret.prefix, recorder), secret)
+    _write_greeting(recorder, private, job_id, False, "fleetlike")
+    challenge = f"/{secret.prefix}/{NONCE_KEY}".encode()
+    assert challenge in recorder.keys, "the prefix store joins keys with '/'"
+    return recorder.keys, (challenge,)
 
 
 def challenge_of(raw: dist.Store, secret: JobSecret) -> str | None:
@@ -234,15 +262,23 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     store's ``port`` with ``Role.master_hosted`` set: the port is bound before anyone knows it,
     so nothing can take it between its choice and its use. ``secret`` (default: `SECRET_ENV`)
     keys the challenge (`greet`); a store hosted without one has none yet (rank 0 writes it).
-    With ``FLEETLIKE_STORE_SERVER=bounded`` the server is `fleetlike.comm.store_server`'s, in a
-    process of its own with the default `StoreLimits` (bytes, keys and value size bounded), and
-    stops when the returned store is collected or this process ends; by default it is torch's
-    own (which holds whatever a client sends it: docs/security.md says what each allows).
+    The server is `fleetlike.comm.store_server`'s (``FLEETLIKE_STORE_SERVER=bounded``, the
+    default), in a process of its own with the default `StoreLimits` (bytes, keys and value size
+    bounded), holding the greeting before it answers anyone, and stops when the returned store is
+    collected or this process ends; with ``FLEETLIKE_STORE_SERVER=torch`` it is torch's own
+    (which holds whatever a client sends it: docs/security.md says what each allows).
     """
     bounded = _bounded_server()  # a bad value raises before a port is taken
+    secret = secret or secret_from_env()
     fd, bound = _listen(host, port)
     if bounded:
-        server = StoreServer.start(fd)
+        # the port takes connections from here on: a member or a launcher that reaches it while
+        # the server's process starts must find the greeting, not an empty store it would take
+        # for a store without its secret (torch's own server starts empty and is greeted after)
+        # ... and the greeting stays this run's: a stranger who read an earlier run's greeting
+        # off the wire (same secret, same key) cannot put it back for a late member to take
+        initial, fixed = _greeting(secret, job_id) if secret is not None else ({}, ())
+        server = StoreServer.start(fd, initial=initial, fixed=fixed)
         try:
             store = dist.TCPStore(host, bound, None, False, _td(timeout))
         except Exception:
@@ -252,18 +288,17 @@ def host_store(host: str, job_id: str, timeout: float = 300.0, *, port: int = 0,
     else:
         store = dist.TCPStore(host, bound, None, True, _td(timeout), wait_for_workers=False,
                               master_listen_fd=fd)
-    secret = secret or secret_from_env()
-    if secret is not None:
-        greet(store, secret, job_id)
+        if secret is not None:
+            greet(store, secret, job_id)
     return store
 
 
 def _bounded_server() -> bool:
-    """``FLEETLIKE_STORE_SERVER``: ``torch`` (default) or ``bounded``; anything else raises."""
-    value = os.environ.get(STORE_SERVER_ENV, "torch").strip().lower()
+    """``FLEETLIKE_STORE_SERVER``: ``bounded`` (default) or ``torch``; anything else raises."""
+    value = os.environ.get(STORE_SERVER_ENV, "bounded").strip().lower()
     if value not in ("torch", "bounded"):
-        raise RendezvousError(f"{STORE_SERVER_ENV}={value!r} is not a store server: use 'torch' (the "
-                              "default, torch's own) or 'bounded' (fleetlike's, with limits)")
+        raise RendezvousError(f"{STORE_SERVER_ENV}={value!r} is not a store server: use 'bounded' (the "
+                              "default, fleetlike's, with limits) or 'torch' (torch's own)")
     return value == "bounded"
 
 

@@ -12,13 +12,21 @@ whose request is refused gets torch's "connection reset" error on that call; the
 requests are never near the limits (the defaults are sized from what a job writes: a few hundred
 keys of at most a few KiB each, per rank).
 
+The store's host hands the server its first keys (the job's greeting) before the server serves
+anyone: the listening socket takes connections from the moment it is bound, and a client whose
+request waits there while the server's process starts must find the greeting, not an empty store
+that it would take for a store without its job's secret. (torch's own server starts empty, and
+its host writes the greeting a moment later.) The keys the host marks fixed (the greeting's
+challenge, the run's nonce) never change or go: a request that would change or delete one is
+refused like any other.
+
 The server runs in its own small process (standard library only, no torch): a torch client call
 that holds the GIL while it waits for its answer (its queue operations do) would otherwise wait
 on a server that needs the same GIL. The process ends when the process that started it ends
 (it watches a pipe only the starter holds open) or on `StoreServer.close`.
 
 Example:
-    >>> server = StoreServer.start(listen_fd)          # a socket already bound and listening
+    >>> server = StoreServer.start(listen_fd, initial={b"k": b"v"})  # bound and listening
     >>> client = dist.TCPStore(host, server.port, None, False)
 """
 
@@ -177,6 +185,9 @@ class _Store:
         self.held = 0          # bytes charged for keys, values and queued values
         self.waiting: dict[bytes, list[_Client]] = {}
         self.barriers: dict[bytes, tuple[int, list[_Client]]] = {}
+        #: keys that never change or go (the run's greeting: a stranger who read an earlier
+        #: run's off the wire cannot put it back, nor delete this run's)
+        self.fixed: frozenset[bytes] = frozenset()
 
     # accounting ----------------------------------------------------------------------------
     def _charge(self, delta: int, new_keys: int) -> None:
@@ -188,6 +199,9 @@ class _Store:
         self.held += delta
 
     def put(self, key: bytes, value: bytes) -> None:
+        if key in self.fixed:
+            raise _Refused(f"a request would change the key {key[-64:]!r}, which the store's host "
+                           "fixed when it started the store (its greeting)")
         old = self.data.get(key)
         if old is None:
             self._charge(len(key) + len(value) + _ENTRY_COST, 1)
@@ -197,6 +211,9 @@ class _Store:
         self.wake(key)
 
     def delete(self, key: bytes) -> int:
+        if key in self.fixed:
+            raise _Refused(f"a request would delete the key {key[-64:]!r}, which the store's host "
+                           "fixed when it started the store (its greeting)")
         old = self.data.pop(key, None)
         if old is None:
             return 0
@@ -423,7 +440,7 @@ class _Server:
                     _send_vec(client, expected)
                     store.wake(key)
             else:
-                if old == expected:
+                if old == expected and new != old:
                     store.put(key, new)
                 else:
                     store.wake(key)
@@ -520,8 +537,38 @@ class _Server:
             client.barrier = key
 
 
-def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None) -> None:
-    """Serve on the listening socket ``listen_fd`` until ``watch_fd`` becomes readable (EOF)."""
+def _pack_initial(initial: dict[bytes, bytes], fixed: frozenset[bytes]) -> bytes:
+    return b"".join(_U64.pack(len(k)) + k + _U64.pack(len(v)) + v + (b"\x01" if k in fixed else b"\x00")
+                    for k, v in initial.items())
+
+
+def _unpack_initial(data: bytes, limits: StoreLimits) -> tuple[dict[bytes, bytes], frozenset[bytes]]:
+    reader, out, fixed = _Reader(bytearray(data), limits), {}, set()
+    try:
+        while reader.pos < len(data):
+            key = reader.key()
+            out[key] = reader.value()
+            if reader.take(1) == b"\x01":
+                fixed.add(key)
+    except (_Incomplete, _Refused) as exc:
+        raise ValueError(f"the store's first keys are cut or over its limits ({exc!r})") from None
+    return out, frozenset(fixed)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None,
+          initial: dict[bytes, bytes] | None = None, fixed: frozenset[bytes] = frozenset()) -> None:
+    """Serve on the listening socket ``listen_fd`` until ``watch_fd`` becomes readable (EOF),
+    holding ``initial`` from before the first request is read; the keys of ``fixed`` among them
+    never change (a request that would change or delete one is refused)."""
     # every member holds a connection or two: let the descriptor limit, not the soft default of
     # 1024, bound them with the clients limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -529,7 +576,11 @@ def serve(listen_fd: int, limits: StoreLimits, watch_fd: int | None = None) -> N
     if want > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     listener = socket.socket(fileno=listen_fd)
-    _Server(listener, limits, watch_fd).run()
+    server = _Server(listener, limits, watch_fd)
+    for key, value in (initial or {}).items():
+        server.store.put(key, value)
+    server.store.fixed = frozenset(fixed) & frozenset(initial or {})
+    server.run()
 
 
 class StoreServer:
@@ -547,7 +598,11 @@ class StoreServer:
         self._owner = os.getpid()
 
     @classmethod
-    def start(cls, listen_fd: int, limits: StoreLimits | None = None) -> "StoreServer":
+    def start(cls, listen_fd: int, limits: StoreLimits | None = None, *,
+              initial: dict[bytes, bytes] | None = None, fixed: tuple[bytes, ...] = ()) -> "StoreServer":
+        """Serve ``listen_fd`` (bound and listening; the server's process owns it from here on)
+        in a process of its own, holding ``initial`` (key -> value) before it answers anyone; the
+        keys of ``fixed`` among them never change or go."""
         import subprocess  # here, not at the top: the server's own process never needs it
 
         limits = limits or StoreLimits()
@@ -562,13 +617,21 @@ class StoreServer:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(listen_fd), str(pipe_r),
                  *limits.argv()],
-                pass_fds=(listen_fd, pipe_r), stdin=subprocess.DEVNULL, close_fds=True,
+                pass_fds=(listen_fd, pipe_r), stdin=subprocess.PIPE, close_fds=True,
                 # large values are mapped on their own, so a value deleted or refused goes back
                 # to the system instead of staying in the heap at its peak
                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
         finally:
             os.close(pipe_r)
             os.close(listen_fd)  # the server's process holds the listening socket now
+        try:  # a few hundred bytes: the pipe's buffer takes them at once
+            proc.stdin.write(_pack_initial(initial or {}, frozenset(fixed)))
+            proc.stdin.close()
+        except OSError as exc:  # the process could not start its interpreter
+            os.close(pipe_w)
+            proc.kill()
+            proc.wait()
+            raise OSError(f"the store server's process ended as it started ({exc})") from None
         return cls(proc, pipe_w, bound)
 
     def close(self) -> None:
@@ -604,4 +667,6 @@ if __name__ == "__main__":
     # launcher winding down still reads the store); this process ends when the host does
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    serve(int(sys.argv[1]), StoreLimits.from_argv(sys.argv[3:]), int(sys.argv[2]))
+    _limits = StoreLimits.from_argv(sys.argv[3:])
+    # the first keys come on standard input, and are all there before the first request is read
+    serve(int(sys.argv[1]), _limits, int(sys.argv[2]), *_unpack_initial(_read_all(0), _limits))

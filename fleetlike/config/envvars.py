@@ -153,7 +153,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the job's secret: the rendezvous admits only processes holding it"),
     EnvVar(SECRET_DIR, "user", "comm.secret", "where rank 0 hands a made-up secret to local ranks (0700)"),
     EnvVar(STORE_SERVER, "user", "comm.rendezvous",
-           "'bounded': the hosted store is fleetlike's bounded server (default 'torch': torch's own)"),
+           "the hosted store's server: 'bounded' (default, fleetlike's, with limits) or 'torch' (torch's own)"),
     EnvVar(FILE_CACHE_DIR, "user", "io.file_cache", "where get_file's disk cache of a dataset's files_path_list lives"),
     EnvVar(NODE_IP, "launch.env, launch.hostrun (-np/-H)", "roles.mpi, elastic.membership", "this node's address"),
     EnvVar(NODE_IPS, "launch.hostrun (-np/-H)", "roles", "every node's address, in node order"),

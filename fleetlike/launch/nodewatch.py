@@ -44,8 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fleetlike.comm import job_store
-from fleetlike.comm import JobSecret
+from fleetlike.comm import JobSecret, challenge_of, job_store
 from fleetlike.roles import parse_endpoint
 
 __all__ = ["BEAT_PREFIX", "EVENTS_KEY", "MISSED", "PERIOD", "EventKind", "NodeWatch", "NodeEvent"]
@@ -110,7 +109,20 @@ class NodeWatch(threading.Thread):
     def _connect(self) -> Any:
         host, port = parse_endpoint(self._endpoint, name="--rdzv_endpoint")
         raw = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=self._timeout))
-        return raw if self._secret is None else job_store(raw, self._secret)
+        if self._secret is None:
+            return raw
+        # The launchers start together, so this one may reach the store before its host has
+        # greeted (the port takes connections from the moment it is bound): wait for the
+        # greeting, as a worker does, instead of taking an empty store for a lost one and never
+        # beating (the other launchers would then report this node as still answering).
+        deadline = time.monotonic() + self._timeout
+        pause = 0.01
+        while challenge_of(raw, self._secret) is None:
+            if time.monotonic() >= deadline or self._stopping.wait(pause):
+                raise TimeoutError(f"the store at {self._endpoint} did not greet with this job's secret "
+                                   f"within {self._timeout:g} s")
+            pause = min(pause * 2, 0.2)
+        return job_store(raw, self._secret)
 
     def run(self) -> None:
         try:
