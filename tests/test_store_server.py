@@ -148,6 +148,41 @@ def test_too_many_keys_and_too_large_values_are_refused_to_their_client() -> Non
         server.close()
 
 
+def test_emptied_queues_give_their_place_back_and_count_as_keys() -> None:
+    # 600 distinct queues pushed and popped hold nothing: the byte limit must not fill up
+    server = StoreServer.start(_listen(), StoreLimits(max_total_bytes=50_000, max_keys=100))
+    try:
+        member = _client(server.port)
+        for i in range(600):
+            key = f"q{i:04d}" + "k" * 95
+            member.queue_push(key, b"v")
+            assert member.queue_pop(key, block=False) == b"v"
+        member.set("after", "ok")
+        assert member.get("after") == b"ok"
+        for i in range(99):  # 1 key + 99 queues: the limit of 100 keys
+            member.queue_push(f"held{i}", b"v")
+        stranger = _client(server.port)
+        stranger.queue_push("one-more", b"v")  # no answer of its own: refused on the next call
+        with pytest.raises(dist.DistError):
+            stranger.num_keys()
+        assert _client(server.port).queue_len("held0") == 1
+    finally:
+        server.close()
+
+
+def test_a_key_listing_larger_than_a_clients_buffer_is_refused_and_the_store_goes_on() -> None:
+    server = StoreServer.start(_listen(), StoreLimits(max_buffered_bytes=4096))
+    try:
+        member = _client(server.port)
+        for i in range(20):
+            member.set(f"key{i:03d}" + "x" * 200, "v")
+        with pytest.raises(dist.DistError):
+            member.list_keys()
+        assert _client(server.port).get("key000" + "x" * 200) == b"v"  # the store goes on
+    finally:
+        server.close()
+
+
 def test_the_server_ends_when_closed_and_refuses_bad_limits() -> None:
     server = StoreServer.start(_listen())
     server.close()

@@ -191,8 +191,9 @@ class _Store:
 
     # accounting ----------------------------------------------------------------------------
     def _charge(self, delta: int, new_keys: int) -> None:
-        if len(self.data) + new_keys > self.limits.max_keys:
-            raise _Refused(f"the store holds {len(self.data)} keys, its limit is {self.limits.max_keys}")
+        keys = len(self.data) + len(self.queues)  # a queue's key is held as a value's is
+        if keys + new_keys > self.limits.max_keys:
+            raise _Refused(f"the store holds {keys} keys, its limit is {self.limits.max_keys}")
         if self.held + delta > self.limits.max_total_bytes:
             raise _Refused(f"the store holds {self.held} bytes; {delta} more would pass its limit "
                            f"of {self.limits.max_total_bytes}")
@@ -483,14 +484,19 @@ class _Server:
             _send(client, _WAIT_CANCELED)
         elif op == _QUEUE_PUSH:
             key, value = r.key(), r.value()
-            store._charge(len(value) + _ENTRY_COST + (0 if key in store.queues else len(key)), 0)
+            new = key not in store.queues
+            store._charge(len(value) + _ENTRY_COST + (len(key) if new else 0), int(new))
             store.queues.setdefault(key, deque()).append(value)
             store.wake(key, one=True)
         elif op == _QUEUE_POP:
-            queue = store.queues.get(r.key())
+            key = r.key()
+            queue = store.queues.get(key)
             if queue:
                 value = queue.popleft()
                 store.held -= len(value) + _ENTRY_COST
+                if not queue:  # an emptied queue goes with its key's charge, as a deleted key
+                    del store.queues[key]
+                    store.held -= len(key)
                 _send(client, _I64.pack(len(queue) + 1))
                 _send_vec(client, value)
             else:
@@ -498,6 +504,12 @@ class _Server:
         elif op == _QUEUE_LEN:
             _send(client, _I64.pack(len(store.queues.get(r.key(), ()))))
         elif op == _LIST_KEYS:
+            # sized before it is built: the reply must not outgrow what one client may have
+            # waiting for it (the bound on buffered bytes acts only once a reply exists)
+            size = 8 + sum(8 + len(k) for k in store.data)
+            if size > self.limits.max_buffered_bytes:
+                raise _Refused(f"listing the store's {len(store.data)} keys takes {size} bytes, more "
+                               f"than one client may have waiting ({self.limits.max_buffered_bytes})")
             keys = list(store.data)
             _send(client, _I64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys))
         elif op == _BARRIER:
@@ -621,6 +633,9 @@ class StoreServer:
                 # large values are mapped on their own, so a value deleted or refused goes back
                 # to the system instead of staying in the heap at its peak
                 env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+        except BaseException:  # no process: nobody will read the stop pipe either
+            os.close(pipe_w)
+            raise
         finally:
             os.close(pipe_r)
             os.close(listen_fd)  # the server's process holds the listening socket now
