@@ -4,10 +4,16 @@ Each of the ``--world`` rank processes builds the same model (``--layers`` x
 ``Linear(--width, --width)`` with ReLU between, AdamW) from one seed, once per trainer: fleetlike
 data parallel, stage 1, stage 2, stage 3 (eager loop), and torch's own ``fully_shard`` on every
 Linear and the root, as its default (``fsdp2``) and with ``reshard_after_forward=False``
-(``fsdp2_stage2``, its ZeRO-2 setting) (the default group stage 3 formed on the job's store). After warm-up
-it alternates timed segments of ``--steps`` steps, rotating which goes first, and reports the
-median seconds per step over ``--rounds``, and the ratios the targets name (stage 3 / FSDP2
-steps per second, stage 2 / stage 1).
+(``fsdp2_stage2``, its ZeRO-2 setting) (the default group stage 3 formed on the job's store),
+and ``local``, a rank's step with no communication (its own model and AdamW, every rank
+computing at once: the machine's bound, what any trainer's step costs at least when the ranks
+share the cores). Each of ``--rounds`` rounds runs in processes of its own (under the machine's
+CPU lock with ``--lock``, taken per round so other jobs interleave between rounds and none runs
+inside one): every trainer built, ``--warmup`` untimed steps each, then ``--steps`` timed steps
+of each in an order rotated by the round and again in the reverse order. A trainer's time in a
+round is the mean of its two segments; the table reports the median over the rounds, and each
+ratio the targets name (stage 3 / FSDP2 steps per second, stage 2 / stage 1) is taken within
+each round, reported as the median over the rounds with its min and max.
 
 Memory, per rank, each trainer alone in its own world: the peak RSS (``VmHWM``) above the
 rank's RSS after ``fleet.init`` (glibc's mmap threshold fixed at 128 KiB with ``mallopt``, so
@@ -20,6 +26,8 @@ then each Linear's ``reset_parameters`` on its shards, torch's documented way).
 Usage (from the repository root)::
 
     python -m bench.zero                       # 2 ranks, about 2 minutes
+    python -m bench.zero --lock /tmp/fleetlike-cpu.lock --time-only --kinds stage3,fsdp2,local \\
+        --layers 12 --width 2048 --rounds 7 --steps 2 --no-docs --out /tmp/zero_s3
     python -m bench.zero --no-docs --out /tmp/zero
     python -m bench.zero --layers 12 --width 2048 --rounds 3 --steps 2 \\
         --section "ZeRO stages at 50M parameters" --out docs/benchmarks/zero_50m
@@ -36,11 +44,14 @@ section of ``docs/BENCHMARKS.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import fcntl
 import gc
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +61,8 @@ from bench._common import (Column, format_table, interleaved_timings, median, pr
 __all__ = ["KINDS", "main"]
 
 KINDS = ("dp", "stage1", "torch_zero1", "stage2", "stage3", "fsdp2", "fsdp2_stage2")
+#: timed only: ``local``, a rank's step with no communication (`_local`), the machine's bound
+TIMED = (*KINDS, "local")
 ROOT = Path(__file__).resolve().parent.parent
 #: bytes per parameter of fp32 AdamW under each kind, on ``n`` ranks (plus, for stage 3 and FSDP2,
 #: the largest block at full size)
@@ -150,7 +163,43 @@ def _held(model: Any, opt: Any) -> int:
     return sum(seen.values())
 
 
-def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _local(args: argparse.Namespace) -> Any:
+    """A rank's step with no communication at all: its own copy of the model, its own AdamW
+    (``local``: what every trainer's step costs at least when all ranks compute at once)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randn(args.batch, args.width, generator=g)
+    model = _model(args.layers, args.width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (every core, every process: Linux's
+    /proc/stat, all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _round(role: Any, args: argparse.Namespace, first: int) -> dict[str, list[float]]:
+    """One timed round, in processes of its own: every trainer built, ``--warmup`` untimed steps
+    each, then ``--steps`` timed steps of each in an order rotated by ``first`` and again in the
+    reverse order (a drift of the machine within the round hits every trainer alike); the
+    seconds per step of each of its two segments, and, per segment in timed order, its wall
+    seconds, this rank's CPU seconds and the machine's busy CPU seconds (what the other
+    processes used is the last minus every rank's own)."""
+    import torch
+
     from fleetlike import fleet
 
     fleet.init(role, timeout=300)
@@ -158,12 +207,102 @@ def _time(role: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     # torch's default group on the job's store, as stages 2 and 3 form it: FSDP2 runs on it too
     torch_process_group(fleet.context().world, fleet.device())
-    steps = {k: _trainer(role, k, args) for k in KINDS if k in args.kinds}
-    times = interleaved_timings(steps, reps=args.rounds, inner=args.steps, sync=fleet.util.barrier, warmup=2)
+    names = [k for k in TIMED if k in args.kinds]
+    steps = {k: (_local(args) if k == "local" else _trainer(role, k, args)) for k in names}
+    for k in names:
+        for _ in range(args.warmup):
+            steps[k]()
+    k = first % len(names)
+    order = names[k:] + names[:k]
+    out: dict[str, list[float]] = {n: [] for n in names}
+    wall, own, busy = [], [], []
+    for name in order + order[::-1]:
+        fleet.util.barrier()
+        b0, c0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
+        for _ in range(args.steps):
+            steps[name]()
+        t1 = time.perf_counter()
+        wall.append(t1 - t0)
+        own.append(time.process_time() - c0)
+        busy.append(_busy_seconds() - b0)
+        out[name].append((t1 - t0) / args.steps)
+    out.update(threads=[float(torch.get_num_threads())], wall=wall, own=own, busy=busy)
     del steps
     gc.collect()
     fleet.shutdown()
-    return {k: median(v) for k, v in times.items()}
+    return out
+
+
+def _others(ranks: list[dict[str, list[float]]]) -> float:
+    """The most cores other processes used during a segment of a round (the machine's busy CPU
+    seconds less every rank's own, over the segment's wall seconds; rank 0's reading of the
+    machine). /proc/stat counts in clock ticks (10 ms), so segments shorter than half a second
+    are read together, as the whole round."""
+    segments = range(len(ranks[0]["wall"]))
+
+    def cores(idx: Any) -> float:
+        wall = sum(ranks[0]["wall"][i] for i in idx)
+        return (sum(ranks[0]["busy"][i] for i in idx) - sum(r["own"][i] for r in ranks for i in idx)) / wall
+
+    long = [i for i in segments if ranks[0]["wall"][i] >= 0.5]
+    return max(cores([i]) for i in long) if long else cores(list(segments))
+
+
+@contextlib.contextmanager
+def _locked(path: str | None) -> Any:
+    """Hold the machine's CPU lock (``flock`` on ``path``) for one round or one memory run, so
+    other jobs on a shared machine interleave between them and none runs inside a timing (no
+    lock without ``path``: the caller holds the machine)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _timed(args: argparse.Namespace) -> dict[str, Any]:
+    """``--rounds`` rounds (`_round`), each under the lock; per trainer the seconds per step of
+    each round (the mean of its two segments, the median over the ranks), and per round the
+    ratios the targets name. A round during which other processes used more than ``--others``
+    cores in some segment (a job that does not take the lock) is run again, at most
+    ``--reruns`` times in all; the disturbed rounds are kept in the record, not in the figures."""
+    from fleetlike.testing import run_ranks
+
+    rounds: list[dict[str, float]] = []
+    raw, disturbed = [], []
+    reruns = args.reruns
+    r = 0
+    while len(rounds) < args.rounds:
+        with _locked(args.lock):
+            load = os.getloadavg()[0]
+            ranks = run_ranks(_round, args.world, args, r, timeout=1200)
+        r += 1
+        got = {k: median([sum(x[k]) / len(x[k]) for x in ranks]) for k in ranks[0] if k in TIMED}
+        others = _others(ranks)
+        text = (f"(load {load:.2f}, others up to {others:.2f} cores): "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got.items())
+                + "".join(f"; {name} {v:.3f}x" for name, v in _ratios(got).items()))
+        if others > args.others and reruns > 0:
+            reruns -= 1
+            disturbed.append({"times": got, "others_cores": others, "raw": ranks})
+            print(f"round {len(rounds) + 1}/{args.rounds} run again {text}", flush=True)
+            continue
+        raw.append(ranks)
+        rounds.append({**got, "others_cores": others})
+        print(f"round {len(rounds)}/{args.rounds} {text}", flush=True)
+    return {"rounds": rounds, "raw": raw, "threads": raw[0][0]["threads"][0], "disturbed": disturbed}
+
+
+#: the targets' ratios, (faster trainer, reference): steps/s of the first over the second's
+RATIOS = {"stage3/fsdp2": ("stage3", "fsdp2"), "stage2/stage1": ("stage2", "stage1")}
+
+
+def _ratios(times: dict[str, float]) -> dict[str, float]:
+    return {name: times[b] / times[a] for name, (a, b) in RATIOS.items() if a in times and b in times}
 
 
 def _rss(role: Any, kind: str, args: argparse.Namespace) -> tuple[float, int]:
@@ -253,9 +392,11 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     a.bar(names, [r["ms"] or 0.0 for r in rows], color="#47c")
     a.set_ylabel("ms / step (median)")
     a.set_title("step time" if any(r["ms"] for r in rows) else "step time (not timed: --memory-only)")
-    b.bar(names, [r["bytes_per_param"] for r in rows], color="#2a7", label="measured")
+    b.bar(names, [r["bytes_per_param"] or 0.0 for r in rows], color="#2a7", label="measured")
     b.plot(names, [r["model_bytes_per_param"] for r in rows], "k_", markersize=30, label="model")
     b.set_ylabel("peak RSS above baseline, bytes / parameter")
+    if not any(r["bytes_per_param"] for r in rows):
+        b.set_title("memory (not measured: --time-only)")
     b.legend()
     fig.suptitle(title)
     fig.tight_layout()
@@ -268,54 +409,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--kinds", default=",".join(KINDS + SHARDED_KINDS),
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each trainer per segment (two segments a round)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each trainer at the start of a round")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, each in processes of its own")
+    parser.add_argument("--kinds", default=",".join(TIMED + SHARDED_KINDS),
                         help="comma-separated trainers to measure (all by default)")
+    parser.add_argument("--others", type=float, default=0.2,
+                        help="run a round again when other processes used more than this many cores in one of "
+                             "its segments (machine CPU less the ranks' own)")
+    parser.add_argument("--reruns", type=int, default=3, help="at most this many rounds run again in all")
+    parser.add_argument("--lock", default=None, metavar="PATH",
+                        help="take this flock (the machine's CPU lock) for each round and each memory run, "
+                             "instead of the caller holding it for the whole run (do not run the bench itself "
+                             "under the same lock then: it would wait for itself)")
     parser.add_argument("--memory-only", action="store_true",
                         help="measure memory only (no timed run, which holds every trainer's model at once)")
+    parser.add_argument("--time-only", action="store_true", help="time only (no memory runs)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "zero"))
     parser.add_argument("--section", default="ZeRO stages 2 and 3",
                         help="the docs/BENCHMARKS.md section (re)written, e.g. one per model size")
     args = parser.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
-    unknown = sorted(set(args.kinds) - set(KINDS + SHARDED_KINDS))
+    unknown = sorted(set(args.kinds) - set(TIMED + SHARDED_KINDS))
     if unknown:
-        parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS + SHARDED_KINDS)}")
+        parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(TIMED + SHARDED_KINDS)}")
+    if args.memory_only and args.time_only:
+        parser.error("--memory-only and --time-only: choose one (or neither, for both)")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error(f"--rounds {args.rounds}, --steps {args.steps}, --warmup {args.warmup}: "
+                     "at least one round of one step, and no negative warm-up")
 
     from fleetlike.testing import run_ranks
 
     load = os.getloadavg()
-    ranks = None if args.memory_only else run_ranks(_time, args.world, args, timeout=1200)
-    measured = {kind: run_ranks(_rss, args.world, kind, args, timeout=900) for kind in args.kinds}
-    planned = _planned(args, args.kinds)
+    timing = None if args.memory_only or not any(k in TIMED for k in args.kinds) else _timed(args)
+    rounds = timing["rounds"] if timing else []
+    memory_kinds = [] if args.time_only else [k for k in args.kinds if k in KINDS + SHARDED_KINDS]
+    measured = {}
+    for kind in memory_kinds:
+        with _locked(args.lock):
+            measured[kind] = run_ranks(_rss, args.world, kind, args, timeout=900)
+    planned = _planned(args, memory_kinds)
     rss = {kind: [r[0] for r in v] for kind, v in measured.items()}
     held = {kind: [r[1] for r in v] for kind, v in measured.items()}
     n_params = args.layers * (args.width * args.width + args.width)
     block = (args.width * args.width + args.width) * 4
     rows = []
     for kind in (k for k in KINDS if k in args.kinds):
-        t = median([r[kind] for r in ranks]) if ranks else None
-        per = max(rss[kind]) / n_params
+        t = median([r[kind] for r in rounds]) if rounds else None
+        per = max(rss[kind]) / n_params if kind in rss else None
         rows.append({"kind": kind, "ms": t * 1e3 if t else None, "steps_per_s": 1 / t if t else None,
-                     "bytes_per_param": per, "held_bytes_per_param": max(held[kind]) / n_params,
+                     "bytes_per_param": per, "held_bytes_per_param": max(held[kind]) / n_params if kind in held else None,
                      "model_bytes_per_param": MODEL[kind](args.world)
                      + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
-        if kind in planned:  # the planner's per-rank peak, and what it keeps between steps
+        if kind in planned and per is not None:  # the planner's per-rank peak, and what it keeps between steps
             mem = planned[kind]
             rows[-1]["planned_bytes_per_param"] = mem["peak"] / n_params
             rows[-1]["planned_kept_bytes_per_param"] = (mem["params"] + mem["grads"] + mem["optimizer"]) / n_params
             rows[-1]["measured_over_planned"] = per / rows[-1]["planned_bytes_per_param"]
     built = [{"kind": kind, "bytes_per_param": max(rss[kind]) / n_params,
               "held_bytes_per_param": max(held[kind]) / n_params,
-              "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS if kind in args.kinds]
-    by = {r["kind"]: r for r in rows}
+              "model_bytes_per_param": MODEL[kind](args.world) + block / n_params} for kind in SHARDED_KINDS if kind in rss]
+    by = {r["kind"]: r for r in rows if r["bytes_per_param"] is not None}
     bounds = _bounds(by, args.world, block / n_params)
-    cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}"),
-            Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
-            Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
-            Column("model_bytes_per_param", "model B/param", "{:.2f}")]
+    cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}")]
+    if rss:
+        cols += [Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
+                 Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
+                 Column("model_bytes_per_param", "model B/param", "{:.2f}")]
     if planned:
         cols += [Column("planned_bytes_per_param", "planner peak B/param", "{:.2f}"),
                  Column("planned_kept_bytes_per_param", "planner kept B/param", "{:.2f}"),
@@ -324,24 +486,48 @@ def main(argv: list[str] | None = None) -> int:
     built_cols = [Column("kind", "built as shards"), Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
                   Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
                   Column("model_bytes_per_param", "model B/param", "{:.2f}")]
-    ratio3 = ratio2 = None
-    verdict = ""
-    if ranks and {"stage1", "stage2", "stage3", "fsdp2"} <= set(by):
-        ratio3 = by["stage3"]["steps_per_s"] / by["fsdp2"]["steps_per_s"]
-        ratio2 = by["stage2"]["steps_per_s"] / by["stage1"]["steps_per_s"]
-        verdict = (f"stage 3 steps/s {ratio3:.3f}x FSDP2's (target >= 0.9); stage 2 {ratio2:.3f}x stage 1's "
-                   "(target >= 0.95). ")
-    verdict += "; ".join(b["text"] for b in bounds)
+    ratios: dict[str, dict[str, Any]] = {}
+    lines = []
+    targets = {"stage3/fsdp2": 0.9, "stage2/stage1": 0.95}
+    for name in RATIOS:
+        per_round = [_ratios(r)[name] for r in rounds if name in _ratios(r)]
+        if not per_round:
+            continue
+        goal = targets[name]
+        ratios[name] = {"median": median(per_round), "min": min(per_round), "max": max(per_round),
+                        "rounds": per_round, "target": goal, "every_round": all(x >= goal for x in per_round)}
+        a, b = RATIOS[name]
+        lines.append(f"{a} steps/s {median(per_round):.3f}x {b}'s, median of {len(per_round)} rounds "
+                     f"(min {min(per_round):.3f}, max {max(per_round):.3f}; target >= {goal})")
+    if timing:
+        lines.append(f"{len(timing['disturbed'])} round(s) run again, other processes having used more than "
+                     f"{args.others:g} cores during them; in the rounds kept they used at most "
+                     f"{max(r['others_cores'] for r in rounds):.2f}")
+    bound = ""
+    if rounds and "local" in rounds[0]:
+        local = median([r["local"] for r in rounds])
+        above = [f"{k} {median([r[k] for r in rounds]) / local:.2f}x" for k in ("stage3", "fsdp2", "stage1", "stage2")
+                 if k in rounds[0]]
+        bound = (f"the machine's bound: {args.world} ranks share {os.cpu_count()} cores "
+                 f"({int(timing['threads']) if timing else '?'} torch thread(s) each); a rank's step with no "
+                 f"communication (each rank its own model and AdamW, all computing at once) takes {local * 1e3:.1f} ms, "
+                 "the least any trainer's step can take here; a trainer's step over it (the rest is its communication, "
+                 "copies and bookkeeping): " + ", ".join(above))
+    verdict = "; ".join(lines + [b["text"] for b in bounds] + ([bound] if bound else []))
     print(table)
-    print(format_table(built_cols, built))
+    if built:
+        print(format_table(built_cols, built))
     print(verdict)
     print(f"load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     model = (f"{args.layers} x Linear({args.width}, {args.width}), {n_params / 1e6:.1f}M parameters, AdamW, "
              f"batch {args.batch}/rank")
     payload = {"info": run_info("bench.zero", argv if argv is not None else sys.argv[1:]), "load_average": load,
-               "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "bounds": bounds, "ratio_stage3_fsdp2": ratio3,
-               "ratio_stage2_stage1": ratio2, "rss_bytes": rss, "held_bytes": held, "planned": planned,
-               "times": ranks}
+               "world": args.world, "model": model, "rows": rows, "built_as_shards": built, "bounds": bounds,
+               "ratios": ratios, "ratio_stage3_fsdp2": ratios.get("stage3/fsdp2", {}).get("median"),
+               "ratio_stage2_stage1": ratios.get("stage2/stage1", {}).get("median"), "machine_bound": bound,
+               "rss_bytes": rss, "held_bytes": held, "planned": planned,
+               "rounds": rounds, "times": timing["raw"] if timing else None,
+               "disturbed_rounds": timing["disturbed"] if timing else []}
     out = Path(args.out)
     save_json(out.with_suffix(".json"), payload)
     _plot(out.with_suffix(".png"), rows, f"ZeRO stages, {args.world} ranks on gloo: {model}")
@@ -349,13 +535,14 @@ def main(argv: list[str] | None = None) -> int:
     section = (
         f"## {args.section}\n\n"
         f"`{command.strip()}` ({args.world} ranks on gloo, {model}; load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run; the machine is shared)\n\n"
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run; the machine is shared"
+        + ("; the CPU lock taken per round" if args.lock else "") + ")\n\n"
         + format_table(cols, rows, markdown=True) + "\n\n" + verdict + ".\n\n"
-        "The model never whole on a rank (stage 3 built inside `fleet.sharded_init()`; torch's FSDP2 built on "
-        "the meta device, then `to_empty` and each Linear's `reset_parameters` on its shards), peak RSS "
-        "above the rank's baseline, building included:\n\n"
-        + format_table(built_cols, built, markdown=True) + "\n\n"
-        f"![zero](benchmarks/{out.name}.png)\n"
+        + ("The model never whole on a rank (stage 3 built inside `fleet.sharded_init()`; torch's FSDP2 built on "
+           "the meta device, then `to_empty` and each Linear's `reset_parameters` on its shards), peak RSS "
+           "above the rank's baseline, building included:\n\n"
+           + format_table(built_cols, built, markdown=True) + "\n\n" if built else "")
+        + f"![zero](benchmarks/{out.name}.png)\n"
     )
     if not args.no_docs:
         replace_section(ROOT / "docs" / "BENCHMARKS.md", f"## {args.section}", section)

@@ -189,3 +189,38 @@ def test_a_world_of_one_runs_stage_2():
     res = run_ranks(_alone, 1, timeout=50)[0]
     assert res["backend"] == "single"
     assert rel_diff(res["state"], reference("momentum")) <= 1e-5
+
+
+def _gradient_shards(role) -> dict:
+    """One backward of the same batch: stage 3 averaging and summing (on gloo its reduce is an
+    allreduce of which each rank keeps its chunk, the average divided as the chunk is copied
+    out), and torch's FSDP2 with its own reduce-scatter, as the reference."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fleetlike.strategies.zero import local
+
+    out: dict = {}
+    with fleet.session(role, timeout=60):
+        feed = batch(0, role.rank, role.world_size)
+        for name, method in (("avg", "mean"), ("sum", "sum")):
+            model = fleet.distributed_model(TinyLM())
+            fleet.distributed_optimizer(make_opt("momentum", model.parameters()), DistributedStrategy(
+                sharding=True, sharding_configs={"sharding_degree": 0, "stage": 3, "gradients_reduce_method": method}))
+            loss_fn(model, feed).backward()
+            out[name] = {n: local(p.grad).clone() for n, p in model.module.named_parameters()}
+        ref = TinyLM()  # on the default group stage 3 formed
+        for block in ref.blocks:
+            fully_shard(block)
+        fully_shard(ref)
+        loss_fn(ref, feed).backward()
+        out["fsdp2"] = {n: local(p.grad).clone() for n, p in ref.named_parameters()}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stage3_gradient_shards_equal_fsdp2s_reduce_scatter():
+    for res in run_ranks(_gradient_shards, 2, timeout=100):
+        assert res["avg"].keys() == res["fsdp2"].keys() and len(res["avg"]) > 10
+        for n, ref in res["fsdp2"].items():
+            torch.testing.assert_close(res["avg"][n], ref, rtol=1e-6, atol=1e-9, msg=n)
+            torch.testing.assert_close(res["sum"][n], 2 * ref, rtol=1e-6, atol=1e-9, msg=n)

@@ -152,10 +152,25 @@ class AllReduceScatter(ReduceScatter):
     out rank by rank (``input.view(world, -1)[rank]`` is this rank's), and calls this
     synchronously on the CPU.
 
+    With ``divide`` (the ranks' count, for an average) the chunk is divided as it is copied out,
+    and FSDP2 is told to divide by 1 (``set_gradient_divide_factor(1.0)``): gloo has no AVG, so
+    FSDP2 would otherwise pass over the chunk once more to divide it; the result is the same
+    (the sum, then one division), bit for bit.
+
     The input, the block's whole gradient, is freed once this rank's chunk is copied out: FSDP2
     keeps a reference to it until the next block's reduce (on a GPU, so that its stream is done
     with it before the memory is reused); on the CPU the call has returned by then, and freeing
-    it keeps one block's gradient less in memory through the next block's backward."""
+    it keeps one block's gradient less in memory through the next block's backward.
+
+    Example:
+        >>> module.set_gradient_divide_factor(1.0)
+        >>> module.set_custom_reduce_scatter(AllReduceScatter(divide=world_size))   # an average
+    """
+
+    def __init__(self, divide: int | None = None) -> None:
+        if divide is not None and divide < 1:
+            raise ValueError(f"AllReduceScatter: divide={divide}; give the number of ranks (>= 1), or None for a sum")
+        self.divide = divide
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -163,7 +178,11 @@ class AllReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
         torch.distributed.all_reduce(input_tensor, op=op, group=group)
-        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        chunk = input_tensor.view(group.size(), -1)[group.rank()]
+        if self.divide is not None and self.divide != 1:
+            torch.div(chunk, self.divide, out=output_tensor)
+        else:
+            output_tensor.copy_(chunk)
         input_tensor.untyped_storage().resize_(0)  # read by nobody after this; FSDP2 only holds it
         return None
 
@@ -250,13 +269,14 @@ class ShardedParamsUnit(Unit):
         self.fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         op = REDUCE_METHOD.op(cfg["gradients_reduce_method"])
         self.via_allreduce = ctx.device.type != "cuda" and torch.distributed.get_backend(pg) == "gloo"
+        average = op.value == "avg"
         for m in self.fsdp:
             if ctx.device.type != "cuda":
                 m.set_force_sum_reduction_for_comms(True)  # gloo has neither AVG nor PREMUL_SUM
-            if self.via_allreduce:
-                m.set_custom_reduce_scatter(AllReduceScatter())
-            if op.value != "avg":
-                m.set_gradient_divide_factor(1.0)  # a sum over the ranks
+            if self.via_allreduce:  # an average divided as each chunk is copied out, not by FSDP2 after
+                m.set_custom_reduce_scatter(AllReduceScatter(divide=world.size if average else None))
+            if not average or self.via_allreduce:
+                m.set_gradient_divide_factor(1.0)  # a sum over the ranks (or divided by AllReduceScatter)
         after = dict(model.named_parameters())
         #: the model's parameters before sharding -> their shards (by id of the former)
         self.replaced = {id(p): after[n] for n, p in before.items()}
