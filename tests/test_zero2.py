@@ -6,7 +6,8 @@ equals the single-process reference: SGD with momentum and AdamW, gradient merge
 recompute, clipping by the global norm, fp16 AMP with loss scaling, bf16 AMP, ``num_apply_group``,
 the 16-bit wire, the program style. Each rank keeps only the gradients of the parameters it owns
 (the others are None between steps), and during the backward no more than ``IN_FLIGHT + 1``
-transient buckets exist at once."""
+transient buckets exist at once. A backward stopped on every rank (``check_nan_inf``, an error in
+the model) and caught leaves nothing behind: the next steps train as stage 1."""
 
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ def _stopped(role, stage: int, how: str) -> dict:
     """Four steps; the backward of step `STOPPED` stops on every rank at the first block's MLP
     weight (its gradient turned NaN, which ``check_nan_inf`` refuses, or an error raised by a
     gradient hook), the script catches the error and goes on with the next step."""
-    opts = options(stage, check_nan_inf=True)
+    # stage 0: data parallel, whose buckets stop the same way
+    opts = options(stage, check_nan_inf=True) if stage else {**SMALL, "check_nan_inf": True}
     model = fleet.distributed_model(TinyLM())
     opt = fleet.distributed_optimizer(make_opt("momentum", model.parameters()), DistributedStrategy.from_dict(opts))
     reducer = model.engine.ctx.reducer
@@ -193,20 +195,22 @@ def _stopped(role, stage: int, how: str) -> dict:
             continue
         opt.step()
     bucket = reducer._where[id(weight)][0]
-    return {"state": state(fleet.full_state_dict(model)), "stopped": stopped, "live": live,
+    full = fleet.full_state_dict(model) if stage else model.module.state_dict()
+    return {"state": state(full), "stopped": stopped, "live": live,
             "transient": isinstance(bucket, TransientBucket) and not bucket.resident}
 
 
 def _stopped_ranks(role) -> dict:
     with fleet.session(role, timeout=60):
-        return {(how, stage): _stopped(role, stage, how) for how in ("nan", "error") for stage in (1, 2)}
+        return {(how, stage): _stopped(role, stage, how) for how in ("nan", "error") for stage in (0, 1, 2)}
 
 
 @pytest.mark.timeout(120)
 def test_a_backward_stopped_on_every_rank_then_two_steps_train_as_stage1():
     """The error is caught on every rank; the next two steps' collectives pair across ranks (no
     bucket of the stopped backward is left allocated or in flight) and train exactly as stage 1,
-    which equals the single-process run that skips the stopped step's update."""
+    which equals the single-process run that skips the stopped step's update (as data
+    parallel's does)."""
     ranks = run_ranks(_stopped_ranks, 2, timeout=100)
     ref_model = TinyLM()
     ref_opt = make_opt("momentum", ref_model.parameters())
@@ -214,10 +218,11 @@ def test_a_backward_stopped_on_every_rank_then_two_steps_train_as_stage1():
     ref = reference("momentum", 4, model=ref_model, opt=ref_opt, start=STOPPED + 1)
     for r, res in enumerate(ranks):
         for how in ("nan", "error"):
-            one, two = res[(how, 1)], res[(how, 2)]
-            assert one["stopped"] == two["stopped"] == 1, (r, how)
+            dp, one, two = res[(how, 0)], res[(how, 1)], res[(how, 2)]
+            assert dp["stopped"] == one["stopped"] == two["stopped"] == 1, (r, how)
             assert rel_diff(two["state"], one["state"]) == 0, (r, how)  # bitwise
             assert rel_diff(two["state"], ref) <= 1e-5, (r, how)
+            assert rel_diff(dp["state"], ref) <= 1e-5, (r, how)
             assert two["live"][STOPPED + 1] == 0, (r, how, two["live"])
     # the stopped gradient's bucket is transient on the rank that does not own it
     assert any(ranks[q][("nan", 2)]["transient"] for q in range(2))
