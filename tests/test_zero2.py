@@ -6,7 +6,8 @@ equals the single-process reference: SGD with momentum and AdamW, gradient merge
 recompute, clipping by the global norm, fp16 AMP with loss scaling, bf16 AMP, ``num_apply_group``,
 the 16-bit wire, the program style. Each rank keeps only the gradients of the parameters it owns
 (the others are None between steps), and during the backward no more than ``IN_FLIGHT + 1``
-transient buckets exist at once."""
+transient buckets exist at once. A backward stopped on every rank (``check_nan_inf``, an error in
+the model) and caught leaves nothing behind: the next steps train as stage 1."""
 
 from __future__ import annotations
 
@@ -154,3 +155,74 @@ def test_stage2_two_level_reduce_equals_stage1():
             assert rel_diff(res[(name, 2)]["state"], res[(name, 1)]["state"]) == 0, (r, name)
             assert res[(name, 2)]["live"] <= IN_FLIGHT + 1
         assert "two-level reduce-scatter" in "\n".join(res[("hierarchical", 2)]["applied"])
+
+
+class _Stop(RuntimeError):
+    """An error raised inside the backward by the model's own gradient hook."""
+
+
+#: the step whose backward stops, on every rank
+STOPPED = 1
+
+
+def _stopped(role, stage: int, how: str) -> dict:
+    """Four steps; the backward of step `STOPPED` stops on every rank at the first block's MLP
+    weight (its gradient turned NaN, which ``check_nan_inf`` refuses, or an error raised by a
+    gradient hook), the script catches the error and goes on with the next step."""
+    # stage 0: data parallel, whose buckets stop the same way
+    opts = options(stage, check_nan_inf=True) if stage else {**SMALL, "check_nan_inf": True}
+    model = fleet.distributed_model(TinyLM())
+    opt = fleet.distributed_optimizer(make_opt("momentum", model.parameters()), DistributedStrategy.from_dict(opts))
+    reducer = model.engine.ctx.reducer
+    weight = model.module.blocks[0].up.weight  # its bucket is launched late in the backward
+    spoil = [False]
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        if spoil[0] and how == "error":
+            raise _Stop("stopped by the model")
+        return g * float("nan") if spoil[0] else g
+
+    weight.register_hook(hook)
+    stopped, live = 0, []
+    for step in range(4):
+        opt.zero_grad()
+        live.append(sum(isinstance(b, TransientBucket) and b.live and not b.resident for b in reducer.buckets))
+        spoil[0] = step == STOPPED
+        try:
+            loss_fn(model, batch(step, role.rank, role.world_size)).backward()
+        except (FloatingPointError, _Stop):
+            stopped += 1
+            continue
+        opt.step()
+    bucket = reducer._where[id(weight)][0]
+    full = fleet.full_state_dict(model) if stage else model.module.state_dict()
+    return {"state": state(full), "stopped": stopped, "live": live,
+            "transient": isinstance(bucket, TransientBucket) and not bucket.resident}
+
+
+def _stopped_ranks(role) -> dict:
+    with fleet.session(role, timeout=60):
+        return {(how, stage): _stopped(role, stage, how) for how in ("nan", "error") for stage in (0, 1, 2)}
+
+
+@pytest.mark.timeout(120)
+def test_a_backward_stopped_on_every_rank_then_two_steps_train_as_stage1():
+    """The error is caught on every rank; the next two steps' collectives pair across ranks (no
+    bucket of the stopped backward is left allocated or in flight) and train exactly as stage 1,
+    which equals the single-process run that skips the stopped step's update (as data
+    parallel's does)."""
+    ranks = run_ranks(_stopped_ranks, 2, timeout=100)
+    ref_model = TinyLM()
+    ref_opt = make_opt("momentum", ref_model.parameters())
+    reference("momentum", STOPPED, model=ref_model, opt=ref_opt)
+    ref = reference("momentum", 4, model=ref_model, opt=ref_opt, start=STOPPED + 1)
+    for r, res in enumerate(ranks):
+        for how in ("nan", "error"):
+            dp, one, two = res[(how, 0)], res[(how, 1)], res[(how, 2)]
+            assert dp["stopped"] == one["stopped"] == two["stopped"] == 1, (r, how)
+            assert rel_diff(two["state"], one["state"]) == 0, (r, how)  # bitwise
+            assert rel_diff(two["state"], ref) <= 1e-5, (r, how)
+            assert rel_diff(dp["state"], ref) <= 1e-5, (r, how)
+            assert two["live"][STOPPED + 1] == 0, (r, how, two["live"])
+    # the stopped gradient's bucket is transient on the rank that does not own it
+    assert any(ranks[q][("nan", 2)]["transient"] for q in range(2))

@@ -189,7 +189,17 @@ class GradReducer:
         with self._lock:
             self._prepare(roots)
 
+    @property
+    def stopped(self) -> bool:
+        """A communicating backward began (its first gradient arrived) and never reached its
+        end: it raised midway (an error in the model or in a gradient hook) and the caller went
+        on. Its buckets' collectives may still be moving; `zero_grad` and `prepare` wait for
+        them (`_stop`) before touching the buffers. (A reducer with a gate owns its passes.)"""
+        return self.armed and self._callback_queued and self.gate is None
+
     def _prepare(self, roots: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
+        if self.stopped:
+            self._stop()
         self._zeroed = False
         self._attach()
         self._begin()
@@ -317,13 +327,27 @@ class GradReducer:
         self._next += 1
 
     def _raise_non_finite(self, bucket: Bucket, bad: list[str]) -> None:
-        self.armed = False
+        self._stop()
         world = self.collective.world
         raise FloatingPointError(
             f"rank {world.ranks[world.rank]}: the gradient of {', '.join(bad)} contains NaN or Inf "
             f"before its allreduce (bucket {bucket.index}); stopping here so it does not spread to "
             "every rank. Look at this rank's data and loss (strategy.check_nan_inf found it)"
         )
+
+    def _stop(self) -> None:
+        """A backward stopped before its end (a non-finite gradient, an error in the model):
+        disarm and wait for the buckets it launched, so no collective of it is still moving when
+        the caller goes on (a ``zero_grad`` then really clears the buffers, and the next step's
+        collectives pair with the next step's). Every rank stopped at the same bucket launched
+        the same ones before it."""
+        self.armed = False
+        for i, w in enumerate(self._works):
+            if w is not None:
+                started = time.perf_counter()
+                w.wait()
+                self.wait_seconds += time.perf_counter() - started
+                self._works[i] = None
 
     def finalize(self) -> None:
         """Launch what is left (unused parameters), wait for every bucket, disarm."""
@@ -348,6 +372,8 @@ class GradReducer:
         """Zero the gradients in place (they are views: never set them to None); a no-op on
         buffers `mark_zeroed` vouches for (a memset of every gradient byte saved per step)."""
         with self._lock:
+            if self.stopped:
+                self._stop()
             zeroed, self._zeroed = self._zeroed, False
         for b in self.buckets:
             if not zeroed:

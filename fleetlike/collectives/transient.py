@@ -122,6 +122,18 @@ class TransientBucket(ShardedBucket):
         self.views = []
         self.live = False
 
+    def discard(self) -> None:
+        """Drop the buffer of a backward that stopped before this bucket was reduced (a
+        non-finite gradient): the bucket is no longer live, so the next backward allocates a
+        fresh one instead of accumulating into this one. The parameters' ``.grad`` stay what
+        they were (views into the dropped buffer, which they keep alive), as a stage 1 bucket's
+        would: a ``zero_grad`` clears them, a backward without one folds them in."""
+        if self.resident or not self.live:
+            return
+        self.buffer = self._placeholder
+        self.views = []
+        self.live = False
+
     def attach(self) -> None:
         """This rank's parameters' ``.grad`` are their views into the kept shard again (a
         replaced gradient folded in); the others' are left as they are (None, or a local sum
@@ -170,6 +182,19 @@ class TransientReducer(GradReducer):
         if self.hold is not None:
             raise ValueError("transient buckets are reduced as backward fills them: there is no whole local "
                              "gradient to hold (clip after the reduction instead)")
+
+    def _stop(self) -> None:
+        # the buckets launched are waited for and released (their segments kept, as at the end of
+        # a backward); the ones allocated and not launched (the bucket that raised, those filling)
+        # are dropped: left live, the next backward would accumulate into them (and raise again
+        # on a rank that does not own them, while the owner, whose bucket zero_grad cleared,
+        # launches it: the ranks' collectives would no longer pair)
+        super()._stop()
+        while self._launched:
+            self._retire(self._launched.pop(0))
+        for b in self.buckets:
+            assert isinstance(b, TransientBucket)
+            b.discard()
 
     def _make_room(self) -> None:
         while len(self._launched) >= self.in_flight:
@@ -237,6 +262,8 @@ class TransientReducer(GradReducer):
         """The kept shards zeroed in place (unless `mark_zeroed` vouches for them) and attached;
         every other gradient None."""
         with self._lock:
+            if self.stopped:
+                self._stop()
             zeroed, self._zeroed = self._zeroed, False
             for b in self.buckets:
                 assert isinstance(b, TransientBucket)

@@ -117,8 +117,8 @@ class DataParallelUnit(Unit):
         reducer = self.reducer
         if self._step is not st:  # count this step's traffic from its first arming
             self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
-        if st.accumulate or not st.communicate or reducer.armed:
-            return
+        if st.accumulate or not st.communicate or (reducer.armed and not reducer.stopped):
+            return  # armed by an earlier forward of this step (unless its backward stopped midway)
         reducer.prepare(st.roots)
 
     def _wait(self, st: StepState) -> None:

@@ -288,8 +288,8 @@ class ShardingUnit(Unit):
         reducer = self.reducer
         if self._step is not st:
             self._step, self._issued = st, (reducer.collectives_issued, reducer.bytes_issued)
-        if st.accumulate or not st.communicate or reducer.armed:
-            return
+        if st.accumulate or not st.communicate or (reducer.armed and not reducer.stopped):
+            return  # armed by an earlier forward of this step (unless its backward stopped midway)
         reducer.prepare(st.roots)
 
     def _wait(self, st: StepState) -> None:
