@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -25,7 +27,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,22 @@ def proc_status(field: str) -> int:
     ``/proc/self/status``)."""
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str | None) -> Iterator[None]:
+    """Hold the machine's CPU lock (``flock`` on ``path``) around one timed unit (a round, a
+    storage's passes, a memory run), so a shared machine's other jobs run between units and
+    never inside a timing; no lock without ``path`` (the caller holds the machine)."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def median(xs: Sequence[float]) -> float:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import signal
 import shutil
@@ -74,7 +73,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from bench._common import Column, format_table, median, replace_section, run_info, save_figure, save_json
+from bench._common import Column, cpu_lock, format_table, median, replace_section, run_info, save_figure, save_json
 from bench.image_libs import decode_sample, drop_cache, library_modes
 from bench.throttled_disk import Throttle, ThrottledDisk, unavailable
 from bench.io import make_images
@@ -127,21 +126,6 @@ def count(loader: Any) -> int:
 
 def storage_label(t: Throttle) -> str:
     return f"{t.name} ({t.label()})"
-
-
-@contextlib.contextmanager
-def cpu_lock(path: str | None) -> Iterator[None]:
-    """Hold the machine's CPU lock (``flock`` on ``path``) for one storage's passes, so a shared
-    machine's other jobs run between storages and never during a timed pass; nothing without a path."""
-    if not path:
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def grouped_timings(groups: list[list[tuple[str, str, Pass]]], reps: int) -> dict[tuple[str, str], list[float]]:

@@ -44,9 +44,7 @@ section of ``docs/BENCHMARKS.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
-import fcntl
 import gc
 import os
 import shlex
@@ -55,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import (Column, format_table, interleaved_timings, median, proc_status, replace_section, run_info,
+from bench._common import (Column, cpu_lock, format_table, interleaved_timings, median, proc_status, replace_section, run_info,
                            save_figure, save_json)
 
 __all__ = ["KINDS", "main"]
@@ -248,22 +246,6 @@ def _others(ranks: list[dict[str, list[float]]]) -> float:
     return max(cores([i]) for i in long) if long else cores(list(segments))
 
 
-@contextlib.contextmanager
-def _locked(path: str | None) -> Any:
-    """Hold the machine's CPU lock (``flock`` on ``path``) for one round or one memory run, so
-    other jobs on a shared machine interleave between them and none runs inside a timing (no
-    lock without ``path``: the caller holds the machine)."""
-    if path is None:
-        yield
-        return
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _timed(args: argparse.Namespace) -> dict[str, Any]:
     """``--rounds`` rounds (`_round`), each under the lock; per trainer the seconds per step of
     each round (the mean of its two segments, the median over the ranks), and per round the
@@ -277,7 +259,7 @@ def _timed(args: argparse.Namespace) -> dict[str, Any]:
     reruns = args.reruns
     r = 0
     while len(rounds) < args.rounds:
-        with _locked(args.lock):
+        with cpu_lock(args.lock):
             load = os.getloadavg()[0]
             ranks = run_ranks(_round, args.world, args, r, timeout=1200)
         r += 1
@@ -448,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     memory_kinds = [] if args.time_only else [k for k in args.kinds if k in KINDS + SHARDED_KINDS]
     measured = {}
     for kind in memory_kinds:
-        with _locked(args.lock):
+        with cpu_lock(args.lock):
             measured[kind] = run_ranks(_rss, args.world, kind, args, timeout=900)
     planned = _planned(args, memory_kinds)
     rss = {kind: [r[0] for r in v] for kind, v in measured.items()}
