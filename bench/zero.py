@@ -53,8 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import (Column, cpu_lock, format_table, interleaved_timings, median, proc_status, replace_section, run_info,
-                           save_figure, save_json)
+from bench._common import (Column, cpu_lock, format_table, interleaved_timings, median, proc_status,
+                           replace_section, run_info, save_figure, save_json)
 
 __all__ = ["KINDS", "main"]
 
