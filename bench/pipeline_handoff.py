@@ -31,22 +31,13 @@ from typing import Any
 
 import torch
 
-from bench._common import Column, format_table, interleaved_timings, median, parse_bytes, run_info, save_json
+from bench._common import format_table, interleaved_timings, median, parse_bytes, run_info, save_json
+
+from bench.pipeline_report import HANDOFF_COLUMNS
 
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-COLUMNS = [
-    Column("bytes", "message", lambda v: f"{v >> 10} KiB"),
-    Column("gloo_us", "gloo one way (us)", "{:.0f}"),
-    Column("tcp_us", "raw TCP socket one way (us)", "{:.0f}"),
-    Column("shm_us", "shared memory one way (us)", "{:.0f}"),
-    Column("gloo_over_shm", "gloo / shared memory", "{:.1f}"),
-    Column("gloo_post_us", "gloo isend posting (us)", "{:.0f}"),
-    Column("shm_post_us", "shared memory isend posting (us)", "{:.0f}"),
-]
-
 
 def _socket_pair(rank: int, pg: Any) -> socket.socket:
     """A connected loopback TCP socket between the 2 ranks (the port travels on ``pg``)."""
@@ -156,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = len(os.sched_getaffinity(0)) >= 2 if args.pin is None else args.pin
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     rows = run_ranks(_rank, 2, sizes, args.reps, args.inner, pin, timeout=600)[0]
-    print(format_table(COLUMNS, rows))
+    print(format_table(HANDOFF_COLUMNS, rows))
     save_json(Path(args.out), {"info": run_info("bench.pipeline_handoff", argv), "pinned": pin,
                                "load_end": os.getloadavg()[0], "rows": rows})
     return 0

@@ -17,8 +17,30 @@ from typing import Any
 
 from bench._common import Column, format_table
 
-__all__ = ["COLUMNS", "P2P_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "idle_of", "load", "plot", "section", "slower"]
+__all__ = ["COLUMNS", "HANDOFF_COLUMNS", "P2P_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "idle_of",
+           "load", "plot", "section", "slower"]
 
+
+#: `bench.pipeline_handoff`'s table: one handoff by transport
+HANDOFF_COLUMNS = [
+    Column("bytes", "message", lambda v: f"{v >> 10} KiB"),
+    Column("gloo_us", "gloo one way (us)", "{:.0f}"),
+    Column("tcp_us", "raw TCP socket one way (us)", "{:.0f}"),
+    Column("shm_us", "shared memory one way (us)", "{:.0f}"),
+    Column("gloo_over_shm", "gloo / shared memory", "{:.1f}"),
+    Column("gloo_post_us", "gloo isend posting (us)", "{:.0f}"),
+    Column("shm_post_us", "shared memory isend posting (us)", "{:.0f}"),
+]
+
+#: `bench.pipeline_runs`' table: repeated runs summarised
+RUN_COLUMNS = [
+    Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("per_run", "slower stage's idle / bubble, per run", lambda v: ", ".join(f"{x:.2f}" for x in v)),
+    Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
+    Column("ratio", "fleetlike / torch, same group (min-max)", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
+    Column("ratio_gloo", "fleetlike / torch on gloo (min-max)",
+           lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"),
+]
 
 COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
@@ -128,8 +150,6 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
 def _handoff(handoff: dict[str, Any] | None) -> str:
     if not handoff:
         return ""
-    from bench.pipeline_handoff import COLUMNS as HANDOFF_COLUMNS
-
     how = "a core per rank" if handoff["pinned"] else "the ranks sharing the cores"
     return (f"One handoff between the two ranks, by transport (`{handoff['info']['command']}`, {how}, "
             f"{handoff['info']['date']}; a ping-pong through torch's `isend` / `irecv`, except the raw socket; "
@@ -140,8 +160,6 @@ def _handoff(handoff: dict[str, Any] | None) -> str:
 def _repeated(runs: dict[str, Any] | None) -> str:
     if not runs:
         return ""
-    from bench.pipeline_runs import RUN_COLUMNS
-
     dates = sorted(r["date"] for r in runs["runs"])
     how = "a core per stage" if all(r["pinned"] for r in runs["runs"]) else "some runs sharing the cores"
     return (f"Repeated runs ({len(runs['runs'])} of `{runs['runs'][0]['command']}`, {how}, {dates[0]} to "

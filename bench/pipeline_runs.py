@@ -24,23 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench._common import Column, format_table, run_info, save_json
-from bench.pipeline_report import idle_of, slower
+from bench._common import format_table, run_info, save_json
+from bench.pipeline_report import RUN_COLUMNS, idle_of, slower
 
-__all__ = ["RUN_COLUMNS", "main", "summarise"]
+__all__ = ["main", "summarise"]
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "pipeline_runs.json"
-
-RUN_COLUMNS = [
-    Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
-    Column("per_run", "slower stage's idle / bubble, per run", lambda v: ", ".join(f"{x:.2f}" for x in v)),
-    Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
-    Column("ratio", "fleetlike / torch, same group (min-max)", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
-    Column("ratio_gloo", "fleetlike / torch on gloo (min-max)",
-           lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"),
-]
-
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (schedule, m) over ``runs`` (each a `bench.pipeline` JSON)."""
