@@ -120,6 +120,7 @@ class PipelineModel(torch.nn.Module):
         self.micro_batch_size = int(cfg["micro_batch_size"])
         self.schedule_mode = str(cfg["schedule_mode"])
         self.applied: list[AppliedEntry] = []
+        self._heap_frozen = False  # `freeze_heap` called and recorded after this model's first step
         p, stage_id = hcg.pp_degree, hcg.stage_id
         if self.schedule_mode == "1F1B" and self.num_micro < p:
             raise ValueError(
@@ -273,8 +274,9 @@ class PipelineModel(torch.nn.Module):
         if lr_scheduler is not None:
             lr_scheduler.step()
         loss = self._shared_loss(losses)
-        freeze_heap()
-        if not any(e.name == "pipeline_gc" for e in self.applied):
+        if not self._heap_frozen:  # once per model: later steps pay nothing here
+            self._heap_frozen = True
+            freeze_heap()
             self.applied.append(AppliedEntry("pipeline_gc", True, (
                 "after the first step the objects alive were frozen out of the garbage collector "
                 "(gc.freeze): a full collection, a stall its neighbour stage would wait out, then "
