@@ -83,6 +83,13 @@ class _MachineShare:
             fcntl.flock(self.lock, fcntl.LOCK_UN)
             self.held = None
 
+    def close(self) -> None:
+        """At the session's end: let the lock go and close both files (left to the interpreter's
+        exit, each was a ResourceWarning)."""
+        self.release()
+        self.gate.close()
+        self.lock.close()
+
 
 _SHARE: _MachineShare | None = None
 
@@ -125,6 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         if os.environ.get(SHARE_ENV):
             _SHARE = _MachineShare(os.environ[SHARE_ENV])
+            _SESSION.callback(_SHARE.close)
     elif SHARE_ENV not in os.environ:
         folder = tempfile.mkdtemp(prefix="fleetlike-tests-")
         _SESSION.callback(shutil.rmtree, folder, ignore_errors=True)

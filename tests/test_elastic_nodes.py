@@ -49,6 +49,13 @@ NETNS_A, NETNS_B, NETNS_PORT = "10.77.0.1", "10.77.0.2", 29411
 #: default 3 s would be taken for lost and its world re-formed once more than a test expects
 #: (the default's detection: test_elastic_heartbeat; a cut link found after this: the netns job)
 TOLERANT = "--heartbeat_timeout=10"
+#: the last call of a job whose node joins at a commit. A worker waiting to join looks at the
+#: rendezvous once a second (torch's dynamic rendezvous polls so), and the re-formed round closes
+#: a last call after its minimum is there: with 1 s, a waiting worker left unscheduled for a
+#: moment misses the round and joins at the next commit, one re-formation more than these tests
+#: expect (node B's workers then join one at a time). 3 s, the launcher's default, leaves each
+#: waiting worker two more looks.
+JOIN_LAST_CALL = 3.0
 
 
 def free_port() -> int:
@@ -58,11 +65,11 @@ def free_port() -> int:
 
 
 def start(launchers: Launchers, port: int, ip: str, out: Path, epochs: int, pause: float,
-          style: str, *flags: str, until: str | None = None) -> subprocess.Popen[str]:
+          style: str, *flags: str, until: str | None = None, last_call: float = 1.0) -> subprocess.Popen[str]:
     """One node's launcher of the digits job (``until``: the event after which the steps stop
     pausing, `launch_workers/elastic_digits.py`)."""
     return launchers.start("--nnodes=1:2", TOLERANT, *flags, f"--rdzv_endpoint=127.0.0.1:{port}", f"--node_ip={ip}",
-                           "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
+                           "--nproc_per_node=2", "--started_port=auto", f"--rdzv_last_call={last_call:g}",
                            f"--log_dir=log-{ip}-{out.name}", SCRIPT, str(out), str(epochs), str(pause), style,
                            *([until] if until else []))
 
@@ -103,15 +110,17 @@ def check_epochs(report: dict, n: int) -> None:
 
 def lose_a_node(launchers: Launchers, tmp_path: Path, style: str, epochs: int, pause: float,
                 join_late: bool) -> tuple[list[dict], str]:
-    """Node A (and B at once, or once A trains); once the world has 4 ranks, B is lost."""
+    """Node A (and B at once, or once A trains: B's workers then join at a commit, all at once,
+    `JOIN_LAST_CALL`); once the world has 4 ranks, B is lost."""
     out = tmp_path / f"out-{style}"
     out.mkdir()
     port = free_port()
+    last_call = JOIN_LAST_CALL if join_late else 1.0
     # the steps pause until B is lost (for B to join and train on 4 ranks), then run at full speed
-    a = start(launchers, port, "127.0.0.1", out, epochs, pause, style, until="lost")
+    a = start(launchers, port, "127.0.0.1", out, epochs, pause, style, until="lost", last_call=last_call)
     if join_late:
         wait_until("node A's first steps", lambda: progress(out)[0] >= 5, a)
-    b = start(launchers, port, "127.0.0.2", out, epochs, pause, style, until="lost")
+    b = start(launchers, port, "127.0.0.2", out, epochs, pause, style, until="lost", last_call=last_call)
     wait_until("the 4-rank world", lambda: progress(out)[1] == 4, a)
     step = progress(out)[0]
     wait_until("steps on 4 ranks", lambda: progress(out)[0] >= step + 3, a)
@@ -185,7 +194,7 @@ def discovered_job(launchers: Launchers, root: Path) -> tuple[str, list[dict], d
     script = discovery_script(root, hosts)
     logs = root / "log-discovered"
     a = launchers.start("--nnodes=1:2", TOLERANT, f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--node_ip=127.0.0.1",
-                        "--nproc_per_node=2", "--started_port=auto", "--rdzv_last_call=1",
+                        "--nproc_per_node=2", "--started_port=auto", f"--rdzv_last_call={JOIN_LAST_CALL:g}",
                         f"--host_discovery_script={script}", "--discovery_interval=0.5",
                         f"--remote_shell={LOCAL_SHELL}", f"--log_dir={logs}", SCRIPT, str(out), "2", "0.25", "eager",
                         "joined")

@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import pytest
 from fleetlike.launch import LaunchInputError, parse_config
 from fleetlike.launch.env import tuned_glibc_tunables
 from fleetlike.launch.preload import PRELOAD_ENV, SOCKET_ENV, start_preloaded
+from fleetlike.launch.preload_server import receive
 from fleetlike.testing import preload_server
 from helpers import popen_job, preload_env, run_jobs, side_by_side, start_job
 
@@ -263,3 +265,34 @@ def test_a_worker_stopped_as_it_starts_leaves_the_server_serving(tmp_path: Path)
             codes.append(proc.wait(timeout=30))
         assert os.path.exists(path)
         assert set(codes) == {-signal.SIGTERM}, codes
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_shared_server_closes_the_launchers_connections(tmp_path: Path) -> None:
+    """SIGTERM to the shared server while a launcher is connected (a test session's end): the
+    server closes that connection itself, so its exit prints no ResourceWarning (one per
+    launcher connection did, at the end of every test session's output)."""
+    path = str(tmp_path / "server.sock")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default::ResourceWarning",
+           "GLIBC_TUNABLES": tuned_glibc_tunables(os.environ.get("GLIBC_TUNABLES"))}
+    code = f"from fleetlike.launch.preload import serve_forever\nserve_forever({path!r})\n"
+    server = subprocess.Popen([sys.executable, "-u", "-c", code], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert server.poll() is None and time.monotonic() < deadline, "the server never bound its socket"
+            time.sleep(0.05)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(path)
+            hello, _ = receive(sock)  # sent once the server serves (its imports done)
+            assert hello is not None and hello["op"] == "hello"
+            server.terminate()
+            _, stderr = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 128 + signal.SIGTERM, stderr
+    assert "ResourceWarning" not in stderr, stderr
+    assert not os.path.exists(path)

@@ -13,13 +13,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from fleetlike.comm import dtype_name
 
 __all__ = ["Bucket", "non_finite", "plan_buckets"]
+
+T = TypeVar("T")
 
 
 def plan_buckets(params: Sequence[torch.nn.Parameter], cap_bytes: int | None) -> list[list[torch.nn.Parameter]]:
@@ -114,9 +116,9 @@ class Bucket:
         }
 
 
-def non_finite(flat: torch.Tensor, views: Sequence[torch.Tensor], name_of: Callable[[int], str]) -> list[str]:
-    """The names (``name_of(i)`` for view i) of the ``views`` (slices of the gradient buffer
-    ``flat``) holding NaN or Inf:
+def non_finite(flat: torch.Tensor, views: Sequence[torch.Tensor], name_of: Callable[[int], T]) -> list[T]:
+    """The names (``name_of(i)`` for view i: a name, or an index) of the ``views`` (slices of
+    the gradient buffer ``flat``) holding NaN or Inf:
     the NaN check of every face (the reducer's buckets before their allreduce, DDP's buckets
     before and after). One pass over ``flat`` when it is finite, the common case."""
     if bool(torch.isfinite(flat).all()):

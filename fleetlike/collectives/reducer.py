@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from fleetlike.collectives.buckets import Bucket, non_finite, plan_buckets
+from fleetlike.collectives.finite import agree_finite
 from fleetlike.collectives.flat import BucketCollective
 from fleetlike.comm import Communicator, Work
 
@@ -144,6 +145,10 @@ class GradReducer:
         for b in self.buckets:
             for j, p in enumerate(b.params):
                 self._where[id(p)] = (b, j)
+        #: ``check_nan_inf``: the parameters (indices in bucket order, the same on every rank)
+        #: whose gradient this backward was non-finite before its reduction; the ranks agree on
+        #: them at the backward's end (`agree_finite`)
+        self._non_finite: list[int] = []
         self.armed = False
         self._pending: list[int] = []
         self._seen: list[list[bool]] = []
@@ -209,6 +214,7 @@ class GradReducer:
 
     def _begin(self) -> None:
         self.armed = True
+        self._non_finite = []
         self._callback_queued = False
         self._pending = [len(b.params) for b in self.buckets]
         self._seen = [[False] * len(b.params) for b in self.buckets]
@@ -315,16 +321,40 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if self.check_nan_inf:
             params = bucket.params
-            bad = non_finite(bucket.buffer, bucket.views,
-                             lambda i: self._names.get(id(params[i]), f"parameter {tuple(params[i].shape)}"))
-            if bad:
-                self._raise_non_finite(bucket, bad)
+            if self.gate is not None:
+                # Horovod's optimizer: a rank inside hvd.join() answers the buckets only, so no
+                # agreement of its own can run at the end; this rank stops alone
+                bad = non_finite(bucket.buffer, bucket.views,
+                                 lambda i: self._names.get(id(params[i]), f"parameter {tuple(params[i].shape)}"))
+                if bad:
+                    self._raise_non_finite(bucket, bad)
+            else:
+                # the bucket is reduced all the same, so every rank's collectives stay paired;
+                # the ranks agree at the end of the backward, before anything reads the result
+                bad_at = non_finite(bucket.buffer, bucket.views, lambda i: i)
+                if bad_at:
+                    first = sum(len(b.params) for b in self.buckets[:bucket.index])
+                    self._non_finite.extend(first + i for i in bad_at)
         started = time.perf_counter()
         self._works[bucket.index] = self.collective.start(bucket)
         self.wait_seconds += time.perf_counter() - started
         self.collectives_issued += 1
         self.bytes_issued += bucket.nbytes
         self._next += 1
+
+    def _agree_finite(self) -> None:
+        """End of a communicating backward, every bucket reduced: with ``check_nan_inf``, raise
+        the same error on every rank when any rank's gradients were non-finite (one small
+        all-reduce), so no rank goes on to an update, or to a collective, that the others skip."""
+        if not self.check_nan_inf or self.gate is not None:
+            return
+        bad, self._non_finite = self._non_finite, []
+
+        def name_of(i: int) -> str:
+            p = [p for b in self.buckets for p in b.params][i]
+            return self._names.get(id(p), f"parameter {tuple(p.shape)}")
+
+        agree_finite(self.collective.world, bad, name_of, "before their reduction")
 
     def _raise_non_finite(self, bucket: Bucket, bad: list[str]) -> None:
         self._stop()
@@ -367,6 +397,7 @@ class GradReducer:
                 w.wait()
         self.wait_seconds += time.perf_counter() - started
         self.armed = False
+        self._agree_finite()
 
     def zero_grad(self) -> None:
         """Zero the gradients in place (they are views: never set them to None); a no-op on

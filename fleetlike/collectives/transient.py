@@ -242,6 +242,7 @@ class TransientReducer(GradReducer):
         while self._launched:
             self._retire(self._launched.pop(0))
         self.armed = False
+        self._agree_finite()
 
     def _attach(self, keep: bool = True) -> None:
         if keep:

@@ -471,11 +471,14 @@ def serve_forever(path: str, listener: socket.socket | None = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     server = os.getpid()
+    conns: list[socket.socket] = []  # the launchers' connections, which `_serve` keeps in this list
     try:
-        child = _serve([], listener, base_path, startup)
+        child = _serve(conns, listener, base_path, startup)
     except SystemExit:
         if os.getpid() != server:  # a child ending before it became a worker owns none of this
             raise
+        for conn in conns:  # closed here, not left to the interpreter's exit (a ResourceWarning each)
+            conn.close()
         listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -58,6 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the i
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fleetlike.collectives import broadcast_coalesced
+from fleetlike.collectives.finite import agree_finite
 from fleetlike.comm.torch_group import torch_process_group
 from fleetlike.config.options import REDUCE_METHOD
 from fleetlike.program import Op, StepState
@@ -390,15 +391,11 @@ class ShardedParamsUnit(Unit):
     def _check_finite(self, st: StepState) -> None:
         if st.accumulate or st.skip_update:
             return
-        bad = torch.zeros(1, device=self.world.device)
-        for g in self._shards():
-            if not bool(torch.isfinite(g).all()):
-                bad.fill_(1)
-                break
-        self.world.all_reduce(bad, "max", agreed=True)
-        if float(bad.item()):
-            raise FloatingPointError(f"rank {self.world.rank}: a gradient shard holds NaN or Inf "
-                                     "(strategy.check_nan_inf); lower the learning rate or turn on AMP's loss scaling")
+        # every rank holds a shard of every parameter, so the order of named_parameters is shared
+        named = list(self.ctx.model.named_parameters())
+        bad = [i for i, (_, p) in enumerate(named) if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+        agree_finite(self.world, bad, lambda i: named[i][0], "after the reduce-scatter (a rank's own gradient "
+                     "spreads to every shard it is summed into)", what="the reduced gradient shards")
 
     def run_update(self, st: StepState, step: Callable[[], Any]) -> Any:
         if self.groups is None:
