@@ -168,7 +168,7 @@ def test_the_contracts_names_exist_where_it_says() -> None:
 
 def test_the_contracts_launcher_flags_are_accepted() -> None:
     text = _contract()
-    from fleetlike.launch.config import build_parser
+    from fleetlike.launch.flags import build_parser
     known = {s for a in build_parser()._actions for s in a.option_strings}
     # what follows the script's name on a command line is the script's own (``train.py --lr``)
     launcher_part = "\n".join(re.split(r"\S+\.py\b", ln)[0] for ln in _section(text, 5).splitlines())

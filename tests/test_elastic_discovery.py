@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetlike.launch.config import LaunchConfig, LaunchInputError, parse_config
+from fleetlike.launch.config import LaunchConfig, parse_config
+from fleetlike.launch.flags import LaunchInputError
 from fleetlike.launch.discovery import HostDiscovery
 from fleetlike.launch.main import main
 from test_elastic_nodes import discovery_script, free_port

@@ -18,6 +18,7 @@ from fleetlike.elastic.membership import (DEFAULT_HEARTBEAT_TIMEOUT, ENV, HEARTB
                                           ElasticSettings, Watch)
 from fleetlike.launch import LaunchInputError, parse_config
 from fleetlike.launch import config as launch_config
+from fleetlike.launch import flags as launch_flags
 from fleetlike.launch.discovery import node_launcher_args
 from fleetlike.launch.elastic_agent import HEARTBEAT_ENV as LAUNCH_HEARTBEAT_ENV
 from fleetlike.launch.elastic_agent import elastic_env
@@ -29,7 +30,7 @@ ELASTIC = ["--nnodes=1:2", "--rdzv_endpoint=127.0.0.1:29400"]
 
 def test_the_flag_reaches_the_workers_and_discovered_nodes() -> None:
     assert LAUNCH_HEARTBEAT_ENV == HEARTBEAT_ENV == envvars.ELASTIC_HEARTBEAT_TIMEOUT
-    assert launch_config.DEFAULT_HEARTBEAT_TIMEOUT == DEFAULT_HEARTBEAT_TIMEOUT == 3.0
+    assert launch_flags.DEFAULT_HEARTBEAT_TIMEOUT == DEFAULT_HEARTBEAT_TIMEOUT == 3.0
     default = parse_config([*ELASTIC, "t.py"])
     assert default.heartbeat_timeout == 3.0 and elastic_env(default)[HEARTBEAT_ENV] == "3"
     config = parse_config([*ELASTIC, "--heartbeat_timeout=7.5", "t.py"])

@@ -109,7 +109,7 @@ def test_other_names_of_the_families_are_warned_about_once_and_ignored() -> None
 def test_both_launcher_forms_declare_the_shared_flags_once() -> None:
     """The one-node form and the -np/-H form take the shared flags from one table: same names,
     same defaults; the parsers declare no other flag twice."""
-    from fleetlike.launch.config import SHARED_FLAGS, build_parser
+    from fleetlike.launch.flags import SHARED_FLAGS, build_parser
     from fleetlike.launch.hosts import _parser
 
     forms = {"node": build_parser(), "hosts": _parser()}

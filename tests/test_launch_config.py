@@ -388,7 +388,7 @@ def test_public_names_are_documented() -> None:
         assert getattr(launch, name).__doc__, name
 
 
-@pytest.mark.parametrize("module", ["config", "checks", "env", "main", "meeting", "ports", "workers"])
+@pytest.mark.parametrize("module", ["config", "flags", "checks", "env", "main", "meeting", "ports", "workers"])
 def test_every_launch_module_curates_its_exports(module: str) -> None:
     import importlib
 

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetlike.launch.config import LaunchInputError
+from fleetlike.launch.flags import LaunchInputError
 from fleetlike.launch.hostrun import cli, mpiexec_command
 from fleetlike.launch.hosts import Mode, is_hosts_form, parse_host_list, parse_hosts
 from helpers import side_by_side

@@ -21,7 +21,8 @@ import torch
 from fleetlike.comm.secret import JobSecret, SecretError
 from fleetlike.fleet.checkpoint import CheckpointError, resolve
 from fleetlike.fleet.checkpoint_files import COMPLETE, atomic_dir, save_pt, verify
-from fleetlike.launch.config import LaunchInputError, parse_config
+from fleetlike.launch.config import parse_config
+from fleetlike.launch.flags import LaunchInputError
 
 # its jobs fill both cores by themselves (see conftest)
 pytestmark = pytest.mark.alone

@@ -13,18 +13,8 @@ Example (in-process, returns the exit code)::
 """
 
 from fleetlike.launch.cloud import CLOUD_VARIABLES, CloudCluster, CloudEnvError, read_cloud
-from fleetlike.launch.config import (
-    AUTO_PORT,
-    DEFAULT_RENDEZVOUS_TIMEOUT,
-    DEFAULT_STARTED_PORT,
-    LaunchConfig,
-    LaunchInputError,
-    build_parser,
-    default_job_id,
-    open_job_warning,
-    format_config,
-    parse_config,
-)
+from fleetlike.launch.config import LaunchConfig, default_job_id, format_config, open_job_warning, parse_config
+from fleetlike.launch.flags import AUTO_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, DEFAULT_STARTED_PORT, LaunchInputError, build_parser
 from fleetlike.launch.env import AGENT_STORE, MALLOC_TUNABLE, PROXY_VARIABLES, tuned_glibc_tunables, worker_env
 from fleetlike.launch.main import launch, main, worker_command
 from fleetlike.launch.meeting import MeetingError, meet

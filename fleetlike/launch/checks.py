@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from fleetlike.comm import JobSecret
 from fleetlike.config import envvars
-from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
+from fleetlike.launch.config import LaunchConfig
+from fleetlike.launch.flags import AUTO_PORT, LaunchInputError
 from fleetlike.launch.env import torch_master_port
 from fleetlike.launch.ports import HostedEndpoints, hold_endpoints, host_endpoints
 

@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 
-from fleetlike.launch.config import AUTO_PORT, LaunchConfig, LaunchInputError
+from fleetlike.launch.config import LaunchConfig
+from fleetlike.launch.flags import AUTO_PORT, LaunchInputError
 from fleetlike.launch.hosts import parse_host_list
 from fleetlike.launch.remote import agent_argv, agent_grace, forwarded_env, shell_argv, start_agent, stop_agents
 from fleetlike.launch.workers import describe_exit

@@ -45,7 +45,8 @@ from fleetlike.comm import host_store
 from fleetlike.config import envvars
 from fleetlike.comm import job_store
 from fleetlike.comm import JobSecret
-from fleetlike.launch.config import LaunchConfig, LaunchInputError
+from fleetlike.launch.config import LaunchConfig
+from fleetlike.launch.flags import LaunchInputError
 from fleetlike.launch.discovery import HostDiscovery
 from fleetlike.launch.nodewatch import NodeWatch
 from fleetlike.launch.remote import agent_grace

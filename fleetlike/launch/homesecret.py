@@ -34,7 +34,8 @@ from fleetlike.comm import (
     JOB_KEY, SECRET_DIR_ENV, SECRET_ENV, JobSecret, SecretError, challenge_of, read_private, secret_file,
     write_private,
 )
-from fleetlike.launch.config import LaunchConfig, LaunchInputError
+from fleetlike.launch.config import LaunchConfig
+from fleetlike.launch.flags import LaunchInputError
 from fleetlike.launch.stop import StopFlag
 from fleetlike.roles import parse_endpoint
 

@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 from fleetlike.comm import SECRET_ENV, new_secret
 from fleetlike.config import envvars
-from fleetlike.launch.config import LaunchInputError, _HelpExit, default_job_id
+from fleetlike.launch.config import default_job_id
+from fleetlike.launch.flags import LaunchInputError, _HelpExit
 from fleetlike.launch.hosts import (
     HostsJob,
     Mode,

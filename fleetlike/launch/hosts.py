@@ -35,7 +35,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 
-from fleetlike.launch.config import DEFAULT_REMOTE_SHELL, DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit, add_shared_flag
+from fleetlike.launch.flags import DEFAULT_REMOTE_SHELL, DEFAULT_STARTED_PORT, LaunchInputError, _HelpExit, add_shared_flag
 from fleetlike.roles import is_host
 
 __all__ = [

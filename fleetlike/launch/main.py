@@ -22,17 +22,11 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 from fleetlike.launch.checks import check_machine, check_worker_count, cuda_device_count, host_ports
-from fleetlike.launch.config import (
-    LaunchConfig,
-    LaunchInputError,
-    _HelpExit,
-    format_config,
-    open_job_warning,
-    parse_config,
-)
+from fleetlike.launch.config import LaunchConfig, format_config, open_job_warning, parse_config
 from fleetlike.launch.elastic_agent import restart_loop
 from fleetlike.launch.homesecret import forget, settle
 from fleetlike.launch.env import omp_note, worker_env
+from fleetlike.launch.flags import LaunchInputError, _HelpExit
 from fleetlike.launch.meeting import MeetingError, meet
 from fleetlike.launch.ports import HostedEndpoints
 from fleetlike.launch.stop import SignalFlag
