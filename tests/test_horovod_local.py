@@ -74,7 +74,7 @@ def test_world_of_one(one: Any) -> None:
 def test_every_faces_reductions_are_the_cores_one_enum() -> None:
     from fleetlike import DistributedStrategy
     from fleetlike.comm import GRID, ReduceOp, SingleCommunicator
-    from fleetlike.config.options import REDUCE_METHOD, ReduceMethod
+    from fleetlike.config.choices import REDUCE_METHOD, ReduceMethod
     from fleetlike.horovod.ops import parse_op
 
     assert hvd.ReduceOp is ReduceOp is ReduceMethod

@@ -31,7 +31,7 @@ from fleetlike.strategies import (
     UnknownOptionError,
 )
 import fleetlike.config as config_pkg
-from fleetlike.config import fields, formats, options, recipes, rules, strategy, view
+from fleetlike.config import aliases, choices, epl_keys, fields, formats, options, recipes, rules, section_checks, strategy, view
 
 # ------------------------------------------------------------------ the contract, restated
 
@@ -248,14 +248,14 @@ def test_registry_matches_the_restated_contract() -> None:
                                                   "offload.level", "optimizer.num_apply_group",
                                                   "communication.gradients_reduce_method",
                                                   "communication.clip_after_allreduce",
-                                                  *(a.name for a in options.EPL_ALIASES),
+                                                  *(a.name for a in epl_keys.EPL_ALIASES),
                                                   "io.slicing", "io.unbalanced_io_slicing", "io.drop_last_files",
                                                   "pipeline.num_micro_batch", "pipeline.num_stages",
                                                   "pipeline.strategy"}
 
 
-@pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, options, formats,
-                                    view, rules, recipes])
+@pytest.mark.parametrize("module", [strategies_pkg, config_pkg, strategy, fields, choices, options,
+                                    section_checks, aliases, formats, view, rules, recipes])
 def test_all_is_curated(module: Any) -> None:
     assert len(set(module.__all__)) == len(module.__all__)
     for name in module.__all__:
@@ -263,7 +263,8 @@ def test_all_is_curated(module: Any) -> None:
 
 
 def test_config_never_reads_the_environment() -> None:
-    for module in (config_pkg, strategy, fields, options, formats, view, rules, recipes):
+    for module in (config_pkg, strategy, fields, choices, options, section_checks, aliases, formats, view, rules,
+                   recipes):
         source = Path(module.__file__).read_text()
         assert "os.environ" not in source and "getenv" not in source
     assert STRATEGY_ENV_VAR == "FLEETLIKE_STRATEGY"

@@ -4,7 +4,9 @@ The bottom of the stack: it imports nothing else of fleetlike and never reads th
 so a strategy can be built, validated, printed and saved without torch communicators, roles or
 a launcher (``fleetlike.strategies`` re-exports the public names for users).
 
-Modules: ``fields`` (value specs and errors), ``options`` (the registry of every option),
+Modules: ``fields`` (value specs and errors), ``choices`` (the options' closed sets of
+values), ``options`` (the registry of every option), ``section_checks`` (checks across a
+section's keys), ``aliases`` (the options' other names),
 ``strategy`` (`DistributedStrategy`), ``view`` (live config sections), ``formats`` (tables and
 docs), ``rules`` (combinations that cannot work), ``recipes`` (seed 003's manual local SGD
 helpers).
@@ -22,7 +24,7 @@ from fleetlike.config.fields import (
     UnknownAttributeError,
     UnknownOptionError,
 )
-from fleetlike.config.options import (
+from fleetlike.config.choices import (
     CollectiveMode,
     Fp16AllreduceMode,
     HalfDtype,

@@ -39,7 +39,8 @@ from typing import Any
 from fleetlike.config.epl_keys import LossScale, Refused
 from fleetlike.config.fields import Bool, Field, Float, Int, Section, Spec, StrategyError
 from fleetlike.config.knobs import TYPO_RATIO
-from fleetlike.config.options import ALIASES, ENTRIES
+from fleetlike.config.aliases import ALIASES
+from fleetlike.config.options import ENTRIES
 from fleetlike.config.strategy import DistributedStrategy
 
 __all__ = ["EPL_ENV_KEYS", "EPL_PREFIX", "EplConfig", "EplEnvError", "apply_epl_env", "epl_env_options",

@@ -1,7 +1,7 @@
 """Human-facing views of the option registry: ``describe``, the printed table, the docs table.
 
 Kept apart from `config` so that the strategy object holds behaviour and this module holds
-presentation; both read the same registry (`options.ENTRIES`, `options.ALIASES`), which is why a
+presentation; both read the same registry (`options.ENTRIES`, `aliases.ALIASES`), which is why a
 new option shows up in ``print(strategy)`` and in the generated documentation without any edit
 here.
 """
@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetlike.config.fields import Field, Section, UnknownOptionError, suggest
-from fleetlike.config.options import ALIASES, ENTRIES
+from fleetlike.config.aliases import ALIASES
+from fleetlike.config.options import ENTRIES
 
 __all__ = ["describe_option", "flat_defaults", "known_names", "render_markdown", "render_table"]
 

@@ -3,7 +3,9 @@
 This table is the single source of truth: validation, ``to_dict``/``from_dict``, the printed
 table, ``describe`` and the generated documentation all read it. Adding an option means adding
 one `Field` (or a key to a `Section`) here, nothing else; a test checks that every registered
-option round-trips.
+option round-trips. The values an option may take are `fleetlike.config.choices`' enums, the
+checks across a section's keys are `fleetlike.config.section_checks`', and the options' other
+names are `fleetlike.config.aliases`'.
 
 Order matters only for display: each feature switch is followed by its settings, in the order of
 API.md section 3. It is *not* the order in which passes are applied; the pass layer owns that.
@@ -11,208 +13,25 @@ API.md section 3. It is *not* the order in which passes are applied; the pass la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from enum import Enum
-from typing import Any
-
-from fleetlike.config.fields import (
-    Alias,
-    Bool,
-    Checkpoints,
-    Choice,
-    Field,
-    Float,
-    Int,
-    Reduction,
-    Section,
-    StrList,
-    StrategyValueError,
+from fleetlike.config.choices import (
+    REDUCE_METHOD,
+    AmpPolicy,
+    Fp16AllreduceMode,
+    HalfDtype,
+    HierarchicalAlgorithm,
+    Mode,
+    OuterOptimizer,
+    PipelineBalance,
+    PipelineP2P,
+    PipelineSchedule,
+    SyncBatchNormScope,
+    SyncDtype,
 )
-from fleetlike.config.epl_keys import EPL_ALIASES, DeviceIds
-from fleetlike.config.reductions import ReduceOp
+from fleetlike.config.epl_keys import DeviceIds
+from fleetlike.config.fields import Bool, Checkpoints, Choice, Field, Float, Int, Section, StrList
+from fleetlike.config.section_checks import amp_lists_disjoint, hybrid_check, localsgd_check, outer_check
 
-__all__ = [
-    "ALIASES",
-    "ENTRIES",
-    "CollectiveMode",
-    "Fp16AllreduceMode",
-    "HalfDtype",
-    "HierarchicalAlgorithm",
-    "Mode",
-    "AmpPolicy",
-    "OuterOptimizer",
-    "PipelineSchedule",
-    "PipelineBalance",
-    "PipelineP2P",
-    "EplPipelineStrategy",
-    "REDUCE_METHOD",
-    "ReduceMethod",
-    "SyncDtype",
-    "SyncBatchNormScope",
-    "OffloadLevel",
-    "ZeroLevel",
-]
-
-
-class _StrEnum(str, Enum):
-    """A closed set of strings; ``str()`` gives the bare value on every Python version."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class HalfDtype(_StrEnum):
-    """16-bit float formats, for ``amp_configs.dtype`` and ``fp16_allreduce_configs.dtype``."""
-
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-
-
-class HierarchicalAlgorithm(_StrEnum):
-    """How a hierarchical allreduce splits into intra-node and inter-node phases."""
-
-    REDUCE_SCATTER = "reduce_scatter"
-    REDUCE_BROADCAST = "reduce_broadcast"
-
-
-class Fp16AllreduceMode(_StrEnum):
-    """Which hops of the allreduce carry compressed gradients."""
-
-    ALL = "all"
-    MIXED = "mixed"
-
-
-class AmpPolicy(_StrEnum):
-    """When AMP is on: always, or by TI-ACC's adaptive policies (time, time + lr, loss)."""
-
-    ALWAYS = "always"
-    TIME = "time"
-    TIME_LR = "time_lr"
-    LOSS = "loss"
-
-
-class OuterOptimizer(_StrEnum):
-    """How local SGD turns the averaged change since the last sync into the new parameters.
-
-    ``average`` takes the average as is (Paddle's local SGD); ``sgd`` and ``nesterov`` treat the
-    averaged change as a pseudo-gradient for an outer SGD / Nesterov-momentum step (DiLoCo,
-    Douillard et al. 2023)."""
-
-    AVERAGE = "average"
-    SGD = "sgd"
-    NESTEROV = "nesterov"
-
-
-class SyncDtype(_StrEnum):
-    """The wire dtype of local SGD's pseudo-gradients."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class SyncBatchNormScope(_StrEnum):
-    """Which ranks a synchronised BatchNorm averages its statistics over."""
-
-    GLOBAL = "global"
-    LOCAL = "local"
-
-
-#: How gradients combine over the ranks: the core's `ReduceOp` (``ReduceMethod.MEAN`` is
-#: ``ReduceOp.AVG``, ``ReduceMethod.SUM`` is ``ReduceOp.SUM``), an alias kept for the name
-ReduceMethod = ReduceOp
-#: ``gradients_reduce_method``'s spellings (EPL's ``communication.gradients_reduce_method``)
-REDUCE_METHOD = Reduction((("mean", ReduceOp.AVG), ("sum", ReduceOp.SUM)))
-
-
-class ZeroLevel(_StrEnum):
-    """EPL's ``zero.level``: "" (off) or "v1" (optimizer state and gradients sharded: ZeRO
-    stage 2, ``sharding_configs.stage = 2``)."""
-
-    OFF = ""
-    V1 = "v1"
-
-
-class OffloadLevel(_StrEnum):
-    """EPL's ``offload.level``: "" (off) or "v0" (every parameter kept in host memory: stage 3
-    with the parameter shards, their gradients and the optimizer state offloaded)."""
-
-    OFF = ""
-    V0 = "v0"
-
-
-class PipelineSchedule(_StrEnum):
-    """Paddle's ``pipeline_configs.schedule_mode``: one forward then one backward per micro-batch
-    in the steady state (1F1B), or every forward before any backward (FThenB, GPipe)."""
-
-    ONE_F_ONE_B = "1F1B"
-    F_THEN_B = "FThenB"
-
-
-class PipelineBalance(_StrEnum):
-    """``pipeline_configs.balance``: what the automatic split (no split points) makes equal
-    across stages: parameters, or the blocks' forward + backward time measured on an example
-    micro-batch."""
-
-    PARAMS = "params"
-    TIME = "time"
-
-
-class PipelineP2P(_StrEnum):
-    """``pipeline_configs.p2p``: how a pipeline's neighbouring stages hand over activations and
-    gradients: through shared memory where both ranks are on one machine, gloo otherwise
-    (auto), or always over gloo."""
-
-    AUTO = "auto"
-    GLOO = "gloo"
-
-
-class EplPipelineStrategy(_StrEnum):
-    """EPL's ``pipeline.strategy``: PreferBackward is 1F1B (PipeDream), PreferForward GPipe."""
-
-    PREFER_BACKWARD = "PreferBackward"
-    PREFER_FORWARD = "PreferForward"
-
-
-class Mode(_StrEnum):
-    """Fleet 1.x execution mode (ParallelExecutor vs Executor); recorded only in PyTorch."""
-
-    NCCL2 = "nccl2"
-    COLLECTIVE = "collective"
-
-
-class CollectiveMode(_StrEnum):
-    """Fleet 1.x ``collective_mode``: a view of whether local SGD replaces gradient allreduce."""
-
-    GRAD_ALLREDUCE = "grad_allreduce"
-    LOCAL_SGD = "local_sgd"
-
-
-def _amp_lists_disjoint(section: str, merged: Mapping[str, Any]) -> None:
-    """An op cannot be forced to low precision and kept in float32 at the same time."""
-    both = sorted(set(merged["custom_white_list"]) & set(merged["custom_black_list"]))
-    if both:
-        field = f"{section}.custom_white_list and {section}.custom_black_list"
-        raise StrategyValueError(
-            field, both, "disjoint lists",
-            "remove each op from one of the lists (update both keys in one assignment to move it)",
-            f"{field} must be disjoint, got {both!r} in both. Fix: remove each op from one of the "
-            "lists (update both keys in one assignment to move an op from one list to the other).",
-        )
-    start, end = int(merged["policy_start_time"]), int(merged["policy_end_time"])
-    if end and end < start:
-        raise StrategyValueError(
-            f"{section}.policy_end_time", end, f">= policy_start_time={start}, or 0 for no end",
-            "move the end after the start (update both keys in one assignment), or 0 for no end",
-            f"{section}.policy_end_time={end} is before {section}.policy_start_time={start}. Fix: "
-            "move the end after the start (update both keys in one assignment), or use 0 for no end")
-    slow, fast = float(merged["policy_loss_slow"]), float(merged["policy_loss_fast"])
-    if slow > fast:
-        raise StrategyValueError(
-            f"{section}.policy_loss_slow", slow, f"<= policy_loss_fast={fast:g}",
-            "the normal band is policy_loss_slow <= decrease <= policy_loss_fast",
-            f"{section}.policy_loss_slow={slow:g} is above {section}.policy_loss_fast={fast:g}. Fix: "
-            "the normal band is policy_loss_slow <= relative decrease <= policy_loss_fast")
+__all__ = ["ENTRIES"]
 
 
 _MS = "the step (counted from 1) from which it starts; before it every step is synchronous"
@@ -237,75 +56,12 @@ def _outer_fields(extra: str = "") -> tuple[Field, ...]:
     )
 
 
-def _localsgd_check(section: str, merged: Mapping[str, Any]) -> None:
-    """Fragments must split k evenly, the overlap must end before the fragment syncs again,
-    and Nesterov needs momentum."""
-    k, fragments, overlap = int(merged["k_steps"]), int(merged["fragments"]), int(merged["overlap"])
-    if k % fragments:
-        raise StrategyValueError(
-            f"{section}.fragments", fragments, f"a divisor of k_steps={k}",
-            "choose fragments that divides k_steps (each fragment syncs every k_steps, staggered "
-            "by k_steps/fragments)",
-            f"{section}.fragments={fragments} must divide {section}.k_steps={k}. Fix: choose a "
-            "divisor of k_steps, or change k_steps (update both keys in one assignment)")
-    if overlap >= k // fragments:
-        raise StrategyValueError(
-            f"{section}.overlap", overlap, f"< k_steps/fragments = {k // fragments}",
-            "a fragment's allreduce must land before the next fragment's starts",
-            f"{section}.overlap={overlap} must be below k_steps/fragments={k // fragments}: a "
-            "fragment's allreduce has to land before the next one is launched. Fix: lower "
-            "overlap, or raise k_steps (update both keys in one assignment)")
-    alpha = float(merged["overlap_alpha"])
-    if not 0.0 <= alpha <= 1.0:
-        raise StrategyValueError(
-            f"{section}.overlap_alpha", alpha, "a number in [0, 1]",
-            "use 0.5 (Streaming DiLoCo) or 0 (keep only the outer result)",
-            f"{section}.overlap_alpha={alpha!r} must be in [0, 1]. Fix: use 0.5 (Streaming "
-            "DiLoCo) or 0 (keep only the outer result)")
-    _outer_check(section, merged)
-
-
-def _outer_check(section: str, merged: Mapping[str, Any]) -> None:
-    momentum = float(merged["outer_momentum"])
-    if momentum < 0:
-        raise StrategyValueError(
-            f"{section}.outer_momentum", momentum, "a number in [0, 1)", "use 0 for none, 0.9 as DiLoCo",
-            f"{section}.outer_momentum={momentum!r} must be in [0, 1). Fix: use 0 for no momentum, "
-            "0.9 as DiLoCo")
-    if str(merged["outer_optimizer"]) == "nesterov" and not float(merged["outer_momentum"]) > 0:
-        raise StrategyValueError(
-            f"{section}.outer_momentum", merged["outer_momentum"], "> 0 with outer_optimizer='nesterov'",
-            "set outer_momentum (DiLoCo uses 0.9) or use outer_optimizer='sgd'",
-            f"{section}.outer_momentum={merged['outer_momentum']!r} must be > 0 with "
-            "outer_optimizer='nesterov'. Fix: set outer_momentum (DiLoCo uses 0.9) or use "
-            "outer_optimizer='sgd'")
-
-def _hybrid_check(section: str, merged: Mapping[str, Any]) -> None:
-    """Tensor (model) parallelism is not offered: refuse it here, with the reason."""
-    mp = int(merged["mp_degree"])
-    if mp != 1:
-        raise StrategyValueError(
-            f"{section}.mp_degree", mp, "1 (tensor parallelism is not offered)",
-            "leave mp_degree at 1; split a model larger than one device into pipeline stages "
-            "(pp_degree) or shard its optimizer state (sharding)",
-            f"{section}.mp_degree={mp}: tensor (model) parallelism is not offered by fleetlike, "
-            "so no layer is split across ranks. Fix: leave mp_degree at 1 and use pp_degree "
-            "(pipeline stages) or sharding for a model larger than one device")
-    dp = int(merged["dp_degree"])
-    if dp == 0 or dp < -1:
-        raise StrategyValueError(
-            f"{section}.dp_degree", dp, "-1 (the world size / pp_degree) or >= 1",
-            "use -1 to take every rank left over by the pipeline",
-            f"{section}.dp_degree={dp} must be -1 (world size / pp_degree) or a positive count. "
-            "Fix: use -1 to take every rank the pipeline leaves")
-
-
 ENTRIES: tuple[Field | Section, ...] = (
     Field("localsgd", Bool(), False, feature=True, note=(
         "average parameters every k_steps instead of allreducing gradients every step; pays off "
         "when slow ranks or a slow network dominate")),
     Section("localsgd_configs", requires="localsgd", note="local SGD schedule",
-            check=_localsgd_check, fields=(
+            check=localsgd_check, fields=(
         Field("k_steps", Int(min=1, max=1 << 31), 1, note=(
             "local steps between parameter averages: larger = less communication and lower "
             "accuracy; Fleet's experience is 2 or 4 with 'average', DiLoCo's is 50-500 with "
@@ -330,7 +86,7 @@ ENTRIES: tuple[Field | Section, ...] = (
         "local SGD whose k grows as loss and learning rate fall; needs an optimizer with one "
         "global learning rate (SGD, Momentum; not Adam)")),
     Section("adaptive_localsgd_configs", requires="adaptive_localsgd",
-            note="adaptive local SGD schedule", check=_outer_check, fields=(
+            note="adaptive local SGD schedule", check=outer_check, fields=(
         Field("init_k_steps", Int(min=1), 1, note="initial k; 1 (fully synchronous) is safe"),
         Field("begin_step", Int(min=1), 1, note=_MS),
         *_outer_fields(),
@@ -338,7 +94,7 @@ ENTRIES: tuple[Field | Section, ...] = (
     Field("amp", Bool(), False, feature=True, note=(
         "automatic mixed precision with loss scaling; large speedups on tensor-core GPUs, "
         "prefer bfloat16 on CPU and on A100/H100")),
-    Section("amp_configs", requires="amp", check=_amp_lists_disjoint,
+    Section("amp_configs", requires="amp", check=amp_lists_disjoint,
             note="mixed precision and loss scaling", fields=(
         Field("init_loss_scaling", Float(gt=0), 32768.0, note=(
             "initial loss scale (2**15, Paddle's default); lower it if the first steps are all "
@@ -564,7 +320,7 @@ ENTRIES: tuple[Field | Section, ...] = (
             "loopback TCP, which at 2 stages under 1F1B lands on the step once per micro-batch)")),
     )),
     Section("hybrid_configs", note="how the ranks divide: dp_degree x pp_degree = world size",
-            check=_hybrid_check, fields=(
+            check=hybrid_check, fields=(
         Field("dp_degree", Int(min=-1), -1, note=(
             "pipelines training side by side on different data (data parallel across "
             "pipelines); -1 = world size / pp_degree")),
@@ -627,123 +383,3 @@ ENTRIES: tuple[Field | Section, ...] = (
             "Paddle: iterations between scope cleanups")),
     )),
 )
-
-
-def _read_zero_level(get: Callable[[str], Any]) -> ZeroLevel:
-    return ZeroLevel.V1 if get("sharding") else ZeroLevel.OFF
-
-
-def _write_zero_level(value: Any) -> dict[str, Any]:
-    if value is ZeroLevel.V1:  # EPL shards states and gradients over all data-parallel workers
-        return {"sharding": True, "sharding_configs.sharding_degree": 0, "sharding_configs.stage": 2}
-    return {"sharding": False}
-
-
-def _read_offload_level(get: Callable[[str], Any]) -> OffloadLevel:
-    return OffloadLevel.V0 if get("sharding") and get("sharding_configs.offload_params") else OffloadLevel.OFF
-
-
-def _write_offload_level(value: Any) -> dict[str, Any]:
-    if value is OffloadLevel.V0:  # every parameter in host memory: stage 3 shards, offloaded
-        return {"sharding": True, "sharding_configs.sharding_degree": 0, "sharding_configs.stage": 3,
-                "sharding_configs.optimize_offload": True, "sharding_configs.offload_params": True}
-    return {"sharding_configs.optimize_offload": False, "sharding_configs.offload_params": False}
-
-
-def _read_collective_mode(get: Callable[[str], Any]) -> CollectiveMode:
-    if get("localsgd") or get("adaptive_localsgd"):
-        return CollectiveMode.LOCAL_SGD
-    return CollectiveMode.GRAD_ALLREDUCE
-
-
-def _write_collective_mode(value: Any) -> dict[str, Any]:
-    if value is CollectiveMode.LOCAL_SGD:
-        return {"localsgd": True}
-    return {"localsgd": False, "adaptive_localsgd": False}
-
-
-def _read_num_stages(get: Callable[[str], Any]) -> int:
-    return int(get("hybrid_configs.pp_degree")) if get("pipeline") else 1
-
-
-def _write_num_stages(value: Any) -> dict[str, Any]:
-    return {"pipeline": int(value) > 1, "hybrid_configs.pp_degree": int(value)}
-
-
-def _read_epl_strategy(get: Callable[[str], Any]) -> EplPipelineStrategy:
-    mode = get("pipeline_configs.schedule_mode")
-    return (EplPipelineStrategy.PREFER_BACKWARD if mode is PipelineSchedule.ONE_F_ONE_B
-            else EplPipelineStrategy.PREFER_FORWARD)
-
-
-def _write_epl_strategy(value: Any) -> dict[str, Any]:
-    mode = PipelineSchedule.ONE_F_ONE_B if value is EplPipelineStrategy.PREFER_BACKWARD else PipelineSchedule.F_THEN_B
-    return {"pipeline_configs.schedule_mode": mode}
-
-
-ALIASES: tuple[Alias, ...] = (
-    Alias("use_local_sgd", "localsgd", "Fleet 1.x name of localsgd"),
-    Alias("local_sgd_steps", "localsgd_configs.k_steps", "Fleet 1.x name of k_steps"),
-    Alias("local_sgd_is_warm_steps", "localsgd_configs.begin_step",
-          "Fleet 1.x name of begin_step (the warm-up before local SGD starts)"),
-    Alias("forward_recompute", "recompute", "Fleet 1.x name of recompute"),
-    Alias("recompute_checkpoints", "recompute_configs.checkpoints",
-          "Fleet 1.x name of the recompute checkpoints"),
-    Alias("use_amp", "amp", "Fleet 1.x name of amp"),
-    Alias("amp_loss_scaling", "amp_configs.init_loss_scaling",
-          "Fleet 1.x name of the initial loss scale"),
-    Alias("exec_strategy", "execution_strategy", "Fleet 1.x name of execution_strategy"),
-    Alias(
-        "zero.level", None,
-        "EPL's ZeRO switch (dotted-key form): 'v1' shards optimizer state and gradients over "
-        "every rank (sharding on, sharding_configs.stage = 2, sharding_degree = 0); '' turns "
-        "sharding off; reads 'v1' when sharding is on",
-        spec=Choice(ZeroLevel), read=_read_zero_level, write=_write_zero_level,
-        touches=("sharding", "sharding_configs.sharding_degree", "sharding_configs.stage"),
-    ),
-    Alias(
-        "offload.level", None,
-        "EPL's offload switch: 'v0' keeps every parameter in host memory (sharding on at "
-        "stage 3 over every rank, optimize_offload and offload_params on); '' turns both "
-        "offloads off; reads 'v0' when sharding with offload_params is on",
-        spec=Choice(OffloadLevel), read=_read_offload_level, write=_write_offload_level,
-        touches=("sharding", "sharding_configs.sharding_degree", "sharding_configs.stage",
-                 "sharding_configs.optimize_offload", "sharding_configs.offload_params"),
-    ),
-    Alias("optimizer.num_apply_group", "num_apply_group", "EPL's name of num_apply_group"),
-    Alias("communication.gradients_reduce_method", "sharding_configs.gradients_reduce_method",
-          "EPL's name of sharding_configs.gradients_reduce_method"),
-    Alias("communication.clip_after_allreduce", "sharding_configs.clip_after_allreduce",
-          "EPL's name of sharding_configs.clip_after_allreduce"),
-    Alias("io.slicing", "io_configs.slicing", "EPL's name of io_configs.slicing"),
-    Alias("io.unbalanced_io_slicing", "io_configs.unbalanced_io_slicing",
-          "EPL's name of io_configs.unbalanced_io_slicing"),
-    Alias("io.drop_last_files", "io_configs.drop_last_files", "EPL's name of io_configs.drop_last_files"),
-    Alias(
-        "collective_mode", None,
-        "Fleet 1.x switch, derived from localsgd: reads 'local_sgd' when localsgd or "
-        "adaptive_localsgd is on, else 'grad_allreduce'; setting 'local_sgd' turns localsgd on; "
-        "setting 'grad_allreduce' turns localsgd and adaptive_localsgd off (plain data parallel "
-        "by gradient allreduce)",
-        spec=Choice(CollectiveMode), read=_read_collective_mode, write=_write_collective_mode,
-        touches=("localsgd", "adaptive_localsgd"),
-    ),
-    Alias("pipeline.num_micro_batch", "pipeline_configs.accumulate_steps",
-          "EPL's name of pipeline_configs.accumulate_steps (micro-batches per step)"),
-    Alias(
-        "pipeline.num_stages", None,
-        "EPL's stage count: n > 1 turns pipeline on with hybrid_configs.pp_degree = n; 1 turns "
-        "it off; reads pp_degree when pipeline is on, else 1",
-        spec=Int(min=1), read=_read_num_stages, write=_write_num_stages,
-        touches=("pipeline", "hybrid_configs.pp_degree"),
-    ),
-    Alias(
-        "pipeline.strategy", None,
-        "EPL's schedule: 'PreferBackward' (PipeDream-style) is schedule_mode '1F1B', "
-        "'PreferForward' (GPipe) is 'FThenB'",
-        spec=Choice(EplPipelineStrategy), read=_read_epl_strategy, write=_write_epl_strategy,
-        touches=("pipeline_configs.schedule_mode",),
-    ),
-    *EPL_ALIASES,
-)
-

@@ -49,7 +49,8 @@ from fleetlike.config.fields import (
     type_error,
     unknown_key,
 )
-from fleetlike.config.options import ALIASES, ENTRIES
+from fleetlike.config.aliases import ALIASES
+from fleetlike.config.options import ENTRIES
 from fleetlike.config.formats import (
     describe_option,
     known_names,

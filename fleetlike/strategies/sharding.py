@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as _optim_base
 
-from fleetlike.config.options import REDUCE_METHOD
+from fleetlike.config.choices import REDUCE_METHOD
 from fleetlike.collectives import (
     IN_FLIGHT,
     BucketCollective,

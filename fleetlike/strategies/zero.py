@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fleetlike.collectives import broadcast_coalesced
 from fleetlike.collectives.finite import agree_finite
 from fleetlike.comm.torch_group import torch_process_group
-from fleetlike.config.options import REDUCE_METHOD
+from fleetlike.config.choices import REDUCE_METHOD
 from fleetlike.program import Op, StepState
 from fleetlike.strategies.apply_groups import ApplyGroups
 from fleetlike.strategies.sharded_init import is_lazy, materialize, take_pending
