@@ -6,7 +6,8 @@ Example:
     >>> world.all_reduce(torch.ones(4), op="avg")
 """
 
-from fleetlike.comm.base import Communicator, divide_
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.core import divide_
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES, dtype_name, parse_choice
 from fleetlike.comm.errors import (
     CollectiveError,

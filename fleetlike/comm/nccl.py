@@ -56,7 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetlike.comm.base import Communicator, divide_
+from fleetlike.comm.base import Communicator
+from fleetlike.comm.core import divide_
 from fleetlike.comm import cuda as _cuda
 from fleetlike.comm import guard as _guard
 from fleetlike.comm.colors import split_order
