@@ -134,7 +134,11 @@ def _worker(calls: int, reps: int) -> dict[str, Any]:
     torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.set_device = lambda d: None  # type: ignore[assignment]
     torch.Tensor.record_stream = lambda self, s: None  # type: ignore[method-assign]
-    nccl_mod._GET_CURRENT_STREAM = None
+    try:  # the fast stream query lives beside the NCCL handle; in older trees, in nccl.py itself
+        import fleetlike.comm.nccl_work as stream_mod
+    except ImportError:
+        stream_mod = nccl_mod
+    stream_mod._GET_CURRENT_STREAM = None
     try:
         import fleetlike.comm.cuda as cuda_mod
         cuda_mod.dedicated_stream = lambda device: (_Stream(), None)

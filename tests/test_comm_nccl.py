@@ -29,9 +29,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fleetlike.comm.nccl as nccl_mod
+import fleetlike.comm.nccl_setup as nccl_setup
+import fleetlike.comm.nccl_watch as nccl_watch
+import fleetlike.comm.nccl_work as nccl_work
 from comm_cases import DTYPES, KINDS, OPS, Case, case_strategy, check_all, run_cases
 from fleetlike.comm import CommError, SingleCommunicator, create_world
-from fleetlike.comm.nccl import NcclCommunicator, NcclUnavailableError, nccl_unavailable_reason
+from fleetlike.comm.nccl import NcclCommunicator
+from fleetlike.comm.nccl_setup import NcclUnavailableError, nccl_unavailable_reason
 from fleetlike.roles.role import Role
 from fleetlike.testing import hosted_job
 
@@ -52,10 +56,10 @@ def test_module_imports_without_cupy():
     """The module and the package import with CuPy unimportable, and do not import CuPy."""
     code = (
         "import sys\n"
-        "import fleetlike.comm.nccl as m, fleetlike.comm\n"
+        "import fleetlike.comm.nccl as m, fleetlike.comm.nccl_setup as s, fleetlike.comm\n"
         "assert 'cupy' not in sys.modules, 'importing the backend imported cupy'\n"
         "sys.modules['cupy'] = None\n"
-        "print(m.NcclCommunicator.backend, m.NcclUnavailableError.__mro__[1].__name__)\n"
+        "print(m.NcclCommunicator.backend, s.NcclUnavailableError.__mro__[1].__name__)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -77,14 +81,14 @@ def test_create_world_nccl_without_gpu_says_why_and_what_to_do():
 
 def _pretend_cuda(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(nccl_mod, "_NCCL", None)
+    monkeypatch.setattr(nccl_setup, "_NCCL", None)
 
 
 def test_missing_cupy_names_the_gpu_extra(monkeypatch):
     _pretend_cuda(monkeypatch)
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
     with pytest.raises(NcclUnavailableError) as info:
-        nccl_mod._require_nccl()
+        nccl_setup.require_nccl()
     assert info.value.reason == "no_cupy"
     assert "pip install 'fleetlike[gpu]'" in str(info.value) and "backend='gloo'" in str(info.value)
 
@@ -100,14 +104,14 @@ def test_missing_nccl_library_names_the_package(monkeypatch):
     for name, mod in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
         monkeypatch.setitem(sys.modules, name, mod)
     with pytest.raises(NcclUnavailableError) as info:
-        nccl_mod._require_nccl()
+        nccl_setup.require_nccl()
     assert info.value.reason == "no_nccl"
     assert "nvidia-nccl-cu12" in str(info.value) and "nvidia-smi" in str(info.value)
 
 
 def test_device_from_explicit_device_selected_gpus_or_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    resolve = nccl_mod._resolve_device
+    resolve = nccl_setup.resolve_device
     eps = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
     assert resolve(Role.from_endpoints(1, eps[:2]), None) == torch.device("cuda", 1)
     assert resolve(Role.from_endpoints(0, eps[:1], selected_gpus=[1]), None) == torch.device("cuda", 1)
@@ -125,16 +129,18 @@ def test_device_from_explicit_device_selected_gpus_or_local_rank(monkeypatch):
 
 def test_unique_id_travels_as_raw_bytes():
     uid = tuple((i * 37 % 256) - 128 for i in range(128))  # CuPy's signed chars
-    raw = nccl_mod._uid_to_bytes(uid)
+    raw = nccl_setup.uid_to_bytes(uid)
     assert isinstance(raw, bytes) and len(raw) == 128
-    assert nccl_mod._uid_candidates(raw) == [raw, uid, tuple(v & 0xFF for v in uid)]
+    assert nccl_setup.uid_candidates(raw) == [raw, uid, tuple(v & 0xFF for v in uid)]
     # CuPy >= 14 hands the id over as bytes: the same raw bytes reach the store
-    assert nccl_mod._uid_to_bytes(raw) == raw
+    assert nccl_setup.uid_to_bytes(raw) == raw
 
 
 def test_exports():
-    assert sorted(nccl_mod.__all__) == ["NcclCommunicator", "NcclUnavailableError", "nccl_unavailable_reason"]
-    assert all(hasattr(nccl_mod, name) for name in nccl_mod.__all__)
+    assert nccl_mod.__all__ == ["NcclCommunicator"]
+    assert {"NcclUnavailableError", "nccl_unavailable_reason"} <= set(nccl_setup.__all__)
+    for module in (nccl_mod, nccl_setup, nccl_watch, nccl_work):
+        assert module.__doc__ and all(hasattr(module, name) for name in module.__all__), module.__name__
 
 
 def test_group_is_a_no_op_elsewhere_and_size_one_short_cut_stays():
@@ -394,7 +400,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda_mod, "_THREAD", threading.local())  # no thread has set a device yet
     # torch's C stream query (CUDA builds) would bypass the fake current_stream and cache fake
     # Stream objects for the real GPU tests after these (seen on the first GPU run)
-    monkeypatch.setattr(nccl_mod, "_GET_CURRENT_STREAM", None)
+    monkeypatch.setattr(nccl_work, "_GET_CURRENT_STREAM", None)
 
     def make(size: int = 1, rank: int = 0, device: str = "cpu", store=None) -> NcclCommunicator:
         store = store if store is not None else dist.PrefixStore("nccl/world/", dist.HashStore())
@@ -625,7 +631,7 @@ def test_fake_nccl_async_error_ends_the_step_on_every_rank_with_its_reason(fake,
     ncclInProgress is no error."""
     exits: list[int] = []
     lock = threading.Lock()
-    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (lock.acquire(), exits.append(code), lock.release()))
+    monkeypatch.setattr(nccl_watch, "exit_process", lambda code: (lock.acquire(), exits.append(code), lock.release()))
     store = dist.PrefixStore("nccl/world/", dist.HashStore())
     ranks = [fake(2, r, store=store) for r in range(2)]
     for comm in ranks:
@@ -654,7 +660,7 @@ def test_fake_init_is_watched(fake, monkeypatch, capsys):
     process at the deadline, with the step named."""
     exits: list[int] = []
     release = threading.Event()
-    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), release.set()))
+    monkeypatch.setattr(nccl_watch, "exit_process", lambda code: (exits.append(code), release.set()))
     cls = fake.nccl.NcclCommunicator
 
     class Stuck(cls):
@@ -689,7 +695,7 @@ def test_fake_size_check_costs_no_host_wait_and_a_mismatch_ends_the_job(fake, mo
     the job with the ranks' table."""
     exits: list[int] = []
     fired = threading.Event()
-    monkeypatch.setattr(nccl_mod, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    monkeypatch.setattr(nccl_watch, "exit_process", lambda code: (exits.append(code), fired.set()))
     syncs: list[str] = []
     monkeypatch.setattr(_FakeEvent, "synchronize", lambda self: syncs.append(threading.current_thread().name))
     comm = fake(2)
@@ -797,12 +803,12 @@ def test_fake_a_kernel_past_its_deadline_aborts_the_communicator_and_exits(fake,
     timeout is reported, its NCCL communicator aborted and the process ended (exit code 1)."""
     import threading
 
-    from fleetlike.comm import nccl as nccl_module
+    from fleetlike.comm import nccl_watch as nccl_module
     from fleetlike.comm.watchdog import WATCHDOG
 
     exits: list[int] = []
     fired = threading.Event()
-    monkeypatch.setattr(nccl_module, "_exit_process", lambda code: (exits.append(code), fired.set()))
+    monkeypatch.setattr(nccl_module, "exit_process", lambda code: (exits.append(code), fired.set()))
     comm = fake()
     comm.all_reduce(torch.ones(3))  # its event completes: the entry is dropped, nothing expires
     WATCHDOG.check()
@@ -821,12 +827,12 @@ def test_fake_an_abort_that_hangs_still_ends_the_process(fake, monkeypatch, caps
     ran on. The watchdog gives the abort a grace period, then exits regardless."""
     import threading
 
-    from fleetlike.comm import nccl as nccl_module
+    from fleetlike.comm import nccl_watch as nccl_module
 
     exits: list[int] = []
     fired, release = threading.Event(), threading.Event()
-    monkeypatch.setattr(nccl_module, "_exit_process", lambda code: (exits.append(code), fired.set()))
-    monkeypatch.setattr(nccl_module, "_ABORT_GRACE_S", 0.3)
+    monkeypatch.setattr(nccl_module, "exit_process", lambda code: (exits.append(code), fired.set()))
+    monkeypatch.setattr(nccl_module, "ABORT_GRACE_S", 0.3)
     comm = fake()
     monkeypatch.setattr(comm._comm, "abort", lambda: release.wait(30), raising=False)
     monkeypatch.setattr(_FakeEvent, "query", lambda self: False)
@@ -972,7 +978,7 @@ def test_input_made_just_before_the_call_is_seen_without_sync(world, kind):
 @needs_gpu
 def test_ordering_test_is_sensitive(world):
     """Control: raw NCCL on the comm stream, without the wait, reads the stale input."""
-    nccl = nccl_mod._require_nccl()
+    nccl = nccl_setup.require_nccl()
     n = 1 << 22
     x = torch.zeros(n, device=world.device)
     out = torch.full((n,), -1.0, device=world.device)
@@ -1163,7 +1169,7 @@ def _per_call(fn, n: int) -> float:
 def test_overhead_against_raw_cupy_nccl(world):
     """Per-call time of fleetlike's all_reduce and of the raw CuPy call (world of one: overhead
     only, not bandwidth). Writes JSON to $FLEETLIKE_NCCL_BENCH when set."""
-    nccl = nccl_mod._require_nccl()
+    nccl = nccl_setup.require_nccl()
     comm = world.nccl_comm
     rows = []
     for nbytes, calls in ((8, 2000), (64 << 20, 200)):

@@ -112,11 +112,11 @@ def test_fleet_and_nccl_agree_on_each_local_ranks_gpu(two_gpus, monkeypatch):
     at NCCL init), and fleet.init makes it the rank's current device."""
     from fleetlike import fleet
     from fleetlike.comm import cuda
-    from fleetlike.comm.nccl import _resolve_device
+    from fleetlike.comm.nccl_setup import resolve_device
 
     for gpus, want in (((0, 1), 1), ((1, 0), 0), ((1,), 1)):
         role = _role("paddle", gpus)
-        assert facade._device_for(role, EnvSettings()) == _resolve_device(role, None) == torch.device("cuda", want)
+        assert facade._device_for(role, EnvSettings()) == resolve_device(role, None) == torch.device("cuda", want)
     third = Role.from_endpoints(2, ["127.0.0.1:6170", "127.0.0.1:6171", "127.0.0.1:6172"], selected_gpus=[0, 1])
     with pytest.raises(ValueError, match="has no entry for local rank 2"):
         facade._device_for(third, EnvSettings())

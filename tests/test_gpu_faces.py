@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fleetlike import DistributedStrategy, Executor, fleet
-from fleetlike.comm.nccl import nccl_unavailable_reason
+from fleetlike.comm.nccl_setup import nccl_unavailable_reason
 from fleetlike.testing import run_ranks
 
 _REASON = nccl_unavailable_reason()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fleetlike import DistributedStrategy, fleet
-from fleetlike.comm.nccl import nccl_unavailable_reason
+from fleetlike.comm.nccl_setup import nccl_unavailable_reason
 from fleetlike.testing import run_ranks
 from zero_common import STEPS, TinyLM, batch, loss_fn, make_opt, rel_diff, state
 

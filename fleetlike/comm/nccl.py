@@ -4,7 +4,8 @@ Why CuPy and not torch's ProcessGroupNCCL: fleetlike keeps out of torch.distribu
 (as the gloo backend does) and talks to NCCL directly, so a communicator is a plain object that can
 be split, grouped and closed at will. CuPy is imported lazily: this module imports on a machine
 without a GPU or CuPy, and asking for the backend there raises `NcclUnavailableError` saying what
-is missing (no CUDA device, no CuPy, no NCCL library, no such GPU) and what to do.
+is missing (no CUDA device, no CuPy, no NCCL library, no such GPU) and what to do
+(`fleetlike.comm.nccl_setup`).
 
 How it runs:
 
@@ -17,7 +18,8 @@ How it runs:
   finished before NCCL reads it, with no host synchronisation. The handle records an event after
   the collective; ``wait()`` makes torch's current stream wait for it (the host does not block,
   as with torch's own NCCL ``Work.wait``), and the buffers are marked as used on the comm stream
-  (``record_stream``) so the caching allocator cannot hand them out while NCCL still runs.
+  (``record_stream``) so the caching allocator cannot hand them out while NCCL still runs
+  (the handle: `fleetlike.comm.nccl_work`).
 - Groups: ``with comm.group():`` brackets the launches with ``ncclGroupStart`` / ``ncclGroupEnd``
   so several gradient buckets go out as one NCCL launch. The events of the handles are recorded at
   the end of the block (the kernels exist only then): wait on the handles after the block.
@@ -29,7 +31,8 @@ How it runs:
 - Deadline: every launched collective's event is handed to the watchdog
   (`fleetlike.comm.watchdog`); one whose event has not completed after the communicator's
   timeout is reported, the NCCL communicator is aborted and the process exits with code 1, so
-  the launcher stops the job instead of every rank hanging on a peer that is gone.
+  the launcher stops the job instead of every rank hanging on a peer that is gone
+  (`fleetlike.comm.nccl_watch`).
 
 Example:
     >>> world = create_world(role, backend="nccl")       # one process per GPU
@@ -44,11 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import struct
-import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,311 +55,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleetlike.comm.base import Communicator
-from fleetlike.comm.core import divide_
 from fleetlike.comm import cuda as _cuda
 from fleetlike.comm import guard as _guard
+from fleetlike.comm import nccl_watch as _watch
+from fleetlike.comm.base import Communicator
 from fleetlike.comm.colors import split_order
-from fleetlike.comm.cuda import ISSUER, selected_gpu, use_device
+from fleetlike.comm.core import divide_
+from fleetlike.comm.cuda import ISSUER, use_device
 from fleetlike.comm.dtypes import SUPPORTED_DTYPES
 from fleetlike.comm.errors import CommError
 from fleetlike.comm.handles import CompletedWork, Work
+from fleetlike.comm.nccl_setup import (
+    NCCL_2_10,
+    NCCL_AVG,
+    NCCL_BFLOAT16,
+    UID_BYTES,
+    require_nccl,
+    resolve_device,
+    uid_candidates,
+    uid_to_bytes,
+)
+from fleetlike.comm.nccl_watch import async_error, event_done, init_expired
+from fleetlike.comm.nccl_work import GROUP, ISSUE_LOCK, NcclWork, current_stream
 from fleetlike.comm.ops import ReduceOp
 from fleetlike.comm.watchdog import WATCHDOG, InFlight
 from fleetlike.roles.role import Role
 
-__all__ = ["NcclCommunicator", "NcclUnavailableError", "nccl_unavailable_reason"]
-
-#: NCCL's runtime version code from which ncclAvg and ncclBfloat16 exist (2.10.0).
-_NCCL_2_10 = 21000
-#: NCCL's enum values, fixed by its ABI (used where an old binding lacks the constant).
-_NCCL_AVG = 4
-_NCCL_BFLOAT16 = 9
-_UID_BYTES = 128
-_GPU_EXTRA = "pip install 'fleetlike[gpu]'"
-
-
-class NcclUnavailableError(CommError):
-    """The `nccl` backend cannot run here. ``reason`` says which check failed.
-
-    Reasons: ``"no_cuda"`` (torch sees no CUDA device), ``"no_cupy"`` (CuPy does not import),
-    ``"no_nccl"`` (CuPy has no NCCL library), ``"no_device"`` (the chosen GPU does not exist).
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-_NCCL: Any = None  # CuPy's nccl module once it loaded
-
-
-def _require_nccl() -> Any:
-    """CuPy's NCCL module, after checking CUDA, CuPy and NCCL in that order."""
-    global _NCCL
-    if not torch.cuda.is_available():
-        build = (
-            f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only build)"
-        )
-        raise NcclUnavailableError(
-            "no_cuda",
-            f"backend='nccl' moves CUDA tensors, but torch.cuda.is_available() is False here "
-            f"(torch {torch.__version__}, built with {build}). Use backend='gloo' (or 'auto') for "
-            "CPU tensors. On a GPU machine, check the driver with `nvidia-smi`, that "
-            "CUDA_VISIBLE_DEVICES is not empty, and that torch is a CUDA build.",
-        )
-    if _NCCL is not None:
-        return _NCCL
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA library CuPy cannot load
-        raise NcclUnavailableError(
-            "no_cupy",
-            f"backend='nccl' needs CuPy for its NCCL binding, but `import cupy` failed: {exc}. "
-            f"Install it with `{_GPU_EXTRA}` (cupy-cuda12x and nvidia-nccl-cu12; for a CUDA 13 "
-            f"torch, cupy-cuda13x and nvidia-nccl-cu13; this torch has CUDA {torch.version.cuda}), "
-            "or use backend='gloo' for CPU tensors.",
-        ) from exc
-    try:
-        from cupy.cuda import nccl
-    except Exception as exc:  # noqa: BLE001
-        nccl, error = None, exc
-    else:
-        error = None
-    if nccl is None or not getattr(nccl, "available", False):
-        detail = f": {error}" if error is not None else ""
-        version = getattr(cupy, "__version__", "?")
-        raise NcclUnavailableError(
-            "no_nccl",
-            f"CuPy {version} imports, but its NCCL binding (cupy.cuda.nccl) is not available: "
-            f"the NCCL library was not found{detail}. Install it with `pip install "
-            f"nvidia-nccl-cu12` (nvidia-nccl-cu13 for CUDA 13; `{_GPU_EXTRA}` brings it) or a "
-            "system NCCL, check the driver with `nvidia-smi`, and test with "
-            "`python -c \"from cupy.cuda import nccl; print(nccl.get_version())\"`.",
-        ) from error
-    _NCCL = nccl
-    return nccl
-
-
-def nccl_unavailable_reason() -> str | None:
-    """None when the `nccl` backend can run here, else the message saying why not.
-
-    Example:
-        >>> backend = "nccl" if nccl_unavailable_reason() is None else "gloo"
-    """
-    try:
-        _require_nccl()
-    except NcclUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-def _resolve_device(role: Role, device: torch.device | str | int | None) -> torch.device:
-    """The GPU of this rank: ``device``, else ``role.selected_gpus``, else the local rank."""
-    count = torch.cuda.device_count()
-    if device is not None:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if dev.type != "cuda":
-            raise ValueError(
-                f"device={device!r}: the 'nccl' backend runs on a CUDA device; pass one such as "
-                "'cuda:0', or use backend='gloo' for CPU tensors"
-            )
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        source = f"device={device!r}"
-    elif role.selected_gpus:
-        index = selected_gpu(role.selected_gpus, role.local_rank, role.rank)
-        source = f"selected_gpus={list(role.selected_gpus)} (FLAGS_selected_gpus)"
-    else:
-        index = role.local_rank
-        source = f"local_rank={role.local_rank}"
-    if not 0 <= index < count:
-        raise NcclUnavailableError(
-            "no_device",
-            f"rank {role.rank}: GPU {index} (from {source}) does not exist; this process sees "
-            f"{count} CUDA device(s). Start at most {count} process(es) per node, or pick GPU ids "
-            f"below {count} with --selected_gpus; `nvidia-smi -L` lists the GPUs.",
-        )
-    return torch.device("cuda", index)
-
-
-def _uid_to_bytes(uid: bytes | Sequence[int]) -> bytes:
-    """NCCL's unique id as its raw bytes.
-
-    CuPy 14 gives the 128 bytes as ``bytes``; older CuPy gave a tuple of 128 C ``char`` values
-    (signed on x86, unsigned on Arm). Both land in the store as the same raw bytes.
-    """
-    if isinstance(uid, (bytes, bytearray)):
-        return bytes(uid)
-    return bytes(v & 0xFF for v in uid)
-
-
-def _uid_candidates(raw: bytes) -> list[bytes | tuple[int, ...]]:
-    """The id in each form a CuPy binding may take back, the newest first.
-
-    ``bytes`` (CuPy >= 14), then signed chars (older CuPy on x86), then unsigned chars (Arm).
-    A binding refuses the wrong form with ``TypeError`` (bytes vs tuple) or ``OverflowError``
-    (char signedness), so the caller tries them in turn.
-    """
-    return [bytes(raw), struct.unpack(f"{len(raw)}b", raw), tuple(raw)]
-
-
-_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)  # absent in CPU builds
-_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
-
-
-def _current_stream(device: torch.device) -> torch.cuda.Stream:
-    """torch's current stream on ``device``, as ``torch.cuda.current_stream(device)`` gives it.
-
-    That call parses its argument and builds a new ``Stream`` object: 7.5 us a call on the H100
-    host of the first GPU run, two calls per collective (the launch waits on the current stream,
-    ``wait()`` makes it wait). This reads the same (id, device, type) triple from torch's C API
-    and reuses one ``Stream`` object per triple (torch pools its streams, so there are few).
-    ``setdefault`` keeps the cache consistent between threads without a lock.
-    """
-    if _GET_CURRENT_STREAM is None:
-        return torch.cuda.current_stream(device)
-    key = _GET_CURRENT_STREAM(torch.cuda.current_device() if device.index is None else device.index)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        made = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        stream = _STREAMS.setdefault(key, made)
-    return stream
-
-
-#: how long the watchdog lets ``ncclCommAbort`` take before it ends the process anyway
-_ABORT_GRACE_S = 10.0
-
-
-def _abort_within(comm: Any, grace: float, label: str) -> None:
-    """``comm.abort()`` on a helper thread, waited for at most ``grace`` seconds.
-
-    On the first GPU run (H100, NCCL 2.28.9) ``ncclCommAbort`` did not return while the
-    collective's kernel was still queued behind a running kernel, and the process the watchdog
-    meant to end ran on. The exit must not depend on the abort (torch's NCCL watchdog has the
-    same escape: a monitor that ends the process when the abort hangs).
-    """
-    finished = threading.Event()
-
-    def abort() -> None:
-        try:
-            comm.abort()
-        finally:
-            finished.set()
-
-    threading.Thread(target=abort, name="fleetlike-nccl-abort", daemon=True).start()
-    if not finished.wait(grace):
-        print(f"fleetlike: ncclCommAbort on {label} did not return within {grace:g}s; "
-              "ending the process without it", file=sys.stderr, flush=True)
-
-
-def _exit_process(code: int) -> None:
-    """End this process now, without Python's cleanup (which would wait on the dead stream)."""
-    os._exit(code)
-
-
-#: ncclInProgress: a non-blocking communicator's operation still running, not an error
-_NCCL_IN_PROGRESS = 7
-
-
-def _async_error(nccl: Any, comm: Any) -> str | None:
-    """NCCL's asynchronous error on ``comm`` (``ncclCommGetAsyncError``), or None.
-
-    CuPy 13 turns every non-zero result into ``NcclError`` through a table of names that has
-    no ``ncclInProgress`` (NCCL >= 2.14), so that code arrives as a ``KeyError`` while the
-    error is built; either form of it means "still running", not a failure.
-    """
-    try:
-        comm.check_async_error()
-    except nccl.NcclError as exc:
-        if getattr(exc, "status", None) == _NCCL_IN_PROGRESS:
-            return None
-        return str(exc)
-    except KeyError:
-        return None
-    return None
-
-
-def _event_done(event: Any) -> bool:
-    try:
-        return bool(event.query())
-    except Exception:  # noqa: BLE001 - a failed query (a CUDA error) is the waiter's to report
-        return True
-
-
-def _init_expired(item: InFlight) -> None:
-    """A rank never joined ``ncclCommInitRank`` (or NCCL's first connect): nothing to abort yet;
-    end the process so that the launcher stops the job."""
-    _exit_process(1)
-
-
-#: one NCCL launch at a time per process: the communicators' shared "ready" events are
-#: recorded and waited under it, and NCCL's calls reach the GPU in the order they were made
-_ISSUE_LOCK = threading.Lock()
-
-
-class _GroupState(threading.local):
-    """NCCL groups are per thread: the depth and the handles launched at the outermost end."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending: list[_NcclWork] = []
-
-
-_GROUP = _GroupState()
-
-
-class _NcclWork(Work):
-    """An NCCL collective on a communicator's stream: an event, and the buffers it uses."""
-
-    __slots__ = ("_comm", "_device", "_event", "_keep", "_post", "_blocking", "_what", "_seq")
-
-    def __init__(
-        self,
-        comm: NcclCommunicator,
-        keep: tuple[torch.Tensor, ...],
-        post: Callable[[], None] | None,
-        blocking: bool,
-        what: str,
-        seq: int,
-    ) -> None:
-        self._comm = comm
-        self._device = comm._device
-        self._event: torch.cuda.Event | None = None
-        self._keep = keep
-        self._post = post
-        self._blocking = blocking
-        self._what = what
-        self._seq = seq
-
-    def _launched(self) -> None:
-        """The NCCL kernel is enqueued: run the finishing kernel, if any, and mark the end."""
-        comm = self._comm
-        if self._post is not None:
-            with torch.cuda.stream(comm._stream):
-                self._post()
-            self._post = None
-        event = torch.cuda.Event()
-        event.record(comm._stream)
-        self._event = event
-        if comm._deadline is not None:  # the watchdog polls the event: the host may never wait
-            comm._flight.append((time.monotonic(), self._seq, self._what, event))
-
-    def wait(self) -> None:
-        """Make torch's current stream wait for the collective (the host blocks only for a
-        barrier)."""
-        if self._event is None:
-            raise CommError(
-                "wait() on an NCCL collective inside `with comm.group():`; its kernel is launched "
-                "at the end of the block, so wait on the handle after the block"
-            )
-        use_device(self._device)  # a thread that only waits (hvd.synchronize elsewhere) is set too
-        _current_stream(self._device).wait_event(self._event)
-        if self._blocking:
-            self._event.synchronize()
-        self._keep = ()
-
-    def is_completed(self) -> bool:
-        return self._event is not None and self._event.query()
+__all__ = ["NcclCommunicator"]
 
 
 class NcclCommunicator(Communicator):
@@ -412,7 +133,7 @@ class NcclCommunicator(Communicator):
         self._connected = False  # NCCL connects to its peers on the first collective
         #: size checks in flight: (seq, op, event, host rows, row width), compared by `_poll`
         self._checks: deque[tuple[int, str, Any, torch.Tensor, int]] = deque()
-        new = self.nccl_version >= _NCCL_2_10
+        new = self.nccl_version >= NCCL_2_10
         types = {
             torch.uint8: nccl.NCCL_UINT8,
             torch.int32: nccl.NCCL_INT32,
@@ -422,7 +143,7 @@ class NcclCommunicator(Communicator):
             torch.float64: nccl.NCCL_FLOAT64,
         }
         if new:
-            types[torch.bfloat16] = getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16)
+            types[torch.bfloat16] = getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16)
         self._types: dict[torch.dtype, int] = types
         self._uint8 = int(nccl.NCCL_UINT8)
         self.native_reduce_dtypes = frozenset(types)
@@ -434,7 +155,7 @@ class NcclCommunicator(Communicator):
             ReduceOp.MIN: nccl.NCCL_MIN,
         }
         if new:
-            self._ops[ReduceOp.AVG] = getattr(nccl, "NCCL_AVG", _NCCL_AVG)
+            self._ops[ReduceOp.AVG] = getattr(nccl, "NCCL_AVG", NCCL_AVG)
         WATCHDOG.watch(id(self), self._poll, timeout)
 
     @property
@@ -465,8 +186,8 @@ class NcclCommunicator(Communicator):
         that this rank's GPU exists (``device``, else ``role.selected_gpus``, else the local rank),
         raising `NcclUnavailableError` with the fix otherwise. Collective: every rank calls it.
         """
-        nccl = _require_nccl()
-        dev = _resolve_device(role, device)
+        nccl = require_nccl()
+        dev = resolve_device(role, device)
         use_device(dev)  # the rank's device, once: CUDA calls elsewhere would make a context on GPU 0
         return cls._connect(
             nccl,
@@ -495,7 +216,7 @@ class NcclCommunicator(Communicator):
         key = "unique_id"
         use_device(device)
         if rank == 0:
-            raw = _uid_to_bytes(nccl.get_unique_id())
+            raw = uid_to_bytes(nccl.get_unique_id())
             store.set(key, raw)
         else:
             try:
@@ -506,16 +227,16 @@ class NcclCommunicator(Communicator):
                     f"its rank 0 (world rank {ranks[0]}); did every rank create it?"
                 ) from exc
             raw = store.get(key)
-        if len(raw) != _UID_BYTES:
+        if len(raw) != UID_BYTES:
             raise CommError(
                 f"{name!r}: the NCCL unique id in the store has {len(raw)} bytes, not 128"
             )
         comm = None
         # ncclCommInitRank blocks until every rank of the group arrives: watched like a collective
         watch = WATCHDOG.begin(timeout, f"{name!r} (nccl)", "ncclCommInitRank", 0, rank=ranks[rank],
-                               expire=_init_expired)
+                               expire=init_expired)
         try:
-            for uid in _uid_candidates(raw):
+            for uid in uid_candidates(raw):
                 try:
                     comm = nccl.NcclCommunicator(size, uid, rank)
                     break
@@ -577,11 +298,11 @@ class NcclCommunicator(Communicator):
         blocking: bool = False,
     ) -> Work:
         use_device(self._device)  # before the event below: a thread of the caller's may still be on GPU 0
-        if ISSUER.busy() and not _GROUP.depth:
+        if ISSUER.busy() and not GROUP.depth:
             # helper jobs are issuing NCCL calls: queue behind them, so this rank's order of
             # calls is the order they were asked for, as on every other rank
             ready = torch.cuda.Event()
-            ready.record(_current_stream(self._device))
+            ready.record(current_stream(self._device))
             return ISSUER.call(lambda: self._enqueue(what, call, keep, post, blocking, ready))  # type: ignore[no-any-return]
         return self._enqueue(what, call, keep, post, blocking, None)
 
@@ -598,10 +319,10 @@ class NcclCommunicator(Communicator):
         another thread) and enqueue ``call`` on it."""
         stream = self._stream
         use_device(self._device)  # on the issuer too: `_launch` set it on the calling thread only
-        with _ISSUE_LOCK:
+        with ISSUE_LOCK:
             if ready is None:
                 ready = self._ready
-                ready.record(_current_stream(self._device))
+                ready.record(current_stream(self._device))
             stream.wait_event(ready)
             try:
                 if self._connected:
@@ -615,9 +336,9 @@ class NcclCommunicator(Communicator):
                 ) from exc
         for t in keep:
             t.record_stream(stream)
-        work = _NcclWork(self, keep, post, blocking, self._check_label or what, self._seq)
-        if _GROUP.depth:
-            _GROUP.pending.append(work)
+        work = NcclWork(self, keep, post, blocking, self._check_label or what, self._seq)
+        if GROUP.depth:
+            GROUP.pending.append(work)
         else:
             work._launched()
         return work
@@ -638,19 +359,19 @@ class NcclCommunicator(Communicator):
     def _can_check_now(self) -> bool:
         # Inside a group nothing completes before ncclGroupEnd: the size check would wait on
         # itself. Callers in a group (the gradient buckets) pass sizes agreed by construction.
-        return _GROUP.depth == 0
+        return GROUP.depth == 0
 
     def _issue(self, op: str, tensor: torch.Tensor | None, start: Callable[..., Work], args: tuple[Any, ...] = (),
                red: Any = None, root: int | None = None, agreed: bool = False) -> Work:
         if self.check_collectives:
-            if _GROUP.depth:
+            if GROUP.depth:
                 raise CommError(
                     f"{op} on {self.name!r} inside `with comm.group():` with check_collectives on: the "
                     "check exchanges each collective's description and waits for it, but nothing in an "
                     "NCCL group runs before the block ends. Check outside the group (turn "
                     "check_collectives off around it), or issue the collectives without a group"
                 )
-        elif self.check_sizes and not agreed and self.size > 1 and not _GROUP.depth:
+        elif self.check_sizes and not agreed and self.size > 1 and not GROUP.depth:
             use_device(self._device)  # its pinned buffer and copies come before the launch
             self._check_sizes_async(op, tensor, red, root)
         return super()._issue(op, tensor, start, args, red, root, True)
@@ -681,7 +402,7 @@ class NcclCommunicator(Communicator):
     def _size_mismatch(self) -> str | None:
         """The report of the first gathered size check whose rows disagree (watchdog thread)."""
         checks = self._checks
-        while checks and _event_done(checks[0][2]):
+        while checks and event_done(checks[0][2]):
             seq, op, _, host, width = checks.popleft()
             flat = host.tolist()
             table = [flat[i * width: (i + 1) * width] for i in range(self.size)]
@@ -702,10 +423,10 @@ class NcclCommunicator(Communicator):
         and the oldest collective still running against the deadline."""
         use_device(self._device)  # the queries below must not make a context on another GPU
         flight = self._flight
-        while flight and _event_done(flight[0][3]):
+        while flight and event_done(flight[0][3]):
             flight.popleft()
         comm = self._comm
-        reason = _async_error(self._nccl, comm) if comm is not None and not self._aborted else None
+        reason = async_error(self._nccl, comm) if comm is not None and not self._aborted else None
         head = flight[0] if flight else None
         rank, name = self.ranks[self.rank], f"{self.name!r} (nccl)"
         mismatch = self._size_mismatch() if self._checks else None
@@ -736,9 +457,9 @@ class NcclCommunicator(Communicator):
                 comm = self._comm if self._comm is not None else self._closing
                 self._aborted = comm is not None
             if comm is not None:
-                _abort_within(comm, _ABORT_GRACE_S, item.comm)
+                _watch.abort_within(comm, _watch.ABORT_GRACE_S, item.comm)
         finally:
-            _exit_process(1)
+            _watch.exit_process(1)
 
     def _op(self, op: ReduceOp, buf: torch.Tensor) -> tuple[int, Callable[[], None] | None]:
         """NCCL's op, and a finishing step for an integer AVG (sum, then floor division)."""
@@ -818,21 +539,21 @@ class NcclCommunicator(Communicator):
         """
         nccl = self._nccl
         nccl.groupStart()
-        _GROUP.depth += 1
+        GROUP.depth += 1
         try:
             yield
         finally:
-            _GROUP.depth -= 1
+            GROUP.depth -= 1
             try:
                 use_device(self._device)
                 nccl.groupEnd()
             except nccl.NcclError as exc:
-                _GROUP.pending.clear()
+                GROUP.pending.clear()
                 raise CommError(
                     f"NCCL group of {self.name!r} failed at ncclGroupEnd: {exc}"
                 ) from exc
-            if _GROUP.depth == 0:
-                pending, _GROUP.pending = _GROUP.pending, []
+            if GROUP.depth == 0:
+                pending, GROUP.pending = GROUP.pending, []
                 for work in pending:
                     work._launched()
 

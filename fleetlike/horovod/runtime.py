@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fleetlike.comm import CommGroups, Communicator
-from fleetlike.comm.nccl import nccl_unavailable_reason
+from fleetlike.comm.nccl_setup import nccl_unavailable_reason
 from fleetlike.comm.mpi import mpi_available
 from fleetlike.config import DistributedStrategy
 from fleetlike import elastic
