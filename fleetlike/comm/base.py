@@ -1,4 +1,4 @@
-"""The one `Communicator` interface every backend implements, and its naming grid.
+"""The one `Communicator` interface every caller uses, and its naming grid.
 
 Every collective exists in two forms on one grid:
 
@@ -21,7 +21,8 @@ Backends implement only the ``_*_start`` primitives declared in `fleetlike.comm.
 where blocking calls are cheaper, the ``_*_now`` forms the blocking grid calls use) on
 *contiguous* tensors of dtypes they support, and `_split`; this class does the argument checks,
 dtype conversion (a backend without, say, bfloat16 reductions gets float32 on the wire and the
-result is cast back), AVG as SUM then divide, aliasing for the in-place forms, the statistics, and the agreement checks of `guard`
+result is cast back), AVG as SUM then divide, aliasing for the in-place forms and the
+statistics, and hands each call to `CommunicatorCore._issue` for the agreement checks of `guard`
 (by default, one small all-reduce that makes ranks passing different sizes raise
 `CollectiveMismatchError` instead of aborting inside gloo), once for all backends.
 
