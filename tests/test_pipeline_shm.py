@@ -179,6 +179,34 @@ def test_p2p_gloo_keeps_the_handoffs_on_gloo():
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _freeze_counts(role, freeze):
+    """The objects gc.freeze holds before and after two pipelined steps, and the pipeline_gc line."""
+    from fleetlike import fleet
+
+    s = pc.strategy("1F1B", 2, 1)
+    s.pipeline_configs["freeze_heap"] = freeze
+    fleet.init(role, strategy=s)
+    try:
+        before = gc.get_freeze_count()
+        pc.train_pipeline(s, "momentum", steps=2)
+        after = gc.get_freeze_count()
+        line = [str(e) for e in fleet.applied_strategy() if e.name == "pipeline_gc"]
+    finally:
+        fleet.shutdown()
+    return before, after, line
+
+
+def test_freeze_heap_false_leaves_the_collector_alone():
+    """pipeline_configs.freeze_heap: True freezes what the first step left alive (the count grows
+    by the model, its optimizer state, the schedule's), False freezes nothing."""
+    for before, after, line in run_ranks(_freeze_counts, 2, False, timeout=60):
+        assert after <= before, (before, after)  # frozen objects freed meanwhile leave the count
+        assert line and line[0].startswith("pipeline_gc: NOT applied (pipeline_configs.freeze_heap=False"), line
+    for before, after, line in run_ranks(_freeze_counts, 2, True, timeout=60):
+        assert after > before + 1000, (before, after)
+        assert line and line[0].startswith("pipeline_gc: applied"), line
+
+
 class _FirstForwardRaises(torch.nn.Module):
     """Raises in rank 0's first forward: before that stage has sent anything."""
 

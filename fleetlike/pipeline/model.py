@@ -120,7 +120,8 @@ class PipelineModel(torch.nn.Module):
         self.micro_batch_size = int(cfg["micro_batch_size"])
         self.schedule_mode = str(cfg["schedule_mode"])
         self.applied: list[AppliedEntry] = []
-        self._heap_frozen = False  # `freeze_heap` called and recorded after this model's first step
+        self._freeze_heap = bool(cfg["freeze_heap"])
+        self._heap_frozen = False  # `freeze_heap` called (or declined) and recorded after this model's first step
         p, stage_id = hcg.pp_degree, hcg.stage_id
         if self.schedule_mode == "1F1B" and self.num_micro < p:
             raise ValueError(
@@ -276,12 +277,20 @@ class PipelineModel(torch.nn.Module):
         loss = self._shared_loss(losses)
         if not self._heap_frozen:  # once per model: later steps pay nothing here
             self._heap_frozen = True
-            freeze_heap()
-            self.applied.append(AppliedEntry("pipeline_gc", True, (
-                "after the first step the objects alive were frozen out of the garbage collector "
-                "(gc.freeze): a full collection, a stall its neighbour stage would wait out, then "
-                "scans only newer objects")))
+            self.applied.append(self._after_first_step())
         return loss
+
+    def _after_first_step(self) -> AppliedEntry:
+        """Freeze the heap (``pipeline_configs.freeze_heap``), and say what was done."""
+        if not self._freeze_heap:
+            return AppliedEntry("pipeline_gc", False, (
+                "pipeline_configs.freeze_heap=False: the heap is left to the garbage collector "
+                "(a full collection inside a step stalls this stage and its neighbour)"))
+        freeze_heap()
+        return AppliedEntry("pipeline_gc", True, (
+            "after the first step the objects alive were frozen out of the garbage collector "
+            "(gc.freeze; pipeline_configs.freeze_heap=False turns it off): a full collection, a "
+            "stall its neighbour stage would wait out, then scans only newer objects"))
 
     def _average_gradients(self) -> None:
         if self._collective is None:
