@@ -6,8 +6,8 @@ The model is an ``nn.Sequential`` of 8 blocks (Linear 1024x1024 + GELU), batches
 memory, collectives on gloo; one thread each), AdamW.
 Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 
-- steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
-  schedule + ``opt.step()`` on the same split and the same process group (the pipeline's:
+- steps/s: fleetlike's ``model.train_batch((x, y), opt)`` (its own 1F1B / GPipe step,
+  `fleetlike.pipeline.runner`) and torch's ``PipelineStage`` + schedule + ``opt.step()`` on the same split and the same process group (the pipeline's:
   shared memory under ``--p2p auto``, the default), and on a plain gloo group (torch's
   default, under ``--p2p auto``), interleaved rep by rep (`bench._common.interleaved_timings`),
   median of ``--reps``; the ratios fleetlike / torch;
@@ -17,7 +17,7 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   for per-micro-batch stage times ``t``: unequal stages idle the faster one every micro-batch);
   waiting for a core = runnable but not running (the cores are shared with the other rank's
   gloo threads and with other processes); the same idle from the clock: the time inside the
-  schedule's send/receive waits and the loss's broadcast, split into the fill and drain (the
+  schedule's receives and the loss's handoff, split into the fill and drain (the
   first wait for the neighbour, the last wait, the loss) and the per-micro-batch waits; not computing = 1 - (its forwards, and each backward
   from its output's gradient arriving to its first block's weight gradient, and the optimizer's
   update) / (the steps' time), the earlier definition of idle, which also counts the waits for a

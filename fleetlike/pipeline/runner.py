@@ -45,13 +45,8 @@ class _Link:
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
-        backend = None
-        if group is not None and device.type == "cpu":
-            try:
-                backend = group._get_backend(device)
-            except RuntimeError:  # a group with no backend for this device
-                backend = None
-        self.direct: ShmProcessGroup | None = backend if isinstance(backend, ShmProcessGroup) else None
+        # a group of the ring backend is the backend's own object (``dist.new_group`` returns it)
+        self.direct: ShmProcessGroup | None = group if isinstance(group, ShmProcessGroup) else None
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
         """Start sending ``tensor`` to stage ``peer``; the work to wait on."""
