@@ -6,8 +6,8 @@ The model is an ``nn.Sequential`` of 8 blocks (Linear 1024x1024 + GELU), batches
 memory, collectives on gloo; one thread each), AdamW.
 Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
 
-- steps/s: fleetlike's ``model.train_batch((x, y), opt)`` and torch's ``PipelineStage`` +
-  schedule + ``opt.step()`` on the same split and the same process group (the pipeline's:
+- steps/s: fleetlike's ``model.train_batch((x, y), opt)`` (its own 1F1B / GPipe step,
+  `fleetlike.pipeline.runner`) and torch's ``PipelineStage`` + schedule + ``opt.step()`` on the same split and the same process group (the pipeline's:
   shared memory under ``--p2p auto``, the default), and on a plain gloo group (torch's
   default, under ``--p2p auto``), interleaved rep by rep (`bench._common.interleaved_timings`),
   median of ``--reps``; the ratios fleetlike / torch;
@@ -17,7 +17,7 @@ Three measurements per schedule (1F1B, GPipe) and micro-batch count m:
   for per-micro-batch stage times ``t``: unequal stages idle the faster one every micro-batch);
   waiting for a core = runnable but not running (the cores are shared with the other rank's
   gloo threads and with other processes); the same idle from the clock: the time inside the
-  schedule's send/receive waits and the loss's broadcast, split into the fill and drain (the
+  schedule's receives and the loss's handoff, split into the fill and drain (the
   first wait for the neighbour, the last wait, the loss) and the per-micro-batch waits; not computing = 1 - (its forwards, and each backward
   from its output's gradient arriving to its first block's weight gradient, and the optimizer's
   update) / (the steps' time), the earlier definition of idle, which also counts the waits for a
@@ -323,35 +323,25 @@ def _uniformity(forwards: list[list[float]], backwards: list[list[float]]) -> di
 
 
 class _WaitLog:
-    """The seconds this stage's thread spends waiting in each of the schedule's sends and
-    receives (torch's ``_wait_batch_p2p``, tagged with the kind of the batch it waits for) and in
+    """The seconds this stage's thread spends waiting in each of the schedule's receives
+    (`fleetlike.pipeline.runner.StageRunner._recv`, tagged ``fwd_recv`` or ``bwd_recv``) and in
     the loss's broadcast, step by step: where its idle time goes."""
 
     def __init__(self, model: Any) -> None:
-        import torch.distributed.pipelining.schedules as sch
-
-        self.sch, self.model = sch, model
-        self.plain_batch, self.plain_wait, self.plain_loss = sch._batch_p2p, sch._wait_batch_p2p, model._shared_loss
-        self.kinds: dict[int, str] = {}
+        self.model, self.runner = model, model.runner
+        self.plain_recv, self.plain_loss = self.runner._recv, model._shared_loss
         self.steps: list[dict[str, Any]] = []
-        sch._batch_p2p, sch._wait_batch_p2p = self._batch, self._wait
+        self.runner._recv = self._recv
         model._shared_loss = self._loss
 
     def new_step(self) -> None:
-        self.kinds.clear()
         self.steps.append({"waits": [], "loss": 0.0})
 
-    def _batch(self, ops: Any, desc: str | None = None) -> Any:
-        works = self.plain_batch(ops, desc)
-        for w in works:
-            self.kinds[id(w)] = desc or ""
-        return works
-
-    def _wait(self, works: Any) -> None:
+    def _recv(self, into: Any, peer: int, kind: str) -> None:
         t0 = time.perf_counter()
-        self.plain_wait(works)
-        if works and self.steps:
-            self.steps[-1]["waits"].append((self.kinds.get(id(works[0]), ""), time.perf_counter() - t0))
+        self.plain_recv(into, peer, kind)
+        if self.steps and kind != "loss_recv":  # the loss's handoff is timed with `_loss`
+            self.steps[-1]["waits"].append((kind, time.perf_counter() - t0))
 
     def _loss(self, losses: Any) -> Any:
         t0 = time.perf_counter()
@@ -362,7 +352,7 @@ class _WaitLog:
                 self.steps[-1]["loss"] += time.perf_counter() - t0
 
     def close(self) -> None:
-        self.sch._batch_p2p, self.sch._wait_batch_p2p = self.plain_batch, self.plain_wait
+        del self.runner._recv
         del self.model._shared_loss
 
     def summary(self, first_stage: bool) -> dict[str, float]:

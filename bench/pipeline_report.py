@@ -86,9 +86,10 @@ def slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
 
 
 def idle_of(row: dict[str, Any]) -> float:
-    """A stage's idle fraction: the clock's time inside the schedule's waits (and the loss's
-    broadcast) over the steps' time. Not the kernel's sleeping time: a shared-memory receive
-    polls for 50 us before it sleeps, and the kernel counts that poll as running."""
+    """A stage's idle fraction: the clock's time inside the schedule's receives (and the loss's
+    handoff) over the steps' time. Not the kernel's sleeping time: a shared-memory receive polls
+    (50 us, then up to 2 ms yielding its core) before it sleeps, and the kernel counts that poll
+    as running."""
     return float(row["waited"])
 
 
@@ -131,9 +132,9 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
              "-- on its own core, one intra-op and one inter-op thread; `--no-pin` leaves the ranks to share "
              "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
              "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
-             "micro-batch): the clock's time inside the schedule's waits and the loss's broadcast over the "
-             "steps' time (*in waits* below; a shared-memory receive polls 50 us before it sleeps, so the "
-             "kernel's sleeping time, *idle* below, leaves part of each wait out), against the bubble "
+             "micro-batch): the clock's time inside the schedule's receives and the loss's handoff over the "
+             "steps' time (*in waits* below; a shared-memory receive polls up to 2 ms before it sleeps, so "
+             "the kernel's sleeping time, *idle* below, leaves part of each wait out), against the bubble "
              "(p-1)/(m+p-1):\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
              + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _handoff(handoff) + _GLOSSARY]
@@ -173,9 +174,9 @@ _GLOSSARY = (
     "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: stage 1 "
     "computes each block's input gradient, stage 0's first block needs none); *waiting for a core* = "
     "runnable but not running; *not computing* = 1 - (forward, backward and update time) / (step time). "
-    "*in waits* = wall time inside the schedule's send/receive waits and the loss's broadcast (the clock's "
+    "*in waits* = wall time inside the schedule's receives and the loss's handoff (the clock's "
     "idle); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
-    "and the loss's broadcast, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
+    "and the loss's handoff, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
     "and backwards (their order and durations, one clock for both ranks) replayed on the schedule's "
     "dependencies (`bench/pipeline_timeline.py`), the idle over the measured step time: at each stage's "
     "median forward and backward (the bubble at the stages' balance), at the recorded durations (plus the "
@@ -218,8 +219,8 @@ def add_replays(rows: list[dict[str, Any]]) -> None:
 def _same_kind_gap(steps: list[list[Any]]) -> float:
     """The median time between the end of one op and the start of the next of the same kind
     (forward after forward, backward after backward) on a stage: under GPipe the first stage's
-    forwards wait for nobody, so there it is the schedule's own work per micro-batch (torch's
-    stage bookkeeping, posting the send); elsewhere it may include a wait. NaN with none."""
+    forwards wait for nobody, so there it is the schedule's own work per micro-batch (its
+    bookkeeping, posting the send); elsewhere it may include a wait. NaN with none."""
     gaps = [b.start - a.end for ops in steps for a, b in zip(ops, ops[1:]) if a.kind == b.kind]
     return statistics.median(gaps) if gaps else float("nan")
 

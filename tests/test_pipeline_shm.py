@@ -149,7 +149,8 @@ def _pipeline_vs_torch_on_gloo(role, mode, p2p):
         hcg = fleet.get_hybrid_communicate_group()
         applied = [str(e) for e in fleet.applied_strategy()]
         applied.append(f"frozen {gc.get_freeze_count()}")
-        kind = type(hcg.get_pipe_parallel_process_group()).__name__
+        # the training step sends and receives through the ring backend itself on shared memory
+        kind = (type(hcg.get_pipe_parallel_process_group()).__name__, type(model.runner.link.direct).__name__)
         plain = dist.new_group([0, 1])  # gloo, as torch's default
         hcg._pipe_group, shared = plain, hcg._pipe_group
         want = pc.torch_schedule(hcg, mode, "adamw", [None, None])
@@ -162,7 +163,7 @@ def _pipeline_vs_torch_on_gloo(role, mode, p2p):
 @pytest.mark.parametrize("mode", ["1F1B", "FThenB"])
 def test_pipeline_over_shared_memory_equals_torchs_schedule_over_gloo_bit_for_bit(mode):
     for got, want, losses, applied, kind in run_ranks(_pipeline_vs_torch_on_gloo, 2, mode, "auto", timeout=90):
-        assert kind == "ShmProcessGroup"
+        assert kind == ("ShmProcessGroup", "ShmProcessGroup"), kind
         assert any("handoffs: shared memory with its neighbour" in a for a in applied), applied
         # after the first step the heap is frozen out of the collector (a full collection stalls a stage)
         assert any(a.startswith("pipeline_gc: applied") for a in applied), applied
@@ -174,9 +175,37 @@ def test_pipeline_over_shared_memory_equals_torchs_schedule_over_gloo_bit_for_bi
 
 def test_p2p_gloo_keeps_the_handoffs_on_gloo():
     for got, want, _, applied, kind in run_ranks(_pipeline_vs_torch_on_gloo, 2, "1F1B", "gloo", timeout=90):
-        assert kind != "ShmProcessGroup"
+        assert kind[0] != "ShmProcessGroup" and kind[1] == "NoneType", kind
         assert any("handoffs: gloo (pipeline_configs.p2p='gloo')" in a for a in applied), applied
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _freeze_counts(role, freeze):
+    """The objects gc.freeze holds before and after two pipelined steps, and the pipeline_gc line."""
+    from fleetlike import fleet
+
+    s = pc.strategy("1F1B", 2, 1)
+    s.pipeline_configs["freeze_heap"] = freeze
+    fleet.init(role, strategy=s)
+    try:
+        before = gc.get_freeze_count()
+        pc.train_pipeline(s, "momentum", steps=2)
+        after = gc.get_freeze_count()
+        line = [str(e) for e in fleet.applied_strategy() if e.name == "pipeline_gc"]
+    finally:
+        fleet.shutdown()
+    return before, after, line
+
+
+def test_freeze_heap_false_leaves_the_collector_alone():
+    """pipeline_configs.freeze_heap: True freezes what the first step left alive (the count grows
+    by the model, its optimizer state, the schedule's), False freezes nothing."""
+    for before, after, line in run_ranks(_freeze_counts, 2, False, timeout=60):
+        assert after <= before, (before, after)  # frozen objects freed meanwhile leave the count
+        assert line and line[0].startswith("pipeline_gc: NOT applied (pipeline_configs.freeze_heap=False"), line
+    for before, after, line in run_ranks(_freeze_counts, 2, True, timeout=60):
+        assert after > before + 1000, (before, after)
+        assert line and line[0].startswith("pipeline_gc: applied"), line
 
 
 class _FirstForwardRaises(torch.nn.Module):

@@ -318,6 +318,11 @@ ENTRIES: tuple[Field | Section, ...] = (
             "memory (a ring per direction), stages on different machines over gloo; 'gloo': "
             "every handoff over gloo (the handoff then costs a round of gloo's threads and "
             "loopback TCP, which at 2 stages under 1F1B lands on the step once per micro-batch)")),
+        Field("freeze_heap", Bool(), True, note=(
+            "after the first train_batch, collect once and freeze the objects then alive out of "
+            "the garbage collector (gc.freeze, once per process): a full collection walks every "
+            "object torch and the model made, milliseconds a neighbour stage waits out. False "
+            "leaves the collector as it is (a job that must collect cycles among those objects)")),
     )),
     Section("hybrid_configs", note="how the ranks divide: dp_degree x pp_degree = world size",
             check=hybrid_check, fields=(

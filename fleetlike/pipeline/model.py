@@ -5,8 +5,9 @@ Each rank keeps only its stage's blocks (the other blocks of the model it was gi
 the ``meta`` device: their memory is freed), so ``model.parameters()`` -- what the optimizer is
 built on -- and the optimizer state are this stage's share. One ``train_batch((x, y), opt)`` is
 one optimizer step: the batch is cut into ``accumulate_steps`` micro-batches that run through
-the stages on torch's schedule (`torch.distributed.pipelining`: ``Schedule1F1B`` or
-``ScheduleGPipe``), each stage's gradients are averaged over the pipelines (data parallel
+the stages on the 1F1B or GPipe schedule (`fleetlike.pipeline.runner`: torch's
+``Schedule1F1B`` / ``ScheduleGPipe`` op for op, with less work between the ops;
+``eval_batch`` runs torch's own), each stage's gradients are averaged over the pipelines (data parallel
 across pipelines, fleetlike's buckets), the optimizer steps, and the mean micro-batch loss,
 computed on the last stage, is returned on every rank of the pipeline.
 
@@ -37,6 +38,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from fleetlike.collectives import Bucket, broadcast_coalesced, plan_buckets
 from fleetlike.config import DistributedStrategy
 from fleetlike.pipeline.failure import FailureGuard
+from fleetlike.pipeline.runner import StageRunner
 from fleetlike.pipeline.split import StagePlan
 from fleetlike.pipeline.topology import HybridCommunicateGroup
 from fleetlike.strategies.amp import autocast as amp_autocast
@@ -120,7 +122,8 @@ class PipelineModel(torch.nn.Module):
         self.micro_batch_size = int(cfg["micro_batch_size"])
         self.schedule_mode = str(cfg["schedule_mode"])
         self.applied: list[AppliedEntry] = []
-        self._heap_frozen = False  # `freeze_heap` called and recorded after this model's first step
+        self._freeze_heap = bool(cfg["freeze_heap"])
+        self._heap_frozen = False  # `freeze_heap` called (or declined) and recorded after this model's first step
         p, stage_id = hcg.pp_degree, hcg.stage_id
         if self.schedule_mode == "1F1B" and self.num_micro < p:
             raise ValueError(
@@ -151,7 +154,11 @@ class PipelineModel(torch.nn.Module):
             self.applied += [AppliedEntry(n, a, w) for n, a, w in notes]
         abort = [self._abort_pipe, hcg.dp_comm._abort, hcg.pp_comm._abort]
         self.guard = FailureGuard(store, hcg.global_rank, stage_id, abort)
-        self._stages: dict[tuple[Any, ...], tuple[PipelineStage, Any]] = {}
+        self._stages: dict[tuple[Any, ...], tuple[PipelineStage, Any]] = {}  # eval_batch's
+        #: the training step's schedule (`fleetlike.pipeline.runner`)
+        self.runner = StageRunner(self.stage, stage_id, p, self.num_micro, self.schedule_mode,
+                                  hcg.get_pipe_parallel_process_group(),
+                                  self._micro_loss, device)
         counts = plan.param_counts()
         self.applied.insert(0, AppliedEntry("pipeline", True, (
             f"{p} stages ({plan.how}; parameters per stage {counts}), {self.num_micro} micro-batches, "
@@ -256,32 +263,36 @@ class PipelineModel(torch.nn.Module):
         for bucket in self._buckets:  # gradients accumulate straight into the buckets
             bucket.zero_()
             bucket.attach()
-        stage, schedule = self._schedule(x[: x.shape[0] // self.num_micro], True)
         losses: list[torch.Tensor] = []
         hcg = self.hcg
-        if hcg.is_first_stage() and hcg.is_last_stage():
-            schedule.step(x, target=y, losses=losses)
-        elif hcg.is_first_stage():
-            schedule.step(x)
-        elif hcg.is_last_stage():
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
+        m = self.num_micro
+        key = (tuple(x.shape), x.dtype)
+        inputs = x.tensor_split(m) if hcg.is_first_stage() else None  # as torch's schedule splits
+        targets = (y.tensor_split(m) if isinstance(y, torch.Tensor) else y) if hcg.is_last_stage() else None
+        self.runner.step(inputs, targets, losses, key)
+        loss = self._shared_loss(losses)  # before the update: the first stage finds it waiting
         self._average_gradients()
         if hasattr(optimizer, "pipelined"):  # fleet's DistributedOptimizer: its step is the wrapped one's
             optimizer.pipelined = True  # type: ignore[attr-defined]
         optimizer.step()
         if lr_scheduler is not None:
             lr_scheduler.step()
-        loss = self._shared_loss(losses)
         if not self._heap_frozen:  # once per model: later steps pay nothing here
             self._heap_frozen = True
-            freeze_heap()
-            self.applied.append(AppliedEntry("pipeline_gc", True, (
-                "after the first step the objects alive were frozen out of the garbage collector "
-                "(gc.freeze): a full collection, a stall its neighbour stage would wait out, then "
-                "scans only newer objects")))
+            self.applied.append(self._after_first_step())
         return loss
+
+    def _after_first_step(self) -> AppliedEntry:
+        """Freeze the heap (``pipeline_configs.freeze_heap``), and say what was done."""
+        if not self._freeze_heap:
+            return AppliedEntry("pipeline_gc", False, (
+                "pipeline_configs.freeze_heap=False: the heap is left to the garbage collector "
+                "(a full collection inside a step stalls this stage and its neighbour)"))
+        freeze_heap()
+        return AppliedEntry("pipeline_gc", True, (
+            "after the first step the objects alive were frozen out of the garbage collector "
+            "(gc.freeze; pipeline_configs.freeze_heap=False turns it off): a full collection, a "
+            "stall its neighbour stage would wait out, then scans only newer objects"))
 
     def _average_gradients(self) -> None:
         if self._collective is None:
@@ -293,17 +304,18 @@ class PipelineModel(torch.nn.Module):
             work.wait()
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean micro-batch loss, broadcast to the pipeline's ranks.
+        """The last stage's mean micro-batch loss, passed back stage by stage to the first.
 
-        One message on the pipeline's own process group (on the stages' device, as the
-        activations travel): the first stage ends the step last, so the loss is waiting for it;
-        a fleetlike communicator's broadcast would first agree the size, a round trip on the
-        first stage's critical path every step."""
+        It rides the backward direction of the handoffs, after the step's last gradient (each
+        stage receives it from the next and passes it to the one before): on shared memory a
+        copy the first stage finds waiting when its last backward ends. A broadcast on the
+        pipeline's group would ride gloo, a round of its threads on the first stage's critical
+        path every step."""
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:
             value = torch.stack([loss.detach().float().to(self.device) for loss in losses]).mean()
         if self.hcg.pp_degree > 1:
-            dist.broadcast(value, group_src=self.hcg.pp_degree - 1, group=self.hcg.get_pipe_parallel_process_group())
+            self.runner.pass_back(value)
         return value.cpu()
 
     @torch.no_grad()
