@@ -103,3 +103,17 @@ def test_slots_only_without_a_collate_fn_and_with_workers():
     assert get_data_loader(ds, 4, 1, 0, num_workers=2, collate_fn=lambda s: s).slots is None
     with pytest.raises(ValueError, match="per_worker=0"):
         BatchSlots(workers=2, per_worker=0)
+
+
+def test_a_batch_pinned_by_torchs_loader_frees_its_slot_without_another_copy():
+    slots = BatchSlots(workers=1, per_worker=2)
+    flags = slots.flags.numpy()
+    flags[:] = 1
+    batch = (torch.arange(6).reshape(2, 3), {"y": torch.ones(2)})
+    assert slots.copy_out(batch, 1, copied=True) is batch  # torch's pin thread made the copy
+    assert flags.tolist() == [1, 0]
+    mine = slots.copy_out(batch, 0)
+    assert flags.tolist() == [0, 0]
+    assert_same(mine, batch)
+    assert mine[0].untyped_storage().data_ptr() != batch[0].untyped_storage().data_ptr()
+    assert slots.copy_out(batch, None) is batch  # a batch collated outside the slots
