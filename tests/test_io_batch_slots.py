@@ -65,6 +65,7 @@ def test_kept_batches_equal_default_collate_while_slots_are_reused():
             for a, b in zip(ours, theirs):
                 assert_same(a, b)
                 assert not a[0]["image"].is_shared()  # the loop's own memory, not a slot
+            assert not loader.slots._held  # the pass over, the loader keeps no slot mapped
 
 
 @pytest.mark.timeout(120)

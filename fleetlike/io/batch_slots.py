@@ -77,6 +77,11 @@ class BatchSlots:
         """Mark every slot free and unmap the slots: in the loader's process, before a pass's
         workers start (a batch an abandoned pass left unread is never read)."""
         self.flags.zero_()
+        self.unmap()
+
+    def unmap(self) -> None:
+        """Let go of the slots mapped in this process (at the end of a pass: the workers' memory
+        is returned once they exit, not kept by the loader between passes)."""
         self._held.clear()
 
     def acquire(self) -> int | None:

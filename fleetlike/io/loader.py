@@ -184,6 +184,8 @@ class _Pass:
         if self.thread is not None:
             self.thread.join()
         self.source = iter(())  # drops torch's iterator: its workers shut down
+        if self.owner.slots is not None:
+            self.owner.slots.unmap()
 
 
 class DistributedDataLoader:
