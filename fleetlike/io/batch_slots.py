@@ -2,9 +2,10 @@
 
 Why: torch's ``default_collate`` in a loader worker stacks every batch into a *new* shared-memory
 tensor, so the kernel allocates and zeroes fresh tmpfs pages for each batch and maps them page
-by page: 100-140 µs per 224x224 image here, a fifth of a worker's time once decoding is fast
-(``python -m bench.image_input``; writing into pages already mapped costs 5 µs). `BatchSlots`
-gives each worker a few slots of shared memory, created once per pass and reused: a worker
+by page: 132 µs per 224x224 image here against 7 µs into pages already mapped
+(``python -m bench.image_decode``), a fifth of a worker's time once decoding is fast
+(``python -m bench.image_input``: 1.20-1.26x images/s). `BatchSlots` gives each worker a few
+slots of shared memory, made at its first batches and reused while it lives: a worker
 collates a batch into a free slot and marks it taken; the loader's process copies the batch out
 of the slot into its own memory (the tensors the training loop receives, which it may keep as
 long as it likes) and frees the slot. A worker that finds no free slot (the loader's process is
@@ -56,7 +57,8 @@ class BatchSlots:
     that fills a slot and the process that empties it see one flag. A slot's storages live in
     its worker (made on first use, grown when a batch outgrows them) and go with each batch as
     torch sends any shared tensor; the loader's process keeps the last batch of each slot
-    (its storages stay mapped), so the next batch in the slot maps nothing new."""
+    until the pass ends (its storages stay mapped), so the next batch in the slot maps nothing
+    new."""
 
     def __init__(self, workers: int, per_worker: int) -> None:
         if workers < 1 or per_worker < 1:
@@ -125,14 +127,15 @@ class BatchSlots:
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` made on this thread alone: torch's ``clone`` of a batch-sized tensor
     runs on the intra-op thread pool, whose threads then spin for work on the cores the loader's
-    workers decode on (6x the copy's own time here); numpy's copy is one ``memcpy``."""
-    if tensor.layout is torch.strided and tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES:
+    workers decode on; numpy's copy of a contiguous tensor is one ``memcpy`` (the same strides)."""
+    if (tensor.layout is torch.strided and tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES
+            and tensor.is_contiguous() and not tensor.requires_grad and not tensor.is_neg()):
         return torch.from_numpy(tensor.numpy().copy())
     return tensor.clone()
 
 
 _NUMPY_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128})
+                           torch.float32, torch.float64, torch.bool})
 
 
 def _place(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
