@@ -17,7 +17,8 @@ other in one process with one torch thread, ``--reps`` interleaved rounds, the m
   image) + ``PILToTensor`` against ``Decoder.array`` + ``PILToTensor`` (no PIL image), for the
   bench's transform and for the ResNet example's training transform
   (``RandomResizedCrop(224)``, flip, ``ToTensor``, ``Normalize``), and the collate's copy per
-  image (a batch of 64 stacked; in a DataLoader worker the batch is a new shared-memory segment).
+  image (a batch of 64 stacked; in a DataLoader worker torch's collate makes the batch a new
+  shared-memory segment, fleetlike's loader a reused slot, which its process copies out).
 
 Writes ``docs/benchmarks/image_decode.json`` / ``.png`` and the section of docs/BENCHMARKS.md.
 
@@ -43,6 +44,7 @@ from torch.utils.data._utils.collate import default_collate
 from bench._common import Column, format_table, median, replace_section, run_info, save_figure, save_json
 from bench.io import make_images
 from fleetlike.io import Compose, Decoder, Normalize, PILToTensor, RandomHorizontalFlip, RandomResizedCrop, ToTensor
+from fleetlike.io.batch_slots import BatchSlots, SlotCollate
 
 __all__ = ["main"]
 
@@ -102,24 +104,43 @@ def rows_for(blobs: list[bytes], size: int) -> dict[str, Callable[[int], Any]]:
     return rows
 
 
+class _Worker:
+    """What ``get_worker_info()`` returns in a DataLoader worker (the fields read here)."""
+
+    id = 0
+
+
 def collate_us(blobs: list[bytes], batch: int = 64) -> dict[str, float]:
-    """µs per image of the collate into a batch of ``batch``: in this process's memory, and in
-    shared memory as a DataLoader worker does it (a new segment per batch, which the main process
-    maps)."""
+    """µs per image of the collate into a batch of ``batch``: in this process's memory; in
+    shared memory as torch's ``default_collate`` does it in a DataLoader worker (a new segment per
+    batch); into a reused slot as fleetlike's loader does it in a worker (`BatchSlots`), and the
+    copy out of the slot that the loader's process then makes."""
     from torch.utils.data._utils import worker
 
     decoder, to_tensor = Decoder("auto"), PILToTensor()
     samples = [(to_tensor(decoder.array(b)), 0) for b in blobs[:batch]]
+    slots = BatchSlots(workers=1, per_worker=1)
+    slotted = SlotCollate(slots)
+    received: list[Any] = []
+
+    def into_slot() -> None:
+        received[:] = [slotted(samples)]
+        slots.release(0)
+
     out = {}
-    for name, info in ((f"collate, batch of {batch} (per image)", None),
-                       (f"collate in a worker, shared memory, batch of {batch} (per image)", object())):
+    for name, info, fn in ((f"collate, batch of {batch} (per image)", None, lambda: default_collate(samples)),
+                           (f"collate in a worker, shared memory, batch of {batch} (per image)", _Worker(),
+                            lambda: default_collate(samples)),
+                           (f"collate in a worker, reused slot, batch of {batch} (per image)", _Worker(), into_slot),
+                           (f"copy out of the slot, batch of {batch} (per image)", None,
+                            lambda: slots.copy_out(received[0][0], 0))):
         saved, worker._worker_info = worker._worker_info, info  # what get_worker_info() reads
         try:
-            default_collate(samples)
+            fn()
             times = []
             for _ in range(20):
                 t0 = time.perf_counter()
-                default_collate(samples)
+                fn()
                 times.append(time.perf_counter() - t0)
         finally:
             worker._worker_info = saved
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         per = {name: median(v) for name, v in times.items()} | collate_us(blobs)
         for name, us in per.items():
             rows.append({"size": f"{size}x{size}", "row": name, "us": us, "images_s": 1e6 / us,
-                         "vs_pillow": per["Pillow"] / us if not name.startswith("collate") else None})
+                         "vs_pillow": per["Pillow"] / us if not name.startswith(("collate", "copy out")) else None})
     _, tv_reason = torchvision_decoder()
     print(format_table(COLUMNS, rows))
     if tv_reason:
@@ -217,10 +238,12 @@ def section(payload: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                f"{us(size, 'Pillow'):.0f} µs; from bytes to the tensor, `Decoder.array` + `PILToTensor` takes "
                f"{us(size, 'Decoder.array + PILToTensor'):.0f} µs against {us(size, 'Decoder (PIL image) + PILToTensor'):.0f}"
                f" µs through the PIL image ({saved:.0f} µs saved per image: the PIL image's copy and its conversion "
-               "back to an array). In a loader worker the collate's copy into a new shared-memory batch costs "
+               "back to an array). In a loader worker torch's collate copies into a new shared-memory batch, "
                f"{us(size, 'collate in a worker, shared memory, batch of 64 (per image)'):.0f} µs per image "
-               f"(against {us(size, 'collate, batch of 64 (per image)'):.0f} µs in the process's own memory): "
-               "torch's DataLoader pays it for every reader, packed, folder or library. "
+               f"(against {us(size, 'collate, batch of 64 (per image)'):.0f} µs in the process's own memory): the "
+               "kernel allocates and zeroes the new segment's pages; fleetlike's loader collates into a reused "
+               f"slot, {us(size, 'collate in a worker, reused slot, batch of 64 (per image)'):.0f} µs, and its "
+               f"process copies the batch out, {us(size, 'copy out of the slot, batch of 64 (per image)'):.0f} µs. "
                f"DCT-domain scaling to half size (where a transform shrinks an image 2x or more) takes simplejpeg "
                f"{us(size, 'simplejpeg, scaled to half size'):.0f} µs and Pillow's draft "
                f"{us(size, 'Pillow, draft to half size'):.0f} µs; fleetlike does not use it (it changes the pixels "

@@ -14,6 +14,9 @@ fleetlike datasets do with an array-taking transform), as:
   ``img2tfrecord`` wrote from the same list (cold: the record files' pages dropped);
 - **packed, warm, Pillow decoder**: the decoder forced to Pillow (the run-time choice is
   simplejpeg when installed);
+- **packed, warm, torch's collate**: ``collate_fn=default_collate`` given to the loader, so the
+  workers stack each batch into new shared memory as torch's own loader does, instead of into
+  the loader's reused slots (`fleetlike.io.batch_slots`): what the slots save;
 - **packed in file order, cold**: the packed files cold, the loader not shuffling
   (``shuffle=False``): the records are read in the order they were written, as the library rows
   read theirs, so the kernel's readahead fetches many records per device read;
@@ -72,6 +75,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
 
 from bench._common import Column, cpu_lock, format_table, median, replace_section, run_info, save_figure, save_json
 from bench.image_libs import decode_sample, drop_cache, library_modes
@@ -88,6 +92,7 @@ SECTION = "## Packed image input (`IndexTFRDataset`) vs small files"
 LIBRARIES = ("WebDataset", "litdata")
 LOCAL, MEMORY = "local disk", "memory"
 BOUND = "decode bound (bytes in memory)"
+TORCH_COLLATE = "packed, warm, torch's collate"
 BLOCK = 64  # records per block of the block-shuffle rows (8 blocks to a window: the sampler's default)
 THROTTLES = ("cloud_ssd_volume=3000/125", "standard_hdd_volume=500/60", "hdd=150/150")
 COLUMNS = [Column("storage", "storage"), Column("mode", "mode"), Column("images_s", "images/s", "{:.0f}"),
@@ -219,9 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     folder_files = [path for path, _ in entries]
     transform = PILToTensor()
 
-    def loader(ds: Dataset[Any], shuffle: bool = True, block: int | None = None) -> Any:
+    def loader(ds: Dataset[Any], shuffle: bool = True, block: int | None = None, collate: Any = None) -> Any:
         return get_data_loader(ds, BATCH, 1, 0, shuffle, num_workers=args.workers, prefetch=2,
-                               persistent_workers=False, block_size=block)
+                               persistent_workers=False, block_size=block, collate_fn=collate)
 
     folder_ds = ImageListDataset(data, listing, transform=transform)
     packed_ds = IndexTFRDataset(packed, "train.index", transform)
@@ -239,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         [(LOCAL, "folder, cold", cold(folder_files, folder_ds)), (LOCAL, "folder, warm", lambda: count(loader(folder_ds)))],
         [(LOCAL, "packed, cold", cold(records, packed_ds)), (LOCAL, "packed, warm", lambda: count(loader(packed_ds)))],
         [(LOCAL, "packed, warm, Pillow decoder", lambda: count(loader(pillow_ds)))],
+        [(LOCAL, TORCH_COLLATE, lambda: count(loader(packed_ds, collate=default_collate)))],
         [(LOCAL, "packed in file order, cold", cold(records, packed_ds, shuffle=False))],
         [(LOCAL, "packed, block shuffle, cold", cold(records, block_ds)),
          (LOCAL, "packed, block shuffle, warm", lambda: count(loader(block_ds)))],
@@ -368,12 +374,15 @@ def reading(rows: list[dict[str, Any]], skipped: dict[str, str], passes: dict[st
              f"packed, warm reaches {packed_warm['vs_bound']:.0%} of the decode bound (goal >= 90%; "
              f"{spread(LOCAL, 'packed, warm')})"]
     if other is not None:
+        rounds = [p / o for p, o in zip(passes[f"{LOCAL}: packed, warm"], passes[f"{LOCAL}: {other['mode']}"])]
         lines.append(f"and {packed_warm['images_s'] / other['images_s']:.2f}x the best library row "
-                     f"({other['mode']}, {other['images_s']:.0f} images/s, {spread(LOCAL, other['mode'])}; goal >= 1)")
+                     f"({other['mode']}, {other['images_s']:.0f} images/s, {spread(LOCAL, other['mode'])}; goal >= 1; "
+                     f"round by round {', '.join(f'{x:.2f}' for x in rounds)})")
     lines.append(f"and {packed_warm['images_s'] / r[(LOCAL, 'folder, warm')]['images_s']:.2f}x the folder read warm")
     text = ", ".join(lines) + ". "
     folder_ratio = r[(LOCAL, "folder, warm")]["images_s"] / r[(LOCAL, "folder, cold")]["images_s"]
     decoder_ratio = packed_warm["images_s"] / r[(LOCAL, "packed, warm, Pillow decoder")]["images_s"]
+    slots_ratio = packed_warm["images_s"] / r[(LOCAL, TORCH_COLLATE)]["images_s"]
     ceiling = r[(MEMORY, BOUND)]["images_s"] / r[(LOCAL, "folder, cold")]["images_s"]
     text += (f"On the local disk a cold read is cheap: dropping the files' pages costs the folder only "
              f"{folder_ratio:.2f}x (warm / cold), and the decode bound is {ceiling:.2f}x the folder read cold "
@@ -381,10 +390,12 @@ def reading(rows: list[dict[str, Any]], skipped: dict[str, str], passes: dict[st
              "reader that decodes every image can be more than that over small files there, so the 3x goal is "
              "out of reach on this disk whatever the format; "
              "decode is the cost left, and the run-time decoder "
-             f"(`simplejpeg`) gives {decoder_ratio:.2f}x Pillow on the same records. The decode bound goes "
-             "through `get_data_loader` (a shuffled sampler, as the packed and folder rows); the library rows "
-             "use their own loaders (the same per-sample decode, transform and collate) and read their files in order, "
-             "so a library row can pass it by the difference of the loaders' own costs.")
+             f"(`simplejpeg`) gives {decoder_ratio:.2f}x Pillow on the same records. "
+             f"The loader's reused shared-memory slots give {slots_ratio:.2f}x torch's collate (each batch "
+             "stacked into new shared memory, whose pages the kernel allocates and zeroes per batch) on the same "
+             "records. The decode bound goes through `get_data_loader` (a shuffled sampler and the slots, as the "
+             "packed and folder rows); the library rows use their own loaders (the same per-sample decode and "
+             "transform, torch's collate) and read their files in order.")
     for st in storages:
         per = {mode: r[(st, mode)].get("reads_per_image") for mode in
                ("folder, cold", "packed, cold", "packed in file order, cold", "packed, block shuffle, cold",

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from fleetlike.comm.cuda import use_device
+from fleetlike.io.batch_slots import BatchSlots, SlotCollate, map_tensors
 from fleetlike.io.file_cache import files_cache, register_cache
 from fleetlike.io.job import current_device, io_settings
 from fleetlike.io.readahead import HintingSampler
@@ -63,31 +64,32 @@ class Skipped:
 class _Collated(NamedTuple):
     batch: Any
     skipped: tuple[Skipped, ...]
+    slot: int | None = None  # the `BatchSlots` slot the batch is in (copied out, then freed)
 
 
 class _SkipCollate:
-    """Collate the samples that were read; carry the skipped ones beside (picklable for workers)."""
+    """Collate the samples that were read; carry the skipped ones beside (picklable for workers).
+    Without a ``collate_fn`` of the user's, ``default_collate`` into a reused shared-memory slot
+    where one is free (`SlotCollate`)."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, slots: BatchSlots | None = None) -> None:
+        self.collate_fn = collate_fn or default_collate
+        self.slotted = SlotCollate(slots) if slots is not None and collate_fn is None else None
 
     def __call__(self, samples: list[Any]) -> _Collated:
         kept = [s for s in samples if not isinstance(s, Skipped)]
         skipped = tuple(s for s in samples if isinstance(s, Skipped))
-        return _Collated(self.collate_fn(kept) if kept else None, skipped)
+        if not kept:
+            return _Collated(None, skipped)
+        if self.slotted is not None:
+            batch, slot = self.slotted(kept)
+            return _Collated(batch, skipped, slot)
+        return _Collated(self.collate_fn(kept), skipped)
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``batch`` with every tensor in it (tuples, lists, dicts, nested) moved to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device, non_blocking) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def _record_stream(batch: Any, stream: Any) -> None:
@@ -116,7 +118,10 @@ class _Pass:
 
     def __init__(self, owner: DistributedDataLoader) -> None:
         self.owner = owner
+        if owner.slots is not None:
+            owner.slots.reset()  # before the workers start: no batch of an earlier pass is read
         self.source = iter(owner.loader)
+        self.pinned = bool(getattr(self.source, "_pin_memory", False))  # torch's pin thread copies
         self.device = owner.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda and owner.prefetch else None
@@ -128,6 +133,8 @@ class _Pass:
             self.thread.start()
 
     def _move(self, item: _Collated) -> tuple[_Collated, Any]:
+        if item.slot is not None:  # out of the worker's slot into memory of our own, the slot freed
+            item = _Collated(self.owner.slots.copy_out(item.batch, item.slot, self.pinned), item.skipped)  # type: ignore[union-attr]
         if self.device.type == "cpu":
             return item, None
         if self.stream is None:
@@ -177,6 +184,8 @@ class _Pass:
         if self.thread is not None:
             self.thread.join()
         self.source = iter(())  # drops torch's iterator: its workers shut down
+        if self.owner.slots is not None:
+            self.owner.slots.unmap()
 
 
 class DistributedDataLoader:
@@ -184,9 +193,9 @@ class DistributedDataLoader:
     `epoch_wait` (seconds waited on data), `skipped`; save `state_dict()`."""
 
     def __init__(self, loader: DataLoader, sampler: Sampler[int] | None, batch_size: int,
-                 drop_last: bool, prefetch: int, device: torch.device) -> None:
+                 drop_last: bool, prefetch: int, device: torch.device, slots: BatchSlots | None = None) -> None:
         self.loader, self.sampler, self.batch_size, self.drop_last = loader, sampler, batch_size, drop_last
-        self.prefetch, self.device = prefetch, device
+        self.prefetch, self.device, self.slots = prefetch, device, slots
         self.dataset = loader.dataset
         self._lock = threading.Lock()
         self._pass: _Pass | None = None
@@ -392,13 +401,16 @@ def get_data_loader(
                           generator=generator, **extra)
     if "sampler" in extra:
         extra["sampler"] = _hinting(dataset, sampler)
+    # the workers collate default_collate's batches into reused shared memory (BatchSlots): a slot
+    # for each batch a worker can have ahead of the loader (prefetch_factor), and one being filled
+    slots = BatchSlots(num_workers, (prefetch_factor or 2) + 1) if num_workers > 0 and collate_fn is None else None
     loader = DataLoader(
-        dataset, num_workers=num_workers, collate_fn=_SkipCollate(collate_fn or default_collate),
+        dataset, num_workers=num_workers, collate_fn=_SkipCollate(collate_fn, slots),
         pin_memory=pin, timeout=timeout, worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context, generator=generator, **extra,
     )
     return DistributedDataLoader(loader, sampler if batch_sampler is None else batch_sampler,  # type: ignore[arg-type]
-                                 batch_size, drop_last, prefetch, target)
+                                 batch_size, drop_last, prefetch, target, slots)
 
 
 def _hinting(dataset: Dataset[Any], sampler: Sampler[int] | None) -> Sampler[int] | None:
