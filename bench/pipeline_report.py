@@ -17,8 +17,8 @@ from typing import Any
 
 from bench._common import Column, format_table
 
-__all__ = ["COLUMNS", "HANDOFF_COLUMNS", "P2P_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "idle_of",
-           "load", "plot", "section", "slower"]
+__all__ = ["COLUMNS", "HANDOFF_COLUMNS", "P2P_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "add_expected", "add_replays",
+           "expected_of", "idle_of", "load", "plot", "section", "slower"]
 
 
 #: `bench.pipeline_handoff`'s table: one handoff by transport
@@ -32,11 +32,19 @@ HANDOFF_COLUMNS = [
     Column("shm_post_us", "shared memory isend posting (us)", "{:.0f}"),
 ]
 
+def _list(v: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in v)
+
+
 #: `bench.pipeline_runs`' table: repeated runs summarised
 RUN_COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
-    Column("per_run", "slower stage's idle / bubble, per run", lambda v: ", ".join(f"{x:.2f}" for x in v)),
+    Column("per_run", "slower stage's idle (median step) / bubble, per run", _list),
     Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
+    Column("expected", "expected idle at the measured stages (median of runs)", "{:.3f}"),
+    Column("per_run_expected", "idle / expected, per run", _list),
+    Column("median_expected", "median ", "{:.2f}"), Column("within_expected", "runs within 20 % "),
+    Column("spread", "per-step idle p10-p90 / bubble (median of runs)", lambda v: f"{v[0]:.2f}-{v[1]:.2f}"),
     Column("ratio", "fleetlike / torch, same group (min-max)", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
     Column("ratio_gloo", "fleetlike / torch on gloo (min-max)",
            lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"),
@@ -46,7 +54,16 @@ COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
     Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
     Column("ratio", "ratio", "{:.2f}"), Column("torch_gloo_steps_s", "torch on gloo steps/s", "{:.1f}"),
-    Column("ratio_gloo", "ratio to torch on gloo", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("ratio_gloo", "ratio to torch on gloo", "{:.2f}"),
+    Column("idle_median", "idle, median step", "{:.3f}"),
+    Column("idle_p10", "p10", "{:.3f}"), Column("idle_p90", "p90", "{:.3f}"),
+    Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("expected_schedule", "expected: stages' ops only", "{:.3f}"),
+    Column("expected", "expected: + time outside the schedule", "{:.3f}"),
+    Column("forward_s", "forward (ms)", lambda v: f"{v * 1e3:.2f}"),
+    Column("backward_s", "backward (ms)", lambda v: f"{v * 1e3:.2f}"),
+    Column("outside_s", "outside the schedule per step (ms)", lambda v: f"{v * 1e3:.1f}"),
+    Column("idle", "asleep (schedstat)", "{:.3f}"),
     Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
     Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
     Column("handoffs", "per-micro-batch waits", "{:.3f}"),
@@ -69,7 +86,9 @@ P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("t
                 Column("ratio", "torch / fleetlike", "{:.2f}")]
 SUMMARY_COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
-    Column("pinned_idle", "idle, a core per stage", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_idle", "idle, a core per stage (median step)", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_expected", "expected at the measured stages", "{:.3f}"),
+    Column("pinned_xe", "/ expected", "{:.2f}"),
     Column("pinned_core", "waiting for a core", "{:.3f}"),
     Column("shared_idle", "idle, stages sharing the cores", "{:.3f}"), Column("shared_x", "/ bubble ", "{:.2f}"),
     Column("shared_core", "waiting for a core ", "{:.3f}")]
@@ -80,17 +99,43 @@ def load(path: Path) -> dict[str, Any] | None:
 
 
 def slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
-    """The stage that computes longest: its idle is the pipeline's bubble; the faster stage
-    also idles the difference every micro-batch."""
-    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["compute_s"])
+    """The stage that computes longest per micro-batch (its median forward + backward; the
+    total compute where a run has no medians): its idle is the pipeline's bubble; the faster
+    stage also idles the difference every micro-batch."""
+    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)),
+               key=lambda r: r["forward_s"] + r["backward_s"] if "forward_s" in r else r["compute_s"])
 
 
 def idle_of(row: dict[str, Any]) -> float:
     """A stage's idle fraction: the clock's time inside the schedule's receives (and the loss's
-    handoff) over the steps' time. Not the kernel's sleeping time: a shared-memory receive polls
-    (50 us, then up to 2 ms yielding its core) before it sleeps, and the kernel counts that poll
-    as running."""
-    return float(row["waited"])
+    handoff) over the step's time, the median over the measured steps (one step a machine
+    hiccup stretches moves a total over the steps, not the median); runs saved before the
+    per-step record: the total over the steps. Not the kernel's sleeping time: a shared-memory
+    receive polls (50 us, then up to 2 ms yielding its core) before it sleeps, and the kernel
+    counts that poll as running."""
+    return float(row["idle_median"] if "idle_median" in row else row["waited"])
+
+
+def expected_of(row: dict[str, Any]) -> float:
+    """The idle fraction the stage's row expects from the stages' measured op times and time
+    outside the schedule (`add_expected`); NaN for runs saved without them."""
+    return float(row.get("expected", float("nan")))
+
+
+def add_expected(rows: list[dict[str, Any]]) -> None:
+    """Add to each row the idle fraction its stage would have in back-to-back steps with every
+    op at its stage's median time and free handoffs (`bench.pipeline_timeline.expected_idle`):
+    ``expected_schedule`` from the forwards and backwards alone (the bubble (p-1)/(m+p-1)
+    generalised to unequal stages), ``expected`` with each stage's time outside the schedule
+    too (the update: no stage idles then, so it dilutes the fraction)."""
+    from bench.pipeline_timeline import StageTimes, expected_idle
+
+    for mode, m in sorted({(r["schedule"], r["m"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["stage"])
+        full = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"], r["outside_s"]) for r in mine])
+        ops = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"]) for r in mine])
+        for r, e, o in zip(mine, full, ops):
+            r["expected"], r["expected_schedule"] = e, o
 
 
 def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -103,6 +148,8 @@ def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> li
             slow = slower(run["rows"], mode, m) if have and run else None
             row[f"{name}_idle"] = idle_of(slow) if slow else float("nan")
             row[f"{name}_x"] = idle_of(slow) * (m + 1) if slow else float("nan")
+            row[f"{name}_expected"] = expected_of(slow) if slow else float("nan")
+            row[f"{name}_xe"] = idle_of(slow) / expected_of(slow) if slow else float("nan")
             row[f"{name}_core"] = slow["runnable"] if slow else float("nan")
         out.append(row)
     return out

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import format_table, run_info, save_json
-from bench.pipeline_report import RUN_COLUMNS, idle_of, slower
+from bench.pipeline_report import RUN_COLUMNS, expected_of, idle_of, slower
 
 __all__ = ["main", "summarise"]
 
@@ -35,13 +35,21 @@ OUT = ROOT / "docs" / "benchmarks" / "pipeline_runs.json"
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (schedule, m) over ``runs`` (each a `bench.pipeline` JSON)."""
     keys = sorted({(r["schedule"], r["m"]) for run in runs for r in run["rows"]})
+    nan = float("nan")
     out = []
     for mode, m in keys:
         have = [run for run in runs if any((r["schedule"], r["m"]) == (mode, m) for r in run["rows"])]
-        ratios = [idle_of(slower(run["rows"], mode, m)) * (m + 1) for run in have]
+        slow = [slower(run["rows"], mode, m) for run in have]
+        ratios = [idle_of(r) * (m + 1) for r in slow]
+        vs_expected = [idle_of(r) / expected_of(r) for r in slow]
+        spread = [(r.get("idle_p10", nan) * (m + 1), r.get("idle_p90", nan) * (m + 1)) for r in slow]
         firsts = [next(r for r in run["rows"] if (r["schedule"], r["m"], r["stage"]) == (mode, m, 0)) for run in have]
         out.append({"schedule": mode, "m": m, "bubble": 1 / (m + 1), "per_run": ratios,
                     "median": statistics.median(ratios), "within": f"{sum(0.8 <= x <= 1.2 for x in ratios)} of {len(ratios)}",
+                    "expected": statistics.median(expected_of(r) for r in slow), "per_run_expected": vs_expected,
+                    "median_expected": statistics.median(vs_expected),
+                    "within_expected": f"{sum(0.8 <= x <= 1.2 for x in vs_expected)} of {len(vs_expected)}",
+                    "spread": (statistics.median(a for a, _ in spread), statistics.median(b for _, b in spread)),
                     "ratio": [r["ratio"] for r in firsts],
                     "ratio_gloo": [r["ratio_gloo"] for r in firsts if "ratio_gloo" in r]})
     return out
