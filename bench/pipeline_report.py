@@ -42,6 +42,7 @@ RUN_COLUMNS = [
     Column("per_run", "slower stage's idle (median step) / bubble, per run", _list),
     Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
     Column("expected", "expected idle at the measured stages (median of runs)", "{:.3f}"),
+    Column("expected_latency", "expected + handoff latency", "{:.3f}"),
     Column("per_run_expected", "idle / expected, per run", _list),
     Column("median_expected", "median ", "{:.2f}"), Column("within_expected", "runs within 20 % "),
     Column("spread", "per-step idle p10-p90 / bubble (median of runs)", lambda v: f"{v[0]:.2f}-{v[1]:.2f}"),
@@ -60,12 +61,13 @@ COLUMNS = [
     Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
     Column("expected_schedule", "expected: stages' ops only", "{:.3f}"),
     Column("expected", "expected: + time outside the schedule", "{:.3f}"),
+    Column("expected_latency", "expected: + handoff latency", "{:.3f}"),
     Column("forward_s", "forward (ms)", lambda v: f"{v * 1e3:.2f}"),
     Column("backward_s", "backward (ms)", lambda v: f"{v * 1e3:.2f}"),
     Column("outside_s", "outside the schedule per step (ms)", lambda v: f"{v * 1e3:.1f}"),
     Column("idle", "asleep (schedstat)", "{:.3f}"),
     Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
-    Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
+    Column("waited", "in waits, total over the steps", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
     Column("handoffs", "per-micro-batch waits", "{:.3f}"),
     Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
     Column("replay_balance", "replay: stages' medians", "{:.3f}"),
@@ -127,15 +129,20 @@ def add_expected(rows: list[dict[str, Any]]) -> None:
     op at its stage's median time and free handoffs (`bench.pipeline_timeline.expected_idle`):
     ``expected_schedule`` from the forwards and backwards alone (the bubble (p-1)/(m+p-1)
     generalised to unequal stages), ``expected`` with each stage's time outside the schedule
-    too (the update: no stage idles then, so it dilutes the fraction)."""
+    too (the update: no stage idles then, so it dilutes the fraction), and ``expected_latency``
+    with each handoff taking the run's median handoff latency (``handoff_us``, `add_replays`)
+    as well: what is left between it and the measured idle is the ops' jitter."""
     from bench.pipeline_timeline import StageTimes, expected_idle
 
     for mode, m in sorted({(r["schedule"], r["m"]) for r in rows}):
         mine = sorted((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["stage"])
         full = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"], r["outside_s"]) for r in mine])
         ops = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"]) for r in mine])
-        for r, e, o in zip(mine, full, ops):
-            r["expected"], r["expected_schedule"] = e, o
+        lat = mine[0].get("handoff_us", float("nan")) * 1e-6
+        late = (expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"], r["outside_s"]) for r in mine],
+                              latency=lat) if lat == lat else [float("nan")] * len(mine))
+        for r, e, o, x in zip(mine, full, ops, late):
+            r["expected"], r["expected_schedule"], r["expected_latency"] = e, o, x
 
 
 def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -111,10 +111,11 @@ class StageTimes:
     outside: float = 0.0
 
 
-def expected_idle(schedule: str, m: int, stages: Sequence[StageTimes], steps: int = 6) -> list[float]:
+def expected_idle(schedule: str, m: int, stages: Sequence[StageTimes], steps: int = 6,
+                  latency: float = 0.0) -> list[float]:
     """Each stage's idle fraction of a step in the steady state of back-to-back steps, when
-    every op takes its stage's ``stages[s]`` time and handoffs are free: the bubble at the
-    stages' own balance. Equal stages with nothing outside the ops give (p-1)/(m+p-1); a slower
+    every op takes its stage's ``stages[s]`` time and each handoff ``latency`` seconds (default
+    free): the bubble at the stages' own balance. Equal stages with nothing outside the ops give (p-1)/(m+p-1); a slower
     stage idles less than that, a faster one more (it waits for the slower every micro-batch),
     and time outside the schedule (the update) dilutes every stage's fraction.
 
@@ -145,7 +146,7 @@ def expected_idle(schedule: str, m: int, stages: Sequence[StageTimes], steps: in
 
     if steps < 2:
         raise ValueError(f"expected_idle: steps={steps}; the period needs at least 2 steps")
-    period = replay(ops(steps)).span - replay(ops(steps - 1)).span
+    period = replay(ops(steps), latency).span - replay(ops(steps - 1), latency).span
     return [(period - m * (t.forward + t.backward) - t.outside) / period for t in stages]
 
 

@@ -119,5 +119,9 @@ def test_time_outside_the_schedule_dilutes_the_idle() -> None:
     m, u = 8, 5.0
     got = expected_idle("FThenB", m, [StageTimes(1.0, 2.0, u)] * 2)
     assert got == pytest.approx([3.0 / ((m + 1) * 3.0 + u)] * 2)
+    # 1F1B at 2 stages pays a handoff's round trip every 2 micro-batches (see above), GPipe 2
+    lat = 0.1
+    assert expected_idle("FThenB", m, [StageTimes(1.0, 2.0)] * 2, latency=lat) == pytest.approx(
+        [(3.0 + 2 * lat) / ((m + 1) * 3.0 + 2 * lat)] * 2)
     with pytest.raises(ValueError, match="steps=1"):
         expected_idle("FThenB", m, [StageTimes(1.0, 2.0)] * 2, steps=1)
