@@ -187,9 +187,15 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
              "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
              "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
              "micro-batch): the clock's time inside the schedule's receives and the loss's handoff over the "
-             "steps' time (*in waits* below; a shared-memory receive polls up to 2 ms before it sleeps, so "
-             "the kernel's sleeping time, *idle* below, leaves part of each wait out), against the bubble "
-             "(p-1)/(m+p-1):\n\n"
+             "step's time, per step over 30 steps run back to back after 3 left out, their median (*idle, "
+             "median step* below; a shared-memory receive polls up to 2 ms before it sleeps, so the kernel's "
+             "sleeping time, *asleep* below, leaves part of each wait out). Beside the bubble "
+             "(p-1)/(m+p-1), which assumes equal stages and nothing but the schedule in a step, the idle "
+             "the run's own measured stage times imply (*expected at the measured stages*: back-to-back "
+             "steps replayed with every forward and backward at its stage's median and each stage's "
+             "update and other work outside the schedule, handoffs free; `bench.pipeline_timeline."
+             "expected_idle`). Runs saved before the per-step record (the stages-sharing-the-cores column "
+             "where its run is older) quote the total over their steps:\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
              + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _handoff(handoff) + _GLOSSARY]
     for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
@@ -217,19 +223,31 @@ def _repeated(runs: dict[str, Any] | None) -> str:
         return ""
     dates = sorted(r["date"] for r in runs["runs"])
     how = "a core per stage" if all(r["pinned"] for r in runs["runs"]) else "some runs sharing the cores"
+    out = runs.get("left_out", [])
+    dropped = (f"; left out: {len(out)} run(s) in which a stage waited for a core more than "
+               f"{runs['max_core_wait']:.2f} of its steps (another job on its core: "
+               + ", ".join(f"{r['core_wait']:.2f} at {r['date']}" for r in out) + ")") if out else ""
     return (f"Repeated runs ({len(runs['runs'])} of `{runs['runs'][0]['command']}`, {how}, {dates[0]} to "
-            f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON):\n\n"
+            f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON{dropped}):\n\n"
             + format_table(RUN_COLUMNS, runs["rows"], markdown=True) + "\n\n")
 
 
 _GLOSSARY = (
-    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
+    "Per stage: *idle, median step*, *p10*, *p90* = the per-step idle fractions' median and spread; "
+    "*expected: stages' ops only* = the idle of back-to-back steps with each stage's forwards and backwards "
+    "at their median (*forward*, *backward*: each with its share of the schedule's work between ops), "
+    "the bubble (p-1)/(m+p-1) generalised to unequal stages; *+ time outside the schedule* = with each "
+    "stage's per-step time outside its ops and waits too (*outside the schedule per step*: the update, "
+    "slicing the batch; no stage idles then, so it dilutes the fraction); *+ handoff latency* = with each "
+    "handoff taking the run's median *handoff latency* as well (the rest up to the measured idle is the "
+    "ops' jitter). "
+    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *asleep* = asleep "
     "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
     "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: stage 1 "
     "computes each block's input gradient, stage 0's first block needs none); *waiting for a core* = "
     "runnable but not running; *not computing* = 1 - (forward, backward and update time) / (step time). "
-    "*in waits* = wall time inside the schedule's receives and the loss's handoff (the clock's "
-    "idle); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
+    "*in waits, total over the steps* = wall time inside the schedule's receives and the loss's handoff "
+    "over the steps' total (the clock's idle, the statistic quoted before the per-step median); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
     "and the loss's handoff, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
     "and backwards (their order and durations, one clock for both ranks) replayed on the schedule's "
     "dependencies (`bench/pipeline_timeline.py`), the idle over the measured step time: at each stage's "
@@ -301,6 +319,9 @@ def plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Pat
                 run_ms = sorted({r["m"] for r in run["rows"] if r["schedule"] == mode})
                 axes[1].plot(run_ms, [idle_of(slower(run["rows"], mode, m)) for m in run_ms], marker=marker, ls=ls,
                              label=f"{mode}, {how}")
+                if run is main_run and all("expected" in r for r in run["rows"]):
+                    axes[1].plot(run_ms, [expected_of(slower(run["rows"], mode, m)) for m in run_ms], marker=marker,
+                                 ls="-.", alpha=0.6, label=f"{mode}, expected at the measured stages")
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})
     axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")

@@ -5,8 +5,9 @@ same over the idle the run's own stage times imply (`bench.pipeline_report.add_e
 stages' median forward and backward and their update, unequal stages and all); the per-step
 spread; and fleetlike's steps/s over torch's schedule (stage 0: the pipeline's step).
 
-One run is one machine moment; the idle at m = 16 moves with the load, so the docs quote
-repeated runs. Each run takes the CPU lock by itself (the loop is the caller's)::
+One run is one machine moment; the idle moves with the load, so the docs quote repeated runs,
+leaving out (and naming) a run in which a stage waited for a core more than ``--max-core-wait``
+of its steps: another job held its core. Each run takes the CPU lock by itself (the loop is the caller's)::
 
     for i in 1 2 3 4 5; do
         flock /tmp/fleetlike-cpu.lock python -m bench.pipeline --no-docs --out /tmp/pipe_$i.json
@@ -29,10 +30,17 @@ from typing import Any
 from bench._common import format_table, run_info, save_json
 from bench.pipeline_report import RUN_COLUMNS, add_expected, expected_of, idle_of, slower
 
-__all__ = ["main", "summarise"]
+__all__ = ["core_wait", "main", "summarise"]
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "pipeline_runs.json"
+
+def core_wait(run: dict[str, Any]) -> float:
+    """The largest fraction of its steps any stage of ``run`` spent runnable but not running (the
+    kernel's schedstat): other processes on its core. A run where that is large measured the
+    machine's other jobs, not the pipeline."""
+    return max(float(r["runnable"]) for r in run["rows"])
+
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (schedule, m) over ``runs`` (each a `bench.pipeline` JSON); the
@@ -66,13 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="bench.pipeline JSON files")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--max-core-wait", type=float, default=0.05,
+                    help="leave out a run in which a stage waited for a core (runnable, not running: other "
+                         "processes on its core) more than this fraction of its steps, in any configuration")
     args = ap.parse_args(argv)
-    runs = [json.loads(Path(p).read_text()) for p in args.runs]
+    loaded = [json.loads(Path(p).read_text()) for p in args.runs]
+    runs = [r for r in loaded if core_wait(r) <= args.max_core_wait]
+    left_out = [r for r in loaded if core_wait(r) > args.max_core_wait]
+    for r in left_out:
+        print(f"left out: {r['info']['command']} ({r['info']['date']}): a stage waited for a core "
+              f"{core_wait(r):.2f} of its steps (load average {r['load_end']:.1f} at the end)")
+    if not runs:
+        raise SystemExit(f"every run waited for a core more than --max-core-wait {args.max_core_wait}")
     rows = summarise(runs)
     print(format_table(RUN_COLUMNS, rows))
+
+    def brief(r: dict[str, Any]) -> dict[str, Any]:
+        return {"date": r["info"]["date"], "command": r["info"]["command"], "pinned": r["pinned"],
+                "load_end": r["load_end"], "core_wait": core_wait(r)}
     save_json(Path(args.out), {"info": run_info("bench.pipeline_runs", argv), "rows": rows,
-                               "runs": [{"date": r["info"]["date"], "command": r["info"]["command"],
-                                         "pinned": r["pinned"], "load_end": r["load_end"]} for r in runs]})
+                               "max_core_wait": args.max_core_wait, "runs": [brief(r) for r in runs],
+                               "left_out": [brief(r) for r in left_out]})
     return 0
 
 
