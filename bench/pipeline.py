@@ -491,6 +491,22 @@ def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     return out
 
 
+def _block_split() -> dict[str, Any]:
+    """Each block's forward + backward ms on one micro-batch (`fleetlike.pipeline.split.
+    block_seconds`, one thread, median of 15; the first block computes no input gradient), the
+    split `pipeline_configs.balance = "time"` makes of them, and each stage's ms at every
+    contiguous 2-stage split: whether a better balanced split exists."""
+    from fleetlike.pipeline.split import block_seconds, plan_stages
+
+    torch.set_num_threads(1)
+    net = _plain_net()
+    per = [t for _, t in block_seconds(net, torch.randn(MICRO_ROWS, WIDTH), reps=15)]
+    plan = plan_stages(net, STAGES, seconds=per)
+    return {"block_ms": [t * 1e3 for t in per], "time_split": [plan.names(s) for s in range(STAGES)],
+            "params_split": [plan_stages(net, STAGES).names(s) for s in range(STAGES)],
+            "stage_ms_by_split": {str(k): [sum(per[:k]) * 1e3, sum(per[k:]) * 1e3] for k in range(1, BLOCKS)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7, help="steps per implementation in the steps/s comparison")
@@ -523,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
     predicted = _predicted(configs)
+    blocks = _block_split()
+    print(f"blocks' forward + backward (ms): {[round(t, 2) for t in blocks['block_ms']]}; split by time "
+          f"{blocks['time_split']}, by parameters {blocks['params_split']}")
     for r in rows:
         r["predicted_steps_s"] = 1 / predicted[(r["schedule"], r["m"])]
         r["predicted_ratio"] = r["predicted_steps_s"] / r["fleetlike_steps_s"]
@@ -540,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         del r["timeline"]
     save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin,
                     "load_end": os.getloadavg()[0],
-                    "rows": rows, "p2p": p2p})
+                    "rows": rows, "p2p": p2p, "blocks": blocks})
     if not args.no_docs:
         _write_docs()
     else:
