@@ -41,6 +41,7 @@ RUN_COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
     Column("per_run", "slower stage's idle (median step) / bubble, per run", _list),
     Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
+    Column("left_out", "left out", lambda v: f"{v}"),
     Column("expected", "expected idle at the measured stages (median of runs)", "{:.3f}"),
     Column("expected_latency", "expected + handoff latency", "{:.3f}"),
     Column("per_run_expected", "idle / expected, per run", _list),
@@ -223,10 +224,8 @@ def _repeated(runs: dict[str, Any] | None) -> str:
         return ""
     dates = sorted(r["date"] for r in runs["runs"])
     how = "a core per stage" if all(r["pinned"] for r in runs["runs"]) else "some runs sharing the cores"
-    out = runs.get("left_out", [])
-    dropped = (f"; left out: {len(out)} run(s) in which a stage waited for a core more than "
-               f"{runs['max_core_wait']:.2f} of its steps (another job on its core: "
-               + ", ".join(f"{r['core_wait']:.2f} at {r['date']}" for r in out) + ")") if out else ""
+    dropped = (f"; *left out*: the runs of a row in which a stage waited for a core more than "
+               f"{runs['max_core_wait']:.2f} of its steps, another job on its core") if "max_core_wait" in runs else ""
     return (f"Repeated runs ({len(runs['runs'])} of `{runs['runs'][0]['command']}`, {how}, {dates[0]} to "
             f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON{dropped}):\n\n"
             + format_table(RUN_COLUMNS, runs["rows"], markdown=True) + "\n\n")
