@@ -195,8 +195,7 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
              "the run's own measured stage times imply (*expected at the measured stages*: back-to-back "
              "steps replayed with every forward and backward at its stage's median and each stage's "
              "update and other work outside the schedule, handoffs free; `bench.pipeline_timeline."
-             "expected_idle`). Runs saved before the per-step record (the stages-sharing-the-cores column "
-             "where its run is older) quote the total over their steps:\n\n"
+             "expected_idle`):\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
              + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _handoff(handoff) + _GLOSSARY]
     for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
