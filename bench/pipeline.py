@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import format_table, interleaved_timings, median, replace_section, run_info, save_json
-from bench.pipeline_report import COLUMNS, P2P_COLUMNS, add_replays, load, plot, section
+from bench.pipeline_report import COLUMNS, P2P_COLUMNS, add_expected, add_replays, load, plot, section
 from fleetlike.plan.pipeline import pipeline_step_seconds
 from fleetlike.plan.saved import Metered, SavedBytesMeter
 
@@ -124,7 +124,8 @@ def pin_to_core(core: int | None) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool, p2p: str = "auto") -> list[dict[str, Any]]:
+def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool, p2p: str = "auto",
+          idle_steps: int = 30, idle_warmup: int = 3) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -187,7 +188,7 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool, p2p: 
         del out
         # the stage's busy time inside real steps: its forwards, and each backward from the
         # output's gradient arriving to the first block's weight gradient (the last computed)
-        spent = _busy_time(model, opt, fleet_step, reps)
+        spent = _busy_time(model, opt, fleet_step, idle_steps, idle_warmup)
         step = median(times["fleetlike"])
         total = spent["total"]
         rows.append({"schedule": mode, "m": m, "stage": hcg.stage_id, "fleetlike_steps_s": 1 / step,
@@ -197,7 +198,11 @@ def _rank(role: Any, configs: list[tuple[str, int]], reps: int, pin: bool, p2p: 
                      "p2p": p2p,
                      "idle": spent["blocked"] / total, "runnable": spent["runnable"] / total,
                      "not_computing": 1 - (spent["compute"] + spent["update"]) / total,
-                     "compute_s": spent["compute"] / reps, "bubble": 1 / (m + 1),
+                     "compute_s": spent["compute"] / idle_steps, "bubble": 1 / (m + 1),
+                     "idle_steps": spent["idle_steps"], "idle_median": statistics.median(spent["idle_steps"]),
+                     "idle_p10": _quantile(spent["idle_steps"], 0.1), "idle_p90": _quantile(spent["idle_steps"], 0.9),
+                     "forward_s": spent["forward_s"], "backward_s": spent["backward_s"],
+                     "outside_s": spent["outside_s"], "steps_measured": idle_steps, "warmup_steps": idle_warmup,
                      "waited": spent["waited"] / total, "edges": spent["edges"] / total,
                      "handoffs": spent["handoffs"] / total, "median_wait_us": spent["median_wait"] * 1e6,
                      "handoff_count": spent["handoff_count"], "cpus": cpus,
@@ -222,12 +227,26 @@ def _thread_sched() -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
-def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
-    """Where ``reps`` steps' time went on this stage's thread: ``total``; ``compute`` (its
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank below)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+def _busy_time(model: Any, opt: Any, step: Any, reps: int, warmup: int = 0) -> dict[str, Any]:
+    """Where ``reps`` steps' time went on this stage's thread, after ``warmup`` steps run
+    back to back and left out (the first steps after the barrier fill the pipeline from
+    rest; caches and the allocator settle): ``total``; ``compute`` (its
     forwards, and each backward from the output's gradient arriving to the first block's weight
     gradient, the last computed); ``update`` (the optimizer's); ``on_cpu`` and ``runnable`` (the
     kernel's schedstat: on a core, and ready but waiting for one -- other processes' share of
-    the cores); ``blocked`` = the rest: asleep in a receive, waiting for a neighbour."""
+    the cores); ``blocked`` = the rest: asleep in a receive, waiting for a neighbour.
+    Step by step: ``idle_steps``, each step's time in the schedule's waits over the step's
+    time (the statistic the docs quote is their median: one step that a machine hiccup
+    stretches moves a total, not a median); ``forward_s`` / ``backward_s``, the median forward
+    and backward, each with its share of the schedule's work between ops (the steps' median);
+    ``outside_s``, the median step's time outside its ops and waits (the update, the loss's
+    handoff, slicing the batch): what `bench.pipeline_timeline.expected_idle` needs."""
     stage = model.stage
     plain = stage._run
     first = next(stage.parameters())
@@ -267,6 +286,7 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     opt.step = timed_step
     waits = _WaitLog(model)
     step_times: list[float] = []
+    bounds: list[tuple[float, float]] = []
     collections: list[float] = []  # seconds of each garbage collection inside the steps
     started = [0.0]
 
@@ -279,6 +299,15 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     gc.callbacks.append(on_gc)
     try:
         model.hcg.get_pipe_parallel_group().barrier()
+        for _ in range(warmup):
+            waits.new_step()
+            forwards.append([])
+            backwards.append([])
+            timeline.append([])
+            step()
+        for kept in (forwards, backwards, timeline, waits.steps, collections):
+            kept.clear()
+        busy[0] = update[0] = 0.0
         cpu0, wait0 = _thread_sched()
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -289,6 +318,7 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
             t_step = time.perf_counter()
             step()
             step_times.append(time.perf_counter() - t_step)
+            bounds.append((t_step, t_step + step_times[-1]))
         total = time.perf_counter() - t0
         cpu1, wait1 = _thread_sched()
     finally:
@@ -301,8 +331,29 @@ def _busy_time(model: Any, opt: Any, step: Any, reps: int) -> dict[str, float]:
     return {"total": total, "compute": busy[0], "update": update[0], "on_cpu": on_cpu, "runnable": runnable,
             "blocked": total - on_cpu - runnable, **waits.summary(model.hcg.is_first_stage()),
             **_uniformity(forwards, backwards), "timeline": timeline, "step_times": step_times,
+            **_per_step(timeline, waits.steps, step_times),
             "gc_per_step": len(collections) / reps, "gc_s": sum(collections) / total,
             "gc_max_ms": max(collections, default=0.0) * 1e3}
+
+
+def _per_step(timeline: list[list[tuple[str, int, float, float]]], waits: list[dict[str, Any]],
+              step_times: list[float]) -> dict[str, Any]:
+    """Per step: the idle fraction (time in waits / step time); and the stage's typical op
+    and outside times for the expectation (see `_busy_time`)."""
+    idle, gaps, outside = [], [], []
+    for ops, st, took in zip(timeline, waits, step_times):
+        waited = sum(t1 - t0 for _, t0, t1 in st["waits"]) + st["loss"]
+        idle.append(waited / took)
+        first, last = ops[0][2], ops[-1][3]
+        inside = sum(t1 - t0 for _, t0, t1 in st["waits"] if t0 >= first and t1 <= last)
+        # between the ops: the schedule's bookkeeping, posting sends, the last stage's loss
+        gaps.append(max(0.0, (last - first) - sum(e - b for _, _, b, e in ops) - inside))
+        outside.append(max(0.0, took - (last - first) - (waited - inside)))
+    m = sum(1 for op in timeline[0] if op[0] == "F")
+    share = statistics.median(gaps) / (2 * m)
+    return {"idle_steps": idle, "outside_s": statistics.median(outside),
+            "forward_s": statistics.median([e - b for ops in timeline for k, _, b, e in ops if k == "F"]) + share,
+            "backward_s": statistics.median([e - b for ops in timeline for k, _, b, e in ops if k == "B"]) + share}
 
 
 def _uniformity(forwards: list[list[float]], backwards: list[list[float]]) -> dict[str, float]:
@@ -341,7 +392,7 @@ class _WaitLog:
         t0 = time.perf_counter()
         self.plain_recv(into, peer, kind)
         if self.steps and kind != "loss_recv":  # the loss's handoff is timed with `_loss`
-            self.steps[-1]["waits"].append((kind, time.perf_counter() - t0))
+            self.steps[-1]["waits"].append((kind, t0, time.perf_counter()))
 
     def _loss(self, losses: Any) -> Any:
         t0 = time.perf_counter()
@@ -366,11 +417,12 @@ class _WaitLog:
         for st in self.steps:
             waits = st["waits"]
             wanted = "bwd_recv" if first_stage else "fwd_recv"
-            ramp = next((i for i, (kind, _) in enumerate(waits) if wanted in kind), None)
+            took = [t1 - t0 for _, t0, t1 in waits]
+            ramp = next((i for i, (kind, _, _) in enumerate(waits) if wanted in kind), None)
             edge_idx = {i for i in (ramp, len(waits) - 1) if i is not None}
-            waited += sum(t for _, t in waits) + st["loss"]
-            edges += sum(waits[i][1] for i in edge_idx) + st["loss"]
-            others += [t for i, (_, t) in enumerate(waits) if i not in edge_idx]
+            waited += sum(took) + st["loss"]
+            edges += sum(took[i] for i in edge_idx) + st["loss"]
+            others += [t for i, t in enumerate(took) if i not in edge_idx]
         return {"waited": waited, "edges": edges, "handoffs": waited - edges,
                 "median_wait": statistics.median(others) if others else 0.0,
                 "handoff_count": len(others) / max(len(self.steps), 1)}
@@ -439,9 +491,29 @@ def _predicted(configs: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     return out
 
 
+def _block_split() -> dict[str, Any]:
+    """Each block's forward + backward ms on one micro-batch (`fleetlike.pipeline.split.
+    block_seconds`, one thread, median of 15; the first block computes no input gradient), the
+    split `pipeline_configs.balance = "time"` makes of them, and each stage's ms at every
+    contiguous 2-stage split: whether a better balanced split exists."""
+    from fleetlike.pipeline.split import block_seconds, plan_stages
+
+    torch.set_num_threads(1)
+    net = _plain_net()
+    per = [t for _, t in block_seconds(net, torch.randn(MICRO_ROWS, WIDTH), reps=15)]
+    plan = plan_stages(net, STAGES, seconds=per)
+    return {"block_ms": [t * 1e3 for t in per], "time_split": [plan.names(s) for s in range(STAGES)],
+            "params_split": [plan_stages(net, STAGES).names(s) for s in range(STAGES)],
+            "stage_ms_by_split": {str(k): [sum(per[:k]) * 1e3, sum(per[k:]) * 1e3] for k in range(1, BLOCKS)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=7, help="steps per implementation in the steps/s comparison")
+    ap.add_argument("--idle-steps", type=int, default=30,
+                    help="steps back to back whose idle is measured, per schedule and m (the median of their "
+                         "per-step idle fractions is quoted)")
+    ap.add_argument("--idle-warmup", type=int, default=3, help="steps run before those and left out")
     ap.add_argument("--micro", default="4,8,16", help="micro-batch counts")
     ap.add_argument("--out", default=None, help="the JSON to write (default docs/benchmarks/pipeline.json, "
                     "pipeline_shared.json under --no-pin); the docs section reads both defaults")
@@ -462,10 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     pin = len(os.sched_getaffinity(0)) >= STAGES if args.pin is None else args.pin
 
     configs = [(mode, int(m)) for m in args.micro.split(",") for mode in ("1F1B", "FThenB")]
-    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, args.p2p, timeout=1200)
+    per_rank = run_ranks(_rank, STAGES, configs, args.reps, pin, args.p2p, args.idle_steps, args.idle_warmup,
+                         timeout=1200)
     rows = [r for rank_rows in per_rank for r in rank_rows]
     rows.sort(key=lambda r: (r["schedule"], r["m"], r["stage"]))
     predicted = _predicted(configs)
+    blocks = _block_split()
+    print(f"blocks' forward + backward (ms): {[round(t, 2) for t in blocks['block_ms']]}; split by time "
+          f"{blocks['time_split']}, by parameters {blocks['params_split']}")
     for r in rows:
         r["predicted_steps_s"] = 1 / predicted[(r["schedule"], r["m"])]
         r["predicted_ratio"] = r["predicted_steps_s"] / r["fleetlike_steps_s"]
@@ -474,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         per_micro = [q["compute_s"] / q["m"] for q in rows if (q["schedule"], q["m"]) == (r["schedule"], r["m"])]
         r["bubble_measured_stages"] = 1 - r["compute_s"] / pipeline_step_seconds(per_micro, r["m"])
     add_replays(rows)
+    add_expected(rows)
     print(format_table(COLUMNS, rows))
     p2p = run_ranks(_p2p, STAGES, [64 << 10, 1 << 20, 4 << 20], args.reps, pin, args.p2p, timeout=600)[0]
     print(format_table(P2P_COLUMNS, p2p))
@@ -482,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         del r["timeline"]
     save_json(out, {"info": run_info("bench.pipeline", argv), "pinned": pin,
                     "load_end": os.getloadavg()[0],
-                    "rows": rows, "p2p": p2p})
+                    "rows": rows, "p2p": p2p, "blocks": blocks})
     if not args.no_docs:
         _write_docs()
     else:

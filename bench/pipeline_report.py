@@ -17,8 +17,8 @@ from typing import Any
 
 from bench._common import Column, format_table
 
-__all__ = ["COLUMNS", "HANDOFF_COLUMNS", "P2P_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "add_replays", "idle_of",
-           "load", "plot", "section", "slower"]
+__all__ = ["COLUMNS", "HANDOFF_COLUMNS", "P2P_COLUMNS", "RUN_COLUMNS", "SUMMARY_COLUMNS", "add_expected", "add_replays",
+           "expected_of", "idle_of", "load", "plot", "section", "slower"]
 
 
 #: `bench.pipeline_handoff`'s table: one handoff by transport
@@ -32,11 +32,21 @@ HANDOFF_COLUMNS = [
     Column("shm_post_us", "shared memory isend posting (us)", "{:.0f}"),
 ]
 
+def _list(v: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in v)
+
+
 #: `bench.pipeline_runs`' table: repeated runs summarised
 RUN_COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
-    Column("per_run", "slower stage's idle / bubble, per run", lambda v: ", ".join(f"{x:.2f}" for x in v)),
+    Column("per_run", "slower stage's idle (median step) / bubble, per run", _list),
     Column("median", "median", "{:.2f}"), Column("within", "runs within 20 %"),
+    Column("left_out", "left out", lambda v: f"{v}"),
+    Column("expected", "expected idle at the measured stages (median of runs)", "{:.3f}"),
+    Column("expected_latency", "expected + handoff latency", "{:.3f}"),
+    Column("per_run_expected", "idle / expected, per run", _list),
+    Column("median_expected", "median ", "{:.2f}"), Column("within_expected", "runs within 20 % "),
+    Column("spread", "per-step idle p10-p90 / bubble (median of runs)", lambda v: f"{v[0]:.2f}-{v[1]:.2f}"),
     Column("ratio", "fleetlike / torch, same group (min-max)", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
     Column("ratio_gloo", "fleetlike / torch on gloo (min-max)",
            lambda v: f"{min(v):.2f}-{max(v):.2f}" if v else "-"),
@@ -46,9 +56,19 @@ COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("stage", "stage"),
     Column("fleetlike_steps_s", "fleetlike steps/s", "{:.1f}"), Column("torch_steps_s", "torch steps/s", "{:.1f}"),
     Column("ratio", "ratio", "{:.2f}"), Column("torch_gloo_steps_s", "torch on gloo steps/s", "{:.1f}"),
-    Column("ratio_gloo", "ratio to torch on gloo", "{:.2f}"), Column("idle", "idle", "{:.3f}"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("ratio_gloo", "ratio to torch on gloo", "{:.2f}"),
+    Column("idle_median", "idle, median step", "{:.3f}"),
+    Column("idle_p10", "p10", "{:.3f}"), Column("idle_p90", "p90", "{:.3f}"),
+    Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
+    Column("expected_schedule", "expected: stages' ops only", "{:.3f}"),
+    Column("expected", "expected: + time outside the schedule", "{:.3f}"),
+    Column("expected_latency", "expected: + handoff latency", "{:.3f}"),
+    Column("forward_s", "forward (ms)", lambda v: f"{v * 1e3:.2f}"),
+    Column("backward_s", "backward (ms)", lambda v: f"{v * 1e3:.2f}"),
+    Column("outside_s", "outside the schedule per step (ms)", lambda v: f"{v * 1e3:.1f}"),
+    Column("idle", "asleep (schedstat)", "{:.3f}"),
     Column("bubble_measured_stages", "bubble, measured stages", "{:.3f}"),
-    Column("waited", "in waits", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
+    Column("waited", "in waits, total over the steps", "{:.3f}"), Column("edges", "fill + drain waits", "{:.3f}"),
     Column("handoffs", "per-micro-batch waits", "{:.3f}"),
     Column("median_wait_us", "median per-micro-batch wait (us)", "{:.0f}"),
     Column("replay_balance", "replay: stages' medians", "{:.3f}"),
@@ -69,7 +89,9 @@ P2P_COLUMNS = [Column("bytes", "message", lambda n: f"{n >> 10} KiB"), Column("t
                 Column("ratio", "torch / fleetlike", "{:.2f}")]
 SUMMARY_COLUMNS = [
     Column("schedule", "schedule"), Column("m", "m"), Column("bubble", "(p-1)/(m+p-1)", "{:.3f}"),
-    Column("pinned_idle", "idle, a core per stage", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_idle", "idle, a core per stage (median step)", "{:.3f}"), Column("pinned_x", "/ bubble", "{:.2f}"),
+    Column("pinned_expected", "expected at the measured stages", "{:.3f}"),
+    Column("pinned_xe", "/ expected", "{:.2f}"),
     Column("pinned_core", "waiting for a core", "{:.3f}"),
     Column("shared_idle", "idle, stages sharing the cores", "{:.3f}"), Column("shared_x", "/ bubble ", "{:.2f}"),
     Column("shared_core", "waiting for a core ", "{:.3f}")]
@@ -80,17 +102,48 @@ def load(path: Path) -> dict[str, Any] | None:
 
 
 def slower(rows: list[dict[str, Any]], mode: str, m: int) -> dict[str, Any]:
-    """The stage that computes longest: its idle is the pipeline's bubble; the faster stage
-    also idles the difference every micro-batch."""
-    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["compute_s"])
+    """The stage that computes longest per micro-batch (its median forward + backward; the
+    total compute where a run has no medians): its idle is the pipeline's bubble; the faster
+    stage also idles the difference every micro-batch."""
+    return max((r for r in rows if (r["schedule"], r["m"]) == (mode, m)),
+               key=lambda r: r["forward_s"] + r["backward_s"] if "forward_s" in r else r["compute_s"])
 
 
 def idle_of(row: dict[str, Any]) -> float:
     """A stage's idle fraction: the clock's time inside the schedule's receives (and the loss's
-    handoff) over the steps' time. Not the kernel's sleeping time: a shared-memory receive polls
-    (50 us, then up to 2 ms yielding its core) before it sleeps, and the kernel counts that poll
-    as running."""
-    return float(row["waited"])
+    handoff) over the step's time, the median over the measured steps (one step a machine
+    hiccup stretches moves a total over the steps, not the median); runs saved before the
+    per-step record: the total over the steps. Not the kernel's sleeping time: a shared-memory
+    receive polls (50 us, then up to 2 ms yielding its core) before it sleeps, and the kernel
+    counts that poll as running."""
+    return float(row["idle_median"] if "idle_median" in row else row["waited"])
+
+
+def expected_of(row: dict[str, Any]) -> float:
+    """The idle fraction the stage's row expects from the stages' measured op times and time
+    outside the schedule (`add_expected`); NaN for runs saved without them."""
+    return float(row.get("expected", float("nan")))
+
+
+def add_expected(rows: list[dict[str, Any]]) -> None:
+    """Add to each row the idle fraction its stage would have in back-to-back steps with every
+    op at its stage's median time and free handoffs (`bench.pipeline_timeline.expected_idle`):
+    ``expected_schedule`` from the forwards and backwards alone (the bubble (p-1)/(m+p-1)
+    generalised to unequal stages), ``expected`` with each stage's time outside the schedule
+    too (the update: no stage idles then, so it dilutes the fraction), and ``expected_latency``
+    with each handoff taking the run's median handoff latency (``handoff_us``, `add_replays`)
+    as well: what is left between it and the measured idle is the ops' jitter."""
+    from bench.pipeline_timeline import StageTimes, expected_idle
+
+    for mode, m in sorted({(r["schedule"], r["m"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["schedule"], r["m"]) == (mode, m)), key=lambda r: r["stage"])
+        full = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"], r["outside_s"]) for r in mine])
+        ops = expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"]) for r in mine])
+        lat = mine[0].get("handoff_us", float("nan")) * 1e-6
+        late = (expected_idle(mode, m, [StageTimes(r["forward_s"], r["backward_s"], r["outside_s"]) for r in mine],
+                              latency=lat) if lat == lat else [float("nan")] * len(mine))
+        for r, e, o, x in zip(mine, full, ops, late):
+            r["expected"], r["expected_schedule"], r["expected_latency"] = e, o, x
 
 
 def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -103,6 +156,8 @@ def _summary(pinned: dict[str, Any] | None, shared: dict[str, Any] | None) -> li
             slow = slower(run["rows"], mode, m) if have and run else None
             row[f"{name}_idle"] = idle_of(slow) if slow else float("nan")
             row[f"{name}_x"] = idle_of(slow) * (m + 1) if slow else float("nan")
+            row[f"{name}_expected"] = expected_of(slow) if slow else float("nan")
+            row[f"{name}_xe"] = idle_of(slow) / expected_of(slow) if slow else float("nan")
             row[f"{name}_core"] = slow["runnable"] if slow else float("nan")
         out.append(row)
     return out
@@ -133,9 +188,14 @@ def section(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, title:
              "the cores (one thread each too) and writes `pipeline_shared.json`.\n\n"
              "The pipeline's idle is the slower stage's (the faster one also idles the difference every "
              "micro-batch): the clock's time inside the schedule's receives and the loss's handoff over the "
-             "steps' time (*in waits* below; a shared-memory receive polls up to 2 ms before it sleeps, so "
-             "the kernel's sleeping time, *idle* below, leaves part of each wait out), against the bubble "
-             "(p-1)/(m+p-1):\n\n"
+             "step's time, per step over 30 steps run back to back after 3 left out, their median (*idle, "
+             "median step* below; a shared-memory receive polls up to 2 ms before it sleeps, so the kernel's "
+             "sleeping time, *asleep* below, leaves part of each wait out). Beside the bubble "
+             "(p-1)/(m+p-1), which assumes equal stages and nothing but the schedule in a step, the idle "
+             "the run's own measured stage times imply (*expected at the measured stages*: back-to-back "
+             "steps replayed with every forward and backward at its stage's median and each stage's "
+             "update and other work outside the schedule, handoffs free; `bench.pipeline_timeline."
+             "expected_idle`):\n\n"
              + format_table(SUMMARY_COLUMNS, _summary(pinned, shared), markdown=True).replace("nan", "-")
              + "\n\n![pipeline](benchmarks/pipeline.png)\n\n" + _repeated(runs) + _handoff(handoff) + _GLOSSARY]
     for run, how in ((pinned, "a core per stage"), (shared, "stages sharing the cores")):
@@ -163,19 +223,29 @@ def _repeated(runs: dict[str, Any] | None) -> str:
         return ""
     dates = sorted(r["date"] for r in runs["runs"])
     how = "a core per stage" if all(r["pinned"] for r in runs["runs"]) else "some runs sharing the cores"
+    dropped = (f"; *left out*: the runs of a row in which a stage waited for a core more than "
+               f"{runs['max_core_wait']:.2f} of its steps, another job on its core") if "max_core_wait" in runs else ""
     return (f"Repeated runs ({len(runs['runs'])} of `{runs['runs'][0]['command']}`, {how}, {dates[0]} to "
-            f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON):\n\n"
+            f"{dates[-1]}, each under the CPU lock; `python -m bench.pipeline_runs` over their JSON{dropped}):\n\n"
             + format_table(RUN_COLUMNS, runs["rows"], markdown=True) + "\n\n")
 
 
 _GLOSSARY = (
-    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *idle* = asleep "
+    "Per stage: *idle, median step*, *p10*, *p90* = the per-step idle fractions' median and spread; "
+    "*expected: stages' ops only* = the idle of back-to-back steps with each stage's forwards and backwards "
+    "at their median (*forward*, *backward*: each with its share of the schedule's work between ops), "
+    "the bubble (p-1)/(m+p-1) generalised to unequal stages; *+ time outside the schedule* = with each "
+    "stage's per-step time outside its ops and waits too (*outside the schedule per step*: the update, "
+    "slicing the batch; no stage idles then, so it dilutes the fraction); *+ handoff latency* = with each "
+    "handoff taking the run's median *handoff latency* as well (the rest up to the measured idle is the "
+    "ops' jitter). "
+    "Where a stage's time goes, from the kernel's schedstat of its thread over real steps: *asleep* = asleep "
     "in a receive, waiting for its neighbour; *bubble, measured stages* = the bubble that idle would be at "
     "the stages' measured compute (`sum(t) + (m-1) max(t)` for per-micro-batch stage times `t`: stage 1 "
     "computes each block's input gradient, stage 0's first block needs none); *waiting for a core* = "
     "runnable but not running; *not computing* = 1 - (forward, backward and update time) / (step time). "
-    "*in waits* = wall time inside the schedule's receives and the loss's handoff (the clock's "
-    "idle); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
+    "*in waits, total over the steps* = wall time inside the schedule's receives and the loss's handoff "
+    "over the steps' total (the clock's idle, the statistic quoted before the per-step median); of it, *fill + drain waits* = the first wait for the neighbour's result, the step's last wait "
     "and the loss's handoff, *per-micro-batch waits* = the rest. *replay*: each stage's recorded forwards "
     "and backwards (their order and durations, one clock for both ranks) replayed on the schedule's "
     "dependencies (`bench/pipeline_timeline.py`), the idle over the measured step time: at each stage's "
@@ -247,6 +317,9 @@ def plot(pinned: dict[str, Any] | None, shared: dict[str, Any] | None, path: Pat
                 run_ms = sorted({r["m"] for r in run["rows"] if r["schedule"] == mode})
                 axes[1].plot(run_ms, [idle_of(slower(run["rows"], mode, m)) for m in run_ms], marker=marker, ls=ls,
                              label=f"{mode}, {how}")
+                if run is main_run and all("expected" in r for r in run["rows"]):
+                    axes[1].plot(run_ms, [expected_of(slower(run["rows"], mode, m)) for m in run_ms], marker=marker,
+                                 ls="-.", alpha=0.6, label=f"{mode}, expected at the measured stages")
         axes[2].plot(ms, [r["peak_micro"] for r in first], marker=marker, label=mode)
     ms = sorted({r["m"] for r in rows})
     axes[1].plot(ms, [1 / (m + 1) for m in ms], "k--", label="(p-1)/(m+p-1)")

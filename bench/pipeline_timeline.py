@@ -27,7 +27,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Op", "Replay", "handoff_latency", "median_durations", "replay", "with_extra_warmup"]
+__all__ = ["Op", "Replay", "StageTimes", "expected_idle", "handoff_latency", "median_durations", "replay",
+           "with_extra_warmup"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class Replay:
 
 
 def _needs(kind: str, micro: int, stage: int, stages: int) -> tuple[int, str, int] | None:
-    """The op on a neighbour that ``kind`` of ``micro`` on ``stage`` waits for, or None."""
+    """The op on a neighbour that ``kind`` of ``micro`` on ``stage`` waits for, or None (an
+    update, "U", waits for nobody)."""
+    if kind == "U":
+        return None
     if kind == "F":
         return (stage - 1, "F", micro) if stage > 0 else None
     return (stage + 1, "B", micro) if stage < stages - 1 else None
@@ -93,6 +97,57 @@ def replay(ops: Sequence[Sequence[Op]], latency: float = 0.0,
             raise ValueError(f"the stages' op orders deadlock: next ops {[o[n] if n < len(o) else None for o, n in zip(ops, nxt)]}")
     span = max(free)
     return Replay(span, [span - b for b in busy])
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One stage's typical seconds: a micro-batch's ``forward`` and ``backward`` (each with its
+    share of the schedule's work between ops), and ``outside``: the step's time outside its
+    forwards, backwards and waits (the optimizer's update, the loss's handoff, the batch's
+    slicing), which the stage spends once per step."""
+
+    forward: float
+    backward: float
+    outside: float = 0.0
+
+
+def expected_idle(schedule: str, m: int, stages: Sequence[StageTimes], steps: int = 6,
+                  latency: float = 0.0) -> list[float]:
+    """Each stage's idle fraction of a step in the steady state of back-to-back steps, when
+    every op takes its stage's ``stages[s]`` time and each handoff ``latency`` seconds (default
+    free): the bubble at the stages' own balance. Equal stages with nothing outside the ops give (p-1)/(m+p-1); a slower
+    stage idles less than that, a faster one more (it waits for the slower every micro-batch),
+    and time outside the schedule (the update) dilutes every stage's fraction.
+
+    The period is the step-to-step increment of the replayed span (``steps`` vs ``steps - 1``
+    steps, each stage's ops in `fleetlike.pipeline.runner.op_order`, an update after its last
+    backward); a stage's idle is the period less its ops and its outside time.
+
+    Example:
+        >>> expected_idle("FThenB", 4, [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0)])  # 1/(4+1)
+        [0.2, 0.2]
+        >>> [round(x, 3) for x in expected_idle("FThenB", 4, [StageTimes(1, 1.5), StageTimes(1, 2)])]
+        [0.31, 0.172]
+    """
+    from fleetlike.pipeline.runner import op_order
+
+    p = len(stages)
+
+    def ops(n: int) -> list[list[Op]]:
+        out = []
+        for s, t in enumerate(stages):
+            seq = []
+            for k in range(n):
+                seq += [Op(kind, k * m + i, 0.0, t.forward if kind == "F" else t.backward)
+                        for kind, i in op_order(schedule, m, p, s)]
+                seq.append(Op("U", k, 0.0, t.outside))
+            out.append(seq)
+        return out
+
+    if steps < 2:
+        raise ValueError(f"expected_idle: steps={steps}; the period needs at least 2 steps")
+    period = replay(ops(steps), latency).span - replay(ops(steps - 1), latency).span
+    return [(period - m * (t.forward + t.backward) - t.outside) / period for t in stages]
 
 
 def median_durations(steps: Sequence[Sequence[Sequence[Op]]]) -> Callable[[int, Op], float]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pipeline_timeline import Op, handoff_latency, median_durations, replay, with_extra_warmup
+from bench.pipeline_timeline import (Op, StageTimes, expected_idle, handoff_latency, median_durations, replay,
+                                     with_extra_warmup)
+from fleetlike.pipeline.runner import op_order
 
 
 def _order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
@@ -84,3 +86,42 @@ def test_an_order_that_cannot_run_is_refused() -> None:
     ops = [[Op("B", 0, 0.0, 1.0), Op("F", 0, 0.0, 1.0)], [Op("F", 0, 0.0, 1.0), Op("B", 0, 0.0, 1.0)]]
     with pytest.raises(ValueError, match="deadlock"):
         replay(ops)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "FThenB"])
+@pytest.mark.parametrize("stages,m", [(2, 1), (2, 4), (3, 5), (4, 8)])
+def test_the_runner_runs_torchs_op_order(schedule: str, stages: int, m: int) -> None:
+    for s in range(stages):
+        assert op_order(schedule, m, stages, s) == _order(schedule, s, stages, m)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "FThenB"])
+@pytest.mark.parametrize("stages,m", [(2, 4), (2, 16), (4, 8)])
+def test_expected_idle_of_equal_stages_is_the_bubble(schedule: str, stages: int, m: int) -> None:
+    got = expected_idle(schedule, m, [StageTimes(1.0, 2.0)] * stages)
+    assert got == pytest.approx([(stages - 1) / (m + stages - 1)] * stages)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "FThenB"])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_expected_idle_of_two_unequal_stages(schedule: str, m: int) -> None:
+    # stage 1 slower in both directions (t1 = 3.5 per micro-batch against t0 = 2.5): it idles
+    # t0 / (t0 + m t1) (the fill and the drain), the faster stage the rest of the period too
+    fast, slow = StageTimes(1.0, 1.5), StageTimes(1.25, 2.25)
+    t0, t1 = 2.5, 3.5
+    period = t0 + m * t1
+    assert expected_idle(schedule, m, [fast, slow]) == pytest.approx([(period - m * t0) / period, t0 / period])
+
+
+def test_time_outside_the_schedule_dilutes_the_idle() -> None:
+    # equal stages, each with an update u after its last backward: the idle per step stays
+    # the fill and the drain (f + b), the period grows by u
+    m, u = 8, 5.0
+    got = expected_idle("FThenB", m, [StageTimes(1.0, 2.0, u)] * 2)
+    assert got == pytest.approx([3.0 / ((m + 1) * 3.0 + u)] * 2)
+    # 1F1B at 2 stages pays a handoff's round trip every 2 micro-batches (see above), GPipe 2
+    lat = 0.1
+    assert expected_idle("FThenB", m, [StageTimes(1.0, 2.0)] * 2, latency=lat) == pytest.approx(
+        [(3.0 + 2 * lat) / ((m + 1) * 3.0 + 2 * lat)] * 2)
+    with pytest.raises(ValueError, match="steps=1"):
+        expected_idle("FThenB", m, [StageTimes(1.0, 2.0)] * 2, steps=1)

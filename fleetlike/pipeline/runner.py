@@ -34,9 +34,33 @@ import torch.distributed as dist
 
 from fleetlike.comm.torch_shm import ShmProcessGroup
 
-__all__ = ["StageRunner"]
+__all__ = ["StageRunner", "op_order"]
 
 _TAG = 0  # one kind of message per direction: activations forward, gradients back
+
+
+def op_order(schedule_mode: str, num_micro: int, num_stages: int, stage_id: int) -> list[tuple[str, int]]:
+    """The order of ``stage_id``'s forwards ("F") and backwards ("B") of micro-batches 0..m-1 in
+    one step, as torch's schedules run them: GPipe ("FThenB") every forward, then every
+    backward; 1F1B ``min(m, p - stage)`` warm-up forwards, then a backward and a forward in turn,
+    then the remaining backwards. Why a function: a model of the schedule (a replay of its
+    timeline) must run the same order as the step itself.
+
+    Example:
+        >>> op_order("1F1B", 4, 2, 0)
+        [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('F', 3), ('B', 2), ('B', 3)]
+    """
+    if schedule_mode != "1F1B":
+        return [("F", i) for i in range(num_micro)] + [("B", i) for i in range(num_micro)]
+    warm = min(num_micro, num_stages - stage_id)
+    order = [("F", i) for i in range(warm)]
+    f = warm
+    for b in range(num_micro):
+        order.append(("B", b))
+        if f < num_micro:
+            order.append(("F", f))
+            f += 1
+    return order
 
 
 class _Link:
@@ -114,17 +138,7 @@ class StageRunner:
         m = self.num_micro
         held: list[tuple[Any, Any, torch.Tensor | None]] = [(None, None, None)] * m  # (input, output, loss)
         sends: list[tuple[Any, torch.Tensor]] = []
-        if self.one_f_one_b:
-            order = [("F", i) for i in range(self.in_flight)]
-            f = self.in_flight
-            for b in range(m):
-                order.append(("B", b))
-                if f < m:
-                    order.append(("F", f))
-                    f += 1
-        else:
-            order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-        for kind, i in order:
+        for kind, i in op_order("1F1B" if self.one_f_one_b else "FThenB", m, self.num_stages, self.stage_id):
             if kind == "F":
                 held[i] = self._forward(i, shapes, inputs, targets, losses, sends)
             else:
