@@ -5,19 +5,27 @@ parameters' ``.grad`` are views into it, so every rank holds the whole gradient 
 fp32 parameter) although it steps only its partition. Stage 2 moves exactly the same bytes (the
 same buckets, owners and collectives) but holds a bucket only while it is needed:
 
-1. the bucket's buffer is allocated when its first gradient of a communicating backward lands
-   (`TransientBucket.materialise`; a bucket of one parameter adopts the gradient autograd made
-   instead, no copy), and the bucket's other parameters' ``.grad`` become views into it, so
-   autograd accumulates in place as at stage 1;
-2. it is reduce-scattered (on gloo: allreduced, each rank reading its segment) when full;
-3. once that is done (`TransientBucket.release`) this rank's segment is copied into the shard it
-   keeps, its own parameters' ``.grad`` become views into that shard, the others' are set to
-   None, and the buffer is dropped.
+1. the bucket's buffer is allocated, unfilled, when its first gradient of a communicating
+   backward lands (`TransientBucket.materialise`): each gradient is copied in as it lands
+   (autograd hands it over: nothing is added into zeros), the segments' padding is zeroed and a
+   parameter that got no gradient reads zeros at the launch; a bucket of one parameter adopts
+   the gradient autograd made instead, no copy;
+2. it is reduce-scattered (on gloo: allreduced, each rank reading its segment) when full; an
+   average is summed, and divided on the segment this rank keeps only (`release`);
+3. once that is done (`TransientBucket.release`) this rank's segment is copied (divided) into
+   the shard it keeps, its own parameters' ``.grad`` become views into that shard, the others'
+   are set to None, and the buffer is dropped.
 
-A bucket wholly owned by this rank is its shard: it stays allocated for good, exactly as at
-stage 1. So a rank keeps ``1/N`` of the gradients; at most `IN_FLIGHT` buckets are being
-reduced at once beside the one filling (`TransientReducer` waits for the oldest before it
-allocates another), so the transient memory is a few buckets, whatever the model's size.
+A bucket of several parameters wholly owned by this rank is its shard: it stays allocated for
+good, exactly as at stage 1. A bucket of one parameter this rank owns adopts its gradient too,
+and that gradient is the shard kept. Between steps the kept shards read zero (as after
+``zero_grad``); while a shard is still those zeros (its version counter unchanged) a
+communicating backward starts with its parameters' ``.grad`` None (`lift_zero_kept`), so their
+gradients land as the others' do and the zeros are neither copied into the bucket nor, for a
+one-parameter bucket, held beside the gradient being made. So a rank keeps ``1/N`` of the
+gradients; at most `IN_FLIGHT` buckets are being reduced beside the one filling
+(`TransientReducer` waits for the oldest before it allocates another), so the transient memory
+is a few buckets, whatever the model's size.
 
 Outside a communicating backward (``no_sync``, gradient-merge micro-steps) nothing is reduced:
 the gradients of the parameters this rank does not own are held whole, as autograd makes them
@@ -47,12 +55,12 @@ from fleetlike.comm import divide_
 
 __all__ = ["IN_FLIGHT", "TransientBucket", "TransientReducer", "transient_buckets"]
 
-#: buckets being reduced at once (besides the one filling): the next bucket waits for the oldest
-#: to be released first. One is enough to keep the link busy (the collectives of one ring run one
-#: after the other anyway: while bucket k is reduced, backward fills k + 1, and k + 2 waits for
-#: k), and bounds the transient memory to two buckets. At 201M parameters on 2 gloo ranks
-#: (docs/BENCHMARKS.md) the backward's peak with two in flight was 0.19 bytes per parameter
-#: above the forward's, two to three 16 MiB buckets, and the peak RSS 10.36 against 10.35 with one
+#: buckets being reduced at once besides the one filling: the next bucket waits for the oldest
+#: to be released first when more would be live. One is enough to keep the link busy (the
+#: collectives of one ring run one after the other anyway: while bucket k is reduced, backward
+#: fills k + 1, and k + 2 waits for k), and bounds the transient memory to two buckets. (Waiting
+#: for bucket k before k + 1 fills, as an earlier version did, left none in flight: at 8.4M
+#: parameters on 2 gloo ranks stage 2's backward stalled on each collective; docs/BENCHMARKS.md)
 IN_FLIGHT = 1
 
 
@@ -397,5 +405,7 @@ class TransientReducer(GradReducer):
     def transient_bytes(self) -> int:
         """The most bytes of buckets alive at once beyond the kept shards: ``in_flight`` being
         reduced and one filling, of the largest transient buckets (what the planner counts)."""
-        sizes = sorted((b.nbytes for b in self.buckets if not b.resident), reverse=True)
+        # a bucket of one parameter this rank owns is not counted: its gradient is the shard
+        # kept, whose zeros it replaces (`lift_zero_kept`)
+        sizes = sorted((b.nbytes for b in self.buckets if not b.resident and not b.adopts), reverse=True)
         return sum(sizes[: self.in_flight + 1])
