@@ -176,16 +176,8 @@ class TransientBucket(ShardedBucket):
         """Before the collective: the views of parameters whose gradient never landed (unused
         this backward) read zeros, the others' hold the copies; every ``.grad`` is its view."""
         for p, view in zip(self.params, self.views):
-            g = p.grad
-            if g is view:
-                continue
-            if g is None:
-                view.zero_()
-            elif g.is_sparse:
-                view.copy_(g.to_dense())
-            elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
-                view.copy_(g)
-            p.grad = view
+            if p.grad is not view:
+                GradReducer._fold(p, view)
 
     def release(self) -> None:
         """After the bucket's collective: keep this rank's segment, drop the rest (see the
