@@ -272,13 +272,22 @@ class ShardReduceScatter:
     def ring(self, index: int) -> Communicator:
         return self.rings[index % len(self.rings)]
 
+    def defers_division(self, bucket: Bucket) -> bool:
+        """Whether `start` sums ``bucket`` and leaves the average's division to the bucket (a
+        transient bucket, which divides only the segment it keeps, as it copies it out: the
+        flat allreduce form with ``op`` "avg"; the backend would divide the whole buffer)."""
+        return (self.op == "avg" and self.workers is None and hasattr(bucket, "divide_on_release")
+                and not getattr(bucket, "resident", True) and isinstance(bucket, ShardedBucket)
+                and (bucket.single is not None or self.via_allreduce))
+
     def start(self, bucket: Bucket) -> Work:
         if not isinstance(bucket, ShardedBucket):
             raise TypeError("ShardReduceScatter reduces ShardedBuckets (plan_shards), got a plain Bucket")
         if self.workers is None:
             ring = self.ring(bucket.index)
             if bucket.single is not None or self.via_allreduce:
-                return ring.all_reduce_async(bucket.buffer, self.op, agreed=True)
+                op = "sum" if self.defers_division(bucket) else self.op
+                return ring.all_reduce_async(bucket.buffer, op, agreed=True)
             return ring.reduce_scatter_async(bucket.buffer, self.op, out=bucket.segment_of(self.rank), agreed=True)
         return self.workers.submit(bucket.index, lambda: self.run(bucket))
 

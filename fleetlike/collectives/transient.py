@@ -5,19 +5,27 @@ parameters' ``.grad`` are views into it, so every rank holds the whole gradient 
 fp32 parameter) although it steps only its partition. Stage 2 moves exactly the same bytes (the
 same buckets, owners and collectives) but holds a bucket only while it is needed:
 
-1. the bucket's buffer is allocated when its first gradient of a communicating backward lands
-   (`TransientBucket.materialise`; a bucket of one parameter adopts the gradient autograd made
-   instead, no copy), and the bucket's other parameters' ``.grad`` become views into it, so
-   autograd accumulates in place as at stage 1;
-2. it is reduce-scattered (on gloo: allreduced, each rank reading its segment) when full;
-3. once that is done (`TransientBucket.release`) this rank's segment is copied into the shard it
-   keeps, its own parameters' ``.grad`` become views into that shard, the others' are set to
-   None, and the buffer is dropped.
+1. the bucket's buffer is allocated, unfilled, when its first gradient of a communicating
+   backward lands (`TransientBucket.materialise`): each gradient is copied in as it lands
+   (autograd hands it over: nothing is added into zeros), the segments' padding is zeroed and a
+   parameter that got no gradient reads zeros at the launch; a bucket of one parameter adopts
+   the gradient autograd made instead, no copy;
+2. it is reduce-scattered (on gloo: allreduced, each rank reading its segment) when full; an
+   average is summed, and divided on the segment this rank keeps only (`release`);
+3. once that is done (`TransientBucket.release`) this rank's segment is copied (divided) into
+   the shard it keeps, its own parameters' ``.grad`` become views into that shard, the others'
+   are set to None, and the buffer is dropped.
 
-A bucket wholly owned by this rank is its shard: it stays allocated for good, exactly as at
-stage 1. So a rank keeps ``1/N`` of the gradients; at most `IN_FLIGHT` buckets are being
-reduced at once beside the one filling (`TransientReducer` waits for the oldest before it
-allocates another), so the transient memory is a few buckets, whatever the model's size.
+A bucket of several parameters wholly owned by this rank is its shard: it stays allocated for
+good, exactly as at stage 1. A bucket of one parameter this rank owns adopts its gradient too,
+and that gradient is the shard kept. Between steps the kept shards read zero (as after
+``zero_grad``); while a shard is still those zeros (its version counter unchanged) a
+communicating backward starts with its parameters' ``.grad`` None (`lift_zero_kept`), so their
+gradients land as the others' do and the zeros are neither copied into the bucket nor, for a
+one-parameter bucket, held beside the gradient being made. So a rank keeps ``1/N`` of the
+gradients; at most `IN_FLIGHT` buckets are being reduced beside the one filling
+(`TransientReducer` waits for the oldest before it allocates another), so the transient memory
+is a few buckets, whatever the model's size.
 
 Outside a communicating backward (``no_sync``, gradient-merge micro-steps) nothing is reduced:
 the gradients of the parameters this rank does not own are held whole, as autograd makes them
@@ -43,15 +51,16 @@ import torch
 
 from fleetlike.collectives.reducer import GradReducer
 from fleetlike.collectives.sharded import ShardedBucket
+from fleetlike.comm import divide_
 
 __all__ = ["IN_FLIGHT", "TransientBucket", "TransientReducer", "transient_buckets"]
 
-#: buckets being reduced at once (besides the one filling): the next bucket waits for the oldest
-#: to be released first. One is enough to keep the link busy (the collectives of one ring run one
-#: after the other anyway: while bucket k is reduced, backward fills k + 1, and k + 2 waits for
-#: k), and bounds the transient memory to two buckets. At 201M parameters on 2 gloo ranks
-#: (docs/BENCHMARKS.md) the backward's peak with two in flight was 0.19 bytes per parameter
-#: above the forward's, two to three 16 MiB buckets, and the peak RSS 10.36 against 10.35 with one
+#: buckets being reduced at once besides the one filling: the next bucket waits for the oldest
+#: to be released first when more would be live. One is enough to keep the link busy (the
+#: collectives of one ring run one after the other anyway: while bucket k is reduced, backward
+#: fills k + 1, and k + 2 waits for k), and bounds the transient memory to two buckets. (Waiting
+#: for bucket k before k + 1 fills, as an earlier version did, left none in flight: at 8.4M
+#: parameters on 2 gloo ranks stage 2's backward stalled on each collective; docs/BENCHMARKS.md)
 IN_FLIGHT = 1
 
 
@@ -65,14 +74,25 @@ class TransientBucket(ShardedBucket):
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], owners: Sequence[int],
                  positions: Sequence[int], why: str | None = None, *, rank: int) -> None:
         self.rank = rank
-        self.resident = owners and all(r == rank for r in owners)
-        super().__init__(index, params, owners, positions, why, allocate=bool(self.resident))
-        self.live = bool(self.resident)
+        whole = bool(owners) and all(r == rank for r in owners)
+        #: this rank owns the bucket's one parameter: its gradient, adopted from autograd as it
+        #: lands, is the bucket and, once reduced, the shard kept (no resident buffer that
+        #: autograd's gradient is added into: one gradient less in memory while it is made)
+        self.adopts = whole and len(params) == 1
+        self.resident = whole and not self.adopts
+        super().__init__(index, params, owners, positions, why, allocate=self.resident)
+        self.live = self.resident
         self.kept: torch.Tensor | None = None
         self.kept_views: dict[int, torch.Tensor] = {}
+        #: the collective summed and left the division by the ranks' count to `release`, which
+        #: divides this rank's segment only, as it copies it out (1: nothing left to divide)
+        self.divide_on_release = 1
         if self.resident:
             self.kept = self.buffer
             self.kept_views = dict(enumerate(self.views))
+        elif self.adopts:
+            self.kept = torch.zeros_like(params[0], memory_format=torch.contiguous_format)
+            self.kept_views = {0: self.kept}
         elif self.single is None and self.owned(rank):
             self.kept = torch.zeros(self.segment, dtype=self.dtype, device=self.device)
             base = self.positions[rank] * self.segment
@@ -80,15 +100,33 @@ class TransientBucket(ShardedBucket):
                 o, p = self.offsets[j], self.params[j]
                 self.kept_views[j] = self.kept[o - base : o - base + p.numel()].view_as(p)
         self._placeholder = self.buffer if not self.resident else torch.zeros(0, dtype=self.dtype, device=self.device)
+        #: the kept shard's version counter when it was last zeroed (-1: not known to be zero)
+        self._zeroed_at = self.kept._version if self.kept is not None and not self.resident else -1
+        #: (start, end) of each segment's padding in the buffer: zeroed at every allocation
+        self._pads: list[tuple[int, int]] = []
+        if self.single is None:
+            fill = [0] * len(self.positions)
+            for p, r in zip(self.params, self.owners):
+                fill[r] += p.numel()
+            for r, used in enumerate(fill):
+                if used < self.segment:
+                    base = self.positions[r] * self.segment
+                    self._pads.append((base + used, base + self.segment))
 
     @property
     def kept_bytes(self) -> int:
         return 0 if self.kept is None else self.kept.numel() * self.kept.element_size()
 
     def materialise(self) -> None:
-        """Allocate the buffer and make every parameter's ``.grad`` its view, folding in the
-        gradients held so far (a micro-step's, a kept shard's local sum, the one that just
-        landed). A bucket of one parameter whose gradient is a tensor of its own adopts it."""
+        """Allocate the buffer, unfilled, and make the ``.grad`` of every parameter that holds
+        one so far (a micro-step's local sum, a kept shard's) its view, with that gradient
+        copied in; the others stay None until theirs lands, when the reducer copies it in
+        (`GradReducer._fold`), or until the bucket is launched, when a parameter that got none
+        reads zeros (`TransientReducer._launch`). So nothing is written twice: no memset of
+        the whole bucket before the gradients that overwrite it (at 8.4M parameters on 2
+        ranks, 24 MiB a bucket, that memset and autograd's add into the zeros were a tenth of
+        the backward). Only the segments' padding, which the collective sends, is zeroed. A
+        bucket of one parameter whose gradient is a tensor of its own adopts it."""
         if self.live:
             return
         if len(self.params) == 1 and self.single is not None:
@@ -100,22 +138,65 @@ class TransientBucket(ShardedBucket):
                 self.views = [g]
                 self.live = True
                 return
-        self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.live = True
-        for p, view in zip(self.params, self.views):
+        for lo, hi in self._pads:
+            self.buffer[lo:hi].zero_()
+        # the kept shard untouched since it was zeroed (its version counter, which every
+        # in-place write through any of its views bumps, autograd's accumulation included):
+        # its zeros need no copy, those parameters' gradients land like the others'
+        zeros = self.kept is not None and self.kept._version == self._zeroed_at
+        for j, (p, view) in enumerate(zip(self.params, self.views)):
             g = p.grad
-            if g is not None:
-                view.copy_(g.to_dense() if g.is_sparse else g)
+            if g is None:
+                continue
+            if zeros and g is self.kept_views.get(j):
+                p.grad = None
+                continue
+            view.copy_(g.to_dense() if g.is_sparse else g)
             p.grad = view
+
+    def lift_zero_kept(self) -> None:
+        """Before a communicating backward: while the kept shard is still the zeros it was set
+        to (its version counter unchanged), this rank's parameters' ``.grad`` are None rather
+        than views into it, so autograd hands their gradients over as it does the others'
+        instead of adding them into zeros that `materialise` would then copy into the bucket."""
+        if self.live or self.kept is None or self.kept._version != self._zeroed_at:
+            return
+        for j, view in self.kept_views.items():
+            p = self.params[j]
+            if p.grad is view:
+                p.grad = None
+        if self.adopts and self.params[0].grad is None:  # its zeros go: the gradient made next is the shard
+            self.kept = None
+            self.kept_views = {}
+
+    def fill_missing(self) -> None:
+        """Before the collective: the views of parameters whose gradient never landed (unused
+        this backward) read zeros, the others' hold the copies; every ``.grad`` is its view."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                GradReducer._fold(p, view)
 
     def release(self) -> None:
         """After the bucket's collective: keep this rank's segment, drop the rest (see the
-        module docstring)."""
+        module docstring). A deferred division (`divide_on_release`) is done here on the
+        segment kept only, in the same pass as its copy out."""
         if self.resident or not self.live:
             return
-        if self.kept is not None:
-            self.kept.copy_(self.segment_of(self.rank))
+        n, self.divide_on_release = self.divide_on_release, 1
+        if self.adopts:
+            if n != 1:
+                divide_(self.buffer, n)
+            self.kept = self.buffer.view_as(self.params[0])
+            self.kept_views = {0: self.kept}
+        elif self.kept is not None:
+            if n != 1 and self.kept.is_floating_point():
+                torch.div(self.segment_of(self.rank), n, out=self.kept)
+            else:
+                self.kept.copy_(self.segment_of(self.rank))
+                divide_(self.kept, n)
         for j, p in enumerate(self.params):
             p.grad = self.kept_views.get(j)
         self.buffer = self._placeholder
@@ -133,6 +214,7 @@ class TransientBucket(ShardedBucket):
         self.buffer = self._placeholder
         self.views = []
         self.live = False
+        self.divide_on_release = 1
 
     def attach(self) -> None:
         """This rank's parameters' ``.grad`` are their views into the kept shard again (a
@@ -150,9 +232,14 @@ class TransientBucket(ShardedBucket):
                 view.copy_(g.to_dense() if g.is_sparse else g)
             p.grad = view
 
-    def zero_(self) -> None:
+    def zero_kept(self) -> None:
+        """Zero the kept shard, remembering its version (`materialise` then skips copying it)."""
         if self.kept is not None:
             self.kept.zero_()
+            self._zeroed_at = self.kept._version
+
+    def zero_(self) -> None:
+        self.zero_kept()
         if self.live and not self.resident:
             self.buffer.zero_()
 
@@ -178,6 +265,8 @@ class TransientReducer(GradReducer):
         self.in_flight = in_flight
         #: indices of the buckets launched and not yet released, oldest first
         self._launched: list[int] = []
+        #: indices of the buckets materialised and not launched yet (filling)
+        self._live_unlaunched: set[int] = set()
         super().__init__(params, collective, cap_bytes=None, buckets=buckets, **kwargs)
         if self.hold is not None:
             raise ValueError("transient buckets are reduced as backward fills them: there is no whole local "
@@ -195,9 +284,22 @@ class TransientReducer(GradReducer):
         for b in self.buckets:
             assert isinstance(b, TransientBucket)
             b.discard()
+        self._live_unlaunched.clear()
+
+    def _prepare(self, roots: Any) -> None:
+        super()._prepare(roots)
+        for b in self.buckets:
+            assert isinstance(b, TransientBucket)
+            b.lift_zero_kept()
 
     def _make_room(self) -> None:
-        while len(self._launched) >= self.in_flight:
+        # called as a new bucket is about to fill: at most ``in_flight`` + 1 transient buckets
+        # live at once, those being reduced and those filling (one, when the gradients come in
+        # bucket order): the oldest reduced ones are waited for until the new one fits (a
+        # test of ``>= in_flight`` alone would leave none in flight, and backward would stall
+        # on each bucket's collective before the next one fills)
+        filling = sum(1 for i in self._live_unlaunched if self.buckets[i].live)
+        while self._launched and len(self._launched) + filling >= self.in_flight + 1:
             self._retire(self._launched.pop(0))
 
     def _retire(self, index: int) -> None:
@@ -218,12 +320,19 @@ class TransientReducer(GradReducer):
             if not bucket.live:
                 self._make_room()
                 bucket.materialise()
+                self._live_unlaunched.add(bucket.index)
         super()._grad_ready(p)
 
     def _launch(self, bucket: Any) -> None:
         if not bucket.live:  # parameters that got no gradient this backward: zeros (or a local sum)
             self._make_room()
             bucket.materialise()
+        self._live_unlaunched.discard(bucket.index)
+        if not bucket.resident:
+            bucket.fill_missing()
+            defers = getattr(self.collective, "defers_division", None)
+            if defers is not None and defers(bucket):  # summed: release divides the segment kept
+                bucket.divide_on_release = self.collective.divide
         super()._launch(bucket)
         if not bucket.resident:
             self._launched.append(bucket.index)
@@ -269,7 +378,7 @@ class TransientReducer(GradReducer):
             for b in self.buckets:
                 assert isinstance(b, TransientBucket)
                 if not zeroed and b.kept is not None:
-                    b.kept.zero_()
+                    b.zero_kept()
             self._attach(keep=False)
 
     def fold(self) -> None:
@@ -289,5 +398,7 @@ class TransientReducer(GradReducer):
     def transient_bytes(self) -> int:
         """The most bytes of buckets alive at once beyond the kept shards: ``in_flight`` being
         reduced and one filling, of the largest transient buckets (what the planner counts)."""
-        sizes = sorted((b.nbytes for b in self.buckets if not b.resident), reverse=True)
+        # a bucket of one parameter this rank owns is not counted: its gradient is the shard
+        # kept, whose zeros it replaces (`lift_zero_kept`)
+        sizes = sorted((b.nbytes for b in self.buckets if not b.resident and not b.adopts), reverse=True)
         return sum(sizes[: self.in_flight + 1])
