@@ -140,6 +140,12 @@ class GlooCommunicator(Communicator):
         opts._timeout = datetime.timedelta(seconds=timeout)
         opts._devices = [_device(host)]
         self._pg = ProcessGroupGloo(store, rank, size, opts)
+        # gloo's full mesh is complete on a rank once its own connects succeed, which can be
+        # before a peer has finished the handshake on the same connection; a rank that then
+        # closes at once (it had nothing to do in this group) cuts that peer's handshake
+        # ("Connection closed by peer" in the peer's constructor). One barrier: nobody leaves
+        # creation before every member's mesh is up.
+        self._pg.barrier(_options("barrier")).wait()
         settle_at_exit()
         self._aborted = False
         self.timeout = timeout
