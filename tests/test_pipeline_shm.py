@@ -180,8 +180,12 @@ def test_p2p_gloo_keeps_the_handoffs_on_gloo():
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def _freeze_counts(role, freeze):
-    """The objects gc.freeze holds before and after two pipelined steps, and the pipeline_gc line."""
+def _freeze_counts(role, freeze, style):
+    """The objects gc.freeze holds before and after two pipelined steps (eager ``train_batch``, or
+    the program style's ``exe.run``), and the pipeline_gc line."""
+    import torch.nn.functional as F
+
+    import fleetlike
     from fleetlike import fleet
 
     s = pc.strategy("1F1B", 2, 1)
@@ -189,7 +193,17 @@ def _freeze_counts(role, freeze):
     fleet.init(role, strategy=s)
     try:
         before = gc.get_freeze_count()
-        pc.train_pipeline(s, "momentum", steps=2)
+        if style == "eager":
+            pc.train_pipeline(s, "momentum", steps=2)
+        else:
+            model = fleet.distributed_model(pc.make_net())
+            opt = fleet.distributed_optimizer(pc.make_opt("momentum", model.parameters()))
+            opt.minimize(F.cross_entropy, model)
+            exe = fleetlike.Executor(fleet.device())
+            exe.run(fleet.startup_program)
+            for step in range(2):
+                x, y = pc.my_batch(step, 0, 1)
+                exe.run(fleet.main_program, feed={"x": x, "y": y}, fetch_list=["loss"])
         after = gc.get_freeze_count()
         line = [str(e) for e in fleet.applied_strategy() if e.name == "pipeline_gc"]
     finally:
@@ -197,13 +211,14 @@ def _freeze_counts(role, freeze):
     return before, after, line
 
 
-def test_freeze_heap_false_leaves_the_collector_alone():
+@pytest.mark.parametrize("style", ["eager", "program"])
+def test_freeze_heap_false_leaves_the_collector_alone(style):
     """pipeline_configs.freeze_heap: True freezes what the first step left alive (the count grows
-    by the model, its optimizer state, the schedule's), False freezes nothing."""
-    for before, after, line in run_ranks(_freeze_counts, 2, False, timeout=60):
+    by the model, its optimizer state, the schedule's), False freezes nothing; in both styles."""
+    for before, after, line in run_ranks(_freeze_counts, 2, False, style, timeout=60):
         assert after <= before, (before, after)  # frozen objects freed meanwhile leave the count
         assert line and line[0].startswith("pipeline_gc: NOT applied (pipeline_configs.freeze_heap=False"), line
-    for before, after, line in run_ranks(_freeze_counts, 2, True, timeout=60):
+    for before, after, line in run_ranks(_freeze_counts, 2, True, style, timeout=60):
         assert after > before + 1000, (before, after)
         assert line and line[0].startswith("pipeline_gc: applied"), line
 
