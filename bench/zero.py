@@ -47,6 +47,7 @@ import argparse
 import ctypes
 import gc
 import os
+import resource
 import shlex
 import sys
 import time
@@ -105,7 +106,7 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
     elif kind.startswith("fsdp2"):
         reshard = kind != "fsdp2_stage2"  # FSDP2's own ZeRO-2: gathered from the forward to the backward
@@ -120,7 +121,7 @@ def _trainer(role: Any, kind: str, args: argparse.Namespace) -> Any:
                     layer.reset_parameters()
         wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        options: dict[str, Any] = {"fuse_grad_size_in_MB": 25}
+        options: dict[str, Any] = {"fuse_grad_size_in_MB": args.bucket_mb}
         if kind != "dp":
             options.update(sharding=True, sharding_configs={"sharding_degree": 0, "stage": int(kind[5])})
         wrapped = fleet.distributed_model(model)
@@ -213,9 +214,11 @@ def _round(role: Any, args: argparse.Namespace, first: int) -> dict[str, list[fl
     k = first % len(names)
     order = names[k:] + names[:k]
     out: dict[str, list[float]] = {n: [] for n in names}
+    out.update({f"faults/{n}": [] for n in names})
     wall, own, busy = [], [], []
     for name in order + order[::-1]:
         fleet.util.barrier()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         b0, c0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
         for _ in range(args.steps):
             steps[name]()
@@ -224,6 +227,7 @@ def _round(role: Any, args: argparse.Namespace, first: int) -> dict[str, list[fl
         own.append(time.process_time() - c0)
         busy.append(_busy_seconds() - b0)
         out[name].append((t1 - t0) / args.steps)
+        out[f"faults/{name}"].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / args.steps)
     out.update(threads=[float(torch.get_num_threads())], wall=wall, own=own, busy=busy)
     del steps
     gc.collect()
@@ -261,12 +265,13 @@ def _timed(args: argparse.Namespace) -> dict[str, Any]:
     while len(rounds) < args.rounds:
         with cpu_lock(args.lock):
             load = os.getloadavg()[0]
-            ranks = run_ranks(_round, args.world, args, r, timeout=1200)
+            ranks = _alone(args, r) if args.alone else run_ranks(_round, args.world, args, r, timeout=1200)
         r += 1
         got = {k: median([sum(x[k]) / len(x[k]) for x in ranks]) for k in ranks[0] if k in TIMED}
+        got.update({k: median([sum(x[k]) / len(x[k]) for x in ranks]) for k in ranks[0] if k.startswith("faults/")})
         others = _others(ranks)
         text = (f"(load {load:.2f}, others up to {others:.2f} cores): "
-                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got.items())
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in got.items() if k in TIMED)
                 + "".join(f"; {name} {v:.3f}x" for name, v in _ratios(got).items()))
         if others > args.others and reruns > 0:
             reruns -= 1
@@ -277,6 +282,27 @@ def _timed(args: argparse.Namespace) -> dict[str, Any]:
         rounds.append({**got, "others_cores": others})
         print(f"round {len(rounds)}/{args.rounds} {text}", flush=True)
     return {"rounds": rounds, "raw": raw, "threads": raw[0][0]["threads"][0], "disturbed": disturbed}
+
+
+def _alone(args: argparse.Namespace, first: int) -> list[dict[str, list[float]]]:
+    """One round with ``--alone``: each trainer in rank processes of its own, one after the
+    other in an order rotated by ``first`` (a user's job trains one model per process, so its
+    heap holds no other trainer's freed blocks); per rank, every trainer's `_round` record
+    merged, its segments in the order they ran."""
+    from fleetlike.testing import run_ranks
+
+    names = [k for k in TIMED if k in args.kinds]
+    k = first % len(names)
+    merged: list[dict[str, list[float]]] = []
+    for name in names[k:] + names[:k]:
+        one = argparse.Namespace(**{**vars(args), "kinds": [name]})
+        for i, rank in enumerate(run_ranks(_round, args.world, one, 0, timeout=1200)):
+            if len(merged) <= i:
+                merged.append({"threads": rank["threads"], "wall": [], "own": [], "busy": []})
+            for key, values in rank.items():
+                if key != "threads":
+                    merged[i].setdefault(key, []).extend(values)
+    return merged
 
 
 #: the targets' ratios, (faster trainer, reference): steps/s of the first over the second's
@@ -391,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--bucket-mb", type=float, default=25,
+                        help="fleetlike's gradient buckets (fuse_grad_size_in_MB; DDP's bucket_cap_mb is 25)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps of each trainer per segment (two segments a round)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each trainer at the start of a round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds, each in processes of its own")
@@ -407,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true",
                         help="measure memory only (no timed run, which holds every trainer's model at once)")
     parser.add_argument("--time-only", action="store_true", help="time only (no memory runs)")
+    parser.add_argument("--alone", action="store_true",
+                        help="time each trainer in rank processes of its own (by default every trainer of a round "
+                             "shares its processes)")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's section")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "zero"))
     parser.add_argument("--section", default="ZeRO stages 2 and 3",
@@ -441,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in (k for k in KINDS if k in args.kinds):
         t = median([r[kind] for r in rounds]) if rounds else None
         per = max(rss[kind]) / n_params if kind in rss else None
+        faults = median([r[f"faults/{kind}"] for r in rounds]) if rounds else None
         rows.append({"kind": kind, "ms": t * 1e3 if t else None, "steps_per_s": 1 / t if t else None,
+                     "faults": faults,
                      "bytes_per_param": per, "held_bytes_per_param": max(held[kind]) / n_params if kind in held else None,
                      "model_bytes_per_param": MODEL[kind](args.world)
                      + (block / n_params if kind in ("stage3", "fsdp2") else 0.0)})
@@ -456,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     by = {r["kind"]: r for r in rows if r["bytes_per_param"] is not None}
     bounds = _bounds(by, args.world, block / n_params)
     cols = [Column("kind", "trainer"), Column("ms", "ms/step", "{:.1f}"), Column("steps_per_s", "steps/s", "{:.2f}")]
+    if rounds:
+        cols.append(Column("faults", "minor page faults/step", "{:.0f}"))
     if rss:
         cols += [Column("bytes_per_param", "peak RSS B/param", "{:.2f}"),
                  Column("held_bytes_per_param", "tensors held B/param", "{:.2f}"),
@@ -518,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         f"## {args.section}\n\n"
         f"`{command.strip()}` ({args.world} ranks on gloo, {model}; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run; the machine is shared"
-        + ("; the CPU lock taken per round" if args.lock else "") + ")\n\n"
+        + ("; the CPU lock taken per round" if args.lock else "")
+        + ("; each trainer timed in processes of its own" if args.alone else "") + ")\n\n"
         + format_table(cols, rows, markdown=True) + "\n\n" + verdict + ".\n\n"
         + ("The model never whole on a rank (stage 3 built inside `fleet.sharded_init()`; torch's FSDP2 built on "
            "the meta device, then `to_empty` and each Linear's `reset_parameters` on its shards), peak RSS "

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from fleetlike.collectives.hugepages import empty_transient
 from fleetlike.collectives.reducer import GradReducer
 from fleetlike.collectives.sharded import ShardedBucket
 from fleetlike.comm import divide_
@@ -138,7 +139,7 @@ class TransientBucket(ShardedBucket):
                 self.views = [g]
                 self.live = True
                 return
-        self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.buffer = empty_transient(self.numel, self.dtype, self.device)
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.live = True
         for lo, hi in self._pads:
