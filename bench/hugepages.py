@@ -12,7 +12,7 @@ three ways in one process, interleaved:
 
 Usage (from the repository root)::
 
-    python -m bench.hugepages                     # 4, 24 and 96 MiB, 30 rounds each
+    python -m bench.hugepages                     # 8, 32 and 128 MiB, 30 rounds each
     python -m bench.hugepages --no-docs --out /tmp/hugepages
 
 Writes ``docs/benchmarks/hugepages.json`` and ``.png`` and (re)writes the "## Fresh buffers in
@@ -64,7 +64,7 @@ def _timings(nbytes: int, rounds: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="4MiB,24MiB,96MiB", help="comma-separated buffer sizes")
+    ap.add_argument("--sizes", default="8MiB,32MiB,128MiB", help="comma-separated buffer sizes")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "hugepages"))

@@ -8,8 +8,8 @@ threshold, which rises to let smaller freed blocks be recycled from the heap, st
 ``fuse_grad_size_in_MB`` is 32) is fresh memory every step, and the gradients copied into it
 fault its pages in 4 KiB at a time: at 8.4M parameters on 2 gloo ranks stage 2's backward took
 61 ms against stage 1's 42-50, 8193 minor faults a backward; in huge pages 47-48 ms, 16 faults.
-Filling a fresh 24 MiB buffer: 6.5 ms in 4 KiB pages, 2.3 in huge pages, 1.6 for memory already
-mapped (`bench/hugepages.py`). Keeping the buffers from step to step would save the faults too
+Filling a fresh 32 MiB buffer on one thread: 15.3 ms in 4 KiB pages, 5.5 in huge pages, 2.9 for
+memory already mapped (`bench/hugepages.py`). Keeping the buffers from step to step would save the faults too
 but hold the memory stage 2 exists to give back; huge pages keep it transient. A smaller block
 stays ``torch.empty``: glibc usually recycles it from its heap without a fault, which a mapping
 of its own would forgo (the kernel zeroes every fresh huge page: at 25 MB buckets, which glibc

@@ -6,7 +6,8 @@ fp32 parameter) although it steps only its partition. Stage 2 moves exactly the 
 same buckets, owners and collectives) but holds a bucket only while it is needed:
 
 1. the bucket's buffer is allocated, unfilled, when its first gradient of a communicating
-   backward lands (`TransientBucket.materialise`): each gradient is copied in as it lands
+   backward lands (`TransientBucket.materialise`; from 32 MiB on in transparent huge pages,
+   `fleetlike.collectives.hugepages`, since glibc maps a block that large fresh every step): each gradient is copied in as it lands
    (autograd hands it over: nothing is added into zeros), the segments' padding is zeroed and a
    parameter that got no gradient reads zeros at the launch; a bucket of one parameter adopts
    the gradient autograd made instead, no copy;
