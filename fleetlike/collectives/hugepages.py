@@ -68,7 +68,10 @@ def empty_transient(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     # and only the 2 MiB-aligned stretches of it can be huge pages; the slack before the aligned
     # start is never touched, so it costs address space, not memory
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_FLAGS)
-    region.madvise(_ADVICE)
+    try:
+        region.madvise(_ADVICE)
+    except OSError:  # a kernel built without transparent huge pages: EINVAL, the 4 KiB pages stay
+        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until the last view goes
     start = -raw.data_ptr() % HUGE_PAGE
     # one byte written per huge page, from this thread: the pages are faulted in here, one by
