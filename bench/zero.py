@@ -34,6 +34,15 @@ Usage (from the repository root)::
     python -m bench.zero --memory-only --layers 48 --width 2048 --steps 3 \
         --section "ZeRO stages at 200M parameters (memory)" --out docs/benchmarks/zero_200m
 
+``--alone`` times each trainer in rank processes of its own, one after the other within a round,
+as a job runs one model per process (a process holding every trainer recycles one's freed blocks
+for another, which hides what fresh memory costs); the table counts each trainer's minor page
+faults per step either way. ``--bucket-mb`` sets fleetlike's gradient buckets (and DDP's; 25 by
+default, DDP's own; fleetlike's default is 32)::
+
+    python -m bench.zero --lock /tmp/fleetlike-cpu.lock --time-only --alone --bucket-mb 32 \
+        --kinds stage1,stage2,local --rounds 9
+
 ``--memory-only`` skips the timed run, which holds every trainer's model in one process at once
 (at 200M parameters more than the machine's memory); the memory runs hold one each.
 
