@@ -2,17 +2,19 @@
 tensor is a working buffer aligned to a huge page, the kernel backs it with huge pages where it
 grants them on request, the mapping is gone (the memory back with the system) once its last view
 is freed, and a buffer glibc can recycle (below 32 MiB) is plain ``torch.empty``. On 2 real gloo
-ranks, stage 2 with the default 32 MB buckets takes this path and trains bit for bit as stage 1."""
+ranks, stage 2 with the default 32 MB buckets takes this path and trains bit for bit as stage 1,
+in a plain loop and in the program style."""
 
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
 
-from fleetlike import DistributedStrategy, fleet
-from fleetlike.collectives import TransientBucket
+from fleetlike import DistributedStrategy, Executor, fleet
+from fleetlike.collectives import transient
 from fleetlike.collectives.hugepages import GLIBC_ALWAYS_MAPS, HUGE_PAGE, empty_transient, huge_pages_granted
 from fleetlike.testing import run_ranks
 
@@ -79,43 +81,60 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 8))
 
 
-def _train(role, stage: int) -> dict:
-    opts = {"sharding": True,
-            "sharding_configs": {"sharding_degree": 0, "stage": stage}}
-    model = fleet.distributed_model(_model())
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                      DistributedStrategy.from_dict(opts))
-    reducer = model.engine.ctx.reducer
-    seen: list[tuple[int, bool]] = []
+def _feed(step: int, rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11 + 100 * step + rank)
+    return {"x": torch.randn(4, WIDTH, generator=g), "y": torch.randint(0, 8, (4,), generator=g)}
 
-    def note(_: torch.Tensor) -> None:
-        for b in reducer.buckets:
-            if isinstance(b, TransientBucket) and b.live and not b.resident and not b.adopts:
-                seen.append((b.nbytes, len(b.params), b.buffer.data_ptr() % HUGE_PAGE == 0))
 
-    hooks = [p.register_post_accumulate_grad_hook(note) for p in model.parameters()]
-    g = torch.Generator().manual_seed(11 + role.rank)
-    for _ in range(2):
-        x, y = torch.randn(4, WIDTH, generator=g), torch.randint(0, 8, (4,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    for h in hooks:
-        h.remove()
-    return {"state": {k: v.clone() for k, v in fleet.full_state_dict(model).items()}, "seen": seen}
+def _loss(model: torch.nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(feed["x"]), feed["y"])
+
+
+def _train(role, stage: int, style: str) -> dict:
+    """Two steps in ``style`` (a plain loop, or ``minimize`` + ``Executor``); every transient
+    bucket buffer stage 2 made: its bytes and whether it is a huge-page-aligned mapping."""
+    opts = DistributedStrategy.from_dict({"sharding": True,
+                                          "sharding_configs": {"sharding_degree": 0, "stage": stage}})
+    made: list[tuple[int, bool]] = []
+
+    def spy(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = empty_transient(numel, dtype, device)
+        made.append((numel * dtype.itemsize, buf.data_ptr() % HUGE_PAGE == 0))
+        return buf
+
+    with mock.patch.object(transient, "empty_transient", spy):
+        model = _model()
+        if style == "eager":
+            wrapped = fleet.distributed_model(model)
+            opt = fleet.distributed_optimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9), opts)
+            for step in range(2):
+                opt.zero_grad()
+                _loss(wrapped, _feed(step, role.rank)).backward()
+                opt.step()
+            full = fleet.full_state_dict(wrapped)
+        else:
+            opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), opts)
+            opt.minimize(_loss, model)
+            exe = Executor()
+            exe.run(fleet.startup_program)
+            for step in range(2):
+                exe.run(fleet.main_program, feed=_feed(step, role.rank))
+            full = fleet.full_state_dict(model)
+    return {"state": {k: v.clone() for k, v in full.items()}, "made": made}
 
 
 def _ranks(role) -> dict:
     with fleet.session(role, timeout=60):
-        return {stage: _train(role, stage) for stage in (1, 2)}
+        return {(style, stage): _train(role, stage, style) for style in ("eager", "program") for stage in (1, 2)}
 
 
 @pytest.mark.timeout(120)
 def test_stage2_with_huge_page_buckets_trains_bitwise_as_stage1():
     for res in run_ranks(_ranks, 2, timeout=100):
-        one, two = res[1]["state"], res[2]["state"]
-        assert one.keys() == two.keys()
-        assert all(torch.equal(one[k], two[k]) for k in one)
-        # a bucket of one parameter takes autograd's own gradient as its buffer: not counted
-        large = [aligned for nbytes, params, aligned in res[2]["seen"] if nbytes >= GLIBC_ALWAYS_MAPS and params > 1]
-        assert large and all(large), sorted(set(res[2]["seen"]))
+        for style in ("eager", "program"):
+            one, two = res[(style, 1)]["state"], res[(style, 2)]["state"]
+            assert one.keys() == two.keys()
+            assert all(torch.equal(one[k], two[k]) for k in one), style
+            assert not res[(style, 1)]["made"], style  # stage 1's buckets are resident
+            large = [aligned for nbytes, aligned in res[(style, 2)]["made"] if nbytes >= GLIBC_ALWAYS_MAPS]
+            assert large and all(large), (style, res[(style, 2)]["made"])
